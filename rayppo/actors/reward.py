@@ -1,0 +1,80 @@
+"""The reward role: r_phi(x, y) per response, from a verifier function or an HF reward model."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable
+
+import torch
+
+from rayppo.data.rollout import Rollout
+
+RewardFunction = Callable[[str, str], float]
+
+
+class RewardError(RuntimeError):
+    """The reward could not be computed for a response; the message names the prompt."""
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """Import ``module:function`` (a name from the user's own config, never from data)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise RewardError(f"reward.function: cannot load {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise RewardError(f"reward.function: {spec!r} is not callable")
+    return fn
+
+
+class RewardEngine:
+    """Scores responses with exactly one of: a verifier function or a reward model folder.
+
+    A reward model is re-fed *text* (prompt + response) through its own tokenizer, so it may use
+    a different vocabulary from the policy.
+    """
+
+    def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32, dtype: str = "float32"):
+        if (function is None) == (model is None):
+            raise ValueError("RewardEngine needs exactly one of function= and model=")
+        self.batch_size = batch_size
+        self.function = load_reward_function(function) if function else None
+        self.name = function or model
+        if model is not None:
+            from rayppo.models.loading import load_reward_model, load_tokenizer
+
+            self.model = load_reward_model(model, dtype).eval().requires_grad_(False)
+            self.tokenizer = load_tokenizer(model)
+            self.tokenizer.padding_side = "right"
+
+    def scores(self, rollout: Rollout) -> list[float]:
+        """``[B]`` r_phi(x, y); raises ``RewardError`` naming the prompt on failure or non-finite."""
+        values = self._verifier_scores(rollout) if self.function else self._model_scores(rollout)
+        for prompt, value in zip(rollout.prompt_text, values):
+            if not math.isfinite(value):
+                raise RewardError(f"reward {self.name} returned {value} for prompt {prompt!r}")
+        return values
+
+    def _verifier_scores(self, rollout: Rollout) -> list[float]:
+        out = []
+        for prompt, response in zip(rollout.prompt_text, rollout.response_text):
+            try:
+                out.append(float(self.function(prompt, response)))
+            except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
+                raise RewardError(
+                    f"reward function {self.name} failed on prompt {prompt!r} "
+                    f"(response {response!r}): {type(exc).__name__}: {exc}"
+                ) from exc
+        return out
+
+    @torch.no_grad()
+    def _model_scores(self, rollout: Rollout) -> list[float]:
+        texts = [f"{p} {r}" for p, r in zip(rollout.prompt_text, rollout.response_text)]
+        out: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True)
+            logits = self.model(**enc).logits  # [b, 1]
+            out.extend(logits[:, 0].float().tolist())
+        return out

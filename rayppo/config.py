@@ -1,0 +1,326 @@
+"""One dataclass tree for the whole job: YAML file + dotted command-line overrides.
+
+    rayppo train --config job.yaml ppo.clip_eps=0.1 rollout.batch_size=128
+
+Every field has a docstring (the string under it), which ``rayppo config`` prints and the README's
+config reference is generated from. ``load_config`` parses, converts types and runs the
+cross-field checks; every error names the field it is about.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message starts with the dotted field name."""
+
+
+@dataclass
+class ModelConfig:
+    policy: str = "embedded"
+    """Local Hugging Face causal-LM folder for the policy (and its tokenizer), or ``embedded`` for
+    the tiny Llama that rayppo builds and warms up itself (no download)."""
+    reference: str | None = None
+    """Folder of the frozen reference policy pi_ref; default: the initial policy."""
+    critic: str | None = None
+    """Folder whose backbone initialises the critic V_w (a value head is added); default: the
+    policy. A reward-model folder works too."""
+    dtype: str = "float32"
+    """Parameter dtype of the trained models: ``float32`` or ``bfloat16``."""
+    cache_dir: str | None = None
+    """Where the embedded model is built and cached; default ``$RAYPPO_CACHE`` or
+    ``~/.cache/rayppo``."""
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "embedded"
+    """Prompt file (``.jsonl``, ``.json`` lines or ``.parquet``), or ``embedded`` for the default
+    task's generated prompts."""
+    prompt_column: str = "prompt"
+    """Column (JSON key) that holds the prompt text."""
+    shuffle: bool = True
+    """Shuffle the prompts each pass over the dataset."""
+
+
+@dataclass
+class RewardConfig:
+    function: str | None = "rayppo.tasks.digits:reward"
+    """Verifier ``module:function`` called as ``f(prompt: str, response: str) -> float``. Set it
+    to null to use ``reward.model`` instead."""
+    model: str | None = None
+    """Folder of a Hugging Face sequence-classification reward model (one label). Prompt and
+    response text are re-tokenised with the reward model's own tokenizer."""
+    batch_size: int = 32
+    """Responses per reward-model forward pass."""
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 64
+    """Prompts (= responses) per PPO iteration."""
+    max_new_tokens: int = 12
+    """Response length limit T; a response cut here is a truncation and bootstraps V(S_T)."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner recomputes log-probs as log_softmax(logits / T)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold. Below 1 the sampled distribution is truncated, which the
+    recomputed log-probs do not model; keep 1.0 for exact PPO."""
+
+
+@dataclass
+class PPOConfig:
+    epochs: int = 4
+    """M: passes over each rollout batch."""
+    minibatches: int = 2
+    """Minibatches per epoch (one optimiser step each); must divide rollout.batch_size."""
+    lr: float = 3e-4
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 1e-3
+    """Critic learning rate (AdamW)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm for policy and critic (0 disables)."""
+    clip_eps: float = 0.2
+    """epsilon of the clipped surrogate: rho is clipped to [1 - eps, 1 + eps]."""
+    value_clip: float | None = 0.2
+    """Value clipping range around the rollout's values; null disables."""
+    vf_coef: float = 0.5
+    """c1: weight of the value loss in the total loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    gamma: float = 1.0
+    """Discount; 1.0 is standard for language (no discounting within a response)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.05
+    """beta: weight of the per-token KL penalty in the shaped reward (initial value if adaptive)."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator in the reward: ``k1``, ``k2`` or ``k3``."""
+    adaptive_kl: bool = False
+    """Adapt beta towards ``kl_target`` (Ziegler et al. 2019) instead of keeping it fixed."""
+    kl_target: float = 6.0
+    """Target KL (nats per response) of the adaptive controller."""
+    kl_horizon: float = 10000.0
+    """Horizon (in responses) of the adaptive controller."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole rollout batch before the update."""
+    loss_agg: str = "token-mean"
+    """Policy-loss aggregation: ``token-mean`` or ``seq-mean-token-mean``."""
+
+
+@dataclass
+class StopConfig:
+    iterations: int = 40
+    """PPO iterations (rollout + update) to run."""
+    kl_budget: float = 20.0
+    """Stop early once the mean KL(pi || pi_ref) per response exceeds this many nats."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/default"
+    """Run folder: metrics.jsonl, TensorBoard events, plot.png, the final policy and critic."""
+    save_rollouts: bool = False
+    """Write every iteration's rollouts to ``DIR/rollouts/iter_XXXXX.parquet``."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to ``DIR/tb``."""
+    save_model: bool = True
+    """Save the final policy (Hugging Face format) and critic to ``DIR/policy``, ``DIR/critic``."""
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    """Seed for model init, prompt order and sampling."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+# ------------------------------------------------------------------------------------------
+# Cross-field checks
+# ------------------------------------------------------------------------------------------
+def _require(ok: bool, name: str, message: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}, got {value!r}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field."""
+    r, p = cfg.rollout, cfg.ppo
+    _require(r.batch_size >= 1, "rollout.batch_size", "must be >= 1", r.batch_size)
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
+    _require(r.temperature > 0, "rollout.temperature", "must be > 0", r.temperature)
+    _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
+    _require(p.epochs >= 1, "ppo.epochs", "must be >= 1", p.epochs)
+    _require(p.minibatches >= 1, "ppo.minibatches", "must be >= 1", p.minibatches)
+    _require(
+        r.batch_size % p.minibatches == 0,
+        "ppo.minibatches",
+        f"must divide rollout.batch_size={r.batch_size}",
+        p.minibatches,
+    )
+    _require(0 < p.clip_eps < 1, "ppo.clip_eps", "must be in (0, 1)", p.clip_eps)
+    _require(p.value_clip is None or p.value_clip > 0, "ppo.value_clip", "must be > 0 or null", p.value_clip)
+    _require(0 < p.gamma <= 1, "ppo.gamma", "must be in (0, 1]", p.gamma)
+    _require(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]", p.lam)
+    _require(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0", p.kl_coef)
+    _require(p.kl_estimator in ("k1", "k2", "k3"), "ppo.kl_estimator", "must be k1, k2 or k3", p.kl_estimator)
+    _require(p.kl_target > 0, "ppo.kl_target", "must be > 0", p.kl_target)
+    _require(p.kl_horizon > 0, "ppo.kl_horizon", "must be > 0", p.kl_horizon)
+    _require(p.lr > 0, "ppo.lr", "must be > 0", p.lr)
+    _require(p.critic_lr > 0, "ppo.critic_lr", "must be > 0", p.critic_lr)
+    _require(p.vf_coef >= 0, "ppo.vf_coef", "must be >= 0", p.vf_coef)
+    _require(
+        p.loss_agg in ("token-mean", "seq-mean-token-mean"),
+        "ppo.loss_agg",
+        "must be token-mean or seq-mean-token-mean",
+        p.loss_agg,
+    )
+    _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
+    _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
+    _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
+    _require(
+        (cfg.reward.function is None) != (cfg.reward.model is None),
+        "reward.function",
+        "set exactly one of reward.function and reward.model",
+        (cfg.reward.function, cfg.reward.model),
+    )
+    if cfg.reward.function is not None:
+        _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
+    _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------
+# Loading: YAML + dotted overrides into the dataclass tree
+# ------------------------------------------------------------------------------------------
+def _convert(value: Any, hint: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the field's annotated type, or raise naming the field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], name)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}")
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return str(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return list(value)
+    return value
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
+    """Set the fields of dataclass ``obj`` from a (nested) mapping, rejecting unknown keys."""
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{name}: unknown field (known: {', '.join(sorted(names))})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: expected a section (mapping), got {value!r}")
+            _apply(current, value, f"{name}.")
+        else:
+            setattr(obj, key, _convert(value, hints[key], name))
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"ppo.clip_eps=0.1"`` -> ``{"ppo": {"clip_eps": 0.1}}`` (the value is parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"{text}: an override must look like section.field=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    nested: dict[str, Any] = {}
+    node = nested
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return nested
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the config: defaults, then the YAML file, then the dotted overrides; then validate."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config: {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        _apply(cfg, data, "")
+    for text in overrides or []:
+        _apply(cfg, parse_override(text), "")
+    return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain nested dicts (for YAML dumps, logs and Ray's object store)."""
+    return dataclasses.asdict(cfg)
+
+
+def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted name, default, docstring)`` for every leaf field, read from the source."""
+    import inspect
+
+    source = inspect.getsource(cls)
+    tree = ast.parse(source).body[0]
+    docs: dict[str, str] = {}
+    body = tree.body if isinstance(tree, ast.ClassDef) else []
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    rows: list[tuple[str, str, str]] = []
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(field_docs(type(value), f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,124 @@
+"""The rollout record: one typed batch of responses that crosses processes as an Arrow table.
+
+One row per response. The generator fills the ids, the old log-probs, the finish reason and the
+policy version; the reference scorer adds ``ref_logprobs``; the reward scorer adds ``score``.
+Learner-side tensors (values, advantages, returns) never leave the learner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_ids", pa.list_(pa.int32())),  # x, tokenised
+        pa.field("response_ids", pa.list_(pa.int32())),  # y_1..y_T (EOS included when emitted)
+        pa.field("logprobs", pa.list_(pa.float32())),  # log pi_old(y_t | S_{t-1}), from the sampler
+        pa.field("ref_logprobs", pa.list_(pa.float32())),  # log pi_ref(y_t | S_{t-1})
+        pa.field("score", pa.float32()),  # r_phi(x, y)
+        pa.field("finish_reason", pa.string()),  # "stop" (EOS) or "length" (truncated)
+        pa.field("policy_version", pa.int64()),  # version of the weights that sampled y
+        pa.field("generator_id", pa.int32()),  # which generator produced the row
+        pa.field("prompt_text", pa.string()),
+        pa.field("response_text", pa.string()),
+    ]
+)
+
+
+@dataclass
+class Rollout:
+    """A batch of B responses, column by column (the fields match ``ROLLOUT_SCHEMA``)."""
+
+    prompt_ids: list[list[int]]
+    """[B][P_b] prompt token ids (unpadded)."""
+    response_ids: list[list[int]]
+    """[B][T_b] response token ids, EOS included when the response stopped."""
+    logprobs: list[list[float]]
+    """[B][T_b] old log-probs log pi_old(y_t | S_{t-1}) under the sampling distribution."""
+    finish_reason: list[str]
+    """[B] ``stop`` (EOS emitted: true termination) or ``length`` (cut: truncation)."""
+    prompt_text: list[str]
+    """[B] prompt text, for reward functions and logs."""
+    response_text: list[str]
+    """[B] response text without special tokens."""
+    policy_version: list[int] = field(default_factory=list)
+    """[B] version of the policy weights that generated the row."""
+    generator_id: list[int] = field(default_factory=list)
+    """[B] index of the generator that produced the row."""
+    ref_logprobs: list[list[float]] = field(default_factory=list)
+    """[B][T_b] log pi_ref(y_t | S_{t-1}); empty until the reference pass."""
+    score: list[float] = field(default_factory=list)
+    """[B] r_phi(x, y); empty until the reward pass."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, rows: list[int] | range) -> "Rollout":
+        """A new rollout with the given rows, in that order (empty columns stay empty)."""
+        picked = {}
+        for f in dataclasses.fields(self):
+            column = getattr(self, f.name)
+            picked[f.name] = [column[i] for i in rows] if column else []
+        return Rollout(**picked)
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """Rows of several rollouts, one after the other."""
+        merged = {f.name: [] for f in dataclasses.fields(Rollout)}
+        for part in parts:
+            for name, column in merged.items():
+                column.extend(getattr(part, name))
+        return Rollout(**merged)
+
+    # -- tensors -----------------------------------------------------------------------------
+    def response_mask(self) -> torch.Tensor:
+        """``[B, T]`` float mask, T = the longest response."""
+        return padded([[1.0] * len(r) for r in self.response_ids], torch.float32)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A per-token list column as a right-padded ``[B, T]`` float tensor (0 on padding)."""
+        return padded(getattr(self, name), torch.float32)
+
+    def truncated(self) -> torch.Tensor:
+        """``[B]`` bool: the response was cut at the length limit (needs a V(S_T) bootstrap)."""
+        return torch.tensor([reason == "length" for reason in self.finish_reason], dtype=torch.bool)
+
+    # -- Arrow / Parquet ---------------------------------------------------------------------
+    def to_arrow(self) -> pa.Table:
+        """The rollout as an Arrow table with ``ROLLOUT_SCHEMA`` (missing columns are null)."""
+        n = len(self)
+        columns = {}
+        for f in ROLLOUT_SCHEMA:
+            values = getattr(self, f.name)
+            columns[f.name] = pa.array(values if values else [None] * n, type=f.type)
+        return pa.table(columns, schema=ROLLOUT_SCHEMA)
+
+    @staticmethod
+    def from_arrow(table: pa.Table) -> "Rollout":
+        """Inverse of ``to_arrow``; all-null columns come back empty."""
+        data = {}
+        for f in ROLLOUT_SCHEMA:
+            column = table.column(f.name)
+            data[f.name] = [] if column.null_count == len(column) else column.to_pylist()
+        return Rollout(**data)
+
+    def write_parquet(self, path: str | Path) -> None:
+        """Write the rollout (for audit and replay)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(self.to_arrow(), str(path))
+
+
+def padded(rows: list[list[float]], dtype: torch.dtype, value: float = 0.0) -> torch.Tensor:
+    """Right-pad ragged rows into a ``[B, max_len]`` tensor."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out

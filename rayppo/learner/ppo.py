@@ -1,0 +1,293 @@
+"""The PPO math of rayppo: pure functions over tensors, named after the seed's equations.
+
+Every role that does PPO arithmetic (the in-process reference trainer, the DeepSpeed learner
+ranks, the tests) calls these functions; nothing else re-implements them. They take tensors and
+plain scalars, never config objects, and import only ``torch``.
+
+Shapes (design.md, "Tensor conventions"): per-token tensors are ``[B, T]`` over *response*
+positions. ``mask[b, t] = 1`` for a real response token (EOS included when emitted) and 0 for the
+padding after the end; the valid tokens of a row are always a prefix.
+
+- ``logprobs[b, t] = log pi(y_t | x, y_<t)``; ``ref_logprobs`` likewise under pi_ref.
+- ``values[b, t] = V(S_{t-1})``: the value of the state *before* action ``y_t``.
+- ``bootstrap[b]``: the value after the last valid token; 0 on EOS, ``V(S_T)`` on truncation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+
+
+# --------------------------------------------------------------------------------------------
+# Masked reductions
+# --------------------------------------------------------------------------------------------
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is 1 (0 when there are none). Any shape."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_sum_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T] -> [B]``: the sum of each row over its valid tokens (e.g. KL nats per response)."""
+    return (x * mask.to(x.dtype)).sum(dim=-1)
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean") -> torch.Tensor:
+    """Reduce a per-token ``[B, T]`` quantity to a scalar.
+
+    ``token-mean``: the mean over every valid token of the batch, so long responses weigh more.
+    ``seq-mean-token-mean``: each row's mean over its own tokens (the seed's 1/T form), then the
+    mean over rows, so every response weighs the same.
+    """
+    mask = mask.to(x.dtype)
+    if agg == "token-mean":
+        return masked_mean(x, mask)
+    if agg == "seq-mean-token-mean":
+        per_row = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_row.mean()
+    raise ValueError(f"agg must be 'token-mean' or 'seq-mean-token-mean', got {agg!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Log-probabilities and entropy
+# --------------------------------------------------------------------------------------------
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[tokens]``: ``[B, T, V], [B, T] -> [B, T]``.
+
+    The caller divides ``logits`` by the sampling temperature first, so that the result is the
+    log-prob under the distribution the sampler actually drew from.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical policy at each position: ``[..., V] -> [...]``.
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v, which avoids log(0) for vanishing probabilities.
+    """
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# KL penalty and reward shaping (seed: "Per-Token KL Penalties")
+# --------------------------------------------------------------------------------------------
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1"
+) -> torch.Tensor:
+    """Per-token single-sample estimate of KL(pi || pi_ref), same shape as the inputs.
+
+    k1 = lp - ref                        (the seed's KL_t; unbiased, can be negative)
+    k2 = 0.5 (lp - ref)^2                (low variance, biased)
+    k3 = exp(ref - lp) - (ref - lp) - 1  (unbiased and >= 0; Schulman's estimator)
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T] -> [B]``: the index of each row's last valid token (-1 for an empty row)."""
+    return mask.long().sum(dim=-1) - 1
+
+
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    estimator: KLEstimator = "k1",
+) -> torch.Tensor:
+    """The seed's shaped reward ``[B, T]``.
+
+    r_t = -beta KL_t                   for t < T
+    r_T = r_phi(x, y) - beta KL_T      on the last valid token
+    and 0 on padding. ``scores`` is ``[B]``; ``kl_coef`` is beta.
+    """
+    mask_f = mask.to(logprobs.dtype)
+    rewards = -kl_coef * kl_penalty(logprobs, ref_logprobs, estimator) * mask_f
+    last = last_token_index(mask)
+    has_tokens = last >= 0
+    rows = torch.arange(rewards.shape[0], device=rewards.device)[has_tokens]
+    rewards[rows, last[has_tokens]] += scores.to(rewards.dtype)[has_tokens]
+    return rewards
+
+
+# --------------------------------------------------------------------------------------------
+# Generalised advantage estimation (seed: "Advantage Estimation and Whitening")
+# --------------------------------------------------------------------------------------------
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    bootstrap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns, both ``[B, T]`` and 0 on padding.
+
+    delta_t = r_t + gamma V_next - V_t, with V_next = values[:, t+1] inside the response and
+    ``bootstrap[b]`` (default 0, i.e. true termination) after the last valid token.
+    A_t = sum_l (gamma lam)^l delta_{t+l}, computed backwards: A_t = delta_t + gamma lam A_{t+1}.
+    returns = A + values (the critic's regression target V^target).
+    The loop runs over T only; every step is vectorised over the batch.
+    """
+    batch, length = rewards.shape
+    mask_f = mask.to(values.dtype)
+    if bootstrap is None:
+        bootstrap = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    # Shift left by one: column t holds V(S_t) and whether y_{t+1} is a real token.
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    next_valid = torch.cat([mask_f[:, 1:], torch.zeros_like(mask_f[:, :1])], dim=1)
+    # After the last valid token the next value is the bootstrap (0 on EOS, V(S_T) if cut).
+    next_values = next_valid * next_values + (1 - next_valid) * bootstrap.to(values.dtype)[:, None]
+    deltas = (rewards + gamma * next_values - values) * mask_f
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    for t in reversed(range(length)):
+        running = deltas[:, t] + gamma * lam * next_valid[:, t] * running
+        advantages[:, t] = running
+    returns = (advantages + values) * mask_f
+    return advantages, returns
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[3]``: (count, sum, sum of squares) of ``x`` over the valid entries.
+
+    These add across ranks, so an all-reduce of them gives the global statistics that
+    ``whiten_from_moments`` needs for a whitening that does not depend on the rank count.
+    """
+    mask_f = mask.to(torch.float64)
+    x64 = x.to(torch.float64) * mask_f
+    return torch.stack([mask_f.sum(), x64.sum(), (x64 * x64).sum()])
+
+
+def whiten_from_moments(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    moments: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten ``x`` with the (count, sum, sum of squares) of ``masked_moments`` (local or global).
+
+    x <- (x - mu) / (sigma + eps), as in the seed; with ``shift_mean=False`` the mean is added
+    back, so only the scale changes. sigma is the population standard deviation. Padding stays 0.
+    """
+    count, total, total_sq = moments.unbind()
+    count = count.clamp(min=1.0)
+    mean = total / count
+    var = (total_sq / count - mean * mean).clamp(min=0.0)
+    whitened = (x.to(torch.float64) - mean) / (var.sqrt() + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return (whitened * mask.to(torch.float64)).to(x.dtype)
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Zero mean, unit variance over the valid entries of ``x`` only; padding stays 0."""
+    return whiten_from_moments(x, mask, masked_moments(x, mask), shift_mean=shift_mean, eps=eps)
+
+
+# --------------------------------------------------------------------------------------------
+# The PPO objective (seed: "The PPO Objective in the Language Setting")
+# --------------------------------------------------------------------------------------------
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    agg: LossAgg = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss ``-agg(min(rho A, clip(rho, 1-eps, 1+eps) A))``, rho = exp(lp - old).
+
+    Returns ``(loss, stats)``; stats are detached scalars:
+    ``clipfrac`` (share of valid tokens where the clipped term is the active, gradient-free one),
+    ``approx_kl`` (k3 estimate of KL(pi_old || pi), the trust-region KL, token mean),
+    ``ratio_mean``.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    loss = -aggregate(torch.minimum(unclipped, clipped), mask, agg)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped < unclipped).to(logprobs.dtype), mask),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None = 0.2,
+) -> torch.Tensor:
+    """Clipped value loss, token mean: ``max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
+
+    ``clip_range=None`` turns clipping off. There is no hidden 0.5: the weight of this term in
+    the total loss is the config's ``vf_coef`` (the seed's c1).
+    """
+    unclipped = (values - returns).square()
+    if clip_range is None:
+        return masked_mean(unclipped, mask)
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    clipped = (clipped_values - returns).square()
+    return masked_mean(torch.maximum(unclipped, clipped), mask)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, <= 0 a useless one."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)).square(), mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)).square(), mask)
+    return 1.0 - var_residual / var_returns.clamp(min=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# KL coefficient controllers (Ziegler et al. 2019)
+# --------------------------------------------------------------------------------------------
+class FixedKLController:
+    """A constant beta."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt: beta stays fixed."""
+
+
+class AdaptiveKLController:
+    """Proportional control of beta towards a target KL (nats per response).
+
+    e = clip(current_kl / target - 1, -0.2, 0.2);  beta <- beta (1 + e n_steps / horizon)
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

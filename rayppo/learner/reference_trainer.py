@@ -1,0 +1,116 @@
+"""The in-process reference trainer: one whole PPO iteration, transformers only.
+
+No Ray, no vLLM, no DeepSpeed: the golden path that the distributed system must reproduce on
+the same seed. One iteration, as in design.md:
+
+    prompts -> y ~ pi_old, log pi_old        (GeneratorEngine, hf backend)
+            -> log pi_ref                    (ReferenceEngine)
+            -> r_phi(x, y)                   (RewardEngine)
+            -> V, shaped rewards, GAE, whitening      (make_experience)
+            -> M epochs x minibatches of clipped PPO + value loss  (ppo_update)
+            -> KL controller update
+
+The generator and the learner share one policy module, so the "weight sync" is free here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.reference import ReferenceEngine
+from rayppo.actors.reward import RewardEngine
+from rayppo.config import Config
+from rayppo.data.prompts import PromptSampler, load_prompt_set
+from rayppo.data.rollout import Rollout
+from rayppo.learner.experience import make_experience, minibatch_plan, ppo_update
+from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
+from rayppo.models.loading import Critic, resolve_model_path
+
+
+def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
+    """beta: fixed, or adapted towards ``target`` nats per response."""
+    return AdaptiveKLController(kl_coef, target, horizon) if adaptive else FixedKLController(kl_coef)
+
+
+def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
+    """Reward, length and throughput figures of one rollout batch."""
+    lengths = [len(r) for r in rollout.response_ids]
+    return {
+        "reward/mean": sum(rollout.score) / len(rollout),
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/truncated_frac": sum(r == "length" for r in rollout.finish_reason) / len(rollout),
+        "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+    }
+
+
+class ReferenceTrainer:
+    """Policy, reference, reward and critic in one process; ``iteration()`` runs one PPO step."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        m = cfg.model
+        policy_path = str(resolve_model_path(m.policy, m.cache_dir))
+        self.generator = GeneratorEngine(
+            policy_path, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, m.dtype
+        )
+        self.tokenizer = self.generator.tokenizer
+        self.policy = self.generator.model  # pi_theta: sampled from and trained in place
+        ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
+        self.reference = ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype)
+        reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
+        self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype)
+        self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype)
+        max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
+        texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt)
+        self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr)
+        p = cfg.ppo
+        self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
+        self.iteration_count = 0
+        self.last_rollout: Rollout | None = None
+
+    def iteration(self) -> dict[str, float]:
+        """One PPO iteration; returns the metrics of design.md."""
+        cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
+        t0 = clock()
+        rollout = self.generator.generate(self.prompts.next_batch(), seed=cfg.seed * 1_000_003 + it)
+        t1 = clock()
+        rollout.ref_logprobs = self.reference.ref_logprobs(rollout)
+        t2 = clock()
+        rollout.score = self.reward.scores(rollout)
+        t3 = clock()
+        kl_coef = self.kl_ctl.value
+        exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo)
+        plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
+        stats |= ppo_update(self.policy, self.critic, exp, cfg.ppo, cfg.rollout.temperature, self._step, plan)
+        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+        t4 = clock()
+        self.iteration_count += 1
+        self.last_rollout = rollout
+        timings = {"time/generate": t1 - t0, "time/reference": t2 - t1, "time/reward": t3 - t2,
+                   "time/learn": t4 - t3, "time/sync": 0.0, "time/iteration": t4 - t0}
+        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
+
+    def _step(self, policy_loss: torch.Tensor, value_loss: torch.Tensor) -> None:
+        """One optimiser step of policy and critic (two models, two optimisers)."""
+        self.policy_opt.zero_grad(set_to_none=True)
+        self.critic_opt.zero_grad(set_to_none=True)
+        (policy_loss + value_loss).backward()
+        if self.cfg.ppo.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.ppo.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.ppo.max_grad_norm)
+        self.policy_opt.step()
+        self.critic_opt.step()
+
+    def save(self, out_dir: str | Path) -> None:
+        """The policy (Hugging Face format, with tokenizer) and the critic."""
+        out_dir = Path(out_dir)
+        self.policy.save_pretrained(str(out_dir / "policy"))
+        self.tokenizer.save_pretrained(str(out_dir / "policy"))
+        self.critic.save_pretrained(out_dir / "critic")

@@ -1,0 +1,103 @@
+"""Loading models and tokenizers from local folders, and the critic (backbone + value head).
+
+Everything loads from a local Hugging Face folder with ``trust_remote_code=False``: a model
+folder is data, and data never runs code here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def resolve_model_path(name: str, cache_dir: str | None = None) -> Path:
+    """``embedded`` -> the locally built tiny model (built on first use); otherwise a folder."""
+    if name == "embedded":
+        from rayppo.models.embedded import embedded_model_dir
+
+        return embedded_model_dir(cache_dir)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model folder {path} has no config.json: give a local Hugging Face model folder "
+            "(rayppo never downloads models)"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, with a pad token and left padding (for batched prompts)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """A causal LM (policy or reference) from a local folder."""
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
+
+
+def load_reward_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """A sequence-classification reward model with exactly one label (the scalar r_phi)."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(path), dtype=DTYPES[dtype], trust_remote_code=False
+    )
+    if model.config.num_labels != 1:
+        raise ValueError(f"reward model {path} has num_labels={model.config.num_labels}; it needs exactly 1")
+    return model
+
+
+class Critic(torch.nn.Module):
+    """V_w: a transformer backbone with a scalar value head on every position's hidden state."""
+
+    def __init__(self, backbone: torch.nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
+        # Small initial values: V starts near 0, so the first advantages are close to returns.
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1))
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def config(self):  # noqa: ANN201 - the backbone's HF config
+        return self.backbone.config
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``[B, L] -> [B, L]`` float32 values, one per position."""
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32") -> "Critic":
+        """Backbone of any causal-LM / reward-model folder; the value head too if saved there."""
+        backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
+        critic = cls(backbone)
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.is_file():
+            critic.value_head.load_state_dict(load_file(str(head_file)))
+        return critic
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Backbone in Hugging Face format plus ``value_head.safetensors``."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(str(path))
+        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, str(Path(path) / VALUE_HEAD_FILE))

@@ -1,0 +1,122 @@
+"""Forward passes over (prompt, response) pairs: per-token log-probs, entropies and values.
+
+A batch is laid out as ``[left-padded prompt | right-padded response]`` so that every response
+starts at the same column P. Position ids are counted from each row's first real token, so the
+padding changes nothing: a row's numbers are the same alone or in any batch.
+
+Response position t (0-based) is predicted by the hidden state at column ``P - 1 + t``; that
+column also gives ``values[:, t] = V(S_{t-1})``. The state after the last valid token, S_T, sits
+at column ``P - 1 + len``: its value is the bootstrap for truncated responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rayppo.learner.ppo import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass
+class PackedBatch:
+    """Token tensors for one forward pass over B (prompt, response) pairs."""
+
+    input_ids: torch.Tensor
+    """[B, P + T] long: left-padded prompts then right-padded responses."""
+    attention_mask: torch.Tensor
+    """[B, P + T] long: 1 on real tokens."""
+    position_ids: torch.Tensor
+    """[B, P + T] long: positions counted from each row's first real token."""
+    response_ids: torch.Tensor
+    """[B, T] long: the responses, right-padded with ``pad_id``."""
+    mask: torch.Tensor
+    """[B, T] float: 1 on real response tokens."""
+    prompt_width: int
+    """P: the column where every response starts."""
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.response_ids.to(device),
+            self.mask.to(device),
+            self.prompt_width,
+        )
+
+    def rows(self, index: torch.Tensor | slice) -> "PackedBatch":
+        """The sub-batch of the given rows (columns are kept, so P stays the same)."""
+        return PackedBatch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.position_ids[index],
+            self.response_ids[index],
+            self.mask[index],
+            self.prompt_width,
+        )
+
+
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> PackedBatch:
+    """Lay out B (prompt, response) pairs for one forward pass."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    batch = len(prompt_ids)
+    width_p = max(len(p) for p in prompt_ids)
+    width_r = max(max((len(r) for r in response_ids), default=0), 1)
+    input_ids = torch.full((batch, width_p + width_r), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width_p + width_r), dtype=torch.long)
+    mask = torch.zeros((batch, width_r), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
+        input_ids[i, width_p : width_p + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[i, width_p - len(p) : width_p + len(r)] = 1
+        mask[i, : len(r)] = 1.0
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=position_ids,
+        response_ids=input_ids[:, width_p:].clone(),
+        mask=mask,
+        prompt_width=width_p,
+    )
+
+
+def _response_slice(batch: PackedBatch) -> slice:
+    """Columns whose outputs predict the response tokens: P - 1 .. P + T - 2."""
+    width_r = batch.response_ids.shape[1]
+    return slice(batch.prompt_width - 1, batch.prompt_width - 1 + width_r)
+
+
+def policy_forward(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logprobs [B, T], entropy [B, T] or None)`` of the response tokens under ``model``.
+
+    Logits are divided by the sampling temperature, the same transformation the sampler
+    applied, so these match the old log-probs a generator reports. Padding positions are 0.
+    """
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    logits = out.logits[:, _response_slice(batch)].float() / temperature
+    logprobs = logprobs_from_logits(logits, batch.response_ids) * batch.mask
+    entropy = entropy_from_logits(logits) * batch.mask if with_entropy else None
+    return logprobs, entropy
+
+
+def critic_forward(critic: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [B, T], last_values [B])``: V(S_{t-1}) per response token and V(S_T).
+
+    ``last_values`` is the value of the state after each row's last valid token; the caller
+    uses it as the bootstrap of truncated rows (and 0 for rows that ended with EOS).
+    """
+    all_values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)  # [B, P + T]
+    values = all_values[:, _response_slice(batch)] * batch.mask
+    last_column = batch.prompt_width - 1 + batch.mask.sum(dim=1).long()
+    last_values = all_values.gather(1, last_column.unsqueeze(1)).squeeze(1)
+    return values, last_values

@@ -1,0 +1,90 @@
+"""The training driver: iterations, progress bar, metrics, early stop, final save.
+
+The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``save(dir)``,
+``last_rollout``); this module only runs it and records what happened.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+from tqdm import tqdm
+
+from rayppo.config import Config, to_dict
+from rayppo.data.rollout import Rollout
+from rayppo.metrics import MetricsLogger, plot_metrics, read_metrics
+
+
+class Trainer(Protocol):
+    last_rollout: Rollout | None
+
+    def iteration(self) -> dict[str, float]: ...
+
+    def save(self, out_dir: str | Path) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    """What a run did."""
+
+    iterations: int
+    """Iterations completed."""
+    stop_reason: str
+    """``completed``, ``kl_budget`` or ``interrupted``."""
+    reward_start: float
+    """Mean reward of the first few iterations."""
+    reward_end: float
+    """Mean reward of the last few iterations."""
+    out_dir: Path
+
+
+def _mean_reward(records: list[dict[str, float]]) -> float:
+    return sum(r["reward/mean"] for r in records) / max(len(records), 1)
+
+
+def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
+    """Run ``cfg.stop.iterations`` iterations of ``trainer``; write every output of a run."""
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    logger = MetricsLogger(out, cfg.output.tensorboard)
+    stop_reason, done = "completed", 0
+    bar = tqdm(total=cfg.stop.iterations, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
+    try:
+        for it in range(cfg.stop.iterations):
+            metrics = trainer.iteration()
+            logger.log(it, metrics)
+            done = it + 1
+            if cfg.output.save_rollouts and trainer.last_rollout is not None:
+                trainer.last_rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                kl=f"{metrics['kl/ref_mean']:.2f}",
+                tok_s=f"{metrics['throughput/tokens_per_s']:.0f}",
+            )
+            bar.update()
+            if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
+                stop_reason = "kl_budget"
+                tqdm.write(
+                    f"Stopping early at iteration {it}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} nats "
+                    f"per response exceeds stop.kl_budget = {cfg.stop.kl_budget}",
+                    file=sys.stderr,
+                )
+                break
+    except KeyboardInterrupt:
+        stop_reason = "interrupted"
+        tqdm.write(f"Interrupted after {done} iterations; saving the policy to {out}", file=sys.stderr)
+    finally:
+        bar.close()
+        logger.close()
+    if cfg.output.save_model:
+        trainer.save(out)
+    records = read_metrics(out / "metrics.jsonl")
+    if records:
+        plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)
+    window = max(1, min(5, len(records) // 4 or 1))
+    return TrainResult(done, stop_reason, _mean_reward(records[:window]), _mean_reward(records[-window:]), out)
