@@ -54,8 +54,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     result = run(cfg, ReferenceTrainer(cfg), progress=not args.no_progress)
     print(
-        f"{result.stop_reason}: {result.iterations} iterations; mean reward "
-        f"{result.reward_start:.3f} -> {result.reward_end:.3f}. Outputs in {result.out_dir}/ "
+        f"{result.stop_reason}: {result.iterations} iterations; mean reward {result.reward_start:.3f} "
+        f"(first iteration) -> {result.reward_end:.3f} (last five). Outputs in {result.out_dir}/ "
         "(metrics.jsonl, plot.png, tb/, policy/, critic/)"
     )
     return 0
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from rayppo.config import ConfigError
     from rayppo.data.prompts import PromptDataError
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command != "train" and extra:

@@ -36,9 +36,9 @@ class TrainResult:
     stop_reason: str
     """``completed``, ``kl_budget`` or ``interrupted``."""
     reward_start: float
-    """Mean reward of the first few iterations."""
+    """Mean reward of the first iteration (the initial policy)."""
     reward_end: float
-    """Mean reward of the last few iterations."""
+    """Mean reward of the last (up to) five iterations."""
     out_dir: Path
 
 
@@ -86,5 +86,4 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)
-    window = max(1, min(5, len(records) // 4 or 1))
-    return TrainResult(done, stop_reason, _mean_reward(records[:window]), _mean_reward(records[-window:]), out)
+    return TrainResult(done, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out)

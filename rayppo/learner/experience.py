@@ -109,6 +109,7 @@ def minibatch_loss(
     entropy_mean = ppo.masked_mean(entropy, mask)
     values, _ = critic_forward(critic, mb.batch)
     vf_loss = ppo.value_loss(values, mb.old_values, mb.returns, mask, cfg.value_clip)
+    stats = {f"policy/{k}": v for k, v in stats.items()}
     gap = (logprobs.detach() - mb.old_logprobs).abs() * mask
     stats.update({
         "policy/loss": pg_loss.detach(),

@@ -93,3 +93,19 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
     return target
+
+
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A random-init one-label Llama reward model with its *own* tokenizer (other token ids
+    than the policy's), for exercising the reward-model path without a download."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    # Extra frequent words shift every id, so the two vocabularies really differ.
+    words = ["answer is good bad"] * 3 + digits.corpus()
+    tokenizer = build_tokenizer(words)
+    config = tiny_llama_config(len(tokenizer), tokenizer, num_labels=1)
+    model = LlamaForSequenceClassification(config)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -17,6 +17,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -89,7 +90,14 @@ class Critic(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32") -> "Critic":
         """Backbone of any causal-LM / reward-model folder; the value head too if saved there."""
-        backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
+        # A causal-LM or reward-model folder has a head the backbone does not use: not a problem,
+        # so the loader's report of "unexpected" keys is silenced.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         critic = cls(backbone)
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.is_file():

@@ -1,0 +1,59 @@
+"""Config tree: YAML + dotted overrides, types, and errors that name the field."""
+
+import pytest
+
+from rayppo.config import Config, ConfigError, field_docs, load_config
+
+
+def test_defaults_are_valid_and_every_field_is_documented():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    docs = field_docs()
+    assert len(docs) > 30
+    undocumented = [name for name, _, doc in docs if not doc]
+    assert undocumented == []
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("ppo:\n  clip_eps: 0.3\n  epochs: 2\nrollout:\n  batch_size: 32\n")
+    cfg = load_config(path, ["ppo.clip_eps=0.1", "ppo.value_clip=null", "ppo.adaptive_kl=true"])
+    assert cfg.ppo.clip_eps == 0.1  # the override wins over the file
+    assert cfg.ppo.epochs == 2 and cfg.rollout.batch_size == 32
+    assert cfg.ppo.value_clip is None and cfg.ppo.adaptive_kl is True
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("ppo.clip_eps=1.5", "ppo.clip_eps"),
+        ("ppo.clipeps=0.1", "ppo.clipeps"),
+        ("ppo.epochs=two", "ppo.epochs"),
+        ("ppo.epochs=1.5", "ppo.epochs"),
+        ("ppo.minibatches=3", "ppo.minibatches"),  # does not divide the batch of 64
+        ("ppo.kl_estimator=k9", "ppo.kl_estimator"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("ppo.whiten_advantages=maybe", "ppo.whiten_advantages"),
+        ("reward.model=/some/rm", "reward.function"),  # both reward sources set
+        ("nosuch.field=1", "nosuch"),
+        ("ppo=3", "ppo"),
+    ],
+)
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(field)
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ppo: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_override_without_equals_sign():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["ppo.clip_eps"])

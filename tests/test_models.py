@@ -1,0 +1,132 @@
+"""Model plumbing: log-probs, values, generation and reward scoring on the embedded model."""
+
+import pytest
+import torch
+
+from rayppo.actors.generator import GeneratorEngine, split_response
+from rayppo.actors.reference import ReferenceEngine
+from rayppo.actors.reward import RewardEngine, RewardError
+from rayppo.data.prompts import PromptBatch
+from rayppo.data.rollout import Rollout
+from rayppo.models.loading import Critic, load_causal_lm, load_reward_model, load_tokenizer
+from rayppo.models.sequences import critic_forward, pack, policy_forward
+
+PROMPTS = ["say 7 :", "write 1 :", "give 3 :"]
+
+
+@pytest.fixture(scope="module")
+def policy(embedded_dir):
+    return load_causal_lm(embedded_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def critic(embedded_dir):
+    torch.manual_seed(0)
+    return Critic.from_pretrained(embedded_dir).eval()
+
+
+def pairs(tokenizer):
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    prompt_ids[1] = prompt_ids[1][1:]  # a shorter prompt (no BOS) to force left padding
+    response_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in ("7 7 7", "1", "3 2 3 3 3")]
+    response_ids[0].append(tokenizer.eos_token_id)
+    return prompt_ids, response_ids
+
+
+def test_embedded_model_shape_and_tokenizer(embedded_dir, tokenizer, policy):
+    cfg = policy.config
+    assert cfg.model_type == "llama" and cfg.hidden_size // cfg.num_attention_heads == 64
+    ids = tokenizer("say 7 :")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 4
+    assert tokenizer.decode(tokenizer("7 3 7", add_special_tokens=False)["input_ids"]) == "7 3 7"
+
+
+@torch.no_grad()
+def test_logprobs_match_a_plain_forward_and_ignore_padding(tokenizer, policy):
+    prompt_ids, response_ids = pairs(tokenizer)
+    batch = pack(prompt_ids, response_ids, tokenizer.pad_token_id)
+    temperature = 0.7
+    logprobs, entropy = policy_forward(policy, batch, temperature, with_entropy=True)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        logits = policy(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1] / temperature
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs[i, : len(r)], expected, atol=1e-5, rtol=1e-5)
+        assert (logprobs[i, len(r):] == 0).all() and (entropy[i, len(r):] == 0).all()
+
+
+@torch.no_grad()
+def test_values_and_last_value_come_from_the_right_positions(tokenizer, critic):
+    prompt_ids, response_ids = pairs(tokenizer)
+    batch = pack(prompt_ids, response_ids, tokenizer.pad_token_id)
+    values, last_values = critic_forward(critic, batch)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids = torch.tensor([p + r])
+        alone = critic(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])[0]
+        # values[t] = V(S_{t-1}): the position before response token t; last = V(S_T)
+        torch.testing.assert_close(values[i, : len(r)], alone[len(p) - 1 : len(p) + len(r) - 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last_values[i], alone[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_critic_save_and_load_roundtrip(tmp_path, critic):
+    critic.save_pretrained(tmp_path / "critic")
+    again = Critic.from_pretrained(tmp_path / "critic")
+    torch.testing.assert_close(again.value_head.weight, critic.value_head.weight)
+
+
+def test_split_response():
+    assert split_response([5, 6, 3, 0, 0], eos_id=3, pad_id=0) == ([5, 6, 3], "stop")
+    assert split_response([5, 6, 7], eos_id=3, pad_id=0) == ([5, 6, 7], "length")
+
+
+def test_generator_reports_sampling_logprobs_and_finish_reasons(embedded_dir, tokenizer, policy):
+    engine = GeneratorEngine(str(embedded_dir), max_new_tokens=5, temperature=0.8)
+    prompts = PromptBatch(PROMPTS * 6, [tokenizer(p)["input_ids"] for p in PROMPTS * 6])
+    rollout = engine.generate(prompts, seed=1)
+    assert set(rollout.finish_reason) == {"stop", "length"}  # 3..8 digit answers vs a 5-token cap
+    for ids, reason in zip(rollout.response_ids, rollout.finish_reason):
+        assert (ids[-1] == tokenizer.eos_token_id) == (reason == "stop")
+        assert len(ids) == 5 or reason == "stop"
+    batch = pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed, _ = policy_forward(policy, batch, temperature=0.8)
+    torch.testing.assert_close(rollout.tensor("logprobs"), recomputed, atol=1e-5, rtol=1e-5)
+    assert rollout.policy_version == [0] * len(rollout)
+    same = engine.generate(prompts, seed=1)
+    assert same.response_ids == rollout.response_ids  # seeded
+
+
+def test_reference_engine_equals_policy_forward(embedded_dir, tokenizer, policy):
+    prompt_ids, response_ids = pairs(tokenizer)
+    rollout = Rollout(prompt_ids, response_ids, [[0.0] * len(r) for r in response_ids], ["stop"] * 3,
+                      PROMPTS, ["", "", ""])
+    ref = ReferenceEngine(str(embedded_dir), temperature=1.0, batch_size=2).ref_logprobs(rollout)
+    with torch.no_grad():
+        expected, _ = policy_forward(policy, pack(prompt_ids, response_ids, tokenizer.pad_token_id))
+    for i, r in enumerate(response_ids):
+        assert ref[i] == pytest.approx(expected[i, : len(r)].tolist(), abs=1e-5)
+
+
+def _text_rollout(prompts, responses):
+    n = len(prompts)
+    return Rollout([[1]] * n, [[1]] * n, [[0.0]] * n, ["stop"] * n, prompts, responses)
+
+
+def test_verifier_reward_and_its_errors():
+    engine = RewardEngine(function="rayppo.tasks.digits:reward")
+    assert engine.scores(_text_rollout(["say 7 :", "say 7 :"], ["7 7 1 7", "7"])) == [0.75, 0.25]
+    with pytest.raises(RewardError, match=r"failed on prompt 'hello there'"):
+        engine.scores(_text_rollout(["say 7 :", "hello there"], ["7", "7"]))
+    with pytest.raises(RewardError, match="cannot load"):
+        RewardEngine(function="rayppo.tasks.digits:nope")
+
+
+def test_reward_model_rescores_text_with_its_own_tokenizer(reward_model_dir, tokenizer):
+    rm_tokenizer = load_tokenizer(reward_model_dir)
+    assert rm_tokenizer("7")["input_ids"] != tokenizer("7")["input_ids"]  # different vocabularies
+    prompts, responses = ["say 7 :", "give 1 :", "write 2 :"], ["7 7", "1 2 3 4 5", "2"]
+    scores = RewardEngine(model=str(reward_model_dir), batch_size=2).scores(_text_rollout(prompts, responses))
+    model = load_reward_model(reward_model_dir).eval()
+    with torch.no_grad():
+        for p, r, s in zip(prompts, responses, scores):
+            alone = model(**rm_tokenizer(f"{p} {r}", return_tensors="pt")).logits[0, 0].item()
+            assert s == pytest.approx(alone, abs=1e-5)
