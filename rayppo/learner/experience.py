@@ -3,14 +3,17 @@
 ``make_experience`` turns a scored rollout into the tensors PPO needs (values, shaped rewards,
 GAE advantages and returns, whitened advantages); ``ppo_update`` runs M epochs x minibatches of
 the clipped policy and value losses. Both call only the functions of ``rayppo.learner.ppo``.
-The in-process reference trainer and the distributed learner ranks share this module; the
-distributed ranks pass ``all_reduce`` so that whitening and loss normalisation are global.
+
+The in-process reference trainer and the distributed learner ranks share this module. A rank
+holds a contiguous shard of the rollout's rows; a ``Collective`` sums across ranks, so that
+advantage whitening uses the global batch and each minibatch's loss is the global token mean:
+with N ranks the update is the one a single process would make.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -19,12 +22,27 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-"""Sums a tensor over learner ranks (identity in a single process)."""
+
+class Collective(Protocol):
+    """Reductions over the learner ranks."""
+
+    world_size: int
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def max(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+class LocalCollective:
+    """One process: every reduction is the identity."""
+
+    world_size = 1
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 @dataclass
@@ -49,11 +67,16 @@ class Experience:
     """[B] r_phi(x, y)."""
 
     def rows(self, index: torch.Tensor) -> "Experience":
-        return Experience(
-            self.batch.rows(index),
-            *(t[index] for t in (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,
-                                 self.advantages, self.returns, self.scores)),
-        )
+        tensors = (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,
+                   self.advantages, self.returns, self.scores)
+        return Experience(self.batch.rows(index), *(t[index] for t in tensors))
+
+
+def _global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
+    """Weighted means over ranks of per-rank scalars (weight = this rank's rows or tokens)."""
+    stacked = torch.stack([v.double() * weight for v in values.values()] + [torch.tensor(weight, dtype=torch.float64)])
+    summed = collective.sum(stacked)
+    return {k: float(summed[i] / summed[-1]) for i, k in enumerate(values)}
 
 
 @torch.no_grad()
@@ -63,9 +86,9 @@ def make_experience(
     pad_id: int,
     kl_coef: float,
     cfg: PPOConfig,
-    all_reduce: AllReduce = _identity,
+    collective: Collective = LocalCollective(),
 ) -> tuple[Experience, dict[str, float]]:
-    """Values, shaped rewards, GAE and whitening for a scored rollout. Also returns stats."""
+    """Values, shaped rewards, GAE and (global) whitening for this rank's scored rows."""
     batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
     mask = batch.mask
     old_logprobs = rollout.tensor("logprobs")
@@ -77,99 +100,133 @@ def make_experience(
     rewards = ppo.shape_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
     advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     if cfg.whiten_advantages:
-        moments = all_reduce(ppo.masked_moments(advantages, mask))
+        moments = collective.sum(ppo.masked_moments(advantages, mask))
         advantages = ppo.whiten_from_moments(advantages, mask, moments)
     kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)
-    stats = {
-        "kl/ref_mean": kl_per_response.mean().item(),
-        "value/explained_variance": ppo.explained_variance(values, returns, mask).item(),
-        "value/mean": ppo.masked_mean(values, mask).item(),
-        "returns/mean": ppo.masked_mean(returns, mask).item(),
-    }
+    stats = _global_means({"kl/ref_mean": kl_per_response.mean()}, len(rollout), collective)
+    stats |= _global_means(
+        {
+            "value/explained_variance": ppo.explained_variance(values, returns, mask),
+            "value/mean": ppo.masked_mean(values, mask),
+            "returns/mean": ppo.masked_mean(returns, mask),
+        },
+        float(mask.sum()),
+        collective,
+    )
     exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores)
     return exp, stats
+
+
+# ------------------------------------------------------------------------------------------
+# Minibatches
+# ------------------------------------------------------------------------------------------
+@dataclass
+class Minibatch:
+    """This rank's part of one global minibatch."""
+
+    rows: torch.Tensor
+    """Local row indices into this rank's experience."""
+    token_share: float
+    """N x (this rank's valid tokens) / (the minibatch's tokens): rescales a local token mean
+    so that the ranks' averaged gradients are the gradient of the global token mean."""
+    row_share: float
+    """The same for rows (used by the ``seq-mean-token-mean`` aggregation)."""
+
+
+def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> list[list[torch.Tensor]]:
+    """Global row indices of every minibatch of every epoch: a fresh seeded shuffle per epoch.
+
+    The plan depends only on the batch, never on the rank count.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return [list(torch.randperm(n_rows, generator=generator).chunk(minibatches)) for _ in range(epochs)]
+
+
+def local_minibatches(
+    plan: list[list[torch.Tensor]], offset: int, mask: torch.Tensor, collective: Collective
+) -> list[Minibatch]:
+    """This rank's part of each planned minibatch; it owns global rows [offset, offset + B_r).
+
+    A rank that owns none of a minibatch's rows still joins its gradient all-reduce: it runs
+    one row with share 0.
+    """
+    n_local = mask.shape[0]
+    parts = []
+    for rows in (r for epoch in plan for r in epoch):
+        mine = rows[(rows >= offset) & (rows < offset + n_local)] - offset
+        parts.append(mine)
+    local = torch.tensor([[float(mask[m].sum()), float(len(m))] for m in parts], dtype=torch.float64)
+    total = collective.sum(local.clone())
+    w = collective.world_size
+    out = []
+    for mine, (tokens, rows), (all_tokens, all_rows) in zip(parts, local.tolist(), total.tolist()):
+        if len(mine) == 0:
+            out.append(Minibatch(torch.zeros(1, dtype=torch.long), 0.0, 0.0))
+        else:
+            out.append(Minibatch(mine, w * tokens / max(all_tokens, 1.0), w * rows / all_rows))
+    return out
 
 
 def minibatch_loss(
     policy: torch.nn.Module,
     critic: torch.nn.Module,
-    mb: Experience,
+    exp: Experience,
+    mb: Minibatch,
     cfg: PPOConfig,
     temperature: float,
-    token_share: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(policy_loss, value_loss, stats)`` of one minibatch, both differentiable.
-
-    ``token_share`` rescales token means when the minibatch is split over ranks (this rank's
-    tokens / the average rank's tokens), so averaged gradients equal the global token mean.
-    """
-    mask = mb.batch.mask
-    logprobs, entropy = policy_forward(policy, mb.batch, temperature, with_entropy=True)
-    pg_loss, stats = ppo.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.clip_eps, cfg.loss_agg)
+    """``(policy objective, value objective, stats)`` of this rank's part of a minibatch."""
+    part = exp.rows(mb.rows)
+    mask = part.batch.mask
+    logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True)
+    pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, cfg.clip_eps, cfg.loss_agg)
     entropy_mean = ppo.masked_mean(entropy, mask)
-    values, _ = critic_forward(critic, mb.batch)
-    vf_loss = ppo.value_loss(values, mb.old_values, mb.returns, mask, cfg.value_clip)
-    stats = {f"policy/{k}": v for k, v in stats.items()}
-    gap = (logprobs.detach() - mb.old_logprobs).abs() * mask
-    stats.update({
-        "policy/loss": pg_loss.detach(),
-        "value/loss": vf_loss.detach(),
-        "entropy": entropy_mean.detach(),
-        "logprob_mismatch/mean": ppo.masked_mean(gap, mask),
-        "logprob_mismatch/max": gap.max(),
-    })
-    # seq-mean-token-mean weighs rows, not tokens: equal row counts per rank need no rescaling.
-    pg_share = token_share if cfg.loss_agg == "token-mean" else 1.0
-    policy_total = (pg_loss - cfg.entropy_coef * entropy_mean) * pg_share
-    return policy_total, cfg.vf_coef * vf_loss * token_share, stats
-
-
-def minibatch_indices(n_rows: int, minibatches: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A seeded shuffle of the rows, cut into ``minibatches`` equal parts."""
-    order = torch.randperm(n_rows, generator=generator)
-    return list(order.chunk(minibatches))
-
-
-def mean_stats(history: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Average each stat over the minibatches of an update."""
-    keys = history[0].keys()
-    return {key: float(torch.stack([h[key].float() for h in history]).mean()) for key in keys}
+    values, _ = critic_forward(critic, part.batch)
+    vf_loss = ppo.value_loss(values, part.old_values, part.returns, mask, cfg.value_clip)
+    gap = (logprobs.detach() - part.old_logprobs).abs() * mask
+    stats = {f"policy/{k}": v for k, v in pg_stats.items()}
+    stats |= {"policy/loss": pg_loss.detach(), "value/loss": vf_loss.detach(), "entropy": entropy_mean.detach(),
+              "logprob_mismatch/mean": ppo.masked_mean(gap, mask), "logprob_mismatch/max": gap.max()}
+    # seq-mean-token-mean weighs rows, not tokens.
+    pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
+    policy_objective = pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean
+    return policy_objective, mb.token_share * cfg.vf_coef * vf_loss, stats
 
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], None]
-"""Backward + optimiser step for (policy loss, value loss): plain torch or DeepSpeed engines."""
+"""Backward + optimiser step for (policy objective, value objective): torch or DeepSpeed."""
 
 
 def ppo_update(
     policy: torch.nn.Module,
     critic: torch.nn.Module,
     exp: Experience,
+    minibatches: list[Minibatch],
     cfg: PPOConfig,
     temperature: float,
     step: StepFn,
-    plan: list[list[torch.Tensor]],
-    token_share: Callable[[Experience], float] = lambda mb: 1.0,
+    collective: Collective = LocalCollective(),
 ) -> dict[str, float]:
-    """M epochs x minibatches of clipped PPO + value loss over ``exp``.
+    """M epochs x minibatches of clipped PPO + value loss; returns stats averaged over ranks.
 
-    ``plan[epoch][k]`` holds the rows of minibatch k (``minibatch_plan`` makes it). The first
-    minibatch runs before any weight change, so its log-probs against the generator's old
-    log-probs are the sync check ``logprob_mismatch``.
+    The first minibatch runs before any weight change, so its log-probs against the
+    generator's old log-probs are the sync check ``logprob_mismatch``.
     """
-    history: list[dict[str, torch.Tensor]] = []
-    mismatch: dict[str, float] = {}
-    for epoch_plan in plan:
-        for rows in epoch_plan:
-            mb = exp.rows(rows)
-            policy_total, value_total, stats = minibatch_loss(policy, critic, mb, cfg, temperature, token_share(mb))
-            if not history:
-                mismatch = {k: float(stats[k]) for k in ("logprob_mismatch/mean", "logprob_mismatch/max")}
-            step(policy_total, value_total)
-            history.append({k: v for k, v in stats.items() if not k.startswith("logprob_mismatch")})
-    return {**mean_stats(history), **mismatch}
-
-
-def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> list[list[torch.Tensor]]:
-    """Row indices of every minibatch of every epoch: a fresh seeded shuffle per epoch."""
-    generator = torch.Generator().manual_seed(seed)
-    return [minibatch_indices(n_rows, minibatches, generator) for _ in range(epochs)]
+    weighted: dict[str, torch.Tensor] = {}
+    first: dict[str, torch.Tensor] = {}
+    for mb in minibatches:
+        policy_objective, value_objective, stats = minibatch_loss(policy, critic, exp, mb, cfg, temperature)
+        if not first:
+            first = {"mean": stats.pop("logprob_mismatch/mean") * mb.token_share, "max": stats.pop("logprob_mismatch/max")}
+        step(policy_objective, value_objective)
+        for key, value in stats.items():
+            if key.startswith("logprob_mismatch"):
+                continue
+            weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share
+    keys = list(weighted)
+    summed = collective.sum(torch.stack([weighted[k] for k in keys] + [first["mean"].double()]))
+    denominator = collective.world_size * len(minibatches)
+    out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
+    out["logprob_mismatch/mean"] = float(summed[-1] / collective.world_size)
+    out["logprob_mismatch/max"] = float(collective.max(first["max"].double().clone()))
+    return out

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.config import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import make_experience, minibatch_plan, ppo_update
+from rayppo.learner.experience import LocalCollective, local_minibatches, make_experience, minibatch_plan, ppo_update
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 from rayppo.models.loading import Critic, resolve_model_path
 
@@ -34,6 +34,16 @@ from rayppo.models.loading import Critic, resolve_model_path
 def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
     """beta: fixed, or adapted towards ``target`` nats per response."""
     return AdaptiveKLController(kl_coef, target, horizon) if adaptive else FixedKLController(kl_coef)
+
+
+def sampling_settings(cfg: Config) -> SamplingSettings:
+    r = cfg.rollout
+    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p)
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """The sampling seed of an iteration (shared by every trainer, so runs are comparable)."""
+    return seed * 1_000_003 + iteration
 
 
 def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
@@ -55,21 +65,19 @@ class ReferenceTrainer:
         torch.manual_seed(cfg.seed)
         m = cfg.model
         policy_path = str(resolve_model_path(m.policy, m.cache_dir))
-        self.generator = GeneratorEngine(
-            policy_path, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, m.dtype
-        )
+        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype)
         self.tokenizer = self.generator.tokenizer
-        self.policy = self.generator.model  # pi_theta: sampled from and trained in place
+        self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
         self.reference = ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype)
-        self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype)
+        self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype, cfg.seed)
         max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
         texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt)
         self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
-        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr)
+        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr, weight_decay=cfg.ppo.weight_decay)
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
@@ -79,7 +87,7 @@ class ReferenceTrainer:
         """One PPO iteration; returns the metrics of design.md."""
         cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
         t0 = clock()
-        rollout = self.generator.generate(self.prompts.next_batch(), seed=cfg.seed * 1_000_003 + it)
+        rollout = self.generator.generate(self.prompts.next_batch(), seed=iteration_seed(cfg.seed, it))
         t1 = clock()
         rollout.ref_logprobs = self.reference.ref_logprobs(rollout)
         t2 = clock()
@@ -88,7 +96,8 @@ class ReferenceTrainer:
         kl_coef = self.kl_ctl.value
         exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo)
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
-        stats |= ppo_update(self.policy, self.critic, exp, cfg.ppo, cfg.rollout.temperature, self._step, plan)
+        minibatches = local_minibatches(plan, 0, exp.batch.mask, LocalCollective())
+        stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._step)
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t4 = clock()
         self.iteration_count += 1

@@ -65,14 +65,17 @@ def load_reward_model(path: str | Path, dtype: str = "float32") -> torch.nn.Modu
 class Critic(torch.nn.Module):
     """V_w: a transformer backbone with a scalar value head on every position's hidden state."""
 
-    def __init__(self, backbone: torch.nn.Module) -> None:
+    def __init__(self, backbone: torch.nn.Module, seed: int = 0) -> None:
         super().__init__()
         self.backbone = backbone
         hidden = backbone.config.hidden_size
         self.value_head = torch.nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
         # Small initial values: V starts near 0, so the first advantages are close to returns.
-        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1))
-        torch.nn.init.zeros_(self.value_head.bias)
+        # Its own seeded generator: every process that builds the critic gets the same head.
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=generator) / (hidden + 1))
+            self.value_head.bias.zero_()
 
     @property
     def config(self):  # noqa: ANN201 - the backbone's HF config
@@ -88,7 +91,7 @@ class Critic(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str = "float32") -> "Critic":
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32", seed: int = 0) -> "Critic":
         """Backbone of any causal-LM / reward-model folder; the value head too if saved there."""
         # A causal-LM or reward-model folder has a head the backbone does not use: not a problem,
         # so the loader's report of "unexpected" keys is silenced.
@@ -98,7 +101,7 @@ class Critic(torch.nn.Module):
             backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
         finally:
             hf_logging.set_verbosity(verbosity)
-        critic = cls(backbone)
+        critic = cls(backbone, seed)
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.is_file():
             critic.value_head.load_state_dict(load_file(str(head_file)))

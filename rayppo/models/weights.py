@@ -1,0 +1,45 @@
+"""Moving weights between processes: named tensors <-> numpy arrays for Ray's object store.
+
+numpy arrays travel through the object store without a copy on the receiving side; bfloat16 has
+no numpy dtype, so it travels as raw 16-bit integers and is reinterpreted on arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class WeightsPayload:
+    """A full set of policy weights at one version."""
+
+    arrays: dict[str, np.ndarray]
+    """Parameter name (Hugging Face naming) -> values."""
+    dtypes: dict[str, str]
+    """Parameter name -> torch dtype name (``float32``, ``bfloat16``, ...)."""
+    version: int
+    """Policy version these weights are (the learner's step count)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def pack_weights(named: dict[str, torch.Tensor], version: int) -> WeightsPayload:
+    arrays, dtypes = {}, {}
+    for name, tensor in named.items():
+        t = tensor.detach().cpu().contiguous()
+        dtypes[name] = str(t.dtype).removeprefix("torch.")
+        arrays[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return WeightsPayload(arrays, dtypes, version)
+
+
+def unpack_weights(payload: WeightsPayload) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, array in payload.arrays.items():
+        t = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
+        out[name] = t.view(torch.bfloat16) if payload.dtypes[name] == "bfloat16" else t
+    return out
