@@ -48,11 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.config import load_config
-    from rayppo.learner.reference_trainer import ReferenceTrainer
     from rayppo.train import run
 
     cfg = load_config(args.config, overrides)
-    result = run(cfg, ReferenceTrainer(cfg), progress=not args.no_progress)
+    if cfg.trainer == "reference":
+        from rayppo.learner.reference_trainer import ReferenceTrainer as Trainer
+    else:
+        from rayppo.cluster.driver import DistributedTrainer as Trainer
+    result = run(cfg, Trainer(cfg), progress=not args.no_progress)
     print(
         f"{result.stop_reason}: {result.iterations} iterations; mean reward {result.reward_start:.3f} "
         f"(first iteration) -> {result.reward_end:.3f} (last five). Outputs in {result.out_dir}/ "
@@ -75,6 +78,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rayppo.actors.generator import EmptyResponseError
+    from rayppo.actors.reward import RewardError
+    from rayppo.cluster.placement import PlacementError
     from rayppo.config import ConfigError
     from rayppo.data.prompts import PromptDataError
 
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return cmd_train(args, _collect_overrides(extra))
         return cmd_config(args)
-    except (ConfigError, PromptDataError, FileNotFoundError) as exc:
+    except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError) as exc:
         print(f"rayppo: error: {exc}", file=sys.stderr)
         return 2
 

@@ -157,8 +157,8 @@ class ClusterConfig:
     """Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); null starts a local
     Ray instance sized to this machine and shuts it down at the end."""
     num_cpus: float | None = None
-    """Logical CPUs of the local Ray instance; default: enough for every role, at least the
-    machine's cores."""
+    """Logical CPUs of the local Ray instance; default: the machine's cores. The roles' CPU
+    shares must fit in it."""
     placement_timeout_s: float = 60.0
     """How long to wait for the roles' placement groups before failing with what is missing."""
     colocate: bool = False

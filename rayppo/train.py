@@ -24,7 +24,9 @@ class Trainer(Protocol):
 
     def iteration(self) -> dict[str, float]: ...
 
-    def save(self, out_dir: str | Path) -> None: ...
+    def save(self, out_dir: str | Path, checkpoint: bool = False) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -77,12 +79,15 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
-        tqdm.write(f"Interrupted after {done} iterations; saving the policy to {out}", file=sys.stderr)
+        tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
     finally:
         bar.close()
         logger.close()
-    if cfg.output.save_model:
-        trainer.save(out)
+    try:
+        if cfg.output.save_model or stop_reason == "interrupted":
+            trainer.save(out, checkpoint=stop_reason == "interrupted")
+    finally:
+        trainer.close()
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)

@@ -16,7 +16,10 @@ class ReferenceEngine:
     sampling distributions (the ones PPO's ratio and the reward shaping talk about).
     """
 
-    def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32"):
+    def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
+                 num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_path, dtype).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.temperature = temperature

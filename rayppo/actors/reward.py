@@ -36,7 +36,10 @@ class RewardEngine:
     a different vocabulary from the policy.
     """
 
-    def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32, dtype: str = "float32"):
+    def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
+                 dtype: str = "float32", num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
         if (function is None) == (model is None):
             raise ValueError("RewardEngine needs exactly one of function= and model=")
         self.batch_size = batch_size

@@ -74,7 +74,7 @@ class Experience:
 
 def _global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
     """Weighted means over ranks of per-rank scalars (weight = this rank's rows or tokens)."""
-    stacked = torch.stack([v.double() * weight for v in values.values()] + [torch.tensor(weight, dtype=torch.float64)])
+    stacked = torch.stack([v.detach().double().cpu() * weight for v in values.values()] + [torch.tensor(weight, dtype=torch.float64)])
     summed = collective.sum(stacked)
     return {k: float(summed[i] / summed[-1]) for i, k in enumerate(values)}
 
@@ -87,16 +87,17 @@ def make_experience(
     kl_coef: float,
     cfg: PPOConfig,
     collective: Collective = LocalCollective(),
+    device: torch.device | str = "cpu",
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, GAE and (global) whitening for this rank's scored rows."""
-    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
+    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id).to(device)
     mask = batch.mask
-    old_logprobs = rollout.tensor("logprobs")
-    ref_logprobs = rollout.tensor("ref_logprobs")
-    scores = torch.tensor(rollout.score, dtype=torch.float32)
+    old_logprobs = rollout.tensor("logprobs").to(device)
+    ref_logprobs = rollout.tensor("ref_logprobs").to(device)
+    scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
     values, last_values = critic_forward(critic, batch)
     # Truncated rows continue past the cut: bootstrap with V(S_T). EOS rows end: bootstrap 0.
-    bootstrap = torch.where(rollout.truncated(), last_values, torch.zeros_like(last_values))
+    bootstrap = torch.where(rollout.truncated().to(device), last_values, torch.zeros_like(last_values))
     rewards = ppo.shape_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
     advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     if cfg.whiten_advantages:

@@ -117,9 +117,19 @@ class ReferenceTrainer:
         self.policy_opt.step()
         self.critic_opt.step()
 
-    def save(self, out_dir: str | Path) -> None:
-        """The policy (Hugging Face format, with tokenizer) and the critic."""
+    def save(self, out_dir: str | Path, checkpoint: bool = False) -> None:
+        """The policy (Hugging Face format, with tokenizer) and the critic; with ``checkpoint``
+        also the optimizers, the KL controller and the prompt position."""
         out_dir = Path(out_dir)
         self.policy.save_pretrained(str(out_dir / "policy"))
         self.tokenizer.save_pretrained(str(out_dir / "policy"))
         self.critic.save_pretrained(out_dir / "critic")
+        if checkpoint:
+            state = {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
+                     "prompts": self.prompts.state_dict(), "policy_opt": self.policy_opt.state_dict(),
+                     "critic_opt": self.critic_opt.state_dict()}
+            (out_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
+            torch.save(state, out_dir / "checkpoint" / "trainer_state.pt")
+
+    def close(self) -> None:
+        """Nothing to release in-process."""

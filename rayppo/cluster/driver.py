@@ -1,0 +1,169 @@
+"""The distributed trainer: the design.md iteration over Ray actor groups.
+
+    generate  (GeneratorActor x G, vLLM)     y ~ pi_old, log pi_old, policy version v
+    reference (ReferenceActor x R)  ┐ concurrently
+    reward    (RewardActor x W)     ┘        log pi_ref, r_phi(x, y)
+    learn     (LearnerGroup x N, DeepSpeed)  values, shaped rewards, GAE, whitening, PPO epochs
+    sync      rank 0 -> every generator      weights of version v + 1
+
+Rollouts cross processes as Arrow tables (``Rollout`` pickles itself that way); weights travel
+through the object store, put once by learner rank 0 and read by every generator.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rayppo.actors.generator import GeneratorEngine, VLLMSettings
+from rayppo.actors.reference import ReferenceEngine
+from rayppo.actors.reward import RewardEngine
+from rayppo.cluster.group import ActorGroup, get, split_evenly
+from rayppo.cluster.placement import Placement, release, reserve
+from rayppo.cluster.session import ACTOR_ENV, RaySession
+from rayppo.config import Config
+from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
+from rayppo.data.rollout import Rollout
+from rayppo.learner.group import LearnerGroup
+from rayppo.learner.reference_trainer import iteration_seed, make_kl_controller, rollout_stats, sampling_settings
+from rayppo.models.loading import load_tokenizer, resolve_model_path
+
+
+def _threads(cpus: float) -> int:
+    return max(1, int(cpus))
+
+
+class DistributedTrainer:
+    """Generators, reference and reward scorers and the learner group on a Ray cluster."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        m = cfg.model
+        self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
+        self.placements: dict[str, Placement] = {}
+        try:
+            # Build the embedded model once here, not in every actor at the same time.
+            self.policy_path = str(resolve_model_path(m.policy, m.cache_dir))
+            self.placements = reserve(cfg)
+            self._spawn_roles()
+        except BaseException:
+            self.close()
+            raise
+        tokenizer = load_tokenizer(self.policy_path)
+        max_prompt = (cfg.generators.max_model_len or _max_positions(self.policy_path)) - cfg.rollout.max_new_tokens
+        texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, tokenizer, max_prompt)
+        self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        p = cfg.ppo
+        self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
+        self.iteration_count = 0
+        self.last_rollout: Rollout | None = None
+        self.sync_bytes: int | None = None
+
+    def _spawn_roles(self) -> None:
+        cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
+        ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
+        rm_path = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
+        vllm = VLLMSettings(max(1, g.gpus_per_worker), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
+        env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib)))}
+        place = self.placements
+        self.generators = ActorGroup(
+            GeneratorEngine,
+            [(self.policy_path, sampling_settings(cfg), g.backend, m.dtype, i, cfg.seed, vllm, _threads(g.cpus_per_worker))
+             for i in range(g.num)],
+            [place["generators"].actor_options(i, env) for i in range(g.num)],
+        )
+        self.reference = ActorGroup(
+            ReferenceEngine,
+            [(ref_path, cfg.rollout.temperature, 64, m.dtype, _threads(cfg.reference.cpus))] * cfg.reference.num,
+            [place["reference"].actor_options(i, env) for i in range(cfg.reference.num)],
+        )
+        self.rewards = ActorGroup(
+            RewardEngine,
+            [(cfg.reward.function, rm_path, cfg.reward.batch_size, m.dtype, _threads(cfg.reward.cpus))] * cfg.reward.num,
+            [place["reward"].actor_options(i, env) for i in range(cfg.reward.num)],
+        )
+        self.learner = LearnerGroup(cfg, place["learner"], env)
+
+    # ------------------------------------------------------------------------------- iteration
+    def iteration(self) -> dict[str, float]:
+        """One PPO iteration; returns the metrics of design.md."""
+        it, clock = self.iteration_count, time.perf_counter
+        t0 = clock()
+        rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
+        t1 = clock()
+        rollout, score_times = self.score(rollout)
+        t2 = clock()
+        kl_coef = self.kl_ctl.value
+        stats = self.learner.train(rollout, kl_coef, it)
+        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+        t3 = clock()
+        sync_bytes = self.sync_weights()
+        t4 = clock()
+        self.iteration_count += 1
+        self.last_rollout = rollout
+        timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
+                   "time/sync": t4 - t3, "time/iteration": t4 - t0, "sync/bytes": float(sync_bytes)}
+        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
+
+    def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
+        """Split the prompts across the generators; each samples with its own seed."""
+        parts = split_evenly(len(prompts.ids), len(self.generators))
+        args = [(PromptBatch(prompts.texts[r.start:r.stop], prompts.ids[r.start:r.stop]), seed + 7919 * i)
+                for i, r in enumerate(parts)]
+        return Rollout.concat(self.generators.get(self.generators.call(GeneratorEngine.generate, args)))
+
+    def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """log pi_ref and r_phi, the two passes running at the same time on their own actors."""
+        start = time.perf_counter()
+        ref_parts = split_evenly(len(rollout), len(self.reference))
+        reward_parts = split_evenly(len(rollout), len(self.rewards))
+        pending = {
+            "time/reference": self.reference.call(ReferenceEngine.ref_logprobs, [(rollout.select(r),) for r in ref_parts]),
+            "time/reward": self.rewards.call(RewardEngine.scores, [(rollout.select(r),) for r in reward_parts]),
+        }
+        outstanding = {ref: key for key, futures in pending.items() for ref in futures}
+        times = {}
+        while outstanding:  # record when each pass has all its parts back
+            ready, _ = ray.wait(list(outstanding), num_returns=1)
+            key = outstanding.pop(ready[0])
+            if key not in outstanding.values():
+                times[key] = time.perf_counter() - start
+        results = {key: [x for part in get(futures) for x in part] for key, futures in pending.items()}
+        rollout.ref_logprobs, rollout.score = results["time/reference"], results["time/reward"]
+        return rollout, times
+
+    def sync_weights(self) -> int:
+        """Learner rank 0's new weights into every generator; returns the bytes moved."""
+        payload = self.learner.policy_weights()  # an ObjectRef: put once, read by every generator
+        skip = self.cfg.learner.skip_weight_load
+        versions = self.generators.get(self.generators.call_all(GeneratorEngine.load_weights, payload, skip))
+        if any(v != versions[0] for v in versions):
+            raise RuntimeError(f"generators disagree on the policy version after sync: {versions}")
+        if self.sync_bytes is None:
+            self.sync_bytes = get(payload).nbytes
+        return self.sync_bytes * len(self.generators)
+
+    # ----------------------------------------------------------------------------- save / close
+    def save(self, out_dir: str | Path, checkpoint: bool = False) -> None:
+        """Policy (HF format) and critic; with ``checkpoint`` also optimizer and driver state."""
+        state: dict[str, Any] = {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
+                                 "prompts": self.prompts.state_dict()}
+        self.learner.save(str(Path(out_dir).resolve()), state, checkpoint)
+
+    def close(self) -> None:
+        for group in ("generators", "reference", "rewards", "learner"):
+            if hasattr(self, group):
+                getattr(self, group).kill()
+        if self.placements:
+            release(self.placements)
+            self.placements = {}
+        self.session.close()
+
+
+def _max_positions(model_path: str) -> int:
+    import json
+
+    return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])

@@ -1,0 +1,76 @@
+"""Actor groups: N copies of a plain engine class, as Ray actors or in this process.
+
+Calls fan out by method *reference*, never by name string typed at a call site:
+
+    group = ActorGroup(GeneratorEngine, [args_0, args_1], options)
+    rollouts = group.get(group.call(GeneratorEngine.generate, [(prompts_0, seed), (prompts_1, seed)]))
+
+``local=True`` builds the engines here with no Ray at all (tests, debugging); the same calls work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+import ray
+from ray.exceptions import RayTaskError
+
+E = TypeVar("E")
+R = TypeVar("R")
+
+
+class ActorGroup(Generic[E]):
+    """``len(args)`` instances of ``cls``; ``options[i]`` are the Ray actor options of actor i."""
+
+    def __init__(self, cls: type[E], args: Sequence[tuple], options: Sequence[dict[str, Any]] | None = None,
+                 local: bool = False):
+        self.local = local
+        if local:
+            self.actors: list[Any] = [cls(*a) for a in args]
+        else:
+            remote_cls = ray.remote(cls)
+            self.actors = [remote_cls.options(**(options[i] if options else {})).remote(*a) for i, a in enumerate(args)]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: Callable[..., R], args: Sequence[tuple]) -> list[Any]:
+        """Start ``method`` on actor i with ``args[i]``; returns futures (values when local)."""
+        if len(args) != len(self.actors):
+            raise ValueError(f"{len(args)} argument tuples for {len(self.actors)} actors")
+        if self.local:
+            return [method(actor, *a) for actor, a in zip(self.actors, args)]
+        return [getattr(actor, method.__name__).remote(*a) for actor, a in zip(self.actors, args)]
+
+    def call_all(self, method: Callable[..., R], *args: Any) -> list[Any]:
+        """Start ``method`` with the same arguments on every actor."""
+        return self.call(method, [args] * len(self.actors))
+
+    def get(self, futures: list[Any]) -> list[Any]:
+        """Wait for ``call``'s futures; a failure in an actor is re-raised as its own exception."""
+        return futures if self.local else get(futures)
+
+    def kill(self) -> None:
+        if not self.local:
+            for actor in self.actors:
+                ray.kill(actor)
+        self.actors = []
+
+
+def get(futures: Any, timeout: float | None = None) -> Any:
+    """``ray.get`` that re-raises an actor's exception as itself (its message names the problem)."""
+    try:
+        return ray.get(futures, timeout=timeout)
+    except RayTaskError as exc:
+        raise exc.as_instanceof_cause() from None
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """Contiguous ranges covering 0..n-1, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out

@@ -1,0 +1,43 @@
+"""Starting a local Ray instance, or joining a cluster, for the length of a job."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+# What every actor process of a job needs in its environment.
+ACTOR_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # vLLM engine inside the actor process
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+class RaySession:
+    """``with RaySession(address, num_cpus):`` connects (or starts Ray) and cleans up after."""
+
+    def __init__(self, address: str | None, num_cpus: float | None, env: dict[str, str] | None = None):
+        self.address, self.num_cpus = address, num_cpus
+        self.env = {**ACTOR_ENV, **(env or {})}
+        self.started = False
+
+    def __enter__(self) -> "RaySession":
+        if ray.is_initialized():
+            return self
+        runtime_env = {"env_vars": self.env}
+        if self.address:
+            ray.init(address=self.address, runtime_env=runtime_env, log_to_driver=True)
+        else:
+            cpus = self.num_cpus or os.cpu_count() or 1
+            ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+            self.started = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+        self.started = False

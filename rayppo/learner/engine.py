@@ -1,0 +1,181 @@
+"""One learner rank: DeepSpeed ZeRO engines for the policy and the critic.
+
+``LearnerEngine`` is a plain class (the learner group wraps it in a Ray actor at spawn time).
+Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a contiguous shard
+of every rollout, and runs ``make_experience`` + ``ppo_update`` from ``experience.py`` with
+DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from rayppo.config import Config
+from rayppo.data.rollout import Rollout
+from rayppo.learner.experience import local_minibatches, make_experience, minibatch_plan, ppo_update
+from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, resolve_model_path
+from rayppo.models.weights import WeightsPayload, pack_weights
+
+
+class TorchCollective:
+    """Sums and maxima over the learner ranks' torch.distributed group."""
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size = world_size
+        self.device = device
+
+    def _reduce(self, x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        y = x.detach().clone().to(self.device)
+        dist.all_reduce(y, op=op)
+        return y.to(x.device)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, dist.ReduceOp.SUM)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, dist.ReduceOp.MAX)
+
+
+def deepspeed_config(cfg: Config, lr: float, world_size: int) -> dict[str, Any]:
+    """ZeRO stage, optimiser and precision from the config; backward/step are called by hand."""
+    zero: dict[str, Any] = {"stage": cfg.learner.zero_stage}
+    if cfg.learner.offload and cfg.learner.zero_stage >= 1:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if cfg.learner.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_batch_size": world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # torch's AdamW: no compiled DeepSpeed ops needed, and the same update as the reference.
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": cfg.ppo.weight_decay, "torch_adam": True}},
+        "gradient_clipping": cfg.ppo.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _apply_lora(policy: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.learner.lora_rank, lora_alpha=cfg.learner.lora_alpha, lora_dropout=0.0,
+                      target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(policy, lora)
+
+
+class LearnerEngine:
+    """Policy pi_theta and critic V_w of one rank; ``train`` does one PPO iteration on a shard."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
+                 num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        use_cuda = cfg.learner.gpus_per_rank > 0 and torch.cuda.is_available()
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self.collective = TorchCollective(world_size, self.device)
+        m = cfg.model
+        policy_path = resolve_model_path(m.policy, m.cache_dir)
+        self.tokenizer = load_tokenizer(policy_path)
+        policy = load_causal_lm(policy_path, m.dtype)
+        critic = Critic.from_pretrained(resolve_model_path(m.critic or m.policy, m.cache_dir), m.dtype, cfg.seed)
+        if cfg.learner.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+            critic.backbone.gradient_checkpointing_enable()
+        if cfg.learner.lora_rank > 0:
+            policy = _apply_lora(policy, cfg)
+        self.policy, *_ = deepspeed.initialize(
+            model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+            config=deepspeed_config(cfg, cfg.ppo.lr, world_size))
+        self.critic, *_ = deepspeed.initialize(
+            model=critic, model_parameters=list(critic.parameters()),
+            config=deepspeed_config(cfg, cfg.ppo.critic_lr, world_size))
+        self.version = 0
+
+    def train(self, shard: Rollout, offset: int, batch_size: int, kl_coef: float, iteration: int) -> dict[str, float]:
+        """Values, shaped rewards, GAE, global whitening and M epochs of PPO on this rank's rows.
+
+        ``shard`` holds global rows [offset, offset + len(shard)) of a rollout of ``batch_size``.
+        """
+        stale = {v for v in shard.policy_version if v != self.version}
+        if stale:
+            raise RuntimeError(f"on-policy PPO refuses a stale rollout: generated by policy version(s) "
+                               f"{sorted(stale)}, learner is at version {self.version}")
+        p = self.cfg.ppo
+        exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p, self.collective, self.device)
+        plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
+        minibatches = local_minibatches(plan, offset, exp.batch.mask.cpu(), self.collective)
+        stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, self.cfg.rollout.temperature,
+                            self._step, self.collective)
+        self.version += 1
+        return stats
+
+    def _step(self, policy_objective: torch.Tensor, value_objective: torch.Tensor) -> None:
+        self.policy.backward(policy_objective)
+        self.critic.backward(value_objective)
+        self.policy.step()
+        self.critic.step()
+
+    def policy_weights(self) -> WeightsPayload | None:
+        """Full policy weights (HF names) on rank 0, None elsewhere. Collective: call on all ranks.
+
+        ZeRO-3 partitions are gathered; with LoRA the adapters are merged into the base weights.
+        """
+        module = self.policy.module
+        with self._gathered(module):
+            if self.rank != 0:
+                return None
+            named = _merged_lora_state(module) if self.cfg.learner.lora_rank > 0 else module.state_dict()
+            return pack_weights(named, self.version)
+
+    def save(self, out_dir: str, client_state: dict[str, Any] | None = None, checkpoint: bool = False) -> None:
+        """Final models in HF format (rank 0); with ``checkpoint`` also DeepSpeed optimizer states."""
+        out = Path(out_dir)
+        if checkpoint:
+            self.policy.save_checkpoint(str(out / "checkpoint" / "policy"), client_state=client_state or {})
+            self.critic.save_checkpoint(str(out / "checkpoint" / "critic"))
+        payload = self.policy_weights()
+        if self.rank == 0:
+            from rayppo.models.weights import unpack_weights
+
+            base = load_causal_lm(resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), self.cfg.model.dtype)
+            base.load_state_dict(unpack_weights(payload))
+            base.save_pretrained(str(out / "policy"))
+            self.tokenizer.save_pretrained(str(out / "policy"))
+        with self._gathered(self.critic.module):
+            if self.rank == 0:
+                self.critic.module.save_pretrained(out / "critic")
+
+    def _gathered(self, module: torch.nn.Module):
+        """Full parameters inside the block: ZeRO-3 gathers its partitions (a collective)."""
+        if self.cfg.learner.zero_stage != 3:
+            return nullcontext()
+        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+
+def _merged_lora_state(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Base-model weights with the LoRA deltas merged in, under the base model's names."""
+    peft_model.merge_adapter()
+    try:
+        state = {}
+        for name, tensor in peft_model.state_dict().items():
+            if "lora_" in name:
+                continue
+            clean = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            state[clean] = tensor.detach().clone()
+        return state
+    finally:
+        peft_model.unmerge_adapter()

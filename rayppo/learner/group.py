@@ -1,0 +1,54 @@
+"""The learner group: N ``LearnerEngine`` ranks as Ray actors forming one torch.distributed group."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+
+from rayppo.cluster.group import ActorGroup, get, split_evenly
+from rayppo.cluster.placement import Placement
+from rayppo.config import Config
+from rayppo.data.rollout import Rollout
+from rayppo.learner.engine import LearnerEngine
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """This node's address and a free port (run where rank 0 will run)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class LearnerGroup:
+    """Ranks 0..N-1; ``train`` shards a rollout across them, ``policy_weights`` gathers on rank 0."""
+
+    def __init__(self, cfg: Config, placement: Placement | None, env: dict[str, str] | None = None):
+        n = cfg.learner.num_ranks
+        threads = max(1, int(cfg.learner.cpus_per_rank))
+        if placement is None:  # in-process, one rank (tests)
+            addr, port = "127.0.0.1", _rendezvous_address()[1]
+            self.ranks = ActorGroup(LearnerEngine, [(cfg, 0, 1, addr, port, None)], local=True)
+        else:
+            probe = ray.remote(_rendezvous_address).options(**placement.actor_options(0))
+            addr, port = get(probe.remote())
+            args = [(cfg, rank, n, addr, port, threads) for rank in range(n)]
+            self.ranks = ActorGroup(LearnerEngine, args, [placement.actor_options(i, env) for i in range(n)])
+        self.num_ranks = len(self.ranks)
+
+    def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
+        """One PPO iteration over ``rollout``, its rows split contiguously across the ranks."""
+        shards = split_evenly(len(rollout), self.num_ranks)
+        args = [(rollout.select(rows), rows.start, len(rollout), kl_coef, iteration) for rows in shards]
+        return self.ranks.get(self.ranks.call(LearnerEngine.train, args))[0]
+
+    def policy_weights(self) -> Any:
+        """A future of rank 0's ``WeightsPayload`` (the value itself when in-process)."""
+        return self.ranks.call_all(LearnerEngine.policy_weights)[0]
+
+    def save(self, out_dir: str, client_state: dict[str, Any], checkpoint: bool) -> None:
+        self.ranks.get(self.ranks.call_all(LearnerEngine.save, out_dir, client_state, checkpoint))
+
+    def kill(self) -> None:
+        self.ranks.kill()
