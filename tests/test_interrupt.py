@@ -1,0 +1,37 @@
+"""Ctrl-C during a distributed run: it stops cleanly after saving a checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, embedded_dir):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rayppo.cli", "train", "--no-progress", "generators.backend=hf",
+         "learner.num_ranks=1", "rollout.batch_size=16", "stop.iterations=1000", f"output.dir={out}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(1)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "interrupted:" in stdout and "saving a checkpoint" in stderr
+    assert len(metrics.read_text().splitlines()) >= 2
+    state_files = list((out / "checkpoint" / "policy").rglob("*"))
+    assert any(p.name.endswith("optim_states.pt") for p in state_files), state_files  # optimizer state
+    assert (out / "checkpoint" / "critic" / "latest").is_file()
+    assert (out / "policy" / "config.json").is_file() and (out / "critic" / "value_head.safetensors").is_file()
