@@ -33,8 +33,9 @@ def reward_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def small_overrides(tmp_path) -> list[str]:
-    """A fast configuration of the embedded default (a few seconds per run)."""
+    """A fast configuration of the embedded default (a few seconds per run, in-process)."""
     return [
+        "trainer=reference",
         "rollout.batch_size=16",
         "ppo.minibatches=2",
         "ppo.epochs=1",

@@ -41,26 +41,25 @@ class DistributedTrainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        m = cfg.model
-        self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
+        m, p = cfg.model, cfg.ppo
+        # Everything that can fail on bad input is checked before any process starts.
+        self.policy_path = str(resolve_model_path(m.policy, m.cache_dir))  # builds the embedded model once
+        tokenizer = load_tokenizer(self.policy_path)
+        max_prompt = (cfg.generators.max_model_len or _max_positions(self.policy_path)) - cfg.rollout.max_new_tokens
+        texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, tokenizer, max_prompt)
+        self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
+        self.iteration_count = 0
+        self.last_rollout: Rollout | None = None
+        self.sync_bytes: int | None = None
         self.placements: dict[str, Placement] = {}
+        self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
         try:
-            # Build the embedded model once here, not in every actor at the same time.
-            self.policy_path = str(resolve_model_path(m.policy, m.cache_dir))
             self.placements = reserve(cfg)
             self._spawn_roles()
         except BaseException:
             self.close()
             raise
-        tokenizer = load_tokenizer(self.policy_path)
-        max_prompt = (cfg.generators.max_model_len or _max_positions(self.policy_path)) - cfg.rollout.max_new_tokens
-        texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, tokenizer, max_prompt)
-        self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
-        p = cfg.ppo
-        self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
-        self.iteration_count = 0
-        self.last_rollout: Rollout | None = None
-        self.sync_bytes: int | None = None
 
     def _spawn_roles(self) -> None:
         cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
