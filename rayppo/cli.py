@@ -1,7 +1,8 @@
-"""``rayppo`` command line: train, config.
+"""``rayppo`` command line: train, bench, config.
 
     rayppo train                                   # the embedded default, end to end
     rayppo train --config job.yaml ppo.clip_eps=0.1 --rollout.batch_size=128
+    rayppo bench --workload tiny --compare trl     # throughput, side by side with TRL
     rayppo config                                  # every config field, default and meaning
 """
 
@@ -41,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    bench = sub.add_parser(
+        "bench", help="throughput benchmark of a named workload (optionally against TRL)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="workloads are defined in benchmarks/workloads.yaml; extra section.field=value overrides apply on top",
+    )
+    bench.add_argument("--workload", default="tiny", help="workload name (tiny, small, gpu-0.5b, gpu-1.5b, ...)")
+    bench.add_argument("--compare", choices=["trl"], help="also run TRL's PPO on the identical workload")
+    bench.add_argument("--output", default="runs/bench", metavar="DIR", help="where bench.json and plots go")
+    bench.add_argument("--warmup", type=int, help="warm-up iterations (default: the workload's)")
+    bench.add_argument("--iters", type=int, help="measured iterations (default: the workload's)")
+    bench.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
+                       help="scaling sweep, e.g. --sweep generators.num=1,2 learner.num_ranks=1,2")
+    bench.add_argument("--skip-alone", action="store_true", help="do not measure the stages alone")
     config = sub.add_parser("config", help="print every config field with its default and meaning")
     config.add_argument("--yaml", action="store_true", help="print the defaults as a YAML file instead")
     return parser
@@ -61,6 +75,23 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         f"(first iteration) -> {result.reward_end:.3f} (last five). Outputs in {result.out_dir}/ "
         "(metrics.jsonl, plot.png, tb/, policy/, critic/)"
     )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Runs ``benchmarks/bench.py`` of this source checkout (benchmarks are not installed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    if not path.is_file():
+        print(f"rayppo: error: {path} not found: rayppo bench runs from a source checkout", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("rayppo_benchmarks", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    module.run(args.workload, args.output, args.compare, args.warmup, args.iters, args.sweep, overrides, args.skip_alone)
     return 0
 
 
@@ -89,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command != "train" and extra:
+    if args.command == "config" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             return cmd_train(args, _collect_overrides(extra))
+        if args.command == "bench":
+            return cmd_bench(args, _collect_overrides(extra))
         return cmd_config(args)
     except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError) as exc:
         print(f"rayppo: error: {exc}", file=sys.stderr)

@@ -58,6 +58,8 @@ class ScorerConfig:
     """Actors for this role; a rollout is split across them."""
     cpus: float = 0.25
     """Ray CPUs per actor."""
+    threads: int | None = None
+    """torch threads per actor; default: its CPU share rounded down (at least 1)."""
     gpus: float = 0.0
     """GPUs per actor (fractions share a GPU)."""
     resources: dict[str, float] = field(default_factory=dict)
@@ -87,6 +89,8 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold. Below 1 the sampled distribution is truncated, which the
     recomputed log-probs do not model; keep 1.0 for exact PPO."""
+    ignore_eos: bool = False
+    """Always generate ``max_new_tokens`` tokens (fixed-length throughput benchmarks)."""
 
 
 @dataclass
@@ -151,6 +155,11 @@ class OutputConfig:
     """Save the final policy (Hugging Face format) and critic to ``DIR/policy``, ``DIR/critic``."""
 
 
+def actor_threads(threads: int | None, cpus: float) -> int:
+    """torch threads of an actor: the configured number, else its CPU share (at least 1)."""
+    return threads or max(1, int(cpus))
+
+
 @dataclass
 class ClusterConfig:
     address: str | None = None
@@ -173,8 +182,12 @@ class GeneratorConfig:
     """``vllm`` (vLLM engine) or ``hf`` (transformers generate, for models vLLM cannot load)."""
     cpus_per_worker: float = 0.5
     """Ray CPUs per generator (its torch/OpenMP threads follow this share)."""
-    gpus_per_worker: int = 0
-    """GPUs per generator; above 1 this is vLLM's tensor-parallel size (GPUs on one node)."""
+    threads: int | None = None
+    """torch/OpenMP threads per generator; default: its CPU share rounded down (at least 1).
+    Stages run one after another, so a role may use more threads than its share."""
+    gpus_per_worker: float = 0.0
+    """GPUs per generator: above 1 it is vLLM's tensor-parallel size (GPUs on one node); a
+    fraction shares one GPU with other roles (set gpu_memory_utilization to match)."""
     gpu_memory_utilization: float = 0.85
     """vLLM: share of each GPU's memory the engine may use."""
     max_model_len: int | None = None
@@ -193,8 +206,10 @@ class LearnerConfig:
     """N: learner ranks, one torch.distributed group (gloo on CPU, nccl on GPU)."""
     cpus_per_rank: float = 0.5
     """Ray CPUs per rank."""
-    gpus_per_rank: int = 0
-    """GPUs per rank (0 or 1)."""
+    threads: int | None = None
+    """torch threads per rank; default: its CPU share rounded down (at least 1)."""
+    gpus_per_rank: float = 0.0
+    """GPUs per rank: 0, 1, or a fraction to share one GPU with other roles."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 0-3 for policy and critic."""
     offload: bool = False
@@ -297,9 +312,14 @@ def validate(cfg: Config) -> Config:
         _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
     _require(lr_.num_ranks >= 1, "learner.num_ranks", "must be >= 1", lr_.num_ranks)
     _require(lr_.num_ranks <= r.batch_size, "learner.num_ranks", f"must be <= rollout.batch_size={r.batch_size}", lr_.num_ranks)
-    _require(lr_.gpus_per_rank in (0, 1), "learner.gpus_per_rank", "must be 0 or 1", lr_.gpus_per_rank)
+    _require(0 <= lr_.gpus_per_rank <= 1, "learner.gpus_per_rank", "must be in [0, 1]", lr_.gpus_per_rank)
+    _require(g.gpus_per_worker <= 1 or float(g.gpus_per_worker).is_integer(), "generators.gpus_per_worker",
+             "above 1 must be a whole number (the tensor-parallel size)", g.gpus_per_worker)
     _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
+    for name, threads in (("generators", g.threads), ("reference", cfg.reference.threads),
+                          ("reward", cfg.reward.threads), ("learner", lr_.threads)):
+        _require(threads is None or threads >= 1, f"{name}.threads", "must be >= 1 or null", threads)
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
     return cfg
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import load_causal_lm, load_tokenizer
@@ -116,8 +117,10 @@ class _VLLMBackend:
         from vllm.inputs import TokensPrompt
 
         params = [
+            # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
+            # detokenisation (rayppo decodes once itself): less Python work per generated token.
             SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
-                           ignore_eos=s.ignore_eos, logprobs=0, seed=seed + i)
+                           ignore_eos=s.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=False, seed=seed + i)
             for i in range(len(prompt_ids))
         ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
@@ -126,12 +129,20 @@ class _VLLMBackend:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
             response_ids.append(ids)
-            logprobs.append([step[token].logprob for step, token in zip(sample.logprobs or [], ids)])
+            logprobs.append(_sampled_logprobs(sample.logprobs, ids))
             reasons.append("length" if sample.finish_reason == "length" else "stop")
         return response_ids, logprobs, reasons
 
 
-class GeneratorEngine:
+def _sampled_logprobs(steps, ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from vLLM's per-position logprobs (flat or dicts)."""
+    flat = getattr(steps, "logprobs", None)
+    if flat is not None and len(flat) == len(ids):  # FlatLogprobs with one entry per position
+        return list(flat)
+    return [step[token].logprob for step, token in zip(steps or [], ids)]
+
+
+class GeneratorEngine(Engine):
     """Samples responses with the policy weights it holds (``policy_version``)."""
 
     def __init__(
@@ -145,8 +156,7 @@ class GeneratorEngine:
         vllm: VLLMSettings | None = None,
         num_threads: int | None = None,
     ):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.set_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = sampling
         self.generator_id = generator_id

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from rayppo.actors.base import Engine
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import load_causal_lm, load_tokenizer
 from rayppo.models.sequences import pack, policy_forward
 
 
-class ReferenceEngine:
+class ReferenceEngine(Engine):
     """Frozen pi_ref. ``ref_logprobs`` scores a rollout's responses in batches.
 
     Log-probs use the same temperature as the sampler, so KL_t compares the two policies'
@@ -18,8 +19,7 @@ class ReferenceEngine:
 
     def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
                  num_threads: int | None = None):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.set_threads(num_threads)
         self.model = load_causal_lm(model_path, dtype).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.temperature = temperature

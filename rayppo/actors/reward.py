@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from rayppo.actors.base import Engine
 from rayppo.data.rollout import Rollout
 
 RewardFunction = Callable[[str, str], float]
@@ -29,7 +30,7 @@ def load_reward_function(spec: str) -> RewardFunction:
     return fn
 
 
-class RewardEngine:
+class RewardEngine(Engine):
     """Scores responses with exactly one of: a verifier function or a reward model folder.
 
     A reward model is re-fed *text* (prompt + response) through its own tokenizer, so it may use
@@ -38,8 +39,7 @@ class RewardEngine:
 
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
                  dtype: str = "float32", num_threads: int | None = None):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.set_threads(num_threads)
         if (function is None) == (model is None):
             raise ValueError("RewardEngine needs exactly one of function= and model=")
         self.batch_size = batch_size

@@ -18,22 +18,19 @@ from typing import Any
 
 import ray
 
+from rayppo.actors.base import Engine
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement, release, reserve
 from rayppo.cluster.session import ACTOR_ENV, RaySession
-from rayppo.config import Config
+from rayppo.config import Config, actor_threads
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.group import LearnerGroup
 from rayppo.learner.reference_trainer import iteration_seed, make_kl_controller, rollout_stats, sampling_settings
 from rayppo.models.loading import load_tokenizer, resolve_model_path
-
-
-def _threads(cpus: float) -> int:
-    return max(1, int(cpus))
 
 
 class DistributedTrainer:
@@ -65,26 +62,35 @@ class DistributedTrainer:
         cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
         rm_path = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
-        vllm = VLLMSettings(max(1, g.gpus_per_worker), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
-        env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib)))}
-        place = self.placements
+        vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
+        threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
+                   "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
+                   "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
+                   "learner": actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)}
+
+        def options(role: str, n: int) -> list[dict[str, Any]]:
+            # OpenMP threads (vLLM's CPU kernels, DeepSpeed) follow the role's thread count too.
+            env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads[role]),
+                   "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib)))}
+            return [self.placements[role].actor_options(i, env) for i in range(n)]
+
         self.generators = ActorGroup(
             GeneratorEngine,
-            [(self.policy_path, sampling_settings(cfg), g.backend, m.dtype, i, cfg.seed, vllm, _threads(g.cpus_per_worker))
+            [(self.policy_path, sampling_settings(cfg), g.backend, m.dtype, i, cfg.seed, vllm, threads["generators"])
              for i in range(g.num)],
-            [place["generators"].actor_options(i, env) for i in range(g.num)],
+            options("generators", g.num),
         )
         self.reference = ActorGroup(
             ReferenceEngine,
-            [(ref_path, cfg.rollout.temperature, 64, m.dtype, _threads(cfg.reference.cpus))] * cfg.reference.num,
-            [place["reference"].actor_options(i, env) for i in range(cfg.reference.num)],
+            [(ref_path, cfg.rollout.temperature, 64, m.dtype, threads["reference"])] * cfg.reference.num,
+            options("reference", cfg.reference.num),
         )
         self.rewards = ActorGroup(
             RewardEngine,
-            [(cfg.reward.function, rm_path, cfg.reward.batch_size, m.dtype, _threads(cfg.reward.cpus))] * cfg.reward.num,
-            [place["reward"].actor_options(i, env) for i in range(cfg.reward.num)],
+            [(cfg.reward.function, rm_path, cfg.reward.batch_size, m.dtype, threads["reward"])] * cfg.reward.num,
+            options("reward", cfg.reward.num),
         )
-        self.learner = LearnerGroup(cfg, place["learner"], env)
+        self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
 
     # ------------------------------------------------------------------------------- iteration
     def iteration(self) -> dict[str, float]:
@@ -144,6 +150,13 @@ class DistributedTrainer:
         if self.sync_bytes is None:
             self.sync_bytes = get(payload).nbytes
         return self.sync_bytes * len(self.generators)
+
+    def peak_memory(self) -> dict[str, int]:
+        """Peak resident memory (bytes) of the largest process of each role."""
+        groups = {"generators": self.generators, "reference": self.reference, "reward": self.rewards,
+                  "learner": self.learner.ranks}
+        return {role: max(m["rss"] for m in group.get(group.call_all(Engine.peak_memory_bytes)))
+                for role, group in groups.items()}
 
     # ----------------------------------------------------------------------------- save / close
     def save(self, out_dir: str | Path, checkpoint: bool = False) -> None:

@@ -17,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from rayppo.actors.base import Engine
 from rayppo.config import Config
 from rayppo.data.rollout import Rollout
 from rayppo.learner.experience import local_minibatches, make_experience, minibatch_plan, ppo_update
@@ -73,13 +74,12 @@ def _apply_lora(policy: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     return get_peft_model(policy, lora)
 
 
-class LearnerEngine:
+class LearnerEngine(Engine):
     """Policy pi_theta and critic V_w of one rank; ``train`` does one PPO iteration on a shard."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                  num_threads: int | None = None):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.set_threads(num_threads)
         use_cuda = cfg.learner.gpus_per_rank > 0 and torch.cuda.is_available()
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})

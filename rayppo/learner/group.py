@@ -9,7 +9,7 @@ import ray
 
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement
-from rayppo.config import Config
+from rayppo.config import Config, actor_threads
 from rayppo.data.rollout import Rollout
 from rayppo.learner.engine import LearnerEngine
 
@@ -24,9 +24,9 @@ def _rendezvous_address() -> tuple[str, int]:
 class LearnerGroup:
     """Ranks 0..N-1; ``train`` shards a rollout across them, ``policy_weights`` gathers on rank 0."""
 
-    def __init__(self, cfg: Config, placement: Placement | None, env: dict[str, str] | None = None):
+    def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None):
         n = cfg.learner.num_ranks
-        threads = max(1, int(cfg.learner.cpus_per_rank))
+        threads = actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
         if placement is None:  # in-process, one rank (tests)
             addr, port = "127.0.0.1", _rendezvous_address()[1]
             self.ranks = ActorGroup(LearnerEngine, [(cfg, 0, 1, addr, port, None)], local=True)
@@ -34,7 +34,7 @@ class LearnerGroup:
             probe = ray.remote(_rendezvous_address).options(**placement.actor_options(0))
             addr, port = get(probe.remote())
             args = [(cfg, rank, n, addr, port, threads) for rank in range(n)]
-            self.ranks = ActorGroup(LearnerEngine, args, [placement.actor_options(i, env) for i in range(n)])
+            self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
 
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: f
 
 def sampling_settings(cfg: Config) -> SamplingSettings:
     r = cfg.rollout
-    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p)
+    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p, r.ignore_eos)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:

@@ -109,3 +109,17 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def build_random_llama(out_dir: str | Path, vocab_size: int, seed: int = 0, **shape) -> Path:
+    """A random-init Llama of any shape (benchmarks): the embedded tokenizer's words plus filler
+    words ``w0, w1, ...`` up to ``vocab_size``, so every sampled id decodes to a word."""
+    torch.manual_seed(seed)
+    base = digits.corpus()
+    fillers = max(0, vocab_size - len(SPECIAL_TOKENS) - sum(len(w.split()) for w in base))
+    tokenizer = build_tokenizer(base + [" ".join(f"w{i}" for i in range(fillers))])
+    model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer, **shape))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -1,0 +1,337 @@
+"""``rayppo bench``: throughput of the real system on a named workload, side by side with TRL.
+
+For a workload of ``benchmarks/workloads.yaml`` it runs W warm-up and M measured iterations of
+the distributed system (Ray + vLLM + DeepSpeed), then, in the same invocation:
+
+- each stage alone, in this process, on the same batch (vLLM generation, one reference pass, one
+  reward pass, one learner step): ``overhead_ratio = iteration / (generate + max(reference,
+  reward) + learn)``, everything above 1.0 being orchestration, serialization and sync;
+- with ``--compare trl``, TRL 1.12's PPO on the identical workload in its own virtual
+  environment (``.venv-trl``, created on first use).
+
+Writes ``DIR/bench.json``, ``DIR/stages.png`` and, for sweeps, ``DIR/sweep.json`` and
+``DIR/sweep.png``; prints a table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from rayppo.config import Config, actor_threads, load_config
+from rayppo.models.embedded import cache_root
+
+HERE = Path(__file__).resolve().parent
+TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0"]
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    model: str | dict[str, int]
+    config: dict[str, Any]
+    warmup: int
+    iterations: int
+
+
+def load_workloads(path: Path = HERE / "workloads.yaml") -> dict[str, Workload]:
+    raw = yaml.safe_load(path.read_text())
+    return {name: Workload(name, w.get("description", ""), w["model"], w.get("config", {}),
+                           int(w.get("warmup", 2)), int(w.get("iterations", 5))) for name, w in raw.items()}
+
+
+# ------------------------------------------------------------------------------------ models
+def prepare_models(workload: Workload) -> tuple[Path, Path]:
+    """(policy folder, reward-model folder) for a workload, built once and cached."""
+    from rayppo.models.embedded import build_random_llama, embedded_model_dir
+
+    key = hashlib.sha1(json.dumps(workload.model, sort_keys=True).encode()).hexdigest()[:10]
+    root = cache_root() / "bench" / f"{workload.name}-{key}"
+    policy = embedded_model_dir() if workload.model == "embedded" else root / "policy"
+    if workload.model != "embedded" and not (policy / "config.json").is_file():
+        shape = dict(workload.model)
+        build_random_llama(policy, shape.pop("vocab_size"), **shape)
+    reward_model = root / "reward_model"
+    if not (reward_model / "config.json").is_file():
+        _build_reward_model(policy, reward_model)
+    return policy, reward_model
+
+
+def _build_reward_model(policy: Path, out: Path) -> None:
+    """A random-init one-label model of the policy's shape, with the policy's tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    config = AutoConfig.from_pretrained(policy)
+    config.num_labels = 1
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(out)
+
+
+def workload_config(workload: Workload, policy: Path, reward_model: Path, extra: list[str]) -> Config:
+    overrides = [f"{k}={v}" for k, v in workload.config.items()]
+    overrides += [f"model.policy={policy}", "reward.function=null", f"reward.model={reward_model}",
+                  "output.tensorboard=false", "output.save_model=false"]
+    return load_config(None, overrides + extra)
+
+
+# ------------------------------------------------------------------------------- measurement
+def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str, float]], dict[str, int], Any]:
+    """W warm-up + M measured iterations of the distributed system; also peak memory per role."""
+    from rayppo.cluster.driver import DistributedTrainer
+
+    trainer = DistributedTrainer(cfg)
+    try:
+        for i in range(warmup):
+            trainer.iteration()
+            print(f"  warm-up {i + 1}/{warmup} done", file=sys.stderr)
+        records = []
+        for i in range(iterations):
+            records.append(trainer.iteration())
+            print(f"  iteration {i + 1}/{iterations}: {records[-1]['time/iteration']:.2f} s", file=sys.stderr)
+        return records, trainer.peak_memory(), trainer.last_rollout
+    finally:
+        trainer.close()
+
+
+def _timed(fn, *args) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def stages_alone(cfg: Config, rollout) -> dict[str, float]:
+    """Each stage once, in this process, on the measured batch, with the role's total threads.
+
+    Each engine runs one warm-up call first, as it did in the measured run.
+    """
+    from rayppo.actors.generator import GeneratorEngine, VLLMSettings
+    from rayppo.actors.reference import ReferenceEngine
+    from rayppo.actors.reward import RewardEngine
+    from rayppo.data.prompts import PromptBatch
+    from rayppo.learner.group import LearnerGroup
+    from rayppo.learner.reference_trainer import sampling_settings
+
+    g, m, lr = cfg.generators, cfg.model, cfg.learner
+    threads = {"gen": g.num * actor_threads(g.threads, g.cpus_per_worker),
+               "learn": lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)}
+    prompts = PromptBatch(rollout.prompt_text, rollout.prompt_ids)
+    out: dict[str, float] = {}
+    torch.set_num_threads(threads["gen"])
+    vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
+    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype, 0, cfg.seed, vllm)
+    generator.generate(prompts, 0)
+    out["generate"], _ = _timed(generator.generate, prompts, 1)
+    del generator
+    torch.set_num_threads(cfg.reference.num * actor_threads(cfg.reference.threads, cfg.reference.cpus))
+    reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype)
+    reference.ref_logprobs(rollout)
+    out["reference"], _ = _timed(reference.ref_logprobs, rollout)
+    reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype)
+    reward.scores(rollout)
+    out["reward"], _ = _timed(reward.scores, rollout)
+    torch.set_num_threads(threads["learn"])
+    learner = LearnerGroup(cfg, placement=None)
+    rollout.policy_version = [0] * len(rollout)
+    learner.train(rollout, cfg.ppo.kl_coef, 0)
+    rollout.policy_version = [1] * len(rollout)
+    out["learn"], _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
+    return out
+
+
+def ensure_trl_venv(path: Path) -> Path:
+    """``.venv-trl`` with TRL's pinned release (its own environment: TRL pins other versions)."""
+    python = path / "bin" / "python"
+    if not python.exists():
+        print(f"creating {path} with {' '.join(TRL_REQUIREMENTS)} (first use only)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *TRL_REQUIREMENTS], check=True)
+    return python
+
+
+def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path, venv: Path) -> list[dict[str, float]]:
+    python = ensure_trl_venv(venv)
+    spec = {"policy": cfg.model.policy, "reward_model": cfg.reward.model, "prompts": rollout.prompt_text,
+            "batch_size": cfg.rollout.batch_size, "epochs": cfg.ppo.epochs, "minibatches": cfg.ppo.minibatches,
+            "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+            "lr": cfg.ppo.lr, "kl_coef": cfg.ppo.kl_coef, "warmup": warmup, "iterations": iterations,
+            "output_dir": str(out_dir / "trl_output")}
+    (out_dir / "trl_spec.json").write_text(json.dumps(spec))
+    subprocess.run([str(python), str(HERE / "trl_ppo.py"), "--spec", str(out_dir / "trl_spec.json"),
+                    "--out", str(out_dir / "trl.json")], check=True)
+    return json.loads((out_dir / "trl.json").read_text())["iterations"]
+
+
+# ----------------------------------------------------------------------------------- summary
+def _mmm(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: dict[str, int],
+              alone: dict[str, float] | None, trl: list[dict[str, float]] | None) -> dict[str, Any]:
+    """The figures of one benchmark run (bench.json)."""
+    tokens = cfg.rollout.batch_size * cfg.rollout.max_new_tokens  # fixed lengths
+    col = {k: [r[k] for r in records] for k in records[0]}
+    per_iteration = [
+        {"iteration_s": r["time/iteration"], "generate_s": r["time/generate"], "reference_s": r["time/reference"],
+         "reward_s": r["time/reward"], "learn_s": r["time/learn"], "sync_s": r["time/sync"],
+         "generator_idle_s": r["time/iteration"] - r["time/generate"],
+         "learner_idle_s": r["time/iteration"] - r["time/learn"]}
+        for r in records
+    ]
+    iteration = statistics.median(col["time/iteration"])
+    out: dict[str, Any] = {
+        "workload": name,
+        "machine": f"{os.cpu_count()} CPU cores" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "tokens_per_iteration": tokens,
+        "end_to_end_tokens_per_s": tokens / iteration,
+        "iteration_s": _mmm(col["time/iteration"]),
+        "stage_s": {s: _mmm(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn", "sync")},
+        "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")},
+        "idle_s": {"generators": _mmm([p["generator_idle_s"] for p in per_iteration]),
+                   "learners": _mmm([p["learner_idle_s"] for p in per_iteration])},
+        "sync_bytes": col["sync/bytes"][-1],
+        "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
+        "sync_share": statistics.median(s / i for s, i in zip(col["time/sync"], col["time/iteration"])),
+        "peak_memory_bytes": memory,
+        "per_iteration": per_iteration,
+    }
+    if alone:
+        limit = alone["generate"] + max(alone["reference"], alone["reward"]) + alone["learn"]
+        out["stages_alone_s"] = alone
+        out["overhead_ratio"] = iteration / limit
+    if trl:
+        walls = [t["wall_s"] for t in trl]
+        without_gc = [t["wall_s"] - t["gc_s"] for t in trl]
+        out["trl_iteration_s"] = _mmm(walls)
+        out["trl_gc_s"] = statistics.median(t["gc_s"] for t in trl)
+        out["trl_end_to_end_tokens_per_s"] = tokens / statistics.median(walls)
+        out["trl_without_gc_tokens_per_s"] = tokens / statistics.median(without_gc)
+        out["ratio_vs_trl"] = out["end_to_end_tokens_per_s"] / out["trl_end_to_end_tokens_per_s"]
+        out["ratio_vs_trl_without_gc"] = out["end_to_end_tokens_per_s"] / out["trl_without_gc_tokens_per_s"]
+    return out
+
+
+def print_table(s: dict[str, Any]) -> None:
+    def row(label: str, v: dict[str, float]) -> str:
+        return f"  {label:<18}{v['min']:>9.3f}{v['median']:>9.3f}{v['max']:>9.3f}"
+
+    print(f"\nworkload {s['workload']} ({s['machine']}), {s['tokens_per_iteration']} generated tokens per iteration")
+    print(f"  {'seconds':<18}{'min':>9}{'median':>9}{'max':>9}")
+    print(row("iteration", s["iteration_s"]))
+    for stage, v in s["stage_s"].items():
+        print(row(stage, v))
+    print(row("generators idle", s["idle_s"]["generators"]))
+    print(row("learners idle", s["idle_s"]["learners"]))
+    print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}   per stage: "
+          + ", ".join(f"{k} {v:,.0f}" for k, v in s["stage_tokens_per_s"].items()))
+    print(f"  weight sync          {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
+          f"{100 * s['sync_share']:.1f}% of the iteration")
+    print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
+    if "overhead_ratio" in s:
+        alone = s["stages_alone_s"]
+        print(f"  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
+              + f"  -> overhead ratio {s['overhead_ratio']:.2f}")
+    if "ratio_vs_trl" in s:
+        print(f"  TRL 1.12 PPO         {s['trl_end_to_end_tokens_per_s']:,.0f} tokens/s "
+              f"(iteration {s['trl_iteration_s']['median']:.3f} s, of which gc.collect {s['trl_gc_s']:.3f} s)")
+        print(f"  rayppo / TRL         {s['ratio_vs_trl']:.2f}x as shipped, "
+              f"{s['ratio_vs_trl_without_gc']:.2f}x against TRL without its gc.collect calls")
+
+
+def plot_stages(s: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = s["per_iteration"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    bottom = [0.0] * len(rows)
+    for stage in ("generate", "reference", "learn", "sync"):
+        values = [r[f"{stage}_s"] for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    other = [r["iteration_s"] - b for r, b in zip(rows, bottom)]
+    ax.bar(range(len(rows)), other, bottom=bottom, label="other (orchestration)", color="lightgrey")
+    ax.set(title=f"{s['workload']}: time per iteration by stage", xlabel="measured iteration", ylabel="seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sweep(points: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [" ".join(f"{k.split('.')[-1]}={v}" for k, v in p["point"].items()) for p in points]
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(points)), 3.6))
+    ax.bar(range(len(points)), [p["end_to_end_tokens_per_s"] for p in points])
+    ax.set_xticks(range(len(points)), labels, rotation=20, fontsize=8)
+    ax.set(title="scaling sweep: end-to-end tokens/s", ylabel="tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------------------- main
+def sweep_points(specs: list[str]) -> list[dict[str, str]]:
+    """``["generators.num=1,2", "learner.num_ranks=1,2"]`` -> the 4 combinations."""
+    axes = []
+    for spec in specs:
+        if "=" not in spec:
+            raise ValueError(f"--sweep {spec!r}: expected key=v1,v2,...")
+        key, values = spec.split("=", 1)
+        axes.append([(key, v) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | None, iterations: int | None,
+        sweep: list[str], overrides: list[str], skip_alone: bool = False) -> dict[str, Any]:
+    workloads = load_workloads()
+    if workload_name not in workloads:
+        raise ValueError(f"--workload: unknown {workload_name!r} (known: {', '.join(workloads)})")
+    w = workloads[workload_name]
+    warmup = w.warmup if warmup is None else warmup
+    iterations = w.iterations if iterations is None else iterations
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy, reward_model = prepare_models(w)
+    if sweep:
+        points = []
+        for point in sweep_points(sweep):
+            cfg = workload_config(w, policy, reward_model, overrides + [f"{k}={v}" for k, v in point.items()])
+            print(f"sweep point {point}", file=sys.stderr)
+            records, memory, _ = run_rayppo(cfg, warmup, iterations)
+            points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None)})
+            print_table(points[-1])
+        (out / "sweep.json").write_text("\n".join(json.dumps(p) for p in points) + "\n")
+        plot_sweep(points, out / "sweep.png")
+        return {"workload": w.name, "points": points}
+    cfg = workload_config(w, policy, reward_model, overrides)
+    print(f"rayppo bench {w.name}: {w.description}", file=sys.stderr)
+    records, memory, rollout = run_rayppo(cfg, warmup, iterations)
+    alone = None if skip_alone else stages_alone(cfg, rollout)
+    trl = run_trl(cfg, rollout, warmup, iterations, out, HERE.parent / ".venv-trl") if compare == "trl" else None
+    summary = summarize(w.name, cfg, records, memory, alone, trl)
+    (out / "bench.json").write_text(json.dumps(summary, indent=1))
+    plot_stages(summary, out / "stages.png")
+    print_table(summary)
+    print(f"\nwrote {out / 'bench.json'} and {out / 'stages.png'}")
+    return summary
