@@ -1,8 +1,9 @@
-"""``rayppo`` command line: train, bench, config.
+"""``rayppo`` command line: train, bench, submit, status, logs, stop, config.
 
     rayppo train                                   # the embedded default, end to end
     rayppo train --config job.yaml ppo.clip_eps=0.1 --rollout.batch_size=128
     rayppo bench --workload tiny --compare trl     # throughput, side by side with TRL
+    rayppo submit --address http://head:8265 --config job.yaml --wait   # on a Ray cluster
     rayppo config                                  # every config field, default and meaning
 """
 
@@ -30,6 +31,10 @@ def _collect_overrides(extra: list[str]) -> list[str]:
     return out
 
 
+def _address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="Ray dashboard address (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rayppo", description="PPO for language models on the token-level MDP.",
@@ -55,6 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                        help="scaling sweep, e.g. --sweep generators.num=1,2 learner.num_ranks=1,2")
     bench.add_argument("--skip-alone", action="store_true", help="do not measure the stages alone")
+    submit = sub.add_parser(
+        "submit", help="submit a training (or benchmark) job to a Ray cluster (Ray Jobs API)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+    )
+    _address(submit)
+    submit.add_argument("--config", metavar="FILE", help="YAML config file")
+    submit.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job")
+    submit.add_argument("--bench", metavar="WORKLOAD", help="run `rayppo bench --workload WORKLOAD` instead of training")
+    submit.add_argument("--no-ship-code", action="store_true",
+                        help="use the rayppo installed on the cluster instead of shipping this checkout's")
+    submit.add_argument("--job-id", help="submission id (default: generated)")
+    submit.add_argument("--wait", action="store_true", help="follow the logs until the job ends; exit 0 only on success")
+    for name, text in (("status", "show a job's status"), ("logs", "print a job's logs"), ("stop", "stop a running job")):
+        job = sub.add_parser(name, help=text)
+        job.add_argument("job_id", metavar="JOB")
+        _address(job)
+        if name == "logs":
+            job.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     config = sub.add_parser("config", help="print every config field with its default and meaning")
     config.add_argument("--yaml", action="store_true", help="print the defaults as a YAML file instead")
     return parser
@@ -95,6 +118,40 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rayppo.cluster import jobs
+    from rayppo.config import ConfigError, load_config
+
+    cfg = load_config(args.config, overrides)  # checked here, before anything reaches the cluster
+    env = {}
+    for item in args.env:
+        if "=" not in item:
+            raise ConfigError(f"--env {item!r}: expected KEY=VALUE")
+        key, value = item.split("=", 1)
+        env[key] = value
+    job_id = jobs.submit(cfg, args.address, env, ship_code=not args.no_ship_code, bench=args.bench,
+                         submission_id=args.job_id)
+    print(f"submitted {job_id}")
+    if not args.wait:
+        print(f"follow it with: rayppo logs {job_id} --follow   (status: rayppo status {job_id})")
+        return 0
+    final = jobs.wait(job_id, args.address)
+    print(f"job {job_id}: {final}")
+    return 0 if final == "SUCCEEDED" else 1
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from rayppo.cluster import jobs
+
+    if args.command == "status":
+        print(f"{args.job_id}: {jobs.status(args.job_id, args.address)}")
+    elif args.command == "logs":
+        jobs.logs(args.job_id, args.address, args.follow)
+    else:
+        print(f"{args.job_id}: {jobs.stop(args.job_id, args.address)}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from rayppo.config import Config, field_docs, to_dict
 
@@ -120,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "config" and extra:
+    if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             return cmd_train(args, _collect_overrides(extra))
         if args.command == "bench":
             return cmd_bench(args, _collect_overrides(extra))
+        if args.command == "submit":
+            return cmd_submit(args, _collect_overrides(extra))
+        if args.command in ("status", "logs", "stop"):
+            return cmd_job(args)
         return cmd_config(args)
     except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError) as exc:
         print(f"rayppo: error: {exc}", file=sys.stderr)

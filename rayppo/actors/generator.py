@@ -22,7 +22,7 @@ import torch
 from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
-from rayppo.models.loading import load_causal_lm, load_tokenizer
+from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import WeightsPayload, unpack_weights
 
@@ -116,13 +116,13 @@ class _VLLMBackend:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [
-            # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
-            # detokenisation (rayppo decodes once itself): less Python work per generated token.
-            SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
-                           ignore_eos=s.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=False, seed=seed + i)
-            for i in range(len(prompt_ids))
-        ]
+        # One SamplingParams for the batch, without a per-request seed: the engine is seeded once
+        # (LLM(seed=...)). Per-request seeds crash vLLM 0.32's CPU runner whenever a prefill is
+        # chunked ("CPU Generator does not use offset"), e.g. 256 prompts of the small benchmark.
+        # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
+        # detokenisation (rayppo decodes once itself): less Python work per generated token.
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
+                                ignore_eos=s.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         response_ids, logprobs, reasons = [], [], []
         for out in outputs:
@@ -157,6 +157,7 @@ class GeneratorEngine(Engine):
         num_threads: int | None = None,
     ):
         self.set_threads(num_threads)
+        model_path = str(resolve_model_path(model_path))  # "embedded" is built on this node if needed
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = sampling
         self.generator_id = generator_id

@@ -6,7 +6,7 @@ import torch
 
 from rayppo.actors.base import Engine
 from rayppo.data.rollout import Rollout
-from rayppo.models.loading import load_causal_lm, load_tokenizer
+from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
 
 
@@ -20,6 +20,7 @@ class ReferenceEngine(Engine):
     def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
                  num_threads: int | None = None):
         self.set_threads(num_threads)
+        model_path = str(resolve_model_path(model_path))
         self.model = load_causal_lm(model_path, dtype).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.temperature = temperature

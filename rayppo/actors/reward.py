@@ -46,8 +46,9 @@ class RewardEngine(Engine):
         self.function = load_reward_function(function) if function else None
         self.name = function or model
         if model is not None:
-            from rayppo.models.loading import load_reward_model, load_tokenizer
+            from rayppo.models.loading import load_reward_model, load_tokenizer, resolve_model_path
 
+            model = str(resolve_model_path(model))
             self.model = load_reward_model(model, dtype).eval().requires_grad_(False)
             self.tokenizer = load_tokenizer(model)
             self.tokenizer.padding_side = "right"

@@ -12,6 +12,7 @@ through the object store, put once by learner rank 0 and read by every generator
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.cluster.group import ActorGroup, get, split_evenly
-from rayppo.cluster.placement import Placement, release, reserve
+from rayppo.cluster.placement import Placement, placement_report, release, reserve
 from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.config import Config, actor_threads
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
@@ -54,14 +55,17 @@ class DistributedTrainer:
         try:
             self.placements = reserve(cfg)
             self._spawn_roles()
+            out = Path(cfg.output.dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "placement.json").write_text(json.dumps(placement_report(self.placements), indent=1))
         except BaseException:
             self.close()
             raise
 
     def _spawn_roles(self) -> None:
         cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
-        ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
-        rm_path = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
+        # Model names go to the actors unresolved: each node resolves (or builds) them itself.
+        ref_path = m.reference or m.policy
         vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
         threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
                    "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
@@ -72,11 +76,13 @@ class DistributedTrainer:
             # OpenMP threads (vLLM's CPU kernels, DeepSpeed) follow the role's thread count too.
             env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads[role]),
                    "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib)))}
+            if m.cache_dir:
+                env["RAYPPO_CACHE"] = m.cache_dir
             return [self.placements[role].actor_options(i, env) for i in range(n)]
 
         self.generators = ActorGroup(
             GeneratorEngine,
-            [(self.policy_path, sampling_settings(cfg), g.backend, m.dtype, i, cfg.seed, vllm, threads["generators"])
+            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, cfg.seed, vllm, threads["generators"])
              for i in range(g.num)],
             options("generators", g.num),
         )
@@ -87,7 +93,7 @@ class DistributedTrainer:
         )
         self.rewards = ActorGroup(
             RewardEngine,
-            [(cfg.reward.function, rm_path, cfg.reward.batch_size, m.dtype, threads["reward"])] * cfg.reward.num,
+            [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"])] * cfg.reward.num,
             options("reward", cfg.reward.num),
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))

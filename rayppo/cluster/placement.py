@@ -122,3 +122,16 @@ def reserve(cfg: Config) -> dict[str, Placement]:
 def release(placements: dict[str, Placement]) -> None:
     for pg in {id(p.group): p.group for p in placements.values()}.values():
         remove_placement_group(pg)
+
+
+def placement_report(placements: dict[str, Placement]) -> dict[str, Any]:
+    """Which node holds each actor of each role, and what each node offers (placement.json)."""
+    from ray.util import placement_group_table
+
+    nodes = {n["NodeID"]: {"address": n["NodeManagerAddress"], "resources": n["Resources"]}
+             for n in ray.nodes() if n["Alive"]}
+    roles = {}
+    for role, p in placements.items():
+        bundle_nodes = placement_group_table(p.group)["bundles_to_node_id"]
+        roles[role] = [bundle_nodes[i] for i in p.bundles]
+    return {"roles": roles, "nodes": nodes}

@@ -1,0 +1,106 @@
+"""Ray Jobs: submit rayppo jobs to a running cluster, follow them, stop them.
+
+    rayppo submit --address http://head:8265 --config job.yaml generators.num=4 --wait
+    rayppo status JOB_ID | rayppo logs JOB_ID --follow | rayppo stop JOB_ID
+
+A submission ships a working directory holding ``job.yaml`` (the resolved config, with
+``cluster.address=auto`` so the job joins the cluster it runs on) and, by default, this
+checkout's ``rayppo`` package (and ``benchmarks/`` for bench jobs), so the cluster runs the
+code you have. The cluster needs the dependencies (torch, vLLM, DeepSpeed, ...) installed, as in
+``deploy/Dockerfile``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+from rayppo.cluster.session import ACTOR_ENV
+from rayppo.config import Config, to_dict
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+
+
+def client(address: str | None) -> JobSubmissionClient:
+    """The Jobs API of a cluster: ``address`` or ``$RAY_ADDRESS`` or the local dashboard."""
+    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
+
+
+def _staging_dir(cfg: Config, ship_code: bool, with_benchmarks: bool) -> Path:
+    staging = Path(tempfile.mkdtemp(prefix="rayppo-job-"))
+    job = to_dict(cfg)
+    job["cluster"]["address"] = "auto"  # the job's driver joins the cluster it was submitted to
+    (staging / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    if ship_code:
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        shutil.copytree(PACKAGE_DIR, staging / "rayppo", ignore=ignore)
+        if with_benchmarks:
+            shutil.copytree(PACKAGE_DIR.parent / "benchmarks", staging / "benchmarks", ignore=ignore)
+    return staging
+
+
+def submit(cfg: Config, address: str | None, env: dict[str, str], ship_code: bool = True,
+           bench: str | None = None, submission_id: str | None = None) -> str:
+    """Submit ``rayppo train`` (or ``rayppo bench --workload BENCH``) with ``cfg``; returns the job id."""
+    staging = _staging_dir(cfg, ship_code, with_benchmarks=bench is not None)
+    # With the code shipped, `python -m rayppo.cli` imports it from the job's working directory.
+    program = "python -m rayppo.cli" if ship_code else "rayppo"
+    if bench:
+        entrypoint = f"{program} bench --workload {bench} --output {cfg.output.dir}"
+    else:
+        entrypoint = f"{program} train --config job.yaml --no-progress"
+    runtime_env = {"working_dir": str(staging), "env_vars": {**ACTOR_ENV, **env}}
+    return client(address).submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                      submission_id=submission_id, metadata={"rayppo": bench or "train"})
+
+
+def status(job_id: str, address: str | None) -> str:
+    info = client(address).get_job_info(job_id)
+    message = f" ({info.message})" if info.message else ""
+    return f"{info.status.value}{message}"
+
+
+def logs(job_id: str, address: str | None, follow: bool, out=sys.stdout) -> None:
+    c = client(address)
+    if not follow:
+        out.write(c.get_job_logs(job_id))
+        return
+
+    async def tail() -> None:
+        async for chunk in c.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+    asyncio.run(tail())
+
+
+def stop(job_id: str, address: str | None, timeout_s: float = 60.0) -> str:
+    """Ask the cluster to stop the job and wait until it has; returns the final status."""
+    c = client(address)
+    c.stop_job(job_id)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        state = c.get_job_status(job_id)
+        if state in TERMINAL:
+            return state.value
+        time.sleep(1)
+    return c.get_job_status(job_id).value
+
+
+def wait(job_id: str, address: str | None, out=sys.stdout) -> str:
+    """Follow the job's logs until it ends; returns its final status."""
+    logs(job_id, address, follow=True, out=out)
+    c = client(address)
+    while (state := c.get_job_status(job_id)) not in TERMINAL:  # logs can end a moment early
+        time.sleep(0.5)
+    return state.value
