@@ -29,8 +29,11 @@ FAST = ["generators.backend=hf", "rollout.batch_size=32", "reference.cpus=0.25",
 
 
 def ray_cli(*args: str) -> None:
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    subprocess.run([RAY, *args], check=True, env=env, capture_output=True, timeout=180)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # As a user with the environment activated: job entrypoints' `python` is this interpreter.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    result = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, f"ray {' '.join(args)} failed:\n{result.stderr[-2000:]}"
 
 
 def alive_nodes() -> list[dict]:
@@ -43,7 +46,13 @@ def alive_nodes() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cluster(embedded_dir):
-    """Head (1 CPU, runs the job drivers and scorers), a generator node and a learner node."""
+    """Head (1 CPU, runs the job drivers and scorers), a generator node and a learner node.
+
+    Token authentication is off for this loopback-only test cluster: the nodes and the test's
+    own clients would otherwise need a shared token file.
+    """
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray_cli("start", "--head", f"--port={GCS_PORT}", f"--dashboard-port={DASHBOARD_PORT}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=1", "--disable-usage-stats")
     try:
@@ -55,6 +64,10 @@ def cluster(embedded_dir):
         yield DASHBOARD
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+        if previous is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous
 
 
 def submitted_id(output: str) -> str:

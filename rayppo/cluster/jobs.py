@@ -70,7 +70,8 @@ def status(job_id: str, address: str | None) -> str:
     return f"{info.status.value}{message}"
 
 
-def logs(job_id: str, address: str | None, follow: bool, out=sys.stdout) -> None:
+def logs(job_id: str, address: str | None, follow: bool, out=None) -> None:
+    out = out or sys.stdout
     c = client(address)
     if not follow:
         out.write(c.get_job_logs(job_id))
@@ -97,7 +98,7 @@ def stop(job_id: str, address: str | None, timeout_s: float = 60.0) -> str:
     return c.get_job_status(job_id).value
 
 
-def wait(job_id: str, address: str | None, out=sys.stdout) -> str:
+def wait(job_id: str, address: str | None, out=None) -> str:
     """Follow the job's logs until it ends; returns its final status."""
     logs(job_id, address, follow=True, out=out)
     c = client(address)

@@ -15,22 +15,24 @@ ACTOR_ENV = {
 
 
 class RaySession:
-    """``with RaySession(address, num_cpus):`` connects (or starts Ray) and cleans up after."""
+    """``with RaySession(address, num_cpus):`` connects (or starts Ray) and cleans up after.
 
-    def __init__(self, address: str | None, num_cpus: float | None, env: dict[str, str] | None = None):
+    No job-level runtime environment is set here: each actor gets ``ACTOR_ENV`` in its own
+    options, and a submitted job's runtime environment (working dir, env vars) stays untouched.
+    """
+
+    def __init__(self, address: str | None, num_cpus: float | None):
         self.address, self.num_cpus = address, num_cpus
-        self.env = {**ACTOR_ENV, **(env or {})}
         self.started = False
 
     def __enter__(self) -> "RaySession":
         if ray.is_initialized():
             return self
-        runtime_env = {"env_vars": self.env}
         if self.address:
-            ray.init(address=self.address, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(address=self.address, log_to_driver=True)
         else:
             cpus = self.num_cpus or os.cpu_count() or 1
-            ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
             self.started = True
         return self
 
