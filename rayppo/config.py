@@ -70,12 +70,19 @@ class ScorerConfig:
 class RewardConfig(ScorerConfig):
     function: str | None = "rayppo.tasks.digits:reward"
     """Verifier ``module:function`` called as ``f(prompt: str, response: str) -> float``. Set it
-    to null to use ``reward.model`` instead."""
+    to null to use ``reward.model`` or ``reward.url`` instead."""
     model: str | None = None
     """Folder of a Hugging Face sequence-classification reward model (one label). Prompt and
     response text are re-tokenised with the reward model's own tokenizer."""
+    url: str | None = None
+    """HTTP reward endpoint: POST ``{"prompts": [...], "responses": [...]}``, answer
+    ``{"scores": [...]}`` (one float per response)."""
+    timeout_s: float = 30.0
+    """HTTP endpoint: seconds per request."""
+    retries: int = 3
+    """HTTP endpoint: attempts per batch before the job fails (exponential back-off)."""
     batch_size: int = 32
-    """Responses per reward-model forward pass."""
+    """Responses per reward-model forward pass or HTTP request."""
 
 
 @dataclass
@@ -290,12 +297,11 @@ def validate(cfg: Config) -> Config:
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
-    _require(
-        (cfg.reward.function is None) != (cfg.reward.model is None),
-        "reward.function",
-        "set exactly one of reward.function and reward.model",
-        (cfg.reward.function, cfg.reward.model),
-    )
+    sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
+    _require(sum(x is not None for x in sources) == 1, "reward.function",
+             "set exactly one of reward.function, reward.model and reward.url", sources)
+    _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0", cfg.reward.timeout_s)
+    _require(cfg.reward.retries >= 1, "reward.retries", "must be >= 1", cfg.reward.retries)
     if cfg.reward.function is not None:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)

@@ -1,9 +1,15 @@
-"""The reward role: r_phi(x, y) per response, from a verifier function or an HF reward model."""
+"""The reward role: r_phi(x, y) per response, from a verifier function, an HF reward model or an
+HTTP endpoint."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,21 +36,58 @@ def load_reward_function(spec: str) -> RewardFunction:
     return fn
 
 
+@dataclass
+class HttpEndpoint:
+    """A remote scorer: POST JSON batches, with a timeout and retries."""
+
+    url: str
+    timeout_s: float = 30.0
+    retries: int = 3
+
+    def scores(self, prompts: list[str], responses: list[str]) -> list[float]:
+        body = json.dumps({"prompts": prompts, "responses": responses}).encode()
+        error: Exception | None = None
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                    scores = json.loads(reply.read())["scores"]
+                break
+            except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError, KeyError) as exc:
+                error = exc
+        else:
+            raise RewardError(f"reward endpoint {self.url} failed {self.retries} times for the batch starting "
+                              f"with prompt {prompts[0]!r}: {error}")
+        if not isinstance(scores, list) or len(scores) != len(prompts):
+            raise RewardError(f"reward endpoint {self.url} returned {scores!r} for {len(prompts)} responses "
+                              f"(batch starting with prompt {prompts[0]!r})")
+        return [float(x) for x in scores]
+
+
+def endpoint_from(url: str | None, timeout_s: float, retries: int) -> HttpEndpoint | None:
+    """The HTTP scorer of ``reward.url``, or None when the reward is a function or a model."""
+    return HttpEndpoint(url, timeout_s, retries) if url else None
+
+
 class RewardEngine(Engine):
-    """Scores responses with exactly one of: a verifier function or a reward model folder.
+    """Scores responses with exactly one of: a verifier function, a reward model folder, or an
+    HTTP endpoint (``HttpEndpoint``).
 
     A reward model is re-fed *text* (prompt + response) through its own tokenizer, so it may use
     a different vocabulary from the policy.
     """
 
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
-                 dtype: str = "float32", num_threads: int | None = None):
+                 dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None):
         self.set_threads(num_threads)
-        if (function is None) == (model is None):
-            raise ValueError("RewardEngine needs exactly one of function= and model=")
+        if sum(x is not None for x in (function, model, http)) != 1:
+            raise ValueError("RewardEngine needs exactly one of function=, model= and http=")
         self.batch_size = batch_size
         self.function = load_reward_function(function) if function else None
-        self.name = function or model
+        self.http = http
+        self.name = function or model or (http.url if http else "")
         if model is not None:
             from rayppo.models.loading import load_reward_model, load_tokenizer, resolve_model_path
 
@@ -55,7 +98,14 @@ class RewardEngine(Engine):
 
     def scores(self, rollout: Rollout) -> list[float]:
         """``[B]`` r_phi(x, y); raises ``RewardError`` naming the prompt on failure or non-finite."""
-        values = self._verifier_scores(rollout) if self.function else self._model_scores(rollout)
+        if self.function:
+            values = self._verifier_scores(rollout)
+        elif self.http:
+            values = [x for start in range(0, len(rollout), self.batch_size)
+                      for x in self.http.scores(rollout.prompt_text[start:start + self.batch_size],
+                                                rollout.response_text[start:start + self.batch_size])]
+        else:
+            values = self._model_scores(rollout)
         for prompt, value in zip(rollout.prompt_text, values):
             if not math.isfinite(value):
                 raise RewardError(f"reward {self.name} returned {value} for prompt {prompt!r}")

@@ -22,7 +22,7 @@ import ray
 from rayppo.actors.base import Engine
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
-from rayppo.actors.reward import RewardEngine
+from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement, placement_report, release, reserve
 from rayppo.cluster.session import ACTOR_ENV, RaySession
@@ -93,7 +93,8 @@ class DistributedTrainer:
         )
         self.rewards = ActorGroup(
             RewardEngine,
-            [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"])] * cfg.reward.num,
+            [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"],
+              endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries))] * cfg.reward.num,
             options("reward", cfg.reward.num),
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))

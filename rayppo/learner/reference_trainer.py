@@ -22,7 +22,7 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings
 from rayppo.actors.reference import ReferenceEngine
-from rayppo.actors.reward import RewardEngine
+from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.config import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
@@ -71,7 +71,8 @@ class ReferenceTrainer:
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
         self.reference = ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
-        self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype)
+        endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
+        self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint)
         self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype, cfg.seed)
         max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
         texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt)
