@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every Ray instance the tests start (local ray.init, `ray start` nodes, job subprocesses) runs on
+# loopback with token authentication off. Ray reads this once per process, so it is set for the
+# whole session: mixing modes in one process makes later clusters reject the test's client.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 
 @pytest.fixture(scope="session")

@@ -48,11 +48,8 @@ def alive_nodes() -> list[dict]:
 def cluster(embedded_dir):
     """Head (1 CPU, runs the job drivers and scorers), a generator node and a learner node.
 
-    Token authentication is off for this loopback-only test cluster: the nodes and the test's
-    own clients would otherwise need a shared token file.
+    conftest.py turns Ray's token authentication off for the session (loopback only).
     """
-    previous = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray_cli("start", "--head", f"--port={GCS_PORT}", f"--dashboard-port={DASHBOARD_PORT}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=1", "--disable-usage-stats")
     try:
@@ -64,10 +61,6 @@ def cluster(embedded_dir):
         yield DASHBOARD
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
-        if previous is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = previous
 
 
 def submitted_id(output: str) -> str:
