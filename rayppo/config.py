@@ -263,7 +263,9 @@ def _require(ok: bool, name: str, message: str, value: Any) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field."""
+    """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field.
+
+    This part covers the algorithm's sections; ``_validate_system`` the roles and resources."""
     r, p = cfg.rollout, cfg.ppo
     _require(r.batch_size >= 1, "rollout.batch_size", "must be >= 1", r.batch_size)
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
@@ -305,6 +307,12 @@ def validate(cfg: Config) -> Config:
     if cfg.reward.function is not None:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
+    return _validate_system(cfg)
+
+
+def _validate_system(cfg: Config) -> Config:
+    """Cross-field checks of the distributed system's sections."""
+    r = cfg.rollout
     _require(cfg.trainer in ("distributed", "reference"), "trainer", "must be distributed or reference", cfg.trainer)
     g, lr_ = cfg.generators, cfg.learner
     _require(g.num >= 1, "generators.num", "must be >= 1", g.num)
