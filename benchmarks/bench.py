@@ -243,7 +243,7 @@ def print_table(s: dict[str, Any]) -> None:
     print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
     if "overhead_ratio" in s:
         alone = s["stages_alone_s"]
-        print(f"  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
+        print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
               + f"  -> overhead ratio {s['overhead_ratio']:.2f}")
     if "ratio_vs_trl" in s:
         print(f"  TRL 1.12 PPO         {s['trl_end_to_end_tokens_per_s']:,.0f} tokens/s "

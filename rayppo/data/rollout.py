@@ -81,10 +81,6 @@ class Rollout:
         return Rollout(**merged)
 
     # -- tensors -----------------------------------------------------------------------------
-    def response_mask(self) -> torch.Tensor:
-        """``[B, T]`` float mask, T = the longest response."""
-        return padded([[1.0] * len(r) for r in self.response_ids], torch.float32)
-
     def tensor(self, name: str) -> torch.Tensor:
         """A per-token list column as a right-padded ``[B, T]`` float tensor (0 on padding)."""
         return padded(getattr(self, name), torch.float32)
