@@ -3,7 +3,7 @@
 For a workload of ``benchmarks/workloads.yaml`` it runs W warm-up and M measured iterations of
 the distributed system (Ray + vLLM + DeepSpeed), then, in the same invocation:
 
-- each stage alone, in this process, on the same batch (vLLM generation, one reference pass, one
+- each stage alone, in a child process, on the same batch (vLLM generation, one reference pass, one
   reward pass, one learner step): ``overhead_ratio = iteration / (generate + max(reference,
   reward) + learn)``, everything above 1.0 being orchestration, serialization and sync;
 - with ``--compare trl``, TRL 1.12's PPO on the identical workload in its own virtual
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import yaml
 
-from rayppo.config import Config, actor_threads, load_config
+from rayppo.config import Config, actor_threads, load_config, to_dict
 from rayppo.models.embedded import cache_root
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +115,21 @@ def _timed(fn, *args) -> tuple[float, Any]:
 
 
 def stages_alone(cfg: Config, rollout) -> dict[str, float]:
-    """Each stage once, in this process, on the measured batch, with the role's total threads.
+    """Each stage once on the measured batch, in a fresh child process.
+
+    A child, because vLLM and DeepSpeed keep their memory until the process exits (~11 GiB on
+    ``small``), and TRL runs next on the same machine.
+    """
+    with tempfile.TemporaryDirectory(prefix="rayppo-alone-") as tmp:
+        work = Path(tmp)
+        (work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+        rollout.write_parquet(work / "rollout.parquet")
+        subprocess.run([sys.executable, __file__, "--stages-alone", str(work)], check=True)
+        return json.loads((work / "alone.json").read_text())
+
+
+def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
+    """Each stage once, in this process, with the role's total threads.
 
     Each engine runs one warm-up call first, as it did in the measured run.
     """
@@ -335,3 +350,15 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     print_table(summary)
     print(f"\nwrote {out / 'bench.json'} and {out / 'stages.png'}")
     return summary
+
+
+if __name__ == "__main__":  # the child process of stages_alone()
+    if len(sys.argv) != 3 or sys.argv[1] != "--stages-alone":
+        sys.exit("usage: rayppo bench ... (this file runs directly only as: bench.py --stages-alone DIR)")
+    import pyarrow.parquet as pq
+
+    from rayppo.data.rollout import Rollout
+
+    work_dir = Path(sys.argv[2])
+    alone = _stages_alone_here(load_config(work_dir / "config.yaml"), Rollout.from_arrow(pq.read_table(work_dir / "rollout.parquet")))
+    (work_dir / "alone.json").write_text(json.dumps(alone))

@@ -43,6 +43,8 @@ class StepClock(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.stamps.append((time.perf_counter(), GC_SECONDS[0]))
+        (t0, _), (t1, _) = self.stamps[-2:]
+        print(f"  TRL iteration {len(self.stamps) - 1}/{args.num_total_batches}: {t1 - t0:.2f} s", flush=True)
 
 
 def main() -> None:
