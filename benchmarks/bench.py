@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import yaml
 
-from rayppo.config import Config, actor_threads, load_config, to_dict
+from rayppo.config import Config, actor_threads, load_config, to_dict, weight_sync_backend
 from rayppo.models.embedded import cache_root
 
 HERE = Path(__file__).resolve().parent
@@ -183,6 +183,8 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path, v
             "batch_size": cfg.rollout.batch_size, "epochs": cfg.ppo.epochs, "minibatches": cfg.ppo.minibatches,
             "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
             "lr": cfg.ppo.lr, "kl_coef": cfg.ppo.kl_coef, "warmup": warmup, "iterations": iterations,
+            # TRL's PPOConfig turns gradient checkpointing on by default; run both sides alike.
+            "gradient_checkpointing": cfg.learner.gradient_checkpointing,
             "output_dir": str(out_dir / "trl_output")}
     (out_dir / "trl_spec.json").write_text(json.dumps(spec))
     subprocess.run([str(python), str(HERE / "trl_ppo.py"), "--spec", str(out_dir / "trl_spec.json"),
@@ -218,6 +220,7 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")},
         "idle_s": {"generators": _mmm([p["generator_idle_s"] for p in per_iteration]),
                    "learners": _mmm([p["learner_idle_s"] for p in per_iteration])},
+        "weight_sync": weight_sync_backend(cfg) or "object_store",
         "sync_bytes": col["sync/bytes"][-1],
         "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
         "sync_share": statistics.median(s / i for s, i in zip(col["time/sync"], col["time/iteration"])),
@@ -253,7 +256,7 @@ def print_table(s: dict[str, Any]) -> None:
     print(row("learners idle", s["idle_s"]["learners"]))
     print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}   per stage: "
           + ", ".join(f"{k} {v:,.0f}" for k, v in s["stage_tokens_per_s"].items()))
-    print(f"  weight sync          {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
+    print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
           f"{100 * s['sync_share']:.1f}% of the iteration")
     print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
     if "overhead_ratio" in s:

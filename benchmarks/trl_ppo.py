@@ -75,6 +75,7 @@ def main() -> None:
         response_length=spec["max_new_tokens"], stop_token=None, temperature=spec["temperature"],
         total_episodes=iterations * spec["batch_size"], num_sample_generations=0,
         learning_rate=spec["lr"], kl_coef=spec["kl_coef"], logging_steps=1 << 30,
+        gradient_checkpointing=spec["gradient_checkpointing"],
     )
     clock = StepClock()
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref,

@@ -229,6 +229,11 @@ class LearnerConfig:
     """LoRA alpha (scaling = alpha / rank)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources per rank, e.g. ``{learner_node: 1}``."""
+    weight_sync: str = "auto"
+    """How new weights reach the generators: ``broadcast`` (learner rank 0 broadcasts over a
+    process group with the generators' inference workers: NCCL when both roles have whole GPUs,
+    gloo when neither has GPUs), ``object_store`` (rank 0 puts them once in Ray's object store,
+    every generator reads them), or ``auto`` (broadcast between whole GPUs, else object store)."""
     skip_weight_load: bool = False
     """Testing only: generators bump their version without loading the new weights, to show that
     ``logprob_mismatch`` catches a broken sync."""
@@ -252,6 +257,17 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def weight_sync_backend(cfg: Config) -> str | None:
+    """``nccl`` or ``gloo`` when weights are broadcast, None when they go through the object store."""
+    g, mode = cfg.generators, cfg.learner.weight_sync
+    on_gpus = cfg.learner.gpus_per_rank > 0 and g.gpus_per_worker > 0 and g.backend == "vllm"
+    # NCCL cannot put two ranks of one group on one GPU: auto broadcasts only between whole GPUs.
+    whole_gpus = cfg.learner.gpus_per_rank >= 1 and g.gpus_per_worker >= 1
+    if mode == "object_store" or (mode == "auto" and not (on_gpus and whole_gpus)):
+        return None
+    return "nccl" if on_gpus else "gloo"
 
 
 # ------------------------------------------------------------------------------------------
@@ -329,6 +345,16 @@ def _validate_system(cfg: Config) -> Config:
     _require(0 <= lr_.gpus_per_rank <= 1, "learner.gpus_per_rank", "must be in [0, 1]", lr_.gpus_per_rank)
     _require(g.gpus_per_worker <= 1 or float(g.gpus_per_worker).is_integer(), "generators.gpus_per_worker",
              "above 1 must be a whole number (the tensor-parallel size)", g.gpus_per_worker)
+    _require(lr_.weight_sync in ("auto", "broadcast", "object_store"), "learner.weight_sync",
+             "must be auto, broadcast or object_store", lr_.weight_sync)
+    # The hf backend generates on CPU whatever its GPU share.
+    gpu_generators = g.gpus_per_worker > 0 and g.backend == "vllm"
+    if lr_.weight_sync == "broadcast":
+        _require((lr_.gpus_per_rank > 0) == gpu_generators, "learner.weight_sync", "broadcast needs vLLM "
+                 "generators and the learner both on GPUs or both on CPUs (use object_store)", lr_.weight_sync)
+        _require(not gpu_generators or (lr_.gpus_per_rank >= 1 and g.gpus_per_worker >= 1), "learner.weight_sync",
+                 "broadcast over NCCL needs whole GPUs per learner rank and generator (NCCL cannot join two "
+                 "processes sharing one GPU; use object_store)", lr_.weight_sync)
     _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
     for name, threads in (("generators", g.threads), ("reference", cfg.reference.threads),

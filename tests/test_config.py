@@ -2,7 +2,7 @@
 
 import pytest
 
-from rayppo.config import Config, ConfigError, field_docs, load_config
+from rayppo.config import Config, ConfigError, field_docs, load_config, weight_sync_backend
 
 
 def test_defaults_are_valid_and_every_field_is_documented():
@@ -57,3 +57,34 @@ def test_missing_and_malformed_config_files(tmp_path):
 def test_override_without_equals_sign():
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(None, ["ppo.clip_eps"])
+
+
+@pytest.mark.parametrize(
+    "overrides, backend",
+    [
+        ([], None),  # CPUs: the object store by default
+        (["learner.weight_sync=broadcast"], "gloo"),
+        (["learner.gpus_per_rank=1", "generators.gpus_per_worker=1"], "nccl"),
+        (["learner.gpus_per_rank=1", "generators.gpus_per_worker=2"], "nccl"),  # tensor parallel
+        (["learner.gpus_per_rank=0.5", "generators.gpus_per_worker=0.5"], None),  # may share a GPU
+        (["learner.gpus_per_rank=1", "generators.gpus_per_worker=1", "learner.weight_sync=object_store"], None),
+        (["learner.gpus_per_rank=1", "generators.gpus_per_worker=1", "generators.backend=hf"], None),
+    ],
+)
+def test_weight_sync_backend_follows_the_resources(overrides, backend):
+    assert weight_sync_backend(load_config(None, overrides)) == backend
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["learner.weight_sync=nccl"], "must be auto, broadcast or object_store"),
+        (["learner.weight_sync=broadcast", "learner.gpus_per_rank=1"], "both on GPUs or both on CPUs"),
+        (["learner.weight_sync=broadcast", "learner.gpus_per_rank=0.5", "generators.gpus_per_worker=0.5"],
+         "NCCL cannot join two processes sharing one GPU"),
+    ],
+)
+def test_impossible_weight_sync_is_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith("learner.weight_sync")

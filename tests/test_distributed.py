@@ -59,11 +59,35 @@ def test_end_to_end_two_generators_two_ranks_reward_rises_and_sync_is_exact(tmp_
     assert AutoModelForCausalLM.from_pretrained(out / "policy").config.model_type == "llama"
 
 
-def test_sync_check_fails_when_weights_are_not_loaded():
+@pytest.mark.parametrize("sync", ["object_store", "broadcast"])
+def test_sync_check_fails_when_weights_are_not_loaded(sync):
     records, _ = run_iterations(["learner.skip_weight_load=true", "rollout.batch_size=32", "learner.num_ranks=1",
-                                 "ppo.lr=0.003"], 3)
+                                 "ppo.lr=0.003", f"learner.weight_sync={sync}"], 3)
     assert records[0]["logprob_mismatch/max"] < 1e-4  # nothing trained yet
     assert records[2]["logprob_mismatch/max"] > 1e-2  # generators still sample from version 0 weights
+
+
+def _policy_bytes(embedded_dir) -> int:
+    return sum(t.numel() * t.element_size() for t in AutoModelForCausalLM.from_pretrained(embedded_dir).state_dict().values())
+
+
+def test_broadcast_sync_of_zero3_partitions_into_two_vllm_engines_is_exact(embedded_dir):
+    """learner.weight_sync=broadcast: rank 0 gathers the ZeRO-3 partitions and broadcasts them over
+    gloo to both generators' vLLM weight-transfer engines; the generators then run those weights."""
+    records, _ = run_iterations(["learner.weight_sync=broadcast", "learner.zero_stage=3", "learner.num_ranks=2",
+                                 "generators.num=2", "generators.cpus_per_worker=0.25", "rollout.batch_size=32",
+                                 "ppo.lr=0.003"], 3)
+    assert max(r["logprob_mismatch/max"] for r in records) < 1e-4
+    assert records[2]["kl/ref_mean"] > 1e-4  # the policy did move away from the reference
+    assert records[-1]["sync/bytes"] == 2 * _policy_bytes(embedded_dir)
+
+
+def test_lora_policy_syncs_merged_weights(embedded_dir):
+    records, _ = run_iterations(["learner.lora_rank=4", "learner.lora_alpha=32", "learner.num_ranks=1",
+                                 "rollout.batch_size=32", "ppo.lr=0.01"], 3)
+    assert max(r["logprob_mismatch/max"] for r in records) < 1e-4
+    assert records[2]["kl/ref_mean"] > 1e-4  # the adapters changed the sampled policy
+    assert records[-1]["sync/bytes"] == _policy_bytes(embedded_dir)  # full merged weights, no adapter names
 
 
 def _equivalence_overrides(ranks: int, zero: int) -> list[str]:

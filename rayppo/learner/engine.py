@@ -9,7 +9,8 @@ DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rayppo.actors.base import Engine
 from rayppo.config import Config
 from rayppo.data.rollout import Rollout
 from rayppo.learner.experience import local_minibatches, make_experience, minibatch_plan, ppo_update
+from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, WeightSender, param_specs
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.weights import WeightsPayload, pack_weights
 
@@ -104,6 +106,7 @@ class LearnerEngine(Engine):
             model=critic, model_parameters=list(critic.parameters()),
             config=deepspeed_config(cfg, cfg.ppo.critic_lr, world_size))
         self.version = 0
+        self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
 
     def train(self, shard: Rollout, offset: int, batch_size: int, kl_coef: float, iteration: int) -> dict[str, float]:
         """Values, shaped rewards, GAE, global whitening and M epochs of PPO on this rank's rows.
@@ -121,7 +124,7 @@ class LearnerEngine(Engine):
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, self.cfg.rollout.temperature,
                             self._step, self.collective)
         self.version += 1
-        return stats
+        return stats | {"policy/version": float(self.version)}
 
     def _step(self, policy_objective: torch.Tensor, value_objective: torch.Tensor) -> None:
         self.policy.backward(policy_objective)
@@ -129,7 +132,8 @@ class LearnerEngine(Engine):
         self.policy.step()
         self.critic.step()
 
-    def policy_weights(self) -> WeightsPayload | None:
+    @contextmanager
+    def _full_policy(self) -> Iterator[dict[str, torch.Tensor] | None]:
         """Full policy weights (HF names) on rank 0, None elsewhere. Collective: call on all ranks.
 
         ZeRO-3 partitions are gathered; with LoRA the adapters are merged into the base weights.
@@ -137,9 +141,35 @@ class LearnerEngine(Engine):
         module = self.policy.module
         with self._gathered(module):
             if self.rank != 0:
+                yield None
+            else:
+                yield _merged_lora_state(module) if self.cfg.learner.lora_rank > 0 else module.state_dict()
+
+    def policy_weights(self) -> WeightsPayload | None:
+        """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere)."""
+        with self._full_policy() as named:
+            return None if named is None else pack_weights(named, self.version)
+
+    def open_weight_sync(self, endpoint: SyncEndpoint) -> list[ParamSpec] | None:
+        """Rank 0 joins the sync group as its root; returns the stream layout (rank 0).
+
+        Blocks until every generator has joined; call on all ranks (ZeRO-3 gathers to find shapes).
+        """
+        with self._full_policy() as named:
+            if named is None:
                 return None
-            named = _merged_lora_state(module) if self.cfg.learner.lora_rank > 0 else module.state_dict()
-            return pack_weights(named, self.version)
+            specs = param_specs(named)
+        self.sender = WeightSender(endpoint, specs, self.device)
+        return specs
+
+    def send_weights(self) -> int:
+        """Broadcast the current policy to the sync group; returns bytes delivered (0 off rank 0)."""
+        with self._full_policy() as named:
+            if named is None:
+                return 0
+            if self.sender is None:
+                raise RuntimeError("send_weights before open_weight_sync: the sync group is not open")
+            return self.sender.send(named)
 
     def save(self, out_dir: str, client_state: dict[str, Any] | None = None, checkpoint: bool = False) -> None:
         """Final models in HF format (rank 0); with ``checkpoint`` also DeepSpeed optimizer states."""

@@ -12,6 +12,7 @@ from rayppo.cluster.placement import Placement
 from rayppo.config import Config, actor_threads
 from rayppo.data.rollout import Rollout
 from rayppo.learner.engine import LearnerEngine
+from rayppo.learner.weight_sync import SyncEndpoint
 
 
 def _rendezvous_address() -> tuple[str, int]:
@@ -27,15 +28,20 @@ class LearnerGroup:
     def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None):
         n = cfg.learner.num_ranks
         threads = actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
+        self.placement = placement
+        addr, port = self.rank0_address()
         if placement is None:  # in-process, one rank (tests)
-            addr, port = "127.0.0.1", _rendezvous_address()[1]
             self.ranks = ActorGroup(LearnerEngine, [(cfg, 0, 1, addr, port, None)], local=True)
         else:
-            probe = ray.remote(_rendezvous_address).options(**placement.actor_options(0))
-            addr, port = get(probe.remote())
             args = [(cfg, rank, n, addr, port, threads) for rank in range(n)]
             self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
+
+    def rank0_address(self) -> tuple[str, int]:
+        """Address of rank 0's node and a port free there (for rendezvous stores)."""
+        if self.placement is None:
+            return "127.0.0.1", _rendezvous_address()[1]
+        return get(ray.remote(_rendezvous_address).options(**self.placement.actor_options(0)).remote())
 
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
         """One PPO iteration over ``rollout``, its rows split contiguously across the ranks."""
@@ -46,6 +52,14 @@ class LearnerGroup:
     def policy_weights(self) -> Any:
         """A future of rank 0's ``WeightsPayload`` (the value itself when in-process)."""
         return self.ranks.call_all(LearnerEngine.policy_weights)[0]
+
+    def open_weight_sync(self, endpoint: SyncEndpoint) -> list[Any]:
+        """Futures: rank 0 joins the sync group as root (returns the stream layout); all ranks call."""
+        return self.ranks.call_all(LearnerEngine.open_weight_sync, endpoint)
+
+    def send_weights(self) -> list[Any]:
+        """Futures: broadcast the policy to the sync group (rank 0's result: bytes delivered)."""
+        return self.ranks.call_all(LearnerEngine.send_weights)
 
     def save(self, out_dir: str, client_state: dict[str, Any], checkpoint: bool) -> None:
         self.ranks.get(self.ranks.call_all(LearnerEngine.save, out_dir, client_state, checkpoint))

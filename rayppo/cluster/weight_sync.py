@@ -1,0 +1,76 @@
+"""How learner rank 0's new policy reaches every generator (``learner.weight_sync``).
+
+- ``ObjectStoreSync``: rank 0 packs the (gathered, merged) weights into numpy arrays and puts them
+  in Ray's object store once; every generator reads them (zero-copy on its node) and reloads them
+  in place. Works everywhere; on GPUs the weights make a device -> host -> device round trip.
+- ``BroadcastSync``: rank 0 and every inference worker of every generator form one process group
+  at start (``rayppo/learner/weight_sync.py``); each sync is one broadcast per tensor, received by
+  vLLM's weight-transfer engine inside each worker (NCCL GPU to GPU, or gloo on CPUs).
+
+Both check that every generator reports the version the learner just produced.
+"""
+
+from __future__ import annotations
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.cluster.group import ActorGroup, get
+from rayppo.config import Config, weight_sync_backend
+from rayppo.learner.group import LearnerGroup
+from rayppo.learner.weight_sync import SyncEndpoint
+
+
+def _check_versions(versions: list[int], expected: int) -> None:
+    if any(v != expected for v in versions):
+        raise RuntimeError(f"generators report policy versions {versions} after sync, expected {expected}")
+
+
+class ObjectStoreSync:
+    """Weights through Ray's object store: put once by rank 0, read by every generator."""
+
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup, skip: bool = False):
+        self.learner, self.generators, self.skip = learner, generators, skip
+        self.payload_bytes: int | None = None
+
+    def sync(self, version: int) -> int:
+        """Move the weights of ``version``; returns the bytes delivered to the generators."""
+        payload = self.learner.policy_weights()  # an ObjectRef: rank 0's WeightsPayload
+        g = self.generators
+        _check_versions(g.get(g.call_all(GeneratorEngine.load_weights, payload, self.skip)), version)
+        if self.payload_bytes is None:
+            self.payload_bytes = get(payload).nbytes
+        return self.payload_bytes * len(g)
+
+
+class BroadcastSync:
+    """Weights broadcast by rank 0 over a process group it shares with every inference worker."""
+
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup, backend: str, workers_per_generator: int,
+                 skip: bool = False, timeout_s: float = 600.0):
+        self.learner, self.generators, self.skip = learner, generators, skip
+        host, port = learner.rank0_address()
+        endpoint = SyncEndpoint(backend, host, port, 1 + len(generators) * workers_per_generator, timeout_s)
+        # Both sides block until the group is complete: start the generators' joins first.
+        offsets = [(endpoint, 1 + i * workers_per_generator) for i in range(len(generators))]
+        joins = generators.call(GeneratorEngine.join_weight_sync, offsets)
+        opened = learner.open_weight_sync(endpoint)
+        self.specs = get(opened)[0]
+        get(joins)
+
+    def sync(self, version: int) -> int:
+        """Broadcast the weights of ``version``; returns the bytes delivered to the workers."""
+        receives = self.generators.call_all(GeneratorEngine.receive_weights, self.specs, version, self.skip)
+        sends = [] if self.skip else self.learner.send_weights()
+        results = get(sends + receives)
+        _check_versions(results[len(sends):], version)
+        return results[0] if sends else 0
+
+
+def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup) -> ObjectStoreSync | BroadcastSync:
+    """The strategy ``learner.weight_sync`` selects (see ``weight_sync_backend``)."""
+    backend = weight_sync_backend(cfg)
+    skip = cfg.learner.skip_weight_load
+    if backend is None:
+        return ObjectStoreSync(learner, generators, skip)
+    # A vLLM generator has one inference worker per tensor-parallel GPU; the hf backend has one.
+    tp = max(1, int(cfg.generators.gpus_per_worker)) if cfg.generators.backend == "vllm" else 1
+    return BroadcastSync(learner, generators, backend, tp, skip)

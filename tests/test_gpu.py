@@ -1,0 +1,67 @@
+"""The GPU path: CUDA vLLM generators, NCCL learner group and NCCL weight broadcast (opt-in).
+
+Run on a GPU machine with ``RAYPPO_GPU_TESTS=1 pytest tests/test_gpu.py``. The CPU build of this
+project cannot exercise CUDA or NCCL, so these tests are skipped elsewhere; the same code paths
+run on CPU with gloo in ``test_weight_sync.py`` and ``test_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rayppo.config import load_config, weight_sync_backend
+
+OPTED_IN = os.environ.get("RAYPPO_GPU_TESTS") == "1"
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not OPTED_IN, reason="GPU tests are opt-in: RAYPPO_GPU_TESTS=1 on a CUDA machine")]
+
+# fp32 on GPUs: vLLM's and transformers' attention kernels differ in summation order only.
+MISMATCH_TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run(overrides: list[str], n: int) -> list[dict[str, float]]:
+    from rayppo.cluster.driver import DistributedTrainer
+
+    trainer = DistributedTrainer(load_config(None, overrides))
+    try:
+        return [trainer.iteration() for _ in range(n)]
+    finally:
+        trainer.close()
+
+
+BASE = ["rollout.batch_size=32", "ppo.lr=0.003", "learner.num_ranks=1", "generators.gpu_memory_utilization=0.25",
+        "generators.enforce_eager=true"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+def test_shared_gpu_run_syncs_through_the_object_store():
+    """All roles on one GPU (fractional shares): weights go device -> host -> device."""
+    overrides = BASE + ["learner.gpus_per_rank=0.4", "generators.gpus_per_worker=0.4", "reference.gpus=0.1",
+                        "reward.gpus=0.1"]
+    assert weight_sync_backend(load_config(None, overrides)) is None
+    records = _run(overrides, 3)
+    assert max(r["logprob_mismatch/max"] for r in records) < MISMATCH_TOLERANCE
+    assert records[2]["kl/ref_mean"] > 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: NCCL cannot join two ranks on one GPU")
+def test_nccl_broadcast_sync_end_to_end():
+    """Learner on GPU 0, vLLM generator on GPU 1: each sync is an NCCL broadcast GPU to GPU."""
+    overrides = BASE + ["learner.gpus_per_rank=1", "generators.gpus_per_worker=1"]
+    assert weight_sync_backend(load_config(None, overrides)) == "nccl"
+    records = _run(overrides, 3)
+    assert max(r["logprob_mismatch/max"] for r in records) < MISMATCH_TOLERANCE
+    assert records[2]["kl/ref_mean"] > 1e-4
+    assert records[-1]["sync/bytes"] > 0

@@ -1,0 +1,144 @@
+"""Weight sync without Ray: learner-side sender and generator-side receivers in one process.
+
+The sender (``rayppo/learner/weight_sync.py``) and a real vLLM CPU engine with rayppo's
+weight-transfer engine (``rayppo/actors/weight_receiver.py``) form a gloo group over loopback, the
+same code path the NCCL group takes on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.data.prompts import PromptBatch
+from rayppo.learner.weight_sync import SyncEndpoint, WeightSender, open_sync_group, param_specs, receive_stream
+from rayppo.models.loading import load_causal_lm, load_tokenizer
+from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.weights import pack_weights
+
+SAMPLING = SamplingSettings(max_new_tokens=6, temperature=0.9, ignore_eos=True)
+
+
+def _endpoint(world_size: int) -> SyncEndpoint:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return SyncEndpoint("gloo", "127.0.0.1", port, world_size, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory):
+    """A random-init Llama with 256 positions: prompts of 160 tokens fill whole KV-cache blocks
+    (128 tokens on CPU), so vLLM's prefix cache holds them between two generate calls."""
+    from rayppo.models.embedded import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("long_context"), vocab_size=512, max_position_embeddings=256)
+
+
+def _perturbed_state(model_dir) -> dict[str, torch.Tensor]:
+    """The model's weights plus noise of their own spread: log-probs move by more than 0.01."""
+    state = load_causal_lm(model_dir, "float32").state_dict()
+    g = torch.Generator().manual_seed(1)
+    return {k: v + v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 and v.std() > 0 else v.clone()
+            for k, v in state.items()}
+
+
+def _prompts(tokenizer) -> PromptBatch:
+    texts = [" ".join(f"w{(i * 7 + j) % 300}" for j in range(160)) for i in range(4)]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    assert min(len(p) for p in ids) >= 150
+    return PromptBatch(texts, ids)
+
+
+def _mismatch(rollout, model, pad_id: int) -> float:
+    """Largest |generator log-prob - log-prob recomputed by ``model``| over the rollout's tokens."""
+    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
+    logprobs, _ = policy_forward(model, batch, SAMPLING.temperature)
+    return max((logprobs[i, : len(lp)] - torch.tensor(lp)).abs().max().item() for i, lp in enumerate(rollout.logprobs))
+
+
+def _sync_once(generator: GeneratorEngine, new_state: dict[str, torch.Tensor]) -> int:
+    """Open a 2-rank group (sender + this generator) and broadcast ``new_state`` once."""
+    endpoint = _endpoint(world_size=2)
+    with ThreadPoolExecutor(2) as pool:
+        sender = pool.submit(WeightSender, endpoint, param_specs(new_state), torch.device("cpu"))
+        generator.join_weight_sync(endpoint, rank_offset=1)
+        sender = sender.result()
+        sent = pool.submit(sender.send, new_state)
+        version = generator.receive_weights(param_specs(new_state), version=7)
+        assert version == 7 and generator.policy_version == 7
+        return sent.result()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, sync", [("vllm", "broadcast"), ("hf", "broadcast"), ("vllm", "object_store")])
+def test_sync_makes_generator_sample_from_the_new_weights(backend, sync, long_context_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    tokenizer = load_tokenizer(long_context_dir)
+    vllm = VLLMSettings(kv_cache_gib=1, collective_sync=True)
+    generator = GeneratorEngine(str(long_context_dir), SAMPLING, backend=backend, seed=0, vllm=vllm)
+    new_state = _perturbed_state(long_context_dir)
+    old_model = load_causal_lm(long_context_dir, "float32").eval()
+    new_model = load_causal_lm(long_context_dir, "float32").eval()
+    new_model.load_state_dict(new_state)
+    pad = tokenizer.pad_token_id
+
+    before = generator.generate(_prompts(tokenizer), seed=0)  # also fills vLLM's prefix cache
+    assert _mismatch(before, old_model, pad) < 1e-4
+    if sync == "broadcast":
+        sent = _sync_once(generator, new_state)
+        assert sent == sum(t.numel() * t.element_size() for t in new_state.values())
+    else:
+        assert generator.load_weights(pack_weights(new_state, version=7)) == 7
+    after = generator.generate(_prompts(tokenizer), seed=0)  # same prompts: cached KV must not be reused
+    assert after.policy_version == [7] * 4
+    assert _mismatch(after, new_model, pad) < 1e-4  # fp32: the generator runs exactly the sent weights
+    assert _mismatch(after, old_model, pad) > 1e-2  # and they are not the old ones (the check can fail)
+
+
+def test_sender_refuses_a_stream_whose_layout_changed():
+    endpoint = _endpoint(world_size=2)
+    named = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
+    with ThreadPoolExecutor(1) as pool:
+        receiver = pool.submit(open_sync_group, endpoint, 1)
+        sender = WeightSender(endpoint, param_specs(named), torch.device("cpu"))
+        group = receiver.result()
+        with pytest.raises(RuntimeError, match="changed name, dtype or shape"):
+            sender.send({"a": torch.ones(4), "b": torch.zeros(2, 2)})
+        received = pool.submit(lambda: dict(receive_stream(group, param_specs(named), torch.device("cpu"))))
+        assert sender.send(named) == 3 * 4 + 4 * 4
+        assert torch.equal(received.result()["a"], named["a"])
+
+
+def test_unknown_sync_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="weight sync backend must be one of"):
+        open_sync_group(SyncEndpoint("mpi", "127.0.0.1", 1, 2), 0)
+
+
+def _two_gpus() -> bool:
+    return os.environ.get("RAYPPO_GPU_TESTS") == "1" and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs (NCCL cannot join two ranks on one GPU); "
+                                            "opt in with RAYPPO_GPU_TESTS=1")
+def test_nccl_group_broadcasts_cuda_tensors():
+    """The NCCL variant of the group: sender on GPU 0, receiver on GPU 1."""
+    endpoint = SyncEndpoint("nccl", "127.0.0.1", _endpoint(2).port, 2, timeout_s=60)
+
+    def receive(group):
+        torch.cuda.set_device(1)
+        return dict(receive_stream(group, param_specs(named), torch.device("cuda", 1)))
+
+    named = {"w": torch.arange(6, dtype=torch.bfloat16, device="cuda:0").reshape(2, 3)}
+    with ThreadPoolExecutor(1) as pool:
+        receiver = pool.submit(open_sync_group, endpoint, 1)
+        sender = WeightSender(endpoint, param_specs(named), torch.device("cuda", 0))
+        received = pool.submit(receive, receiver.result())
+        sender.send(named)
+        assert torch.equal(received.result()["w"].cpu(), named["w"].cpu())
