@@ -9,6 +9,7 @@ DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -149,6 +150,13 @@ class LearnerEngine(Engine):
         """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere)."""
         with self._full_policy() as named:
             return None if named is None else pack_weights(named, self.version)
+
+    @staticmethod
+    def free_port() -> int:
+        """A TCP port free on this rank's node (the sync group's store binds it next)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
 
     def open_weight_sync(self, endpoint: SyncEndpoint) -> list[ParamSpec] | None:
         """Rank 0 joins the sync group as its root; returns the stream layout (rank 0).

@@ -28,20 +28,20 @@ class LearnerGroup:
     def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None):
         n = cfg.learner.num_ranks
         threads = actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
-        self.placement = placement
-        addr, port = self.rank0_address()
         if placement is None:  # in-process, one rank (tests)
+            addr, port = "127.0.0.1", _rendezvous_address()[1]
             self.ranks = ActorGroup(LearnerEngine, [(cfg, 0, 1, addr, port, None)], local=True)
         else:
+            # Probed in rank 0's bundle before rank 0 takes it (afterwards a task would not fit).
+            addr, port = get(ray.remote(_rendezvous_address).options(**placement.actor_options(0)).remote())
             args = [(cfg, rank, n, addr, port, threads) for rank in range(n)]
             self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
+        self.rank0_host = addr
 
     def rank0_address(self) -> tuple[str, int]:
-        """Address of rank 0's node and a port free there (for rendezvous stores)."""
-        if self.placement is None:
-            return "127.0.0.1", _rendezvous_address()[1]
-        return get(ray.remote(_rendezvous_address).options(**self.placement.actor_options(0)).remote())
+        """Address of rank 0's node and a port free there now (for another rendezvous store)."""
+        return self.rank0_host, self.ranks.get(self.ranks.call_all(LearnerEngine.free_port))[0]
 
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
         """One PPO iteration over ``rollout``, its rows split contiguously across the ranks."""
