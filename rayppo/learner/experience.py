@@ -179,7 +179,8 @@ def minibatch_loss(
     """``(policy objective, value objective, stats)`` of this rank's part of a minibatch."""
     part = exp.rows(mb.rows)
     mask = part.batch.mask
-    logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True)
+    logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
+                                       entropy_grad=cfg.entropy_coef != 0)
     pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, cfg.clip_eps, cfg.loss_agg)
     entropy_mean = ppo.masked_mean(entropy, mask)
     values, _ = critic_forward(critic, part.batch)

@@ -90,12 +90,15 @@ def _response_slice(batch: PackedBatch) -> slice:
 
 
 def policy_forward(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False
+    model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs [B, T], entropy [B, T] or None)`` of the response tokens under ``model``.
 
     Logits are divided by the sampling temperature, the same transformation the sampler
     applied, so these match the old log-probs a generator reports. Padding positions are 0.
+    ``entropy_grad=False`` computes the entropy as a statistic only: no autograd graph through a
+    softmax over the whole vocabulary (with a zero entropy bonus that backward is pure cost).
     """
     out = model(
         input_ids=batch.input_ids,
@@ -105,7 +108,10 @@ def policy_forward(
     )
     logits = out.logits[:, _response_slice(batch)].float() / temperature
     logprobs = logprobs_from_logits(logits, batch.response_ids) * batch.mask
-    entropy = entropy_from_logits(logits) * batch.mask if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits) * batch.mask
     return logprobs, entropy
 
 
