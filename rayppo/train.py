@@ -6,10 +6,13 @@ The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import yaml
 from tqdm import tqdm
@@ -48,6 +51,35 @@ def _mean_reward(records: list[dict[str, float]]) -> float:
     return sum(r["reward/mean"] for r in records) / max(len(records), 1)
 
 
+class _StopRequest:
+    """The first Ctrl-C asks the loop to stop after the current iteration; a second one aborts it.
+
+    Stopping at an iteration boundary keeps the interrupt out of Ray and DeepSpeed calls in
+    flight, so the checkpoint that follows starts from a consistent state.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("Ctrl-C: stopping after this iteration, then saving a checkpoint (Ctrl-C again to stop now)",
+                   file=sys.stderr)
+
+    @contextmanager
+    def installed(self) -> Iterator["_StopRequest"]:
+        if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
     """Run ``cfg.stop.iterations`` iterations of ``trainer``; write every output of a run."""
     out = Path(cfg.output.dir)
@@ -56,27 +88,33 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
     logger = MetricsLogger(out, cfg.output.tensorboard)
     stop_reason, done = "completed", 0
     bar = tqdm(total=cfg.stop.iterations, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
+    stop = _StopRequest()
     try:
-        for it in range(cfg.stop.iterations):
-            metrics = trainer.iteration()
-            logger.log(it, metrics)
-            done = it + 1
-            if cfg.output.save_rollouts and trainer.last_rollout is not None:
-                trainer.last_rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}",
-                kl=f"{metrics['kl/ref_mean']:.2f}",
-                tok_s=f"{metrics['throughput/tokens_per_s']:.0f}",
-            )
-            bar.update()
-            if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
-                stop_reason = "kl_budget"
-                tqdm.write(
-                    f"Stopping early at iteration {it}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} nats "
-                    f"per response exceeds stop.kl_budget = {cfg.stop.kl_budget}",
-                    file=sys.stderr,
+        with stop.installed():
+            for it in range(cfg.stop.iterations):
+                metrics = trainer.iteration()
+                logger.log(it, metrics)
+                done = it + 1
+                if cfg.output.save_rollouts and trainer.last_rollout is not None:
+                    trainer.last_rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}",
+                    kl=f"{metrics['kl/ref_mean']:.2f}",
+                    tok_s=f"{metrics['throughput/tokens_per_s']:.0f}",
                 )
-                break
+                bar.update()
+                if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
+                    stop_reason = "kl_budget"
+                    tqdm.write(
+                        f"Stopping early at iteration {it}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} nats "
+                        f"per response exceeds stop.kl_budget = {cfg.stop.kl_budget}",
+                        file=sys.stderr,
+                    )
+                    break
+                if stop.requested:
+                    stop_reason = "interrupted"
+                    tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
+                    break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
