@@ -113,14 +113,14 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
                     break
                 if stop.requested:
                     stop_reason = "interrupted"
-                    tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
                     break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C, mid-iteration
         stop_reason = "interrupted"
-        tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
     finally:
         bar.close()
         logger.close()
+    if stop_reason == "interrupted":
+        tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
     try:
         if cfg.output.save_model or stop_reason == "interrupted":
             trainer.save(out, checkpoint=stop_reason == "interrupted")

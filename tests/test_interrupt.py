@@ -35,3 +35,19 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, embedded_dir):
     assert any(p.name.endswith("optim_states.pt") for p in state_files), state_files  # optimizer state
     assert (out / "checkpoint" / "critic" / "latest").is_file()
     assert (out / "policy" / "config.json").is_file() and (out / "critic" / "value_head.safetensors").is_file()
+
+
+def test_first_ctrl_c_asks_for_a_stop_and_the_second_aborts():
+    import os
+
+    from rayppo.train import _StopRequest
+
+    stop = _StopRequest()
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # the handler runs between bytecodes of the main thread
+        assert stop.requested  # no KeyboardInterrupt yet: the iteration may finish
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored

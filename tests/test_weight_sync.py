@@ -8,7 +8,6 @@ same code path the NCCL group takes on GPUs.
 from __future__ import annotations
 
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,7 +15,8 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.data.prompts import PromptBatch
-from rayppo.learner.weight_sync import SyncEndpoint, WeightSender, open_sync_group, param_specs, receive_stream
+from rayppo.learner.weight_sync import (SyncEndpoint, WeightSender, free_port, open_sync_group, param_specs,
+                                        receive_stream)
 from rayppo.models.loading import load_causal_lm, load_tokenizer
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import pack_weights
@@ -25,10 +25,7 @@ SAMPLING = SamplingSettings(max_new_tokens=6, temperature=0.9, ignore_eos=True)
 
 
 def _endpoint(world_size: int) -> SyncEndpoint:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return SyncEndpoint("gloo", "127.0.0.1", port, world_size, timeout_s=60)
+    return SyncEndpoint("gloo", "127.0.0.1", free_port(), world_size, timeout_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +126,7 @@ def _two_gpus() -> bool:
                                             "opt in with RAYPPO_GPU_TESTS=1")
 def test_nccl_group_broadcasts_cuda_tensors():
     """The NCCL variant of the group: sender on GPU 0, receiver on GPU 1."""
-    endpoint = SyncEndpoint("nccl", "127.0.0.1", _endpoint(2).port, 2, timeout_s=60)
+    endpoint = SyncEndpoint("nccl", "127.0.0.1", free_port(), 2, timeout_s=60)
 
     def receive(group):
         torch.cuda.set_device(1)

@@ -9,7 +9,6 @@ DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -23,7 +22,7 @@ from rayppo.actors.base import Engine
 from rayppo.config import Config
 from rayppo.data.rollout import Rollout
 from rayppo.learner.experience import local_minibatches, make_experience, minibatch_plan, ppo_update
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, WeightSender, param_specs
+from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, WeightSender, free_port, param_specs
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.weights import WeightsPayload, pack_weights
 
@@ -154,9 +153,7 @@ class LearnerEngine(Engine):
     @staticmethod
     def free_port() -> int:
         """A TCP port free on this rank's node (the sync group's store binds it next)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port()
 
     def open_weight_sync(self, endpoint: SyncEndpoint) -> list[ParamSpec] | None:
         """Rank 0 joins the sync group as its root; returns the stream layout (rank 0).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import ray
@@ -12,14 +11,12 @@ from rayppo.cluster.placement import Placement
 from rayppo.config import Config, actor_threads
 from rayppo.data.rollout import Rollout
 from rayppo.learner.engine import LearnerEngine
-from rayppo.learner.weight_sync import SyncEndpoint
+from rayppo.learner.weight_sync import SyncEndpoint, free_port
 
 
 def _rendezvous_address() -> tuple[str, int]:
     """This node's address and a free port (run where rank 0 will run)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port()
 
 
 class LearnerGroup:

@@ -15,6 +15,7 @@ imported, so the learner does not depend on vLLM.
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,13 @@ class ParamSpec:
     dtype: str
     """torch dtype name, e.g. ``float32``."""
     shape: tuple[int, ...]
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now (for a rendezvous store to bind next)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def open_sync_group(endpoint: SyncEndpoint, rank: int) -> dist.ProcessGroup:
