@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayppo.cluster.placement import PlacementError
     from rayppo.config import ConfigError
     from rayppo.data.prompts import PromptDataError
+    from rayppo.guard import CorrectnessError
 
     from transformers.utils import logging as hf_logging
 
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("status", "logs", "stop"):
             return cmd_job(args)
         return cmd_config(args)
-    except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError) as exc:
+    except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError,
+            CorrectnessError) as exc:
         print(f"rayppo: error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,9 @@ from typing import Any
 
 import yaml
 
+SYNC_FAULTS = ("none", "skip_all", "skip_tensor", "perturb_tensor")
+"""``checks.sync_fault`` values (``rayppo.models.weights.SyncFault``)."""
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message starts with the dotted field name."""
@@ -90,14 +93,24 @@ class RolloutConfig:
     batch_size: int = 64
     """Prompts (= responses) per PPO iteration."""
     max_new_tokens: int = 12
-    """Response length limit T; a response cut here is a truncation and bootstraps V(S_T)."""
+    """Response length limit T; a response cut here is a truncation (see ``truncation``)."""
     temperature: float = 1.0
     """Sampling temperature; the learner recomputes log-probs as log_softmax(logits / T)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold. Below 1 the sampled distribution is truncated, which the
-    recomputed log-probs do not model; keep 1.0 for exact PPO."""
+    """Nucleus sampling threshold; must be 1.0. Below 1 the sampler draws from a renormalised
+    nucleus while the learner and the reference score the full ``log_softmax(logits / T)``, so
+    the PPO ratio and every KL_t would be off by up to ``-log top_p``: refused at load."""
     ignore_eos: bool = False
     """Always generate ``max_new_tokens`` tokens (fixed-length throughput benchmarks)."""
+    truncation: str = "bootstrap"
+    """How a response cut at ``max_new_tokens`` (finish reason ``length``) enters the return.
+    ``bootstrap`` (the seed's reading): the episode was ended artificially, so its score r_phi
+    is *not* added (it is still logged in ``reward/mean``) and GAE bootstraps with V(S_T), the
+    critic's estimate of everything still to come, the score included. ``terminal``: the cut
+    response is final: r_phi on its last token and bootstrap 0 (TRL's and OpenRLHF's choice)."""
+    missing_eos_penalty: float = 0.0
+    """``truncation=terminal`` only: subtracted from the score of every cut response (a push
+    towards ending with EOS); 0 disables."""
 
 
 @dataclass
@@ -140,6 +153,32 @@ class PPOConfig:
     """Whiten advantages over the whole rollout batch before the update."""
     loss_agg: str = "token-mean"
     """Policy-loss aggregation: ``token-mean`` or ``seq-mean-token-mean``."""
+
+
+@dataclass
+class ChecksConfig:
+    max_logprob_mismatch: float | None = None
+    """Correctness guard: largest allowed |log pi_old (generator) - log pi (learner)| over the
+    tokens of the first minibatch, measured before the update. Above it the run stops before
+    training on the rollout, naming the iteration and the generator. Default by ``model.dtype``:
+    1e-3 in float32 (a healthy sync measures ~1e-5), 0.1 in bfloat16 (8-bit mantissa)."""
+    verify_sync: bool = True
+    """After every weight sync each generator fingerprints the weights it actually holds and the
+    run stops, naming generator, tensor and iteration, if they differ from what learner rank 0
+    sent. Metric ``sync/verified`` is 1.0 when every generator matched."""
+    sync_fault: str = "none"
+    """Testing only: make every generator break its weight loads on purpose, to show the guard
+    stopping the run: ``none``, ``skip_all`` (load nothing), ``skip_tensor`` / ``perturb_tensor``
+    (skip, or add 1% of its RMS to, the tensor ``sync_fault_tensor``)."""
+    sync_fault_tensor: str = "model.layers.0.mlp.down_proj.weight"
+    """Testing only: the (Hugging Face) tensor name ``sync_fault`` hits."""
+
+
+def mismatch_limit(checks: "ChecksConfig", dtype: str) -> float:
+    """``checks.max_logprob_mismatch``, or the default of ``model.dtype``."""
+    if checks.max_logprob_mismatch is not None:
+        return checks.max_logprob_mismatch
+    return 1e-3 if dtype == "float32" else 0.1
 
 
 @dataclass
@@ -234,9 +273,6 @@ class LearnerConfig:
     process group with the generators' inference workers: NCCL when both roles have whole GPUs,
     gloo when neither has GPUs), ``object_store`` (rank 0 puts them once in Ray's object store,
     every generator reads them), or ``auto`` (broadcast between whole GPUs, else object store)."""
-    skip_weight_load: bool = False
-    """Testing only: generators bump their version without loading the new weights, to show that
-    ``logprob_mismatch`` catches a broken sync."""
 
 
 @dataclass
@@ -255,6 +291,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -286,7 +323,19 @@ def validate(cfg: Config) -> Config:
     _require(r.batch_size >= 1, "rollout.batch_size", "must be >= 1", r.batch_size)
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
     _require(r.temperature > 0, "rollout.temperature", "must be > 0", r.temperature)
-    _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
+    _require(r.top_p == 1.0, "rollout.top_p", "must be 1.0: nucleus sampling renormalises the sampled "
+             "distribution, which the learner's and reference's log_softmax(logits / T) do not model, so the "
+             "PPO ratio and KL would be silently wrong", r.top_p)
+    _require(r.truncation in ("bootstrap", "terminal"), "rollout.truncation", "must be bootstrap or terminal",
+             r.truncation)
+    _require(r.missing_eos_penalty >= 0, "rollout.missing_eos_penalty", "must be >= 0", r.missing_eos_penalty)
+    _require(r.missing_eos_penalty == 0 or r.truncation == "terminal", "rollout.missing_eos_penalty",
+             "applies only with rollout.truncation=terminal (under bootstrap a cut row has no score)",
+             r.missing_eos_penalty)
+    _require(cfg.checks.sync_fault in SYNC_FAULTS, "checks.sync_fault", f"must be one of {', '.join(SYNC_FAULTS)}",
+             cfg.checks.sync_fault)
+    limit = cfg.checks.max_logprob_mismatch
+    _require(limit is None or limit > 0, "checks.max_logprob_mismatch", "must be > 0 or null", limit)
     _require(p.epochs >= 1, "ppo.epochs", "must be >= 1", p.epochs)
     _require(p.minibatches >= 1, "ppo.minibatches", "must be >= 1", p.minibatches)
     _require(

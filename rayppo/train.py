@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from rayppo.config import Config, to_dict
 from rayppo.data.rollout import Rollout
+from rayppo.guard import CorrectnessError
 from rayppo.metrics import MetricsLogger, plot_metrics, read_metrics
 
 
@@ -39,7 +40,7 @@ class TrainResult:
     iterations: int
     """Iterations completed."""
     stop_reason: str
-    """``completed``, ``kl_budget`` or ``interrupted``."""
+    """``completed``, ``kl_budget`` or ``interrupted`` (a correctness-guard stop raises)."""
     reward_start: float
     """Mean reward of the first iteration (the initial policy)."""
     reward_end: float
@@ -87,6 +88,7 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     logger = MetricsLogger(out, cfg.output.tensorboard)
     stop_reason, done = "completed", 0
+    guard_error: CorrectnessError | None = None
     bar = tqdm(total=cfg.stop.iterations, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
     stop = _StopRequest()
     try:
@@ -116,16 +118,22 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
                     break
     except KeyboardInterrupt:  # a second Ctrl-C, mid-iteration
         stop_reason = "interrupted"
+    except CorrectnessError as exc:  # raised before the bad update, or after a bad sync
+        stop_reason, guard_error = "correctness_guard", exc
     finally:
         bar.close()
         logger.close()
-    if stop_reason == "interrupted":
-        tqdm.write(f"Interrupted after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
+    checkpoint = stop_reason in ("interrupted", "correctness_guard")
+    if checkpoint:
+        why = "Interrupted" if stop_reason == "interrupted" else "Stopped by the correctness guard"
+        tqdm.write(f"{why} after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
     try:
-        if cfg.output.save_model or stop_reason == "interrupted":
-            trainer.save(out, checkpoint=stop_reason == "interrupted")
+        if cfg.output.save_model or checkpoint:
+            trainer.save(out, checkpoint=checkpoint)
     finally:
         trainer.close()
+    if guard_error is not None:
+        raise guard_error
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)

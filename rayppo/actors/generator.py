@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
@@ -26,7 +27,8 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
-from rayppo.models.weights import WeightsPayload, unpack_weights
+from rayppo.models.fingerprint import held_prints, matrix_shape, probe_rows, probes, split_rows
+from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
 
 
 class EmptyResponseError(RuntimeError):
@@ -39,9 +41,9 @@ class SamplingSettings:
 
     max_new_tokens: int
     temperature: float = 1.0
-    top_p: float = 1.0
     ignore_eos: bool = False
     """Always generate ``max_new_tokens`` (fixed-length benchmarks)."""
+    # No top-p / top-k: the learner scores log_softmax(logits / T), so that is what is sampled.
 
 
 @dataclass
@@ -57,34 +59,70 @@ class VLLMSettings:
     """Create the engine with rayppo's weight-transfer engine (weights arrive by broadcast)."""
 
 
-def split_response(tokens: list[int], eos_id: int, pad_id: int) -> tuple[list[int], str]:
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the model's ``generation_config``
+    EOS list (what vLLM stops on), so both backends end responses on the same tokens."""
+    ids = {tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(i for i in ids if i is not None)
+
+
+def split_response(tokens: list[int], eos_ids: list[int], pad_id: int) -> tuple[list[int], str]:
     """Cut a generated row after its first EOS: ``(response ids with EOS, finish reason)``."""
-    if eos_id in tokens:
-        return tokens[: tokens.index(eos_id) + 1], "stop"
-    while tokens and tokens[-1] == pad_id and pad_id != eos_id:
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1], "stop"
+    while tokens and tokens[-1] == pad_id and pad_id not in eos_ids:
         tokens = tokens[:-1]
     return tokens, "length"
 
 
 class _HFBackend:
-    def __init__(self, model_path: str, dtype: str, tokenizer):
+    def __init__(self, model_path: str, dtype: str, tokenizer, eos_ids: list[int]):
         self.model = load_causal_lm(model_path, dtype).eval()
+        # transformers fills every unset field of a generate() call from the model's own
+        # generation_config (repetition_penalty, no_repeat_ngram_size, suppress_tokens, ...), and
+        # each of those would change what is sampled without changing the recorded log-probs.
+        # A fresh config holds only rayppo's settings.
+        self.model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
         self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
         self.sync_group = None
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(named, strict=True)
+        # Tensors not given keep their values (what the correctness guard's weight check is for).
+        unexpected = self.model.load_state_dict(named, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"weight sync: the policy has no tensors named {unexpected[:3]}")
 
     def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
         self.sync_group = open_sync_group(endpoint, rank_offset)
 
-    def receive(self, specs: list[ParamSpec]) -> None:
+    def receive(self, specs: list[ParamSpec], fault: SyncFault) -> None:
         if self.sync_group is None:
             raise RuntimeError("receive_weights before join_weight_sync: not in a sync group")
-        self.load_weights(dict(receive_stream(self.sync_group, specs, self.model.device)))
+        self.load_weights(dict(fault.apply(receive_stream(self.sync_group, specs, self.model.device))))
+
+    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+        state = self.model.state_dict()
+        return held_prints({name: state[name] for name in shapes if name in state})
 
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+        # The in-process trainer samples from the module it trains: eval mode here keeps the KV
+        # cache on (transformers turns it off under gradient checkpointing in train mode).
+        training = self.model.training
+        try:
+            return self._sample(prompt_ids, s, seed)
+        finally:
+            self.model.train(training)
+
+    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+        self.model.eval()
         tok = self.tokenizer
         batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id)
         width = batch.prompt_width
@@ -92,11 +130,12 @@ class _HFBackend:
         out = self.model.generate(
             input_ids=batch.input_ids[:, :width],
             attention_mask=batch.attention_mask[:, :width],
-            do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0,
+            do_sample=True, temperature=s.temperature, top_p=1.0, top_k=0,
             max_new_tokens=s.max_new_tokens, min_new_tokens=s.max_new_tokens if s.ignore_eos else 0,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
         )
-        rows = [split_response(row.tolist(), tok.eos_token_id, tok.pad_token_id) for row in out[:, width:]]
+        eos_ids = [] if s.ignore_eos else self.eos_ids
+        rows = [split_response(row.tolist(), eos_ids, tok.pad_token_id) for row in out[:, width:]]
         response_ids = [ids for ids, _ in rows]
         nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
         logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id), s.temperature)
@@ -104,7 +143,8 @@ class _HFBackend:
 
 
 class _VLLMBackend:
-    def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int):
+    def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int, eos_ids: list[int]):
+        self.eos_ids = eos_ids
         # In-process engine (no extra worker process inside the Ray actor) and a bounded CPU
         # KV cache (without it the engine reserves enough memory to trip Ray's OOM monitor).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -123,7 +163,10 @@ class _VLLMBackend:
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-            logprobs_mode="processed_logprobs", trust_remote_code=False, **extra,
+            logprobs_mode="processed_logprobs", trust_remote_code=False,
+            # vLLM's neutral sampling defaults, not the model's generation_config (rayppo passes
+            # every sampling parameter itself); the EOS ids are passed explicitly in sample().
+            generation_config="vllm", **extra,
         )
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
@@ -132,16 +175,25 @@ class _VLLMBackend:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
+    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+        per_worker = self.llm.collective_rpc(_worker_held_prints, args=(shapes,))
+        if len(per_worker) > 1:
+            # Each tensor-parallel worker holds a shard (rows or columns): the sum over workers of
+            # its probe products is not the full tensor's for row-parallel layers without the
+            # matching probe slice, which the worker cannot know here.
+            raise NotImplementedError("weight fingerprints of tensor-parallel vLLM engines (set checks.verify_sync=false)")
+        return per_worker[0]
+
     def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
         from rayppo.actors.weight_receiver import init_payload
 
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_payload(endpoint, rank_offset),))
 
-    def receive(self, specs: list[ParamSpec]) -> None:
+    def receive(self, specs: list[ParamSpec], fault: SyncFault) -> None:
         from rayppo.actors.weight_receiver import update_payload
 
         self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", args=(update_payload(specs),))
+        self.llm.collective_rpc("update_weights", args=(update_payload(specs, fault),))
         self.llm.collective_rpc("finish_weight_update")
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
@@ -154,8 +206,9 @@ class _VLLMBackend:
         # chunked ("CPU Generator does not use offset"), e.g. 256 prompts of the small benchmark.
         # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
         # detokenisation (rayppo decodes once itself): less Python work per generated token.
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
-                                ignore_eos=s.ignore_eos, logprobs=0, flat_logprobs=True, detokenize=False)
+        params = SamplingParams(temperature=s.temperature, max_tokens=s.max_new_tokens, ignore_eos=s.ignore_eos,
+                                stop_token_ids=None if s.ignore_eos else self.eos_ids,
+                                logprobs=0, flat_logprobs=True, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         response_ids, logprobs, reasons = [], [], []
         for out in outputs:
@@ -165,6 +218,33 @@ class _VLLMBackend:
             logprobs.append(_sampled_logprobs(sample.logprobs, ids))
             reasons.append("length" if sample.finish_reason == "length" else "stop")
         return response_ids, logprobs, reasons
+
+
+@torch.no_grad()
+def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+    """Runs inside a vLLM worker: fingerprints of the weights the engine holds, under the sent
+    (Hugging Face) names. Fused parameters (``packed_modules_mapping``, e.g. qkv_proj ->
+    q/k/v_proj) split back by row blocks; a CPU linear layer whose weight vLLM moved into a
+    oneDNN/SGL kernel (its parameter left empty; vllm/model_executor/layers/utils.py,
+    ``dispatch_cpu_unquantized_gemm``, vLLM 0.32) is probed through that kernel."""
+    model = worker.get_model()
+    packed = getattr(model, "packed_modules_mapping", {})
+    out: dict[str, tuple[float, float]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            names = next(([full.replace(f".{fused}.", f".{part}.") for part in parts]
+                          for fused, parts in packed.items() if f".{fused}." in full), [full])
+            if not all(name in shapes for name in names):
+                continue
+            k = matrix_shape(shapes[names[0]])[1]
+            if param.numel() == 0 and hasattr(module, "cpu_linear"):
+                probe = probes(k).T.to(param.dtype)  # [2, K], exact in any dtype
+                rows = module.cpu_linear(probe, param, None).T.double()
+            else:
+                rows = probe_rows(param.reshape(-1, k) if k > 1 else param.reshape(-1))
+            out.update(split_rows(rows, names, shapes))
+    return out
 
 
 def _sampled_logprobs(steps, ids: list[int]) -> list[float]:
@@ -188,27 +268,30 @@ class GeneratorEngine(Engine):
         seed: int = 0,
         vllm: VLLMSettings | None = None,
         num_threads: int | None = None,
+        sync_fault: SyncFault = SyncFault(),
     ):
         self.set_threads(num_threads)
+        self.sync_fault = sync_fault  # testing only: a broken weight load, on purpose
+        self.sent_shapes: dict[str, list[int]] = {}
         model_path = str(resolve_model_path(model_path))  # "embedded" is built on this node if needed
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = sampling
         self.generator_id = generator_id
         self.policy_version = 0
+        eos_ids = stop_token_ids(self.tokenizer, model_path)
         if backend == "vllm":
-            self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed)
+            self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
-            self.backend = _HFBackend(model_path, dtype, self.tokenizer)
+            self.backend = _HFBackend(model_path, dtype, self.tokenizer, eos_ids)
         else:
             raise ValueError(f"generators.backend must be 'vllm' or 'hf', got {backend!r}")
 
-    def load_weights(self, payload: WeightsPayload, skip: bool = False) -> int:
-        """Take the learner's new weights; later rollouts carry their version. Returns it.
-
-        ``skip`` (testing only) bumps the version without loading: a broken sync, on purpose.
-        """
-        if not skip:
-            self.backend.load_weights(unpack_weights(payload))
+    def load_weights(self, payload: WeightsPayload) -> int:
+        """Take the learner's new weights; later rollouts carry their version. Returns it."""
+        named = unpack_weights(payload)
+        self.sent_shapes = {name: list(t.shape) for name, t in named.items()}
+        if self.sync_fault.kind != "skip_all":
+            self.backend.load_weights(dict(self.sync_fault.apply(named.items())))
         self.policy_version = payload.version
         return self.policy_version
 
@@ -216,16 +299,17 @@ class GeneratorEngine(Engine):
         """Join learner rank 0's sync group (blocks until every member has joined)."""
         self.backend.join_sync(endpoint, rank_offset)
 
-    def receive_weights(self, specs: list[ParamSpec], version: int, skip: bool = False) -> int:
-        """Take the weights of ``version`` from the sync group's broadcast. Returns the version.
-
-        ``skip`` (testing only; the learner then sends nothing) keeps the old weights: a broken
-        sync, on purpose.
-        """
-        if not skip:
-            self.backend.receive(specs)
+    def receive_weights(self, specs: list[ParamSpec], version: int) -> int:
+        """Take the weights of ``version`` from the sync group's broadcast. Returns the version."""
+        self.sent_shapes = {spec.name: list(spec.shape) for spec in specs}
+        self.backend.receive(specs, self.sync_fault)
         self.policy_version = version
         return version
+
+    def weight_fingerprints(self) -> dict[str, tuple[float, float]]:
+        """Fingerprints of the weights this engine holds now, under the names of the last sync
+        (``rayppo/models/fingerprint.py``): the generator's half of the weight check."""
+        return self.backend.held_prints(self.sent_shapes)
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """One response per prompt, sampled at the configured temperature / top-p."""

@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransfe
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.models.weights import SyncFault
 
 BACKEND = "rayppo"
 
@@ -48,6 +49,8 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
 
     specs: list[dict[str, Any]]
     """``ParamSpec`` fields of every tensor."""
+    fault: dict[str, str] | None = None
+    """Testing only: ``SyncFault`` fields (a broken load, on purpose)."""
 
 
 class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, CollectiveUpdateInfo]):
@@ -74,7 +77,9 @@ class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, Collectiv
         if self.group is None:
             raise RuntimeError("weight sync: update before init_weight_transfer_engine")
         specs = [ParamSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in update_info.specs]
-        for name, tensor in receive_stream(self.group, specs, self.device):
+        fault = SyncFault(**(update_info.fault or {}))
+        # Every broadcast is received (the group is collective); the fault drops or alters loads.
+        for name, tensor in fault.apply(receive_stream(self.group, specs, self.device)):
             self.model.load_weights([(name, tensor)])
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -104,5 +109,6 @@ def init_payload(endpoint: SyncEndpoint, rank_offset: int) -> dict[str, Any]:
     return {"endpoint": asdict(endpoint), "rank_offset": rank_offset}
 
 
-def update_payload(specs: list[ParamSpec]) -> dict[str, Any]:
-    return {"specs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]}
+def update_payload(specs: list[ParamSpec], fault: SyncFault = SyncFault()) -> dict[str, Any]:
+    return {"specs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
+            "fault": asdict(fault)}

@@ -26,13 +26,14 @@ from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement, placement_report, release, reserve
 from rayppo.cluster.session import ACTOR_ENV, RaySession
-from rayppo.cluster.weight_sync import make_weight_sync
+from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
 from rayppo.config import Config, actor_threads, weight_sync_backend
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.group import LearnerGroup
-from rayppo.learner.reference_trainer import iteration_seed, make_kl_controller, rollout_stats, sampling_settings
+from rayppo.learner.reference_trainer import generator_seed, iteration_seed, make_kl_controller, rollout_stats, sampling_settings
 from rayppo.models.loading import load_tokenizer, resolve_model_path
+from rayppo.models.weights import SyncFault
 
 
 class DistributedTrainer:
@@ -68,6 +69,7 @@ class DistributedTrainer:
         ref_path = m.reference or m.policy
         vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib,
                             g.enforce_eager, collective_sync=weight_sync_backend(cfg) is not None)
+        fault = SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor)  # testing only
         threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
                    "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
                    "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
@@ -83,8 +85,8 @@ class DistributedTrainer:
 
         self.generators = ActorGroup(
             GeneratorEngine,
-            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, cfg.seed, vllm, threads["generators"])
-             for i in range(g.num)],
+            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm,
+              threads["generators"], fault) for i in range(g.num)],
             options("generators", g.num),
         )
         self.reference = ActorGroup(
@@ -114,12 +116,16 @@ class DistributedTrainer:
         stats = self.learner.train(rollout, kl_coef, it)
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t3 = clock()
-        sync_bytes = self.weight_sync.sync(int(stats["policy/version"]))
+        version = int(stats["policy/version"])
+        sync_bytes = self.weight_sync.sync(version)
+        t_verify = clock()
+        verified = self.cfg.checks.verify_sync and verify_sync(self.learner, self.generators, version) > 0
         t4 = clock()
         self.iteration_count += 1
         self.last_rollout = rollout
         timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
-                   "time/sync": t4 - t3, "time/iteration": t4 - t0, "sync/bytes": float(sync_bytes)}
+                   "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
+                   "sync/bytes": float(sync_bytes), "sync/verified": float(verified)}
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:

@@ -1,4 +1,4 @@
-"""How learner rank 0's new policy reaches every generator (``learner.weight_sync``).
+"""How learner rank 0's new policy reaches every generator (``learner.weight_sync``), checked.
 
 - ``ObjectStoreSync``: rank 0 packs the (gathered, merged) weights into numpy arrays and puts them
   in Ray's object store once; every generator reads them (zero-copy on its node) and reloads them
@@ -7,7 +7,8 @@
   at start (``rayppo/learner/weight_sync.py``); each sync is one broadcast per tensor, received by
   vLLM's weight-transfer engine inside each worker (NCCL GPU to GPU, or gloo on CPUs).
 
-Both check that every generator reports the version the learner just produced.
+Both check that every generator reports the version the learner just produced, and then
+(``checks.verify_sync``) that it holds the weights that were sent: ``verify_sync``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.config import Config, weight_sync_backend
+from rayppo.guard import check_weights
 from rayppo.learner.group import LearnerGroup
 from rayppo.learner.weight_sync import SyncEndpoint
 
@@ -24,18 +26,27 @@ def _check_versions(versions: list[int], expected: int) -> None:
         raise RuntimeError(f"generators report policy versions {versions} after sync, expected {expected}")
 
 
+def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int) -> int:
+    """The guard's weight check: every generator's fingerprints of what it holds against rank 0's
+    of what it sent. Raises ``WeightSyncError`` naming generator, tensor and version; returns the
+    number of tensors compared per generator."""
+    held = generators.call_all(GeneratorEngine.weight_fingerprints)
+    sent = learner.sent_fingerprints()
+    return min(check_weights(sent, prints, i, version) for i, prints in enumerate(generators.get(held)))
+
+
 class ObjectStoreSync:
     """Weights through Ray's object store: put once by rank 0, read by every generator."""
 
-    def __init__(self, learner: LearnerGroup, generators: ActorGroup, skip: bool = False):
-        self.learner, self.generators, self.skip = learner, generators, skip
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup):
+        self.learner, self.generators = learner, generators
         self.payload_bytes: int | None = None
 
     def sync(self, version: int) -> int:
         """Move the weights of ``version``; returns the bytes delivered to the generators."""
         payload = self.learner.policy_weights()  # an ObjectRef: rank 0's WeightsPayload
         g = self.generators
-        _check_versions(g.get(g.call_all(GeneratorEngine.load_weights, payload, self.skip)), version)
+        _check_versions(g.get(g.call_all(GeneratorEngine.load_weights, payload)), version)
         if self.payload_bytes is None:
             self.payload_bytes = get(payload).nbytes
         return self.payload_bytes * len(g)
@@ -45,8 +56,8 @@ class BroadcastSync:
     """Weights broadcast by rank 0 over a process group it shares with every inference worker."""
 
     def __init__(self, learner: LearnerGroup, generators: ActorGroup, backend: str, workers_per_generator: int,
-                 skip: bool = False, timeout_s: float = 600.0):
-        self.learner, self.generators, self.skip = learner, generators, skip
+                 timeout_s: float = 600.0):
+        self.learner, self.generators = learner, generators
         host, port = learner.rank0_address()
         endpoint = SyncEndpoint(backend, host, port, 1 + len(generators) * workers_per_generator, timeout_s)
         # Both sides block until the group is complete: start the generators' joins first.
@@ -58,19 +69,18 @@ class BroadcastSync:
 
     def sync(self, version: int) -> int:
         """Broadcast the weights of ``version``; returns the bytes delivered to the workers."""
-        receives = self.generators.call_all(GeneratorEngine.receive_weights, self.specs, version, self.skip)
-        sends = [] if self.skip else self.learner.send_weights()
+        receives = self.generators.call_all(GeneratorEngine.receive_weights, self.specs, version)
+        sends = self.learner.send_weights()
         results = get(sends + receives)
         _check_versions(results[len(sends):], version)
-        return results[0] if sends else 0
+        return results[0]
 
 
 def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup) -> ObjectStoreSync | BroadcastSync:
     """The strategy ``learner.weight_sync`` selects (see ``weight_sync_backend``)."""
     backend = weight_sync_backend(cfg)
-    skip = cfg.learner.skip_weight_load
     if backend is None:
-        return ObjectStoreSync(learner, generators, skip)
+        return ObjectStoreSync(learner, generators)
     # A vLLM generator has one inference worker per tensor-parallel GPU; the hf backend has one.
     tp = max(1, int(cfg.generators.gpus_per_worker)) if cfg.generators.backend == "vllm" else 1
-    return BroadcastSync(learner, generators, backend, tp, skip)
+    return BroadcastSync(learner, generators, backend, tp)

@@ -17,8 +17,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from rayppo.config import PPOConfig
+from rayppo.config import PPOConfig, RolloutConfig
 from rayppo.data.rollout import Rollout
+from rayppo.guard import MismatchGuard
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -45,6 +46,20 @@ class LocalCollective:
         return x
 
 
+@dataclass(frozen=True)
+class TruncationRule:
+    """How rows cut at the length limit enter the return (``rollout.truncation``)."""
+
+    mode: str = "bootstrap"
+    """``bootstrap``: no score, GAE bootstrapped with V(S_T). ``terminal``: score, bootstrap 0."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from a cut row's score under ``terminal``."""
+
+    @staticmethod
+    def of(rollout_cfg: RolloutConfig) -> "TruncationRule":
+        return TruncationRule(rollout_cfg.truncation, rollout_cfg.missing_eos_penalty)
+
+
 @dataclass
 class Experience:
     """Everything one PPO update needs, for B responses of up to T tokens."""
@@ -58,17 +73,19 @@ class Experience:
     old_values: torch.Tensor
     """[B, T] V_old(S_{t-1}) before the update."""
     rewards: torch.Tensor
-    """[B, T] shaped rewards r_t = -beta KL_t (+ r_phi on the last token)."""
+    """[B, T] shaped rewards r_t = -beta KL_t (+ r_phi on the last token of rows that earned it)."""
     advantages: torch.Tensor
     """[B, T] GAE advantages A_t (whitened when configured)."""
     returns: torch.Tensor
     """[B, T] value targets A_t + V_old(S_{t-1}) (before whitening)."""
     scores: torch.Tensor
-    """[B] r_phi(x, y)."""
+    """[B] r_phi(x, y) (logged whole; a cut row's enters ``rewards`` only under ``terminal``)."""
+    generator_ids: torch.Tensor
+    """[B] long: the generator that sampled each row (named by the correctness guard)."""
 
     def rows(self, index: torch.Tensor) -> "Experience":
         tensors = (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,
-                   self.advantages, self.returns, self.scores)
+                   self.advantages, self.returns, self.scores, self.generator_ids)
         return Experience(self.batch.rows(index), *(t[index] for t in tensors))
 
 
@@ -86,6 +103,7 @@ def make_experience(
     pad_id: int,
     kl_coef: float,
     cfg: PPOConfig,
+    truncation: TruncationRule = TruncationRule(),
     collective: Collective = LocalCollective(),
     device: torch.device | str = "cpu",
 ) -> tuple[Experience, dict[str, float]]:
@@ -96,15 +114,20 @@ def make_experience(
     ref_logprobs = rollout.tensor("ref_logprobs").to(device)
     scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
     values, last_values = critic_forward(critic, batch)
-    # Truncated rows continue past the cut: bootstrap with V(S_T). EOS rows end: bootstrap 0.
-    bootstrap = torch.where(rollout.truncated().to(device), last_values, torch.zeros_like(last_values))
-    rewards = ppo.shape_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
+    # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
+    returned_scores, bootstrap = ppo.truncation_targets(
+        scores, last_values, rollout.truncated().to(device), truncation.mode, truncation.missing_eos_penalty)
+    rewards = ppo.shape_rewards(returned_scores, old_logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
     advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     if cfg.whiten_advantages:
         moments = collective.sum(ppo.masked_moments(advantages, mask))
         advantages = ppo.whiten_from_moments(advantages, mask, moments)
+    # kl/ref_mean is always the k1 estimate (the seed's KL_t, summed per response): its mean is the
+    # sequence KL whatever estimator shapes the reward; kl/penalty_mean is the configured one.
     kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)
-    stats = _global_means({"kl/ref_mean": kl_per_response.mean()}, len(rollout), collective)
+    penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator), mask)
+    stats = _global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
+                          len(rollout), collective)
     stats |= _global_means(
         {
             "value/explained_variance": ppo.explained_variance(values, returns, mask),
@@ -114,7 +137,8 @@ def make_experience(
         float(mask.sum()),
         collective,
     )
-    exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores)
+    generator_ids = torch.tensor(rollout.generator_id or [0] * len(rollout), dtype=torch.long)
+    exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores, generator_ids)
     return exp, stats
 
 
@@ -175,8 +199,9 @@ def minibatch_loss(
     mb: Minibatch,
     cfg: PPOConfig,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(policy objective, value objective, stats)`` of this rank's part of a minibatch."""
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """``(policy objective, value objective, stats, gap)`` of this rank's part of a minibatch;
+    ``gap`` [b, T] is |log pi - log pi_old| per token (0 on padding), the sync check."""
     part = exp.rows(mb.rows)
     mask = part.batch.mask
     logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
@@ -187,12 +212,11 @@ def minibatch_loss(
     vf_loss = ppo.value_loss(values, part.old_values, part.returns, mask, cfg.value_clip)
     gap = (logprobs.detach() - part.old_logprobs).abs() * mask
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
-    stats |= {"policy/loss": pg_loss.detach(), "value/loss": vf_loss.detach(), "entropy": entropy_mean.detach(),
-              "logprob_mismatch/mean": ppo.masked_mean(gap, mask), "logprob_mismatch/max": gap.max()}
+    stats |= {"policy/loss": pg_loss.detach(), "value/loss": vf_loss.detach(), "entropy": entropy_mean.detach()}
     # seq-mean-token-mean weighs rows, not tokens.
     pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
     policy_objective = pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean
-    return policy_objective, mb.token_share * cfg.vf_coef * vf_loss, stats
+    return policy_objective, mb.token_share * cfg.vf_coef * vf_loss, stats, gap
 
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], None]
@@ -208,22 +232,25 @@ def ppo_update(
     temperature: float,
     step: StepFn,
     collective: Collective = LocalCollective(),
+    guard: MismatchGuard | None = None,
 ) -> dict[str, float]:
     """M epochs x minibatches of clipped PPO + value loss; returns stats averaged over ranks.
 
     The first minibatch runs before any weight change, so its log-probs against the
-    generator's old log-probs are the sync check ``logprob_mismatch``.
+    generator's old log-probs are the sync check ``logprob_mismatch``; ``guard`` stops the
+    update there, before the first step, when the check fails.
     """
     weighted: dict[str, torch.Tensor] = {}
     first: dict[str, torch.Tensor] = {}
     for mb in minibatches:
-        policy_objective, value_objective, stats = minibatch_loss(policy, critic, exp, mb, cfg, temperature)
+        policy_objective, value_objective, stats, gap = minibatch_loss(policy, critic, exp, mb, cfg, temperature)
         if not first:
-            first = {"mean": stats.pop("logprob_mismatch/mean") * mb.token_share, "max": stats.pop("logprob_mismatch/max")}
+            mask = exp.batch.mask[mb.rows]
+            first = {"mean": ppo.masked_mean(gap, mask) * mb.token_share, "max": gap.max()}
+            if guard is not None:
+                guard.check(gap, exp.generator_ids[mb.rows], collective)
         step(policy_objective, value_objective)
         for key, value in stats.items():
-            if key.startswith("logprob_mismatch"):
-                continue
             weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share
     keys = list(weighted)
     summed = collective.sum(torch.stack([weighted[k] for k in keys] + [first["mean"].double()]))

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
+Truncation = Literal["bootstrap", "terminal"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean"]
 
 
@@ -124,6 +125,32 @@ def shape_rewards(
     rows = torch.arange(rewards.shape[0], device=rewards.device)[has_tokens]
     rewards[rows, last[has_tokens]] += scores.to(rewards.dtype)[has_tokens]
     return rewards
+
+
+def truncation_targets(
+    scores: torch.Tensor,
+    last_values: torch.Tensor,
+    truncated: torch.Tensor,
+    truncation: Truncation = "bootstrap",
+    missing_eos_penalty: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores to put in the shaped reward [B], bootstrap [B])`` by the truncation rule.
+
+    A row that ended with EOS is a true termination: its score r_phi and bootstrap 0 in both modes.
+    A row cut at the length limit (``truncated[b]``), seed 000 "The Value Function":
+    - ``bootstrap``: the episode was ended artificially; V(S_T) (``last_values``) stands in for
+      everything still to come, the terminal score included, so the score is *not* added
+      (adding both would count the terminal reward twice): score 0, bootstrap V(S_T).
+    - ``terminal``: the cut is treated as the end: score r_phi - ``missing_eos_penalty``,
+      bootstrap 0.
+    """
+    truncated = truncated.to(torch.bool)
+    zeros = torch.zeros_like(last_values)
+    if truncation == "bootstrap":
+        return torch.where(truncated, torch.zeros_like(scores), scores), torch.where(truncated, last_values, zeros)
+    if truncation == "terminal":
+        return scores - missing_eos_penalty * truncated.to(scores.dtype), zeros
+    raise ValueError(f"truncation must be 'bootstrap' or 'terminal', got {truncation!r}")
 
 
 # --------------------------------------------------------------------------------------------

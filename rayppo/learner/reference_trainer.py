@@ -23,12 +23,13 @@ import torch
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.config import Config
+from rayppo.config import Config, mismatch_limit
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import LocalCollective, local_minibatches, make_experience, minibatch_plan, ppo_update
+from rayppo.guard import MismatchGuard
+from rayppo.learner.experience import LocalCollective, TruncationRule, local_minibatches, make_experience, minibatch_plan, ppo_update
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
-from rayppo.models.loading import Critic, resolve_model_path
+from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 
 
 def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
@@ -38,12 +39,18 @@ def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: f
 
 def sampling_settings(cfg: Config) -> SamplingSettings:
     r = cfg.rollout
-    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p, r.ignore_eos)
+    return SamplingSettings(r.max_new_tokens, r.temperature, r.ignore_eos)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
     """The sampling seed of an iteration (shared by every trainer, so runs are comparable)."""
     return seed * 1_000_003 + iteration
+
+
+def generator_seed(seed: int, generator_id: int) -> int:
+    """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
+    seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""
+    return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31
 
 
 def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
@@ -74,6 +81,8 @@ class ReferenceTrainer:
         endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
         self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint)
         self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype, cfg.seed)
+        for model in (self.policy, self.critic):
+            prepare_for_training(model, cfg.learner.gradient_checkpointing)
         max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
         texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt)
         self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
@@ -95,10 +104,13 @@ class ReferenceTrainer:
         rollout.score = self.reward.scores(rollout)
         t3 = clock()
         kl_coef = self.kl_ctl.value
-        exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo)
+        exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
+                                     TruncationRule.of(cfg.rollout))
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
         minibatches = local_minibatches(plan, 0, exp.batch.mask, LocalCollective())
-        stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._step)
+        guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
+        stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._step,
+                            guard=guard)
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t4 = clock()
         self.iteration_count += 1

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -47,9 +48,35 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def no_dropout(path: str | Path) -> dict[str, float]:
+    """Config overrides that set every dropout probability of the folder's model to 0.
+
+    PPO needs a deterministic forward: with dropout, the first ratio pi / pi_old would not be 1,
+    and the learner's log-probs would not be the ones the generator sampled from. The trained
+    models run in train mode (gradient checkpointing only recomputes when ``training`` is true),
+    so dropout has to be off in the model itself, not by eval mode.
+    """
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False).to_dict()
+    return {k: 0.0 for k, v in config.items()
+            if isinstance(v, float) and ("dropout" in k or k.endswith("_pdrop"))}
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    """A causal LM (policy or reference) from a local folder."""
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
+    """A causal LM (policy or reference) from a local folder, with dropout off."""
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False,
+                                                **no_dropout(path))
+
+
+def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Train mode (``from_pretrained`` returns eval mode, in which transformers never
+    checkpoints), optional non-reentrant gradient checkpointing, and every ``nn.Dropout`` at 0
+    in case a model class builds one the config does not name."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.train()
 
 
 def load_reward_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
@@ -81,6 +108,10 @@ class Critic(torch.nn.Module):
     def config(self):  # noqa: ANN201 - the backbone's HF config
         return self.backbone.config
 
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        """Checkpoint the backbone's layers (the value head is one small matmul)."""
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -98,7 +129,8 @@ class Critic(torch.nn.Module):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False)
+            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False,
+                                                 **no_dropout(path))
         finally:
             hf_logging.set_verbosity(verbosity)
         critic = cls(backbone, seed)

@@ -6,10 +6,12 @@ no numpy dtype, so it travels as raw 16-bit integers and is reinterpreted on arr
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 
 
 @dataclass
@@ -43,3 +45,24 @@ def unpack_weights(payload: WeightsPayload) -> dict[str, torch.Tensor]:
         t = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
         out[name] = t.view(torch.bfloat16) if payload.dtypes[name] == "bfloat16" else t
     return out
+
+
+@dataclass(frozen=True)
+class SyncFault:
+    """Testing only (``checks.sync_fault``): what a broken generator does to the weights it is sent,
+    so that tests can show the correctness guard stopping the run."""
+
+    kind: str = "none"
+    """``none``, ``skip_all`` (load nothing), ``skip_tensor`` (load all but ``tensor``) or
+    ``perturb_tensor`` (load ``tensor`` plus 1% of its RMS)."""
+    tensor: str = ""
+    """The Hugging Face name of the tensor that ``skip_tensor`` / ``perturb_tensor`` hit."""
+
+    def apply(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` stream this generator actually loads."""
+        for name, tensor in named:
+            if self.kind == "skip_all" or (self.kind == "skip_tensor" and name == self.tensor):
+                continue
+            if self.kind == "perturb_tensor" and name == self.tensor:
+                tensor = tensor + 0.01 * tensor.float().square().mean().sqrt().to(tensor.dtype)
+            yield name, tensor

@@ -1,0 +1,218 @@
+"""RL semantics at the edges: truncation, what is sampled, train mode, and the correctness guard's math.
+
+Everything here runs in this process on the embedded model (no Ray, no vLLM): a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings, stop_token_ids
+from rayppo.config import ConfigError, PPOConfig, load_config, mismatch_limit
+from rayppo.data.prompts import PromptBatch
+from rayppo.data.rollout import Rollout
+from rayppo.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
+from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
+from rayppo.learner.ppo import kl_penalty, truncation_targets
+from rayppo.models.fingerprint import probes, sent_prints, held_prints, split_rows
+from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
+from rayppo.models.sequences import critic_forward, pack
+from rayppo.models.weights import SyncFault
+
+
+# ------------------------------------------------------------------------------------------
+# 1. Truncation: a cut row gets either V(S_T) or its score, never both
+# ------------------------------------------------------------------------------------------
+def test_truncation_targets_by_mode():
+    scores, last_values = torch.tensor([0.8, 0.5]), torch.tensor([0.3, -0.2])
+    truncated = torch.tensor([True, False])
+    returned, bootstrap = truncation_targets(scores, last_values, truncated, "bootstrap")
+    assert returned.tolist() == pytest.approx([0.0, 0.5]) and bootstrap.tolist() == pytest.approx([0.3, 0.0])
+    returned, bootstrap = truncation_targets(scores, last_values, truncated, "terminal", missing_eos_penalty=0.25)
+    assert returned.tolist() == pytest.approx([0.55, 0.5]) and bootstrap.tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="truncation must be"):
+        truncation_targets(scores, last_values, truncated, "nope")
+
+
+@pytest.fixture(scope="module")
+def critic(embedded_dir):
+    return Critic.from_pretrained(embedded_dir).eval().requires_grad_(False)
+
+
+def _one_row(tokenizer, reason: str) -> Rollout:
+    response = tokenizer("7 7 3", add_special_tokens=False)["input_ids"]
+    if reason == "stop":
+        response.append(tokenizer.eos_token_id)
+    n = len(response)
+    rollout = Rollout([tokenizer("say 7 :")["input_ids"]], [response], [[-1.0 - 0.1 * t for t in range(n)]], [reason],
+                      ["say 7 :"], ["7 7 3"], [0], [0])
+    rollout.ref_logprobs = [[-1.2 + 0.05 * t for t in range(n)]]
+    rollout.score = [0.8]
+    return rollout
+
+
+@pytest.mark.parametrize("reason", ["length", "stop"])
+@pytest.mark.parametrize("mode", ["bootstrap", "terminal"])
+def test_last_token_return_of_a_one_row_rollout(reason, mode, tokenizer, critic):
+    """Wired through make_experience: a cut row's last-token return is -beta KL_T + V(S_T) under
+    bootstrap and r_phi - beta KL_T under terminal; an EOS row is r_phi - beta KL_T under both."""
+    rollout, beta = _one_row(tokenizer, reason), 0.1
+    cfg = PPOConfig(whiten_advantages=False, gamma=1.0, lam=0.95)
+    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, beta, cfg, TruncationRule(mode))
+    kl_last = kl_penalty(torch.tensor(rollout.logprobs[0][-1]), torch.tensor(rollout.ref_logprobs[0][-1]))
+    _, v_after = critic_forward(critic, pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id))
+    if reason == "length" and mode == "bootstrap":
+        expected = -beta * kl_last + v_after[0]
+    else:
+        expected = 0.8 - beta * kl_last
+    last = len(rollout.response_ids[0]) - 1
+    assert float(exp.returns[0, last]) == pytest.approx(float(expected.detach()), abs=1e-6)
+    assert abs(float(v_after[0])) > 1e-3  # V(S_T) is not 0, so dropping the bootstrap would fail this test
+
+
+def test_truncation_config_is_checked():
+    assert load_config(None, []).rollout.truncation == "bootstrap"  # the seed's reading is the default
+    with pytest.raises(ConfigError, match="rollout.truncation: must be bootstrap or terminal"):
+        load_config(None, ["rollout.truncation=cut"])
+    with pytest.raises(ConfigError, match="rollout.missing_eos_penalty: applies only with rollout.truncation=terminal"):
+        load_config(None, ["rollout.missing_eos_penalty=0.5"])
+    assert load_config(None, ["rollout.truncation=terminal", "rollout.missing_eos_penalty=0.5"])
+
+
+# ------------------------------------------------------------------------------------------
+# 2-3. What is sampled is what is scored
+# ------------------------------------------------------------------------------------------
+def test_top_p_below_one_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"rollout.top_p: must be 1.0: nucleus sampling renormalises"):
+        load_config(None, ["rollout.top_p=0.9"])
+
+
+def _copy_model(src, dst, **generation) -> str:
+    model = AutoModelForCausalLM.from_pretrained(src)
+    for key, value in generation.items():
+        setattr(model.generation_config, key, value)
+    model.save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).exists():
+            (dst / name).write_bytes((src / name).read_bytes())
+    return str(dst)
+
+
+def test_hf_backend_ignores_the_models_sampling_settings(embedded_dir, tokenizer, tmp_path):
+    """A shipped generation_config with a repetition penalty and a no-repeat rule must not change
+    what is sampled (the recorded log-probs would not show it): same seed, same responses."""
+    shaped = _copy_model(embedded_dir, tmp_path / "penalised", repetition_penalty=10.0, no_repeat_ngram_size=1)
+    sampling = SamplingSettings(max_new_tokens=8, temperature=1.0)
+    prompts = PromptBatch(["say 7 :"] * 8, [tokenizer("say 7 :")["input_ids"]] * 8)
+    plain = GeneratorEngine(str(embedded_dir), sampling, backend="hf").generate(prompts, seed=3)
+    penalised = GeneratorEngine(shaped, sampling, backend="hf").generate(prompts, seed=3)
+    assert penalised.response_ids == plain.response_ids
+    # The digits task repeats digits: a no-repeat rule would have changed these responses.
+    assert any(len(set(ids)) < len(ids) for ids in plain.response_ids)
+
+
+def test_both_backends_stop_on_the_generation_configs_eos_ids(embedded_dir, tokenizer, tmp_path):
+    seven = tokenizer("7", add_special_tokens=False)["input_ids"][0]
+    folder = _copy_model(embedded_dir, tmp_path / "two_eos", eos_token_id=[tokenizer.eos_token_id, seven])
+    assert stop_token_ids(tokenizer, folder) == sorted([tokenizer.eos_token_id, seven])
+    engine = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="hf")
+    rollout = engine.generate(PromptBatch(["say 7 :"] * 8, [tokenizer("say 7 :")["input_ids"]] * 8), seed=0)
+    for ids, reason in zip(rollout.response_ids, rollout.finish_reason):
+        assert seven not in ids[:-1] and tokenizer.eos_token_id not in ids[:-1]
+        assert (reason == "stop") == (ids[-1] in (seven, tokenizer.eos_token_id))
+    assert any(ids[-1] == seven for ids in rollout.response_ids)  # "say 7" writes 7s: some rows stop on it
+
+
+# ------------------------------------------------------------------------------------------
+# 4. Train mode without dropout; gradient checkpointing that is really on
+# ------------------------------------------------------------------------------------------
+def test_trained_models_are_in_train_mode_without_dropout(embedded_dir, tmp_path):
+    config = json.loads((embedded_dir / "config.json").read_text())
+    folder = tmp_path / "dropout"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    (folder / "model.safetensors").write_bytes((embedded_dir / "model.safetensors").read_bytes())
+    model = prepare_for_training(load_causal_lm(folder), gradient_checkpointing=False)
+    assert model.training
+    ids = torch.tensor([[2, 5, 6, 7, 8, 9]])
+    first, second = model(ids).logits, model(ids).logits
+    assert torch.equal(first, second)  # no dropout: the first PPO ratio is exactly 1
+    torch.testing.assert_close(first, model.eval()(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradient_checkpointing_recomputes_every_layer_in_backward(embedded_dir, checkpointing):
+    for model in (load_causal_lm(embedded_dir), Critic.from_pretrained(embedded_dir)):
+        prepare_for_training(model, checkpointing)
+        layers = [m for name, m in model.named_modules() if name.endswith("layers.0") or name.endswith("layers.1")]
+        calls = []
+        for layer in layers:  # count calls of the layers' forward (hooks do not fire on a recompute)
+            layer.forward = (lambda f: lambda *a, **k: calls.append(1) or f(*a, **k))(layer.forward)
+        ids = torch.tensor([[2, 5, 6, 7, 8, 9]])
+        out = model(ids).logits if hasattr(model, "lm_head") else model(ids, torch.ones_like(ids), torch.arange(6)[None])
+        forward_calls = len(calls)
+        out.float().sum().backward()
+        assert forward_calls == len(layers) == 2
+        # With checkpointing each layer's forward runs again during backward.
+        assert len(calls) == (2 * forward_calls if checkpointing else forward_calls)
+
+
+# ------------------------------------------------------------------------------------------
+# 7. The correctness guard's math
+# ------------------------------------------------------------------------------------------
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"q": torch.randn(8, 16, generator=g) * 0.02, "k": torch.randn(4, 16, generator=g) * 0.02,
+            "norm": 1 + 0.01 * torch.randn(16, generator=g), "embed": torch.randn(30, 16, generator=g)}
+
+
+def test_fingerprints_of_an_exact_copy_match_and_survive_fusion_and_padding():
+    state = _state()
+    sent = sent_prints(state)
+    assert check_weights(sent, held_prints(state), generator=0, version=1) == 4
+    # The engine fused q and k into one matrix and padded the vocabulary with rows of zeros.
+    fused = torch.cat([state["q"], state["k"]])
+    shapes = {k: list(v.shape) for k, v in state.items()}
+    held = split_rows(fused.double() @ probes(16), ["q", "k"], shapes)
+    padded = torch.cat([state["embed"], torch.zeros(34, 16)])
+    held |= split_rows(padded.double() @ probes(16), ["embed"], shapes)
+    assert check_weights(sent, held, generator=0, version=1) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fingerprint_bound_covers_a_kernel_in_the_weights_dtype_and_catches_an_update(dtype):
+    """A repacked CPU linear layer is probed through its kernel in the weights' dtype: rounding
+    stays within the bound; one optimiser step's worth of change (lr 1e-4 per weight) does not."""
+    w = (torch.randn(256, 128, generator=torch.Generator().manual_seed(1)) * 0.02).to(dtype)
+    sent = sent_prints({"w": w})
+    through_kernel = torch.nn.functional.linear(probes(128).T.to(dtype), w).T.double()  # [256, 2]
+    assert check_weights(sent, split_rows(through_kernel, ["w"], {"w": [256, 128]}), 0, 1) == 1
+    if dtype == torch.float32:
+        stale = w + 1e-4 * torch.sign(torch.randn(w.shape, generator=torch.Generator().manual_seed(2)))
+        with pytest.raises(WeightSyncError, match=r"generator 3 does not hold the weights the learner sent: w "):
+            check_weights(sent, held_prints({"w": stale}), generator=3, version=5)
+
+
+def test_weight_check_names_generator_tensor_and_version():
+    state = _state()
+    sent = sent_prints(state)
+    broken = dict(SyncFault("perturb_tensor", "norm").apply(state.items()))
+    with pytest.raises(WeightSyncError, match=r"policy version 4: generator 1 does not hold .*: norm \(\|held - sent\|"):
+        check_weights(sent, held_prints(broken), generator=1, version=4)
+    with pytest.raises(WeightSyncError, match="holds none of the 4 sent tensors"):
+        check_weights(sent, {}, generator=0, version=4)
+    assert "k" not in dict(SyncFault("skip_tensor", "k").apply(state.items()))
+
+
+def test_mismatch_guard_names_iteration_and_generator():
+    gap = torch.tensor([[1e-6, 0.0], [2e-3, 1e-5], [5e-4, 0.0]])
+    guard = MismatchGuard(limit=1e-3, iteration=7)
+    with pytest.raises(LogprobMismatchError, match=r"iteration 7: logprob_mismatch/max = 0.002 .* on generator 5"):
+        guard.check(gap, torch.tensor([0, 5, 1]), LocalCollective())
+    MismatchGuard(limit=1e-2, iteration=7).check(gap, torch.tensor([0, 5, 1]), LocalCollective())  # under: passes
+    assert mismatch_limit(load_config(None, []).checks, "float32") == 1e-3
+    assert mismatch_limit(load_config(None, []).checks, "bfloat16") == 0.1
