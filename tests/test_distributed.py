@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import ray
+import torch
 from transformers import AutoModelForCausalLM
 
 from rayppo.actors.generator import EmptyResponseError
@@ -15,7 +17,9 @@ from rayppo.cluster.driver import DistributedTrainer
 from rayppo.cluster.group import get
 from rayppo.cluster.placement import PlacementError
 from rayppo.config import load_config
+from rayppo.guard import WeightSyncError
 from rayppo.learner.reference_trainer import ReferenceTrainer
+from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import unpack_weights
 
 pytestmark = pytest.mark.slow
@@ -50,6 +54,7 @@ def test_end_to_end_two_generators_two_ranks_reward_rises_and_sync_is_exact(tmp_
     assert sum(rewards[-3:]) / 3 > rewards[0] + 0.15, rewards
     # After every sync the generators' old log-probs equal the learner's recomputation (fp32).
     assert max(r["logprob_mismatch/max"] for r in records) < 1e-4
+    assert [r["sync/verified"] for r in records] == [1.0] * 10  # the guard checked every sync
     assert records[-1]["sync/bytes"] > 2 * 1e6  # the full policy went to both generators
     for key in ("time/generate", "time/reference", "time/reward", "time/learn", "time/sync", "throughput/tokens_per_s"):
         assert records[-1][key] > 0, key
@@ -59,12 +64,27 @@ def test_end_to_end_two_generators_two_ranks_reward_rises_and_sync_is_exact(tmp_
     assert AutoModelForCausalLM.from_pretrained(out / "policy").config.model_type == "llama"
 
 
-@pytest.mark.parametrize("sync", ["object_store", "broadcast"])
-def test_sync_check_fails_when_weights_are_not_loaded(sync):
-    records, _ = run_iterations(["learner.skip_weight_load=true", "rollout.batch_size=32", "learner.num_ranks=1",
-                                 "ppo.lr=0.003", f"learner.weight_sync={sync}"], 3)
-    assert records[0]["logprob_mismatch/max"] < 1e-4  # nothing trained yet
-    assert records[2]["logprob_mismatch/max"] > 1e-2  # generators still sample from version 0 weights
+@pytest.mark.parametrize("sync, fault", [("object_store", "skip_tensor"), ("broadcast", "perturb_tensor")])
+def test_guard_stops_the_run_at_a_sync_that_did_not_deliver_a_tensor(sync, fault):
+    """A generator that skips one tensor's update, or loads it perturbed, stops the run at that sync."""
+    with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1: generator 0 does not hold the weights "
+                                              r"the learner sent: model.layers.0.mlp.down_proj.weight"):
+        run_iterations([f"checks.sync_fault={fault}", "rollout.batch_size=16", "learner.num_ranks=1",
+                        f"learner.weight_sync={sync}"], 2)
+
+
+def test_mismatch_limit_stops_before_the_bad_update_and_checkpoints(tmp_path, capsys):
+    """With the weight check off, generators that never load new weights are caught by the
+    log-prob mismatch at the next iteration, before its update; the run saves a checkpoint."""
+    out = tmp_path / "run"
+    code = main(["train", "--no-progress", "checks.sync_fault=skip_all", "checks.verify_sync=false", "ppo.lr=0.003",
+                 "rollout.batch_size=16", "learner.num_ranks=1", "stop.iterations=3", f"output.dir={out}"])
+    assert code == 2
+    assert re.search(r"iteration 1: logprob_mismatch/max = [\d.e-]+ nats exceeds checks.max_logprob_mismatch = "
+                     r"0.001 on generator 0", capsys.readouterr().err)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and records[0]["logprob_mismatch/max"] < 1e-4  # iteration 0 was fine
+    assert (out / "checkpoint" / "policy" / "latest").is_file()
 
 
 def _policy_bytes(embedded_dir) -> int:
@@ -82,10 +102,32 @@ def test_broadcast_sync_of_zero3_partitions_into_two_vllm_engines_is_exact(embed
     assert records[-1]["sync/bytes"] == 2 * _policy_bytes(embedded_dir)
 
 
-def test_lora_policy_syncs_merged_weights(embedded_dir):
-    records, _ = run_iterations(["learner.lora_rank=4", "learner.lora_alpha=32", "learner.num_ranks=1",
-                                 "rollout.batch_size=32", "ppo.lr=0.01"], 3)
-    assert max(r["logprob_mismatch/max"] for r in records) < 1e-4
+def test_lora_policy_syncs_merged_weights(embedded_dir, tokenizer):
+    """The generator holds exactly the merged tensors the learner sent and samples from them.
+
+    What is compared with what: (1) fingerprints of the generator's weights against the merged
+    tensors sent (``sync/verified``: exact up to the fingerprint's rounding bound); (2) the
+    generator's log-probs against a transformers forward over those same merged tensors: two fp32
+    evaluations of one network, which the other sync tests bound by 1e-4. The learner itself
+    scores with the *unmerged* adapters (W x + s B A x), which differs from the merged W' x by
+    the rounding of the merge, growing with the adapters' size; that gap is not a sync error and
+    is bounded only by the guard's fp32 limit (the run stops above it).
+    """
+    trainer = DistributedTrainer(load_config(None, ["learner.lora_rank=4", "learner.lora_alpha=32",
+                                                    "learner.num_ranks=1", "rollout.batch_size=32", "ppo.lr=0.01"]))
+    try:
+        records = [trainer.iteration() for _ in range(3)]
+        payload = get(trainer.learner.policy_weights())
+        rollout = trainer.generate(trainer.prompts.next_batch(), seed=99)  # sampled by the synced version
+    finally:
+        trainer.close()
+    assert [r["sync/verified"] for r in records] == [1.0] * 3
+    assert set(rollout.policy_version) == {payload.version} == {3}
+    merged = AutoModelForCausalLM.from_pretrained(embedded_dir).eval()
+    merged.load_state_dict(unpack_weights(payload))
+    with torch.no_grad():
+        recomputed, _ = policy_forward(merged, pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id))
+    assert (recomputed - rollout.tensor("logprobs")).abs().max() < 1e-4
     assert records[2]["kl/ref_mean"] > 1e-4  # the adapters changed the sampled policy
     assert records[-1]["sync/bytes"] == _policy_bytes(embedded_dir)  # full merged weights, no adapter names
 
@@ -95,29 +137,35 @@ def _equivalence_overrides(ranks: int, zero: int) -> list[str]:
             "rollout.batch_size=16", "ppo.epochs=2", "ppo.minibatches=2", "rollout.max_new_tokens=6"]
 
 
-def _distributed_first_update(ranks: int, zero: int):
+def _distributed_two_iterations(ranks: int, zero: int):
     trainer = DistributedTrainer(load_config(None, _equivalence_overrides(ranks, zero)))
     try:
-        stats = trainer.iteration()
+        stats = [trainer.iteration() for _ in range(2)]
         weights = unpack_weights(get(trainer.learner.policy_weights()))
         return stats, weights, trainer.last_rollout
     finally:
         trainer.close()
 
 
-def test_distributed_first_update_equals_reference_trainer_for_1_and_2_ranks(embedded_dir):
+def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_dir):
+    """Two iterations (8 optimiser steps, a sync, a second rollout from the new weights): losses,
+    clip fractions, KL and weights of N ranks x ZeRO stage equal the single-process trainer's.
+    Sharding or a wrong cross-rank normalisation changes all of them."""
     reference = ReferenceTrainer(load_config(None, _equivalence_overrides(1, 0) + ["trainer=reference"]))
-    ref_stats = reference.iteration()
+    ref_stats = [reference.iteration() for _ in range(2)]
     ref_weights = reference.policy.state_dict()
     initial = AutoModelForCausalLM.from_pretrained(embedded_dir).state_dict()
     update = max((ref_weights[k] - initial[k]).abs().max().item() for k in ref_weights)
     assert update > 1e-4  # the update is far larger than the tolerance below
+    assert ref_stats[1]["kl/ref_mean"] > 1e-4 and ref_stats[1]["policy/clipfrac"] > 0  # nothing compared is 0
     for ranks, zero in ((2, 2), (1, 3)):
-        stats, weights, rollout = _distributed_first_update(ranks, zero)
+        stats, weights, rollout = _distributed_two_iterations(ranks, zero)
         assert rollout.response_ids == reference.last_rollout.response_ids  # same seed, same samples
         assert rollout.finish_reason == reference.last_rollout.finish_reason
-        for key in ("policy/loss", "value/loss", "policy/clipfrac", "kl/ref_mean"):
-            assert stats[key] == pytest.approx(ref_stats[key], abs=1e-5, rel=1e-4), (ranks, key)
+        for it in (0, 1):
+            for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl", "kl/ref_mean",
+                        "value/explained_variance", "entropy"):
+                assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (ranks, it, key)
         gap = max((ref_weights[k] - weights[k]).abs().max().item() for k in ref_weights)
         print(f"ranks={ranks} zero={zero}: max |w_ref - w_dist| = {gap:.2e}, update size {update:.2e}")
         assert gap < 1e-5, (ranks, zero, gap)
@@ -143,8 +191,16 @@ def test_empty_response_error_names_the_prompt(tmp_path, embedded_dir):
     """A policy that only ever writes padding produces empty responses: a clear error, no hang."""
     model = AutoModelForCausalLM.from_pretrained(embedded_dir)
     pad = model.config.pad_token_id
-    # Its generation config forbids every token but <pad>.
-    model.generation_config.suppress_tokens = [i for i in range(model.config.vocab_size) if i != pad]
+    # Layers that add nothing and one embedding for every token: the last hidden state is the
+    # same vector h everywhere, and the output head gives <pad> the only large logit on it.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[pad].fill_(1.0)
     model.save_pretrained(tmp_path / "degenerate")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (embedded_dir / name).exists():

@@ -225,3 +225,17 @@ def test_explained_variance():
     mask = torch.ones(1, 4)
     assert ppo.explained_variance(ret, ret, mask).item() == pytest.approx(1.0)
     assert ppo.explained_variance(torch.full_like(ret, 2.5), ret, mask).item() == pytest.approx(0.0)
+
+
+def test_explained_variance_from_rank_moments_equals_whole_batch():
+    """Two ranks' halves: summed moments give the whole batch's explained variance, which the
+    token-weighted mean of the halves' own values does not."""
+    g = torch.Generator().manual_seed(3)
+    returns, values = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    whole = ppo.explained_variance(values, returns, mask)
+    halves = [slice(0, 3), slice(3, 6)]
+    summed = [sum(ppo.masked_moments(x[h], mask[h]) for h in halves) for x in (returns, returns - values)]
+    torch.testing.assert_close(ppo.explained_variance_from_moments(*summed), whole.double())
+    weighted = sum(ppo.explained_variance(values[h], returns[h], mask[h]) * mask[h].sum() for h in halves) / mask.sum()
+    assert abs(float(weighted) - float(whole)) > 1e-3

@@ -15,8 +15,10 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.data.prompts import PromptBatch
+from rayppo.guard import WeightSyncError, check_weights
 from rayppo.learner.weight_sync import (SyncEndpoint, WeightSender, free_port, open_sync_group, param_specs,
                                         receive_stream)
+from rayppo.models.fingerprint import sent_prints
 from rayppo.models.loading import load_causal_lm, load_tokenizer
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import pack_weights
@@ -92,6 +94,11 @@ def test_sync_makes_generator_sample_from_the_new_weights(backend, sync, long_co
         assert sent == sum(t.numel() * t.element_size() for t in new_state.values())
     else:
         assert generator.load_weights(pack_weights(new_state, version=7)) == 7
+    # The generator holds exactly what was sent (fingerprints of its loaded, possibly fused and
+    # repacked weights), and the check would fail against the old weights.
+    assert check_weights(sent_prints(new_state), generator.weight_fingerprints(), 0, 7) == len(new_state)
+    with pytest.raises(WeightSyncError, match="generator 0 does not hold"):
+        check_weights(sent_prints(load_causal_lm(long_context_dir).state_dict()), generator.weight_fingerprints(), 0, 7)
     after = generator.generate(_prompts(tokenizer), seed=0)  # same prompts: cached KV must not be reused
     assert after.policy_version == [7] * 4
     assert _mismatch(after, new_model, pad) < 1e-4  # fp32: the generator runs exactly the sent weights

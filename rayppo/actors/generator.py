@@ -239,7 +239,7 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
                 continue
             k = matrix_shape(shapes[names[0]])[1]
             if param.numel() == 0 and hasattr(module, "cpu_linear"):
-                probe = probes(k).T.to(param.dtype)  # [2, K], exact in any dtype
+                probe = probes(k).T.to(param.dtype).contiguous()  # [2, K], exact in any dtype
                 rows = module.cpu_linear(probe, param, None).T.double()
             else:
                 rows = probe_rows(param.reshape(-1, k) if k > 1 else param.reshape(-1))

@@ -128,9 +128,11 @@ def make_experience(
     penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator), mask)
     stats = _global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
                           len(rollout), collective)
+    # Over the global batch: the ranks' moments add (their explained variances would not).
+    stats["value/explained_variance"] = float(ppo.explained_variance_from_moments(
+        collective.sum(ppo.masked_moments(returns, mask)), collective.sum(ppo.masked_moments(returns - values, mask))))
     stats |= _global_means(
         {
-            "value/explained_variance": ppo.explained_variance(values, returns, mask),
             "value/mean": ppo.masked_mean(values, mask),
             "returns/mean": ppo.masked_mean(returns, mask),
         },

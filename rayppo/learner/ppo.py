@@ -285,10 +285,19 @@ def value_loss(
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, <= 0 a useless one."""
-    var_returns = masked_mean((returns - masked_mean(returns, mask)).square(), mask)
-    residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)).square(), mask)
-    return 1.0 - var_residual / var_returns.clamp(min=1e-12)
+    return explained_variance_from_moments(masked_moments(returns, mask), masked_moments(returns - values, mask))
+
+
+def explained_variance_from_moments(returns_moments: torch.Tensor, residual_moments: torch.Tensor) -> torch.Tensor:
+    """``explained_variance`` from the ``masked_moments`` of R and of R - V (local or summed over
+    ranks: the ranks' moments add, their explained variances do not)."""
+
+    def variance(moments: torch.Tensor) -> torch.Tensor:
+        count, total, total_sq = moments.unbind()
+        mean = total / count.clamp(min=1.0)
+        return (total_sq / count.clamp(min=1.0) - mean * mean).clamp(min=0.0)
+
+    return 1.0 - variance(residual_moments) / variance(returns_moments).clamp(min=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
