@@ -224,6 +224,8 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "sync_bytes": col["sync/bytes"][-1],
         "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
         "sync_share": statistics.median(s / i for s, i in zip(col["time/sync"], col["time/iteration"])),
+        # The correctness guard's weight check, as a share of the sync it checks (included in it).
+        "sync_verify_share": statistics.median(v / s for v, s in zip(col["time/sync_verify"], col["time/sync"])),
         "peak_memory_bytes": memory,
         "per_iteration": per_iteration,
     }
@@ -257,7 +259,7 @@ def print_table(s: dict[str, Any]) -> None:
     print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}   per stage: "
           + ", ".join(f"{k} {v:,.0f}" for k, v in s["stage_tokens_per_s"].items()))
     print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
-          f"{100 * s['sync_share']:.1f}% of the iteration")
+          f"{100 * s['sync_share']:.1f}% of the iteration; its weight check {100 * s['sync_verify_share']:.0f}% of the sync")
     print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
     if "overhead_ratio" in s:
         alone = s["stages_alone_s"]

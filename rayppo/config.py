@@ -261,7 +261,9 @@ class LearnerConfig:
     offload: bool = False
     """ZeRO: keep optimizer states (and, at stage 3, parameters) in CPU memory."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (less memory, more compute)."""
+    """Recompute activations in the backward pass (less memory, more compute). The trained
+    models run in train mode with every dropout at 0, so checkpointing is active and the first
+    PPO ratio is still exactly 1."""
     lora_rank: int = 0
     """LoRA rank on the policy (peft); 0 trains all weights. Synced as merged weights."""
     lora_alpha: float = 16.0

@@ -46,3 +46,24 @@ def small_overrides(tmp_path) -> list[str]:
         "stop.iterations=2",
         f"output.dir={tmp_path / 'run'}",
     ]
+
+
+@pytest.fixture
+def copy_model(embedded_dir, tmp_path):
+    """``copy_model(name, edit=None, **generation)``: a copy of the embedded model folder (tokenizer
+    included) with ``generation_config`` fields set and the model optionally edited in place."""
+    from transformers import AutoModelForCausalLM
+
+    def make(name: str, edit=None, **generation) -> Path:
+        model = AutoModelForCausalLM.from_pretrained(embedded_dir)
+        for key, value in generation.items():
+            setattr(model.generation_config, key, value)
+        if edit is not None:
+            edit(model)
+        model.save_pretrained(tmp_path / name)
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (embedded_dir / file).exists():
+                (tmp_path / name / file).write_bytes((embedded_dir / file).read_bytes())
+        return tmp_path / name
+
+    return make

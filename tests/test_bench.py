@@ -26,7 +26,7 @@ def bench():
 
 def record(iteration, generate, learn, sync):
     return {"time/iteration": iteration, "time/generate": generate, "time/reference": 0.1, "time/reward": 0.05,
-            "time/learn": learn, "time/sync": sync, "sync/bytes": 2e6}
+            "time/learn": learn, "time/sync": sync, "time/sync_verify": sync / 4, "sync/bytes": 2e6}
 
 
 def test_summary_ratios(bench):
@@ -38,6 +38,7 @@ def test_summary_ratios(bench):
     assert s["end_to_end_tokens_per_s"] == pytest.approx(2048 / 1.5)
     assert s["overhead_ratio"] == pytest.approx(1.5 / (0.6 + 0.2 + 0.4))  # reference and reward overlap
     assert s["sync_share"] == pytest.approx(0.05)
+    assert s["sync_verify_share"] == pytest.approx(0.25)
     assert s["sync_gb_per_s"] == pytest.approx(2e6 / 0.1 / 1e9)
     assert s["trl_end_to_end_tokens_per_s"] == pytest.approx(1000.0)
     assert s["ratio_vs_trl"] == pytest.approx(2048 / 1.5 / 1000)

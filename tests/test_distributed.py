@@ -187,25 +187,22 @@ def test_reward_function_error_names_the_prompt(tmp_path):
         run_iterations(overrides, 1)
 
 
-def test_empty_response_error_names_the_prompt(tmp_path, embedded_dir):
+def test_empty_response_error_names_the_prompt(copy_model, embedded_dir):
     """A policy that only ever writes padding produces empty responses: a clear error, no hang."""
-    model = AutoModelForCausalLM.from_pretrained(embedded_dir)
-    pad = model.config.pad_token_id
-    # Layers that add nothing and one embedding for every token: the last hidden state is the
-    # same vector h everywhere, and the output head gives <pad> the only large logit on it.
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.fill_(1.0)
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[pad].fill_(1.0)
-    model.save_pretrained(tmp_path / "degenerate")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (embedded_dir / name).exists():
-            (tmp_path / "degenerate" / name).write_bytes((embedded_dir / name).read_bytes())
+
+    def degenerate(model) -> None:
+        # Layers that add nothing and one embedding for every token: the last hidden state is the
+        # same vector everywhere, and the output head gives <pad> the only large logit on it.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            model.model.embed_tokens.weight.fill_(1.0)
+            model.model.norm.weight.fill_(1.0)
+            model.lm_head.weight.zero_()
+            model.lm_head.weight[model.config.pad_token_id].fill_(1.0)
+
     overrides = ["generators.backend=hf", "learner.num_ranks=1", "rollout.batch_size=4", "ppo.minibatches=1",
-                 f"model.policy={tmp_path / 'degenerate'}", f"model.reference={embedded_dir}"]
+                 f"model.policy={copy_model('degenerate', degenerate)}", f"model.reference={embedded_dir}"]
     with pytest.raises(EmptyResponseError, match=r"empty response for prompt '\w+ \d :'"):
         run_iterations(overrides, 1)

@@ -54,3 +54,13 @@ def test_embedded_default_learns(tmp_path):
     rewards = [trainer.iteration()["reward/mean"] for _ in range(cfg.stop.iterations)]
     start, end = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert start < 0.5 and end > start + 0.2, rewards
+
+
+def test_kl_penalty_mean_reports_the_configured_estimator(small_overrides):
+    """kl/ref_mean is always k1; with the k3 estimator in the reward, kl/penalty_mean is k3's sum
+    (never negative, and not the k1 figure once the policy has moved)."""
+    trainer = ReferenceTrainer(load_config(None, small_overrides + ["ppo.kl_estimator=k3", "ppo.lr=0.003"]))
+    trainer.iteration()
+    stats = trainer.iteration()
+    assert stats["kl/penalty_mean"] >= 0
+    assert abs(stats["kl/penalty_mean"] - stats["kl/ref_mean"]) > 1e-4

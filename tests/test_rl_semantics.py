@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, stop_token_ids
 from rayppo.config import ConfigError, PPOConfig, load_config, mismatch_limit
@@ -91,21 +90,10 @@ def test_top_p_below_one_is_refused_with_the_reason():
         load_config(None, ["rollout.top_p=0.9"])
 
 
-def _copy_model(src, dst, **generation) -> str:
-    model = AutoModelForCausalLM.from_pretrained(src)
-    for key, value in generation.items():
-        setattr(model.generation_config, key, value)
-    model.save_pretrained(dst)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (src / name).exists():
-            (dst / name).write_bytes((src / name).read_bytes())
-    return str(dst)
-
-
-def test_hf_backend_ignores_the_models_sampling_settings(embedded_dir, tokenizer, tmp_path):
+def test_hf_backend_ignores_the_models_sampling_settings(embedded_dir, tokenizer, copy_model):
     """A shipped generation_config with a repetition penalty and a no-repeat rule must not change
     what is sampled (the recorded log-probs would not show it): same seed, same responses."""
-    shaped = _copy_model(embedded_dir, tmp_path / "penalised", repetition_penalty=10.0, no_repeat_ngram_size=1)
+    shaped = str(copy_model("penalised", repetition_penalty=10.0, no_repeat_ngram_size=1))
     sampling = SamplingSettings(max_new_tokens=8, temperature=1.0)
     prompts = PromptBatch(["say 7 :"] * 8, [tokenizer("say 7 :")["input_ids"]] * 8)
     plain = GeneratorEngine(str(embedded_dir), sampling, backend="hf").generate(prompts, seed=3)
@@ -115,9 +103,10 @@ def test_hf_backend_ignores_the_models_sampling_settings(embedded_dir, tokenizer
     assert any(len(set(ids)) < len(ids) for ids in plain.response_ids)
 
 
-def test_both_backends_stop_on_the_generation_configs_eos_ids(embedded_dir, tokenizer, tmp_path):
+def test_hf_backend_stops_on_the_generation_configs_eos_ids(tokenizer, copy_model):
+    """(vLLM's side: tests/test_vllm_sampling.py.)"""
     seven = tokenizer("7", add_special_tokens=False)["input_ids"][0]
-    folder = _copy_model(embedded_dir, tmp_path / "two_eos", eos_token_id=[tokenizer.eos_token_id, seven])
+    folder = str(copy_model("two_eos", eos_token_id=[tokenizer.eos_token_id, seven]))
     assert stop_token_ids(tokenizer, folder) == sorted([tokenizer.eos_token_id, seven])
     engine = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="hf")
     rollout = engine.generate(PromptBatch(["say 7 :"] * 8, [tokenizer("say 7 :")["input_ids"]] * 8), seed=0)

@@ -72,3 +72,15 @@ def test_each_generator_draws_its_own_noise_and_each_is_reproducible(vllm_env, e
     assert first == first_again  # a run is reproducible from its seed
     assert first != second  # two generators given the same prompts do not draw the same samples
     assert sum(a != b for a, b in zip(first, second)) > len(PROMPTS) // 2
+
+
+def test_vllm_stops_on_the_generation_configs_eos_ids_like_the_hf_backend(vllm_env, tokenizer, copy_model):
+    seven = tokenizer("7", add_special_tokens=False)["input_ids"][0]
+    folder = copy_model("two_eos", eos_token_id=[tokenizer.eos_token_id, seven])
+    engine = GeneratorEngine(str(folder), SamplingSettings(max_new_tokens=8), backend="vllm", seed=0,
+                             vllm=VLLMSettings(kv_cache_gib=1))
+    rollout = engine.generate(_batch(tokenizer, ["say 7 :"] * 16), seed=0)
+    for ids, reason in zip(rollout.response_ids, rollout.finish_reason):
+        assert seven not in ids[:-1] and tokenizer.eos_token_id not in ids[:-1]
+        assert (reason == "stop") == (ids[-1] in (seven, tokenizer.eos_token_id))
+    assert any(ids[-1] == seven for ids in rollout.response_ids)  # the stop token is kept in the response
