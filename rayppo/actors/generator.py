@@ -116,13 +116,13 @@ class _HFBackend:
         # The in-process trainer samples from the module it trains: eval mode here keeps the KV
         # cache on (transformers turns it off under gradient checkpointing in train mode).
         training = self.model.training
+        self.model.eval()
         try:
             return self._sample(prompt_ids, s, seed)
         finally:
             self.model.train(training)
 
     def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
-        self.model.eval()
         tok = self.tokenizer
         batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id)
         width = batch.prompt_width
@@ -242,7 +242,7 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
                 probe = probes(k).T.to(param.dtype).contiguous()  # [2, K], exact in any dtype
                 rows = module.cpu_linear(probe, param, None).T.double()
             else:
-                rows = probe_rows(param.reshape(-1, k) if k > 1 else param.reshape(-1))
+                rows = probe_rows(param.reshape(-1, k))  # padded vocabulary rows are ignored by split_rows
             out.update(split_rows(rows, names, shapes))
     return out
 
