@@ -43,13 +43,13 @@ def check_weights(sent: dict[str, SentPrint], held: dict[str, tuple[float, float
     tensors were compared. A sent tensor the engine does not hold under any name (e.g. a tied
     ``lm_head``) is not compared; a generator that holds none of them is an error."""
     compared, bad = 0, []
-    for name, print_ in sent.items():
+    for name, expected in sent.items():
         if name not in held:
             continue
         compared += 1
-        gaps = [abs(h - v) for h, v in zip(held[name], print_.value)]
-        if any(gap > bound for gap, bound in zip(gaps, print_.bound)):
-            bad.append(f"{name} (|held - sent| = {max(gaps):.3g}, rounding allows {max(print_.bound):.3g})")
+        gaps = [abs(h - v) for h, v in zip(held[name], expected.value)]
+        if any(gap > bound for gap, bound in zip(gaps, expected.bound)):
+            bad.append(f"{name} (|held - sent| = {max(gaps):.3g}, rounding allows {max(expected.bound):.3g})")
     if bad:
         raise WeightSyncError(f"weight sync to policy version {version}: generator {generator} does not hold the "
                               f"weights the learner sent: {bad[0]}" + (f" and {len(bad) - 1} more tensors" if bad[1:] else ""))
