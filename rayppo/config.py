@@ -165,7 +165,8 @@ class ChecksConfig:
     verify_sync: bool = True
     """After every weight sync each generator fingerprints the weights it actually holds and the
     run stops, naming generator, tensor and iteration, if they differ from what learner rank 0
-    sent. Metric ``sync/verified`` is 1.0 when every generator matched."""
+    sent. Metric ``sync/verified`` is 1.0 when every generator matched (0.0 when the check is off;
+    NaN with tensor-parallel vLLM generators, which are not fingerprinted yet)."""
     sync_fault: str = "none"
     """Testing only: make every generator break its weight loads on purpose, to show the guard
     stopping the run: ``none``, ``skip_all`` (load nothing), ``skip_tensor`` / ``perturb_tensor``

@@ -25,9 +25,9 @@ from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.models.fingerprint import held_prints, matrix_shape, probe_rows, probes, split_rows
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
-from rayppo.models.fingerprint import held_prints, matrix_shape, probe_rows, probes, split_rows
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
 
 
@@ -145,6 +145,7 @@ class _HFBackend:
 class _VLLMBackend:
     def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int, eos_ids: list[int]):
         self.eos_ids = eos_ids
+        self.tensor_parallel_size = settings.tensor_parallel_size
         # In-process engine (no extra worker process inside the Ray actor) and a bounded CPU
         # KV cache (without it the engine reserves enough memory to trip Ray's OOM monitor).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -175,14 +176,12 @@ class _VLLMBackend:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
-    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
-        per_worker = self.llm.collective_rpc(_worker_held_prints, args=(shapes,))
-        if len(per_worker) > 1:
-            # Each tensor-parallel worker holds a shard (rows or columns): the sum over workers of
-            # its probe products is not the full tensor's for row-parallel layers without the
-            # matching probe slice, which the worker cannot know here.
-            raise NotImplementedError("weight fingerprints of tensor-parallel vLLM engines (set checks.verify_sync=false)")
-        return per_worker[0]
+    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]] | None:
+        if self.tensor_parallel_size > 1:
+            # Each tensor-parallel worker holds a shard (rows of column-parallel layers, columns of
+            # row-parallel ones, whole norms): not yet mapped back to full tensors. Not verifiable.
+            return None
+        return self.llm.collective_rpc(_worker_held_prints, args=(shapes,))[0]
 
     def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
         from rayppo.actors.weight_receiver import init_payload
@@ -306,9 +305,10 @@ class GeneratorEngine(Engine):
         self.policy_version = version
         return version
 
-    def weight_fingerprints(self) -> dict[str, tuple[float, float]]:
+    def weight_fingerprints(self) -> dict[str, tuple[float, float]] | None:
         """Fingerprints of the weights this engine holds now, under the names of the last sync
-        (``rayppo/models/fingerprint.py``): the generator's half of the weight check."""
+        (``rayppo/models/fingerprint.py``): the generator's half of the weight check. None when
+        the engine cannot be fingerprinted (tensor-parallel vLLM, for now)."""
         return self.backend.held_prints(self.sent_shapes)
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:

@@ -31,7 +31,8 @@ from rayppo.config import Config, actor_threads, weight_sync_backend
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.group import LearnerGroup
-from rayppo.learner.reference_trainer import generator_seed, iteration_seed, make_kl_controller, rollout_stats, sampling_settings
+from rayppo.learner.reference_trainer import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
+                                             sampling_settings)
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault
 
@@ -119,7 +120,7 @@ class DistributedTrainer:
         version = int(stats["policy/version"])
         sync_bytes = self.weight_sync.sync(version)
         t_verify = clock()
-        verified = self.cfg.checks.verify_sync and verify_sync(self.learner, self.generators, version) > 0
+        verified = verify_sync(self.learner, self.generators, version) if self.cfg.checks.verify_sync else 0.0
         t4 = clock()
         self.iteration_count += 1
         self.last_rollout = rollout

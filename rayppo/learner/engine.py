@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from rayppo.actors.base import Engine
 from rayppo.config import Config, mismatch_limit
-from rayppo.guard import MismatchGuard
 from rayppo.data.rollout import Rollout
+from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import TruncationRule, local_minibatches, make_experience, minibatch_plan, ppo_update
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, WeightSender, free_port, param_specs
-from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.fingerprint import SentPrint, sent_prints
+from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.weights import WeightsPayload, pack_weights
 
 

@@ -27,7 +27,8 @@ from rayppo.config import Config, mismatch_limit
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
-from rayppo.learner.experience import LocalCollective, TruncationRule, local_minibatches, make_experience, minibatch_plan, ppo_update
+from rayppo.learner.experience import (LocalCollective, TruncationRule, local_minibatches, make_experience,
+                                      minibatch_plan, ppo_update)
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 
