@@ -80,16 +80,20 @@ def unit_roundoffs(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def sent_print(tensor: torch.Tensor) -> SentPrint:
-    """Fingerprint and rounding bound of a tensor about to be sent."""
-    w = as_matrix(tensor.detach()).double()
+    """Fingerprint and rounding bound of a tensor about to be sent.
+
+    One pass over the tensor (it runs on learner rank 0 every sync): the probes are 1 and ±1, so
+    sum_i (W x)_i = sum_k x_k c_k with the column sums c (accumulated in float64), and
+    sum_ik |W_ik||x_k| = sum |W| for both probes.
+    """
+    w = as_matrix(tensor.detach())
     n, k = w.shape
-    p = probes(k, w.device)
+    columns = w.sum(dim=0, dtype=torch.float64)
+    value = columns @ probes(k, columns.device)
     u_acc, u_out = unit_roundoffs(tensor.dtype)
-    magnitude = (w.abs() @ p.abs()).sum(dim=0)  # sum_i sum_k |W_ik||x_k| per probe
     # Kernel rounding, plus float64 summation over the N x K terms on either side.
-    bound = magnitude * (k * u_acc + u_out + 2 * (n + k) * F64_EPS)
-    value = (w @ p).sum(dim=0)
-    return SentPrint(tuple(value.tolist()), tuple(bound.tolist()))
+    bound = float(w.abs().sum(dtype=torch.float64)) * (k * u_acc + u_out + 2 * (n + k) * F64_EPS)
+    return SentPrint(tuple(value.tolist()), (bound, bound))
 
 
 def sent_prints(named: dict[str, torch.Tensor]) -> dict[str, SentPrint]:
