@@ -78,16 +78,16 @@ class MismatchGuard:
         """Raise ``LogprobMismatchError`` on every rank when a token's gap exceeds the limit.
 
         ``gap`` is ``[B, T]`` |old - new| (0 on padding), ``generator_ids`` ``[B]``: this rank's
-        part of the first minibatch. Collective: all ranks reach the same verdict, so none is
-        left waiting in a later all-reduce.
+        part of the first minibatch (at least one row: a rank with none runs a placeholder row).
+        Collective: all ranks reach the same verdict, so none waits in a later all-reduce.
         """
-        row_max = gap.detach().amax(dim=1).double().cpu() if gap.numel() else torch.zeros(0, dtype=torch.float64)
-        worst = collective.max(row_max.max() if row_max.numel() else torch.zeros((), dtype=torch.float64))
+        row_max = gap.detach().amax(dim=1).double().cpu()
+        worst = collective.max(row_max.max())
         if float(worst) <= self.limit:
             return
         # Which generator sampled the worst row: only the rank holding it proposes its id.
-        local = generator_ids.cpu()[row_max.argmax()] if row_max.numel() and row_max.max() == worst else -1
-        generator = int(collective.max(torch.tensor(float(local), dtype=torch.float64)))
+        local = float(generator_ids.cpu()[row_max.argmax()]) if row_max.max() == worst else -1.0
+        generator = int(collective.max(torch.tensor(local, dtype=torch.float64)))
         raise LogprobMismatchError(
             f"iteration {self.iteration}: logprob_mismatch/max = {float(worst):.3g} nats exceeds "
             f"checks.max_logprob_mismatch = {self.limit:g} on generator {generator}: it is not sampling from the "
