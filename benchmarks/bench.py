@@ -133,7 +133,8 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
 
     Each engine runs one warm-up call first, as it did in the measured run.
     """
-    from rayppo.actors.generator import GeneratorEngine, VLLMSettings
+    from rayppo.actors.generator import GeneratorEngine
+    from rayppo.cluster.driver import vllm_settings
     from rayppo.actors.reference import ReferenceEngine
     from rayppo.actors.reward import RewardEngine
     from rayppo.data.prompts import PromptBatch
@@ -146,8 +147,7 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     prompts = PromptBatch(rollout.prompt_text, rollout.prompt_ids)
     out: dict[str, float] = {}
     torch.set_num_threads(threads["gen"])
-    vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib, g.enforce_eager)
-    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype, 0, cfg.seed, vllm)
+    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype, 0, cfg.seed, vllm_settings(cfg))
     generator.generate(prompts, 0)
     out["generate"], _ = _timed(generator.generate, prompts, 1)
     del generator

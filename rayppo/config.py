@@ -219,6 +219,20 @@ class ClusterConfig:
     """How long to wait for the roles' placement groups before failing with what is missing."""
     colocate: bool = False
     """Place the reference and reward actors in the learner's placement group (same nodes)."""
+    colocate_all: bool = False
+    """Colocated mode: every role shares the learner's GPUs (one bundle per learner rank holds
+    that rank, a generator, and the reference and reward actors). vLLM sleeps (weights to host
+    memory, KV cache freed) while the learner trains and wakes up for the weight sync, so a
+    policy, critic, reference and reward model fit where the disaggregated layout would not.
+    Needs ``learner.gpus_per_rank`` 0 or 1 and at most one generator per rank; on CPUs the same
+    schedule runs with sleep/wake skipped (vLLM refuses sleep mode on CPU)."""
+    actor_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for every actor process, over rayppo's defaults (which include
+    ``NCCL_NVLS_ENABLE=0``: NVLS can hang or corrupt data with Ray's per-actor
+    ``CUDA_VISIBLE_DEVICES`` on H100/H200 nodes, NVIDIA/nccl#1906; set it to 1 here to undo)."""
+    sync_timeout_s: float = 600.0
+    """How long joining the weight-sync group and each broadcast (NCCL or gloo) may wait for
+    the other side before the run fails."""
 
 
 @dataclass
@@ -233,10 +247,21 @@ class GeneratorConfig:
     """torch/OpenMP threads per generator; default: its CPU share rounded down (at least 1).
     Stages run one after another, so a role may use more threads than its share."""
     gpus_per_worker: float = 0.0
-    """GPUs per generator: above 1 it is vLLM's tensor-parallel size (GPUs on one node); a
-    fraction shares one GPU with other roles (set gpu_memory_utilization to match)."""
-    gpu_memory_utilization: float = 0.85
-    """vLLM: share of each GPU's memory the engine may use."""
+    """GPUs per generator: above 1 it is vLLM's tensor-parallel size; a fraction shares one GPU
+    with other roles (vLLM's memory share follows it, see ``gpu_memory_utilization``)."""
+    tensor_parallel_size: int | None = None
+    """vLLM tensor-parallel workers per generator; default: ``gpus_per_worker`` when above 1,
+    else 1. With GPUs it must equal ``gpus_per_worker``; on CPUs each worker is a process."""
+    tensor_parallel_layout: str = "one_node"
+    """Where a tensor-parallel generator's GPUs are: ``one_node`` (the actor holds all its GPUs
+    on one node and vLLM runs its ``mp`` executor) or ``across_nodes`` (one placement group of
+    one-GPU bundles per generator, the actor holds no GPU, vLLM's ``ray`` executor places a
+    worker in each bundle)."""
+    gpu_memory_utilization: float | None = None
+    """vLLM: share of each GPU's *whole* memory the engine may use (weights, activations, KV
+    cache). Default: 0.85 x the generator's GPU share (0.85 with whole GPUs, 0.34 at
+    ``gpus_per_worker=0.4``), or 0.4 in colocated mode (the learner keeps its weights and
+    optimizer states on the GPU while vLLM is awake). A value above the share is refused."""
     max_model_len: int | None = None
     """vLLM: longest prompt + response; default: the model's max_position_embeddings."""
     kv_cache_gib: float = 1.0
@@ -275,7 +300,9 @@ class LearnerConfig:
     """How new weights reach the generators: ``broadcast`` (learner rank 0 broadcasts over a
     process group with the generators' inference workers: NCCL when both roles have whole GPUs,
     gloo when neither has GPUs), ``object_store`` (rank 0 puts them once in Ray's object store,
-    every generator reads them), or ``auto`` (broadcast between whole GPUs, else object store)."""
+    every generator reads them), ``ipc`` (colocated mode on GPUs: each learner rank's GPU hands
+    CUDA-IPC handles to the generator on the same GPU, no copy), or ``auto`` (ipc when colocated
+    on GPUs, broadcast between whole GPUs, else object store)."""
 
 
 @dataclass
@@ -299,13 +326,49 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
+COLOCATED_SHARES = {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.1}
+"""Ray's accounting of one GPU in colocated mode (``cluster.colocate_all``): the roles share it
+in time (vLLM sleeps while the learner trains), so the fractions only let Ray place four actors
+on one GPU; they sum to 1."""
+
+
+def tensor_parallel_size(g: GeneratorConfig) -> int:
+    """vLLM workers per generator: ``generators.tensor_parallel_size``, else its whole GPUs."""
+    return g.tensor_parallel_size or max(1, int(g.gpus_per_worker))
+
+
+def role_gpus(cfg: Config, role: str) -> float:
+    """GPUs (or a share of one) that Ray gives each actor of ``role``
+    (generators, reference, reward, learner)."""
+    if cfg.cluster.colocate_all:
+        return COLOCATED_SHARES[role] if cfg.learner.gpus_per_rank else 0.0
+    return {"generators": cfg.generators.gpus_per_worker, "reference": cfg.reference.gpus,
+            "reward": cfg.reward.gpus, "learner": cfg.learner.gpus_per_rank}[role]
+
+
+def vllm_memory_utilization(cfg: Config) -> float:
+    """vLLM's ``gpu_memory_utilization``: the configured value, else 0.85 of the generator's share
+    of each GPU (vLLM sizes itself against the whole device, so a 0.4 share must not take 0.85),
+    or 0.4 in colocated mode (the learner's weights and optimizer states stay resident)."""
+    g = cfg.generators
+    if g.gpu_memory_utilization is not None:
+        return g.gpu_memory_utilization
+    if cfg.cluster.colocate_all:
+        return 0.4
+    return round(0.85 * min(1.0, g.gpus_per_worker or 1.0), 4)
+
+
 def weight_sync_backend(cfg: Config) -> str | None:
-    """``nccl`` or ``gloo`` when weights are broadcast, None when they go through the object store."""
+    """``ipc``, ``nccl`` or ``gloo`` when weights go straight to the generators' workers, None when
+    they go through the object store (``learner.weight_sync``)."""
     g, mode = cfg.generators, cfg.learner.weight_sync
-    on_gpus = cfg.learner.gpus_per_rank > 0 and g.gpus_per_worker > 0 and g.backend == "vllm"
+    gen_gpus, learner_gpus = role_gpus(cfg, "generators"), cfg.learner.gpus_per_rank
+    if cfg.cluster.colocate_all and learner_gpus and g.backend == "vllm" and mode in ("auto", "ipc"):
+        return "ipc"  # learner rank and generator on one GPU: hand over CUDA-IPC handles
+    on_gpus = learner_gpus > 0 and gen_gpus > 0
     # NCCL cannot put two ranks of one group on one GPU: auto broadcasts only between whole GPUs.
-    whole_gpus = cfg.learner.gpus_per_rank >= 1 and g.gpus_per_worker >= 1
-    if mode == "object_store" or (mode == "auto" and not (on_gpus and whole_gpus)):
+    whole_gpus = learner_gpus >= 1 and gen_gpus >= 1 and not cfg.cluster.colocate_all
+    if mode == "object_store" or (mode == "auto" and not (on_gpus and whole_gpus and g.backend == "vllm")):
         return None
     return "nccl" if on_gpus else "gloo"
 
@@ -378,6 +441,68 @@ def validate(cfg: Config) -> Config:
     return _validate_system(cfg)
 
 
+def _validate_gpus(cfg: Config) -> None:
+    """GPU shares, tensor parallelism and colocation: layouts NCCL and vLLM accept."""
+    g, lr_, c = cfg.generators, cfg.learner, cfg.cluster
+    _require(0 <= lr_.gpus_per_rank <= 1, "learner.gpus_per_rank", "must be in [0, 1]", lr_.gpus_per_rank)
+    # Two ranks of one NCCL group on one GPU: NCCL refuses ("Duplicate GPU detected").
+    _require(lr_.num_ranks == 1 or lr_.gpus_per_rank in (0, 1), "learner.gpus_per_rank",
+             f"a fraction of a GPU per rank needs learner.num_ranks=1 (with learner.num_ranks={lr_.num_ranks} "
+             "two ranks of one NCCL group could land on one GPU, which NCCL refuses); use whole GPUs, or "
+             "cluster.colocate_all=true to share each rank's GPU with the other roles", lr_.gpus_per_rank)
+    _require(g.gpus_per_worker <= 1 or float(g.gpus_per_worker).is_integer(), "generators.gpus_per_worker",
+             "above 1 must be a whole number (the tensor-parallel size)", g.gpus_per_worker)
+    tp = tensor_parallel_size(g)
+    _require(tp >= 1, "generators.tensor_parallel_size", "must be >= 1", g.tensor_parallel_size)
+    _require(tp == 1 or g.backend == "vllm", "generators.tensor_parallel_size", "above 1 needs generators.backend=vllm",
+             tp)
+    _require(g.gpus_per_worker == 0 or tp == max(1, int(g.gpus_per_worker)), "generators.tensor_parallel_size",
+             f"must equal generators.gpus_per_worker={g.gpus_per_worker:g} (one GPU per tensor-parallel worker)", tp)
+    _require(g.tensor_parallel_layout in ("one_node", "across_nodes"), "generators.tensor_parallel_layout",
+             "must be one_node or across_nodes", g.tensor_parallel_layout)
+    _require(g.tensor_parallel_layout == "one_node" or (g.gpus_per_worker >= 1 and g.backend == "vllm"),
+             "generators.tensor_parallel_layout", "across_nodes needs vLLM generators with whole GPUs "
+             "(vLLM's ray executor, which places the workers, is refused on CPU)", g.tensor_parallel_layout)
+    util = g.gpu_memory_utilization
+    _require(util is None or 0 < util <= 1, "generators.gpu_memory_utilization", "must be in (0, 1] or null", util)
+    share = min(1.0, g.gpus_per_worker or 1.0)
+    _require(util is None or c.colocate_all or util <= share + 1e-9, "generators.gpu_memory_utilization",
+             f"vLLM sizes itself against the whole GPU: with generators.gpus_per_worker={g.gpus_per_worker:g} it "
+             f"may use at most {share:g} of it (leave it unset for 0.85 x the share)", util)
+    if c.colocate_all:
+        _validate_colocated(cfg)
+
+
+def _validate_colocated(cfg: Config) -> None:
+    g, lr_ = cfg.generators, cfg.learner
+    _require(lr_.gpus_per_rank in (0, 1), "learner.gpus_per_rank", "must be 0 or 1 with cluster.colocate_all "
+             "(each rank's GPU hosts the other roles)", lr_.gpus_per_rank)
+    for name, count in (("generators.num", g.num), ("reference.num", cfg.reference.num), ("reward.num", cfg.reward.num)):
+        _require(count <= lr_.num_ranks, name, f"with cluster.colocate_all at most learner.num_ranks={lr_.num_ranks} "
+                 "(one per learner GPU)", count)
+    for name, gpus in (("generators.gpus_per_worker", g.gpus_per_worker), ("reference.gpus", cfg.reference.gpus),
+                       ("reward.gpus", cfg.reward.gpus)):
+        _require(gpus == 0, name, "is set by cluster.colocate_all (every role shares its learner rank's GPU); "
+                 "leave it at 0", gpus)
+    _require(tensor_parallel_size(g) == 1, "generators.tensor_parallel_size",
+             "must be 1 with cluster.colocate_all (one generator worker per learner GPU)", g.tensor_parallel_size)
+
+
+def _validate_weight_sync(cfg: Config) -> None:
+    g, lr_, mode = cfg.generators, cfg.learner, cfg.learner.weight_sync
+    gen_gpus = role_gpus(cfg, "generators")
+    if mode == "ipc":
+        _require(cfg.cluster.colocate_all and lr_.gpus_per_rank == 1 and g.backend == "vllm", "learner.weight_sync",
+                 "ipc needs cluster.colocate_all=true, learner.gpus_per_rank=1 and vLLM generators (CUDA-IPC "
+                 "hands a GPU's tensors to another process on the same GPU)", mode)
+    if mode == "broadcast":
+        _require((lr_.gpus_per_rank > 0) == (gen_gpus > 0), "learner.weight_sync", "broadcast needs generators "
+                 "and the learner both on GPUs or both on CPUs (use object_store)", mode)
+        _require(not gen_gpus or (lr_.gpus_per_rank >= 1 and gen_gpus >= 1 and not cfg.cluster.colocate_all),
+                 "learner.weight_sync", "broadcast over NCCL needs whole GPUs per learner rank and generator (NCCL "
+                 "cannot join two processes sharing one GPU; use object_store, or ipc when colocated)", mode)
+
+
 def _validate_system(cfg: Config) -> Config:
     """Cross-field checks of the distributed system's sections."""
     r = cfg.rollout
@@ -388,31 +513,22 @@ def _validate_system(cfg: Config) -> Config:
     _require(g.num <= r.batch_size, "generators.num", f"must be <= rollout.batch_size={r.batch_size}", g.num)
     _require(g.cpus_per_worker > 0, "generators.cpus_per_worker", "must be > 0", g.cpus_per_worker)
     _require(g.gpus_per_worker >= 0, "generators.gpus_per_worker", "must be >= 0", g.gpus_per_worker)
-    _require(0 < g.gpu_memory_utilization <= 1, "generators.gpu_memory_utilization", "must be in (0, 1]", g.gpu_memory_utilization)
+    _validate_gpus(cfg)
     for name, role in (("reference", cfg.reference), ("reward", cfg.reward)):
         _require(role.num >= 1, f"{name}.num", "must be >= 1", role.num)
         _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
     _require(lr_.num_ranks >= 1, "learner.num_ranks", "must be >= 1", lr_.num_ranks)
     _require(lr_.num_ranks <= r.batch_size, "learner.num_ranks", f"must be <= rollout.batch_size={r.batch_size}", lr_.num_ranks)
-    _require(0 <= lr_.gpus_per_rank <= 1, "learner.gpus_per_rank", "must be in [0, 1]", lr_.gpus_per_rank)
-    _require(g.gpus_per_worker <= 1 or float(g.gpus_per_worker).is_integer(), "generators.gpus_per_worker",
-             "above 1 must be a whole number (the tensor-parallel size)", g.gpus_per_worker)
-    _require(lr_.weight_sync in ("auto", "broadcast", "object_store"), "learner.weight_sync",
-             "must be auto, broadcast or object_store", lr_.weight_sync)
-    # The hf backend generates on CPU whatever its GPU share.
-    gpu_generators = g.gpus_per_worker > 0 and g.backend == "vllm"
-    if lr_.weight_sync == "broadcast":
-        _require((lr_.gpus_per_rank > 0) == gpu_generators, "learner.weight_sync", "broadcast needs vLLM "
-                 "generators and the learner both on GPUs or both on CPUs (use object_store)", lr_.weight_sync)
-        _require(not gpu_generators or (lr_.gpus_per_rank >= 1 and g.gpus_per_worker >= 1), "learner.weight_sync",
-                 "broadcast over NCCL needs whole GPUs per learner rank and generator (NCCL cannot join two "
-                 "processes sharing one GPU; use object_store)", lr_.weight_sync)
+    _require(lr_.weight_sync in ("auto", "broadcast", "object_store", "ipc"), "learner.weight_sync",
+             "must be auto, broadcast, object_store or ipc", lr_.weight_sync)
+    _validate_weight_sync(cfg)
     _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
     for name, threads in (("generators", g.threads), ("reference", cfg.reference.threads),
                           ("reward", cfg.reward.threads), ("learner", lr_.threads)):
         _require(threads is None or threads >= 1, f"{name}.threads", "must be >= 1 or null", threads)
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
+    _require(cfg.cluster.sync_timeout_s > 0, "cluster.sync_timeout_s", "must be > 0", cfg.cluster.sync_timeout_s)
     return cfg
 
 

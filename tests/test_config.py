@@ -2,7 +2,8 @@
 
 import pytest
 
-from rayppo.config import Config, ConfigError, field_docs, load_config, weight_sync_backend
+from rayppo.config import (Config, ConfigError, field_docs, load_config, vllm_memory_utilization,
+                           weight_sync_backend)
 
 
 def test_defaults_are_valid_and_every_field_is_documented():
@@ -66,7 +67,10 @@ def test_override_without_equals_sign():
         (["learner.weight_sync=broadcast"], "gloo"),
         (["learner.gpus_per_rank=1", "generators.gpus_per_worker=1"], "nccl"),
         (["learner.gpus_per_rank=1", "generators.gpus_per_worker=2"], "nccl"),  # tensor parallel
-        (["learner.gpus_per_rank=0.5", "generators.gpus_per_worker=0.5"], None),  # may share a GPU
+        (["learner.gpus_per_rank=0.5", "learner.num_ranks=1", "generators.gpus_per_worker=0.5"], None),  # shared
+        (["cluster.colocate_all=true", "learner.gpus_per_rank=1"], "ipc"),  # one GPU, two processes: CUDA-IPC
+        (["cluster.colocate_all=true"], None),  # colocated on CPUs: the object store
+        (["cluster.colocate_all=true", "learner.gpus_per_rank=1", "learner.weight_sync=object_store"], None),
         (["learner.gpus_per_rank=1", "generators.gpus_per_worker=1", "learner.weight_sync=object_store"], None),
         (["learner.gpus_per_rank=1", "generators.gpus_per_worker=1", "generators.backend=hf"], None),
     ],
@@ -78,9 +82,13 @@ def test_weight_sync_backend_follows_the_resources(overrides, backend):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["learner.weight_sync=nccl"], "must be auto, broadcast or object_store"),
+        (["learner.weight_sync=nccl"], "must be auto, broadcast, object_store or ipc"),
+        (["learner.weight_sync=ipc", "learner.gpus_per_rank=1"], "ipc needs cluster.colocate_all=true"),
+        (["learner.weight_sync=broadcast", "cluster.colocate_all=true", "learner.gpus_per_rank=1"],
+         "NCCL cannot join two processes sharing one GPU"),
         (["learner.weight_sync=broadcast", "learner.gpus_per_rank=1"], "both on GPUs or both on CPUs"),
-        (["learner.weight_sync=broadcast", "learner.gpus_per_rank=0.5", "generators.gpus_per_worker=0.5"],
+        (["learner.weight_sync=broadcast", "learner.gpus_per_rank=0.5", "learner.num_ranks=1",
+          "generators.gpus_per_worker=0.5"],
          "NCCL cannot join two processes sharing one GPU"),
     ],
 )
@@ -88,3 +96,43 @@ def test_impossible_weight_sync_is_refused_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(None, overrides)
     assert str(info.value).startswith("learner.weight_sync")
+
+
+@pytest.mark.parametrize(
+    "overrides, field, message",
+    [
+        # Two ranks of one NCCL group on one GPU: NCCL refuses; the error names both fields.
+        (["learner.gpus_per_rank=0.5", "learner.num_ranks=2"], "learner.gpus_per_rank", "learner.num_ranks=2"),
+        # vLLM sizes itself against the whole device: a 0.4 share cannot take 0.85 of it.
+        (["generators.gpus_per_worker=0.4", "generators.gpu_memory_utilization=0.85"],
+         "generators.gpu_memory_utilization", "at most 0.4"),
+        (["generators.gpus_per_worker=2", "generators.tensor_parallel_size=4"], "generators.tensor_parallel_size",
+         "must equal generators.gpus_per_worker=2"),
+        (["generators.tensor_parallel_size=2", "generators.backend=hf"], "generators.tensor_parallel_size",
+         "needs generators.backend=vllm"),
+        (["generators.tensor_parallel_layout=across_nodes", "generators.tensor_parallel_size=2"],
+         "generators.tensor_parallel_layout", "ray executor"),
+        (["cluster.colocate_all=true", "generators.num=3"], "generators.num", "at most learner.num_ranks=2"),
+        (["cluster.colocate_all=true", "reference.gpus=0.5"], "reference.gpus", "set by cluster.colocate_all"),
+        (["cluster.colocate_all=true", "learner.gpus_per_rank=1", "learner.num_ranks=1",
+          "generators.tensor_parallel_size=2"], "generators.tensor_parallel_size", "must be 1 with"),
+    ],
+)
+def test_gpu_layouts_nccl_or_vllm_would_refuse_are_refused_at_load(overrides, field, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(field + ":")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], 0.85),  # CPU, or whole GPUs
+        (["generators.gpus_per_worker=2"], 0.85),
+        (["generators.gpus_per_worker=0.4"], 0.34),  # 0.85 of the share
+        (["generators.gpus_per_worker=0.4", "generators.gpu_memory_utilization=0.3"], 0.3),
+        (["cluster.colocate_all=true", "learner.gpus_per_rank=1"], 0.4),
+    ],
+)
+def test_vllm_memory_share_follows_the_gpu_share(overrides, expected):
+    assert vllm_memory_utilization(load_config(None, overrides)) == pytest.approx(expected)

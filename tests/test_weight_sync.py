@@ -65,11 +65,11 @@ def _sync_once(generator: GeneratorEngine, new_state: dict[str, torch.Tensor]) -
     """Open a 2-rank group (sender + this generator) and broadcast ``new_state`` once."""
     endpoint = _endpoint(world_size=2)
     with ThreadPoolExecutor(2) as pool:
-        sender = pool.submit(WeightSender, endpoint, param_specs(new_state), torch.device("cpu"))
+        sender = pool.submit(WeightSender, endpoint, param_specs(new_state.items()), torch.device("cpu"))
         generator.join_weight_sync(endpoint, rank_offset=1)
         sender = sender.result()
-        sent = pool.submit(sender.send, new_state)
-        version = generator.receive_weights(param_specs(new_state), version=7)
+        sent = pool.submit(sender.send, new_state.items())
+        version = generator.receive_weights(param_specs(new_state.items()), version=7)
         assert version == 7 and generator.policy_version == 7
         return sent.result()
 
@@ -110,12 +110,12 @@ def test_sender_refuses_a_stream_whose_layout_changed():
     named = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
     with ThreadPoolExecutor(1) as pool:
         receiver = pool.submit(open_sync_group, endpoint, 1)
-        sender = WeightSender(endpoint, param_specs(named), torch.device("cpu"))
+        sender = WeightSender(endpoint, param_specs(named.items()), torch.device("cpu"))
         group = receiver.result()
         with pytest.raises(RuntimeError, match="changed name, dtype or shape"):
-            sender.send({"a": torch.ones(4), "b": torch.zeros(2, 2)})
-        received = pool.submit(lambda: dict(receive_stream(group, param_specs(named), torch.device("cpu"))))
-        assert sender.send(named) == 3 * 4 + 4 * 4
+            sender.send({"a": torch.ones(4), "b": torch.zeros(2, 2)}.items())
+        received = pool.submit(lambda: dict(receive_stream(group, param_specs(named.items()), torch.device("cpu"))))
+        assert sender.send(named.items()) == 3 * 4 + 4 * 4
         assert torch.equal(received.result()["a"], named["a"])
 
 
@@ -137,12 +137,12 @@ def test_nccl_group_broadcasts_cuda_tensors():
 
     def receive(group):
         torch.cuda.set_device(1)
-        return dict(receive_stream(group, param_specs(named), torch.device("cuda", 1)))
+        return dict(receive_stream(group, param_specs(named.items()), torch.device("cuda", 1)))
 
     named = {"w": torch.arange(6, dtype=torch.bfloat16, device="cuda:0").reshape(2, 3)}
     with ThreadPoolExecutor(1) as pool:
         receiver = pool.submit(open_sync_group, endpoint, 1)
-        sender = WeightSender(endpoint, param_specs(named), torch.device("cuda", 0))
+        sender = WeightSender(endpoint, param_specs(named.items()), torch.device("cuda", 0))
         received = pool.submit(receive, receiver.result())
-        sender.send(named)
+        sender.send(named.items())
         assert torch.equal(received.result()["w"].cpu(), named["w"].cpu())

@@ -1,14 +1,73 @@
-"""What every role's engine shares: threads from its CPU share, and its peak memory."""
+"""What every role's engine shares: its device, threads from its CPU share, its peak memory.
+
+The device is a property of the base class so that no role can forget it: an engine given GPUs
+puts its model and every batch on ``self.device``; one given none stays on the CPU.
+"""
 
 from __future__ import annotations
 
+import os
 import resource
 
 import torch
 
 
+class DeviceError(RuntimeError):
+    """A role was given GPUs this process cannot use; the message names the role."""
+
+
+def engine_device(gpus: float, role: str, cuda_available: bool | None = None,
+                  visible: str | None = None, ray_gpu_ids: list[str] | None = None) -> torch.device:
+    """The device of an engine that Ray gave ``gpus`` GPUs (a share of one counts).
+
+    Ray sets ``CUDA_VISIBLE_DEVICES`` of an actor to the GPUs it assigned (ray 2.60,
+    ``python/ray/_private/worker.py``, ``set_cuda_visible_devices``; for fractional shares too),
+    so the actor's first GPU is ``cuda:0``. When a cluster disables that masking
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``) every GPU of the node is visible and the
+    assigned one is ``ray.get_gpu_ids()[0]``, counted within the visible list. A role given GPUs where CUDA is unavailable is an
+    error, not a silent fall-back to the CPU (which would run a 7B reference model on 1 thread).
+    """
+    if not gpus:
+        return torch.device("cpu")
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    if not cuda_available:
+        raise DeviceError(f"{role}: given {gpus:g} GPU(s) but this process sees no CUDA device "
+                          f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible}); install a CUDA build "
+                          f"of torch on that node, or set the role's GPUs to 0")
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1":
+        ids = ray_gpu_ids if ray_gpu_ids is not None else _ray_gpu_ids()
+        if ids:
+            # Ray's ids are the node's (or the raylet's CUDA_VISIBLE_DEVICES entries); torch counts
+            # the devices this process sees.
+            listed = [] if visible == "<unset>" else visible.split(",")
+            return torch.device("cuda", listed.index(ids[0]) if ids[0] in listed else int(ids[0]))
+    return torch.device("cuda", 0)
+
+
+def _ray_gpu_ids() -> list[str]:
+    import ray
+
+    return [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+
+
 class Engine:
     """Base of the role engines (generator, reference, reward, learner rank)."""
+
+    device: torch.device = torch.device("cpu")
+    """Where this engine's model and batches live (``init_device``)."""
+
+    def init_device(self, gpus: float, role: str, make_current: bool = True) -> torch.device:
+        """Select this engine's device from the GPUs Ray gave it (``engine_device``).
+
+        ``make_current=False`` leaves CUDA uninitialised in this process (a vLLM engine forks
+        its tensor-parallel workers, which a process holding a CUDA context cannot do safely)."""
+        self.device = engine_device(gpus, role)
+        if self.device.type == "cuda" and make_current:
+            torch.cuda.set_device(self.device)
+        return self.device
 
     @staticmethod
     def set_threads(num_threads: int | None) -> None:
@@ -23,3 +82,7 @@ class Engine:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["cuda"] = int(torch.cuda.max_memory_allocated())
         return out
+
+    def ready(self) -> str:
+        """A one-line description once the engine is built (the driver waits on it)."""
+        return f"{type(self).__name__} on {self.device}"

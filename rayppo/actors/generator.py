@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints, matrix_shape, probe_rows, probes, split_rows
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
@@ -51,12 +51,21 @@ class VLLMSettings:
     """vLLM engine arguments passed through from the config."""
 
     tensor_parallel_size: int = 1
+    executor: str = "uni"
+    """vLLM's ``distributed_executor_backend``: ``uni`` (one worker, in this process), ``mp``
+    (tensor-parallel workers as processes of this node) or ``ray`` (workers as Ray actors in the
+    generator's placement group). Always explicit: inside a placement group vLLM would pick
+    ``ray`` by itself (``vllm/config/parallel.py``, 0.32), whose bundles must hold one GPU each."""
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
     collective_sync: bool = False
     """Create the engine with rayppo's weight-transfer engine (weights arrive by broadcast)."""
+    ipc_sync: bool = False
+    """Create the engine with vLLM's CUDA-IPC weight-transfer engine (colocated mode on GPUs)."""
+    sleep_mode: bool = False
+    """Colocated mode: the engine can sleep (free its GPU memory) while the learner trains."""
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
@@ -82,8 +91,9 @@ def split_response(tokens: list[int], eos_ids: list[int], pad_id: int) -> tuple[
 
 
 class _HFBackend:
-    def __init__(self, model_path: str, dtype: str, tokenizer, eos_ids: list[int]):
-        self.model = load_causal_lm(model_path, dtype).eval()
+    def __init__(self, model_path: str, dtype: str, tokenizer, eos_ids: list[int], device: torch.device):
+        self.model = load_causal_lm(model_path, dtype).to(device).eval()
+        self.device = device
         # transformers fills every unset field of a generate() call from the model's own
         # generation_config (repetition_penalty, no_repeat_ngram_size, suppress_tokens, ...), and
         # each of those would change what is sampled without changing the recorded log-probs.
@@ -111,6 +121,14 @@ class _HFBackend:
         state = self.model.state_dict()
         return held_prints({name: state[name] for name in shapes if name in state})
 
+    @staticmethod
+    def sleep() -> bool:
+        return False  # transformers keeps its weights where they are
+
+    @staticmethod
+    def wake_up(tags: list[str]) -> bool:
+        return False
+
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
         # The in-process trainer samples from the module it trains: eval mode here keeps the KV
@@ -124,7 +142,7 @@ class _HFBackend:
 
     def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
         tok = self.tokenizer
-        batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id)
+        batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id).to(self.device)
         width = batch.prompt_width
         torch.manual_seed(seed)
         out = self.model.generate(
@@ -138,7 +156,8 @@ class _HFBackend:
         rows = [split_response(row.tolist(), eos_ids, tok.pad_token_id) for row in out[:, width:]]
         response_ids = [ids for ids, _ in rows]
         nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
-        logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id), s.temperature)
+        logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
+                                     s.temperature)
         return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]
 
 
@@ -146,6 +165,7 @@ class _VLLMBackend:
     def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int, eos_ids: list[int]):
         self.eos_ids = eos_ids
         self.tensor_parallel_size = settings.tensor_parallel_size
+        self.sleep_mode = settings.sleep_mode
         # In-process engine (no extra worker process inside the Ray actor) and a bounded CPU
         # KV cache (without it the engine reserves enough memory to trip Ray's OOM monitor).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -154,6 +174,8 @@ class _VLLMBackend:
         from vllm import LLM
 
         extra = {}
+        if settings.ipc_sync:
+            extra["weight_transfer_config"] = {"backend": "ipc"}
         if settings.collective_sync:
             from rayppo.actors import weight_receiver
 
@@ -162,6 +184,7 @@ class _VLLMBackend:
         self.llm = LLM(
             model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
             tensor_parallel_size=settings.tensor_parallel_size,
+            distributed_executor_backend=settings.executor, enable_sleep_mode=settings.sleep_mode,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
             logprobs_mode="processed_logprobs", trust_remote_code=False,
@@ -169,6 +192,8 @@ class _VLLMBackend:
             # every sampling parameter itself); the EOS ids are passed explicitly in sample().
             generation_config="vllm", **extra,
         )
+        if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         # On the CPU backend model.load_weights fails after weight repacking; reload_weights
@@ -195,6 +220,32 @@ class _VLLMBackend:
         self.llm.collective_rpc("update_weights", args=(update_payload(specs, fault),))
         self.llm.collective_rpc("finish_weight_update")
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def start_ipc(self) -> None:
+        self.llm.start_weight_update()
+
+    def load_ipc(self, chunk) -> None:
+        # vLLM's IPC engine rebuilds each tensor from its handle on this GPU and loads it
+        # (vllm/distributed/weight_transfer/ipc_engine.py, receive_weights, 0.32).
+        self.llm.update_weights({"update_info": chunk.update_info()})
+
+    def finish_ipc(self) -> None:
+        self.llm.finish_weight_update()  # vLLM post-processes the reloaded layers
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def sleep(self) -> bool:
+        if not self.sleep_mode:
+            return False
+        self.llm.sleep(level=1)  # weights to host memory, KV cache freed
+        return True
+
+    def wake_up(self, tags: list[str]) -> bool:
+        if not self.sleep_mode:
+            return False
+        # sleep() already reset the prefix cache (vllm/v1/engine/core.py, _reset_caches, 0.32);
+        # the sync's own reset follows the new weights.
+        self.llm.wake_up(tags=tags)
+        return True
 
     def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
         from vllm import SamplingParams
@@ -268,8 +319,12 @@ class GeneratorEngine(Engine):
         vllm: VLLMSettings | None = None,
         num_threads: int | None = None,
         sync_fault: SyncFault = SyncFault(),
+        gpus: float = 0.0,
     ):
         self.set_threads(num_threads)
+        # vLLM places its own workers on the actor's GPUs; CUDA stays uninitialised here so that
+        # its mp executor can start tensor-parallel workers.
+        self.init_device(gpus, "generators", make_current=backend != "vllm")
         self.sync_fault = sync_fault  # testing only: a broken weight load, on purpose
         self.sent_shapes: dict[str, list[int]] = {}
         model_path = str(resolve_model_path(model_path))  # "embedded" is built on this node if needed
@@ -281,7 +336,7 @@ class GeneratorEngine(Engine):
         if backend == "vllm":
             self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
-            self.backend = _HFBackend(model_path, dtype, self.tokenizer, eos_ids)
+            self.backend = _HFBackend(model_path, dtype, self.tokenizer, eos_ids, self.device)
         else:
             raise ValueError(f"generators.backend must be 'vllm' or 'hf', got {backend!r}")
 
@@ -298,6 +353,24 @@ class GeneratorEngine(Engine):
         """Join learner rank 0's sync group (blocks until every member has joined)."""
         self.backend.join_sync(endpoint, rank_offset)
 
+    def start_ipc_update(self) -> None:
+        """Colocated CUDA-IPC sync: open a weight update (``load_ipc`` for each run, then finish)."""
+        if self.sync_fault.kind != "none":
+            raise ValueError("checks.sync_fault is not implemented for the CUDA-IPC weight sync")
+        self.sent_shapes = {}
+        self.backend.start_ipc()
+
+    def load_ipc(self, chunk: IpcChunk) -> None:
+        """Load one run of tensors that the learner rank on this GPU shares by CUDA-IPC."""
+        self.sent_shapes.update(zip(chunk.names, chunk.shapes))
+        self.backend.load_ipc(chunk)
+
+    def finish_ipc_update(self, version: int) -> int:
+        """Close the weight update; later rollouts carry ``version``. Returns it."""
+        self.backend.finish_ipc()
+        self.policy_version = version
+        return version
+
     def receive_weights(self, specs: list[ParamSpec], version: int) -> int:
         """Take the weights of ``version`` from the sync group's broadcast. Returns the version."""
         self.sent_shapes = {spec.name: list(spec.shape) for spec in specs}
@@ -310,6 +383,20 @@ class GeneratorEngine(Engine):
         (``rayppo/models/fingerprint.py``): the generator's half of the weight check. None when
         the engine cannot be fingerprinted (tensor-parallel vLLM, for now)."""
         return self.backend.held_prints(self.sent_shapes)
+
+    def sleep(self) -> bool:
+        """Colocated mode: free the engine's GPU memory while the learner trains (vLLM sleep
+        level 1: weights to host memory, KV cache dropped). Returns False where the engine
+        cannot sleep (vLLM on CPU, the hf backend): nothing was freed."""
+        return self.backend.sleep()
+
+    def wake_up(self, tags: list[str]) -> bool:
+        """Bring back ``tags`` of vLLM's memory (``weights`` before a sync, ``kv_cache`` after).
+        Returns False where the engine cannot sleep."""
+        return self.backend.wake_up(tags)
+
+    def ready(self) -> str:
+        return f"generator {self.generator_id}: {type(self.backend).__name__.strip('_')} on {self.device}"
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """One response per prompt, sampled at the configured temperature / top-p."""

@@ -18,10 +18,11 @@ class ReferenceEngine(Engine):
     """
 
     def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, gpus: float = 0.0):
         self.set_threads(num_threads)
+        self.init_device(gpus, "reference")
         model_path = str(resolve_model_path(model_path))
-        self.model = load_causal_lm(model_path, dtype).eval().requires_grad_(False)
+        self.model = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.temperature = temperature
         self.batch_size = batch_size
@@ -32,7 +33,7 @@ class ReferenceEngine(Engine):
         out: list[list[float]] = []
         for start in range(0, len(rollout), self.batch_size):
             part = rollout.select(range(start, min(start + self.batch_size, len(rollout))))
-            batch = pack(part.prompt_ids, part.response_ids, self.pad_id)
+            batch = pack(part.prompt_ids, part.response_ids, self.pad_id).to(self.device)
             logprobs, _ = policy_forward(self.model, batch, self.temperature)
             out.extend(row[: len(ids)].tolist() for row, ids in zip(logprobs, part.response_ids))
         return out

@@ -80,8 +80,10 @@ class RewardEngine(Engine):
     """
 
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
-                 dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None):
+                 dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None,
+                 gpus: float = 0.0):
         self.set_threads(num_threads)
+        self.init_device(gpus, "reward")
         if sum(x is not None for x in (function, model, http)) != 1:
             raise ValueError("RewardEngine needs exactly one of function=, model= and http=")
         self.batch_size = batch_size
@@ -92,7 +94,7 @@ class RewardEngine(Engine):
             from rayppo.models.loading import load_reward_model, load_tokenizer, resolve_model_path
 
             model = str(resolve_model_path(model))
-            self.model = load_reward_model(model, dtype).eval().requires_grad_(False)
+            self.model = load_reward_model(model, dtype).to(self.device).eval().requires_grad_(False)
             self.tokenizer = load_tokenizer(model)
             self.tokenizer.padding_side = "right"
 
@@ -128,7 +130,7 @@ class RewardEngine(Engine):
         texts = [f"{p} {r}" for p, r in zip(rollout.prompt_text, rollout.response_text)]
         out: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True)
+            enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True).to(self.device)
             logits = self.model(**enc).logits  # [b, 1]
             out.extend(logits[:, 0].float().tolist())
         return out

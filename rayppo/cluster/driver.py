@@ -24,10 +24,12 @@ from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.group import ActorGroup, get, split_evenly
-from rayppo.cluster.placement import Placement, placement_report, release, reserve
+from rayppo.cluster.colocation import DeviceSchedule
+from rayppo.cluster.placement import Placement, placement_report, release, reserve, role_specs
 from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config import Config, actor_threads, weight_sync_backend
+from rayppo.config import (Config, actor_threads, role_gpus, tensor_parallel_size, vllm_memory_utilization,
+                           weight_sync_backend)
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.group import LearnerGroup
@@ -53,6 +55,7 @@ class DistributedTrainer:
         self.iteration_count = 0
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
+        self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
         self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
         try:
             self.placements = reserve(cfg)
@@ -67,42 +70,51 @@ class DistributedTrainer:
     def _spawn_roles(self) -> None:
         cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
         # Model names go to the actors unresolved: each node resolves (or builds) them itself.
-        ref_path = m.reference or m.policy
-        vllm = VLLMSettings(max(1, int(g.gpus_per_worker)), g.gpu_memory_utilization, g.max_model_len, g.kv_cache_gib,
-                            g.enforce_eager, collective_sync=weight_sync_backend(cfg) is not None)
         fault = SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor)  # testing only
         threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
                    "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
                    "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
                    "learner": actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)}
+        gpus = {role: spec.bundle.get("GPU", 0.0) for role, spec in ((s.name, s) for s in role_specs(cfg))}
 
         def options(role: str, n: int) -> list[dict[str, Any]]:
             # OpenMP threads (vLLM's CPU kernels, DeepSpeed) follow the role's thread count too.
             env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads[role]),
-                   "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib)))}
-            if m.cache_dir:
-                env["RAYPPO_CACHE"] = m.cache_dir
+                   "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib))),
+                   **({"RAYPPO_CACHE": m.cache_dir} if m.cache_dir else {}), **cfg.cluster.actor_env}
+            if role == "generators" and g.tensor_parallel_layout == "across_nodes":
+                # vLLM's ray executor: worker r in bundle r of the generator's own group.
+                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, range(tensor_parallel_size(g))))
             return [self.placements[role].actor_options(i, env) for i in range(n)]
 
         self.generators = ActorGroup(
             GeneratorEngine,
-            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm,
-              threads["generators"], fault) for i in range(g.num)],
+            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm_settings(cfg),
+              threads["generators"], fault, gpus["generators"]) for i in range(g.num)],
             options("generators", g.num),
         )
+        if generators_start_first(cfg):
+            # vLLM charges every device-wide memory change during its profiling window to itself
+            # (and asserts when others free memory): the roles sharing its GPUs start after it.
+            self.schedule.stage("spawn generators")
+            self.generators.get(self.generators.call_all(Engine.ready))
+            self.schedule.stage("generators ready")
         self.reference = ActorGroup(
             ReferenceEngine,
-            [(ref_path, cfg.rollout.temperature, 64, m.dtype, threads["reference"])] * cfg.reference.num,
+            [(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype, threads["reference"], gpus["reference"])]
+            * cfg.reference.num,
             options("reference", cfg.reference.num),
         )
         self.rewards = ActorGroup(
             RewardEngine,
             [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"],
-              endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries))] * cfg.reward.num,
+              endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus["reward"])] * cfg.reward.num,
             options("reward", cfg.reward.num),
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
+        self.schedule.stage("spawn reference, reward, learner")
         self.weight_sync = make_weight_sync(cfg, self.learner, self.generators)
+        self.schedule.generators = self.generators
 
     # ------------------------------------------------------------------------------- iteration
     def iteration(self) -> dict[str, float]:
@@ -110,17 +122,22 @@ class DistributedTrainer:
         it, clock = self.iteration_count, time.perf_counter
         t0 = clock()
         rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
+        self.schedule.sleep_generators()  # colocated mode: vLLM frees the GPU for the learner
         t1 = clock()
         rollout, score_times = self.score(rollout)
         t2 = clock()
         kl_coef = self.kl_ctl.value
         stats = self.learner.train(rollout, kl_coef, it)
+        self.schedule.stage("learn")
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t3 = clock()
         version = int(stats["policy/version"])
+        self.schedule.wake_weights()
         sync_bytes = self.weight_sync.sync(version)
+        self.schedule.stage("sync")
         t_verify = clock()
         verified = verify_sync(self.learner, self.generators, version) if self.cfg.checks.verify_sync else 0.0
+        self.schedule.wake_kv_cache()
         t4 = clock()
         self.iteration_count += 1
         self.last_rollout = rollout
@@ -134,7 +151,9 @@ class DistributedTrainer:
         parts = split_evenly(len(prompts.ids), len(self.generators))
         args = [(PromptBatch(prompts.texts[r.start:r.stop], prompts.ids[r.start:r.stop]), seed + 7919 * i)
                 for i, r in enumerate(parts)]
-        return Rollout.concat(self.generators.get(self.generators.call(GeneratorEngine.generate, args)))
+        rollout = Rollout.concat(self.generators.get(self.generators.call(GeneratorEngine.generate, args)))
+        self.schedule.stage("generate")
+        return rollout
 
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors."""
@@ -153,6 +172,7 @@ class DistributedTrainer:
             if key not in outstanding.values():
                 times[key] = time.perf_counter() - start
         results = {key: [x for part in get(futures) for x in part] for key, futures in pending.items()}
+        self.schedule.stage("score")
         rollout.ref_logprobs, rollout.score = results["time/reference"], results["time/reward"]
         return rollout, times
 
@@ -178,6 +198,26 @@ class DistributedTrainer:
             release(self.placements)
             self.placements = {}
         self.session.close()
+
+
+def vllm_settings(cfg: Config) -> VLLMSettings:
+    """The vLLM engine arguments of a generator, executor and memory share made explicit."""
+    g = cfg.generators
+    tp = tensor_parallel_size(g)
+    executor = "uni" if tp == 1 else ("ray" if g.tensor_parallel_layout == "across_nodes" else "mp")
+    on_gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
+    return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), g.max_model_len, g.kv_cache_gib, g.enforce_eager,
+                        collective_sync=weight_sync_backend(cfg) in ("gloo", "nccl"),
+                        ipc_sync=weight_sync_backend(cfg) == "ipc",
+                        sleep_mode=cfg.cluster.colocate_all and on_gpu)
+
+
+def generators_start_first(cfg: Config) -> bool:
+    """Whether the generators must be ready before the other roles start: when a GPU is shared
+    (colocated mode, or a fraction of a GPU for any role), so that nothing else allocates or
+    frees GPU memory during vLLM's memory profiling. Colocated mode on CPUs keeps the same order."""
+    shared = any(0 < role_gpus(cfg, role) < 1 for role in ("generators", "reference", "reward", "learner"))
+    return cfg.cluster.colocate_all or shared
 
 
 def _max_positions(model_path: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +10,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayppo.config import Config
+from rayppo.config import Config, role_gpus, tensor_parallel_size
 
 
 class PlacementError(RuntimeError):
@@ -18,21 +19,34 @@ class PlacementError(RuntimeError):
 
 @dataclass
 class RoleSpec:
-    """``count`` actors of one role, each needing ``bundle`` (Ray resources)."""
+    """``count`` actors of one role, each asking Ray for ``bundle`` (its own resources)."""
 
     name: str
     count: int
     bundle: dict[str, float]
-    strategy: str = "PACK"
+
+
+@dataclass
+class GroupPlan:
+    """One placement group to create: its bundles, and which actor sits in which bundle."""
+
+    name: str
+    bundles: list[dict[str, float]]
+    members: list[tuple[str, int, int]] = field(default_factory=list)
+    """``(role, actor index, bundle index)``."""
+    capture_child_tasks: bool = False
+    """Tasks and actors the member starts join the group (vLLM's ray executor places its
+    tensor-parallel workers in the generator's group this way)."""
 
 
 @dataclass
 class Placement:
-    """Where a role's actors go: a placement group and one bundle index per actor."""
+    """Where a role's actors go: actor i sits in bundle ``bundles[i]`` of ``groups[i]``."""
 
-    group: PlacementGroup
+    groups: list[PlacementGroup]
     bundles: list[int]
     bundle: dict[str, float] = field(default_factory=dict)
+    capture_child_tasks: bool = False
 
     def actor_options(self, i: int, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Ray actor options for actor ``i`` of the role."""
@@ -40,7 +54,9 @@ class Placement:
         options: dict[str, Any] = {
             "num_cpus": self.bundle.get("CPU", 0),
             "num_gpus": self.bundle.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.bundles[i]),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.groups[i], placement_group_bundle_index=self.bundles[i],
+                placement_group_capture_child_tasks=self.capture_child_tasks),
         }
         if resources:
             options["resources"] = resources
@@ -57,70 +73,117 @@ def _bundle(cpus: float, gpus: float, extra: dict[str, float]) -> dict[str, floa
 
 
 def role_specs(cfg: Config) -> list[RoleSpec]:
-    """The resources each role asks for, from the config."""
+    """The resources each role's actors ask for themselves, from the config."""
     g, l = cfg.generators, cfg.learner
+    # across_nodes: the actor holds no GPU; vLLM's ray executor puts a worker in each bundle.
+    gen_gpus = 0.0 if g.tensor_parallel_layout == "across_nodes" else role_gpus(cfg, "generators")
     return [
-        RoleSpec("generators", g.num, _bundle(g.cpus_per_worker, g.gpus_per_worker, g.resources)),
-        RoleSpec("reference", cfg.reference.num, _bundle(cfg.reference.cpus, cfg.reference.gpus, cfg.reference.resources)),
-        RoleSpec("reward", cfg.reward.num, _bundle(cfg.reward.cpus, cfg.reward.gpus, cfg.reward.resources)),
-        # Learner ranks may span nodes; SPREAD is not required, PACK keeps them close when it can.
-        RoleSpec("learner", l.num_ranks, _bundle(l.cpus_per_rank, l.gpus_per_rank, l.resources)),
+        RoleSpec("generators", g.num, _bundle(g.cpus_per_worker, gen_gpus, g.resources)),
+        RoleSpec("reference", cfg.reference.num,
+                 _bundle(cfg.reference.cpus, role_gpus(cfg, "reference"), cfg.reference.resources)),
+        RoleSpec("reward", cfg.reward.num, _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
+        RoleSpec("learner", l.num_ranks, _bundle(l.cpus_per_rank, role_gpus(cfg, "learner"), l.resources)),
     ]
 
 
-def total_demand(specs: list[RoleSpec]) -> dict[str, float]:
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
+
+
+def plan_groups(cfg: Config) -> list[GroupPlan]:
+    """The placement groups of a job (pure: no Ray), one layout per mode:
+
+    - colocated (``cluster.colocate_all``): one group, one bundle per learner rank holding that
+      rank's GPU, the rank, and generator / reference / reward actor i when there is one;
+    - tensor parallel across nodes: one group per generator of ``tp`` one-GPU bundles (vLLM's ray
+      executor refuses bundles of more than one GPU), the actor's CPUs in bundle 0;
+    - otherwise one group per role (reference and reward join the learner's with ``colocate``),
+      each actor one bundle of its own resources (a one-node TP generator's bundle holds all
+      its GPUs, so they are on one node for vLLM's mp executor)."""
+    specs = {s.name: s for s in role_specs(cfg)}
+    if cfg.cluster.colocate_all:
+        gpu = {"GPU": 1.0} if cfg.learner.gpus_per_rank else {}
+        bundles = []
+        for i in range(cfg.learner.num_ranks):
+            # The bundle holds the GPU once; the actors' fractions of it are Ray's accounting only.
+            held = [specs[r].bundle for r in ("learner", "generators", "reference", "reward") if i < specs[r].count]
+            bundles.append(functools.reduce(_add, ({k: v for k, v in b.items() if k != "GPU"} for b in held), gpu))
+        members = [(r, i, i) for r, s in specs.items() for i in range(s.count)]
+        return [GroupPlan("colocated", bundles, members)]
+    plans = []
+    g = cfg.generators
+    if g.tensor_parallel_layout == "across_nodes":
+        tp = tensor_parallel_size(g)
+        for i in range(g.num):
+            first = _add(specs["generators"].bundle, {"GPU": 1.0})
+            plans.append(GroupPlan(f"generator-{i}", [first] + [{"GPU": 1.0}] * (tp - 1), [("generators", i, 0)],
+                                   capture_child_tasks=True))
+    else:
+        plans.append(_role_group("generators", [specs["generators"]]))
+    learner = [specs["learner"]] + ([specs["reference"], specs["reward"]] if cfg.cluster.colocate else [])
+    plans.append(_role_group("learner", learner))
+    if not cfg.cluster.colocate:
+        plans += [_role_group("reference", [specs["reference"]]), _role_group("reward", [specs["reward"]])]
+    return plans
+
+
+def _role_group(name: str, members: list[RoleSpec]) -> GroupPlan:
+    plan = GroupPlan(name, [])
+    for spec in members:
+        for i in range(spec.count):
+            plan.members.append((spec.name, i, len(plan.bundles)))
+            plan.bundles.append(dict(spec.bundle))
+    return plan
+
+
+def total_demand(plans: list[GroupPlan]) -> dict[str, float]:
     demand: dict[str, float] = {}
-    for spec in specs:
-        for key, value in spec.bundle.items():
-            demand[key] = demand.get(key, 0.0) + value * spec.count
+    for plan in plans:
+        for bundle in plan.bundles:
+            demand = _add(demand, bundle)
     return demand
 
 
-def check_capacity(specs: list[RoleSpec], available: dict[str, float]) -> None:
+def check_capacity(cfg: Config, plans: list[GroupPlan], available: dict[str, float]) -> None:
     """Raise ``PlacementError`` naming every resource the cluster lacks, before anything waits."""
+    specs = role_specs(cfg)
     missing = []
-    for key, need in sorted(total_demand(specs).items()):
+    for key, need in sorted(total_demand(plans).items()):
         have = available.get(key, 0.0)
         if need > have + 1e-9:
             users = ", ".join(f"{s.name} {s.count} x {s.bundle[key]:g}" for s in specs if s.bundle.get(key))
-            missing.append(f"{key}: need {need:g} ({users}), cluster has {have:g}")
+            missing.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}")
     if missing:
         raise PlacementError("the Ray cluster cannot hold this job: " + "; ".join(missing))
 
 
 def reserve(cfg: Config) -> dict[str, Placement]:
-    """One placement group per role (reference and reward join the learner's when colocated)."""
-    specs = role_specs(cfg)
-    check_capacity(specs, ray.cluster_resources())
-    by_name = {s.name: s for s in specs}
-    groups: dict[str, list[RoleSpec]] = {"generators": [by_name["generators"]], "learner": [by_name["learner"]]}
-    if cfg.cluster.colocate:
-        groups["learner"] += [by_name["reference"], by_name["reward"]]
-    else:
-        groups["reference"], groups["reward"] = [by_name["reference"]], [by_name["reward"]]
-    placements: dict[str, Placement] = {}
+    """Create the placement groups of ``plan_groups`` and wait until they are ready."""
+    plans = plan_groups(cfg)
+    check_capacity(cfg, plans, ray.cluster_resources())
+    specs = {s.name: s for s in role_specs(cfg)}
+    placements = {name: Placement([], [], spec.bundle) for name, spec in specs.items()}
     created: list[PlacementGroup] = []
-    for group_name, members in groups.items():
-        bundles = [dict(s.bundle) for s in members for _ in range(s.count)]
-        pg = placement_group(bundles, strategy="PACK", name=f"rayppo-{group_name}")
+    for plan in plans:
+        pg = placement_group(plan.bundles, strategy="PACK", name=f"rayppo-{plan.name}")
         created.append(pg)
-        start = 0
-        for s in members:
-            placements[s.name] = Placement(pg, list(range(start, start + s.count)), s.bundle)
-            start += s.count
+        for role, _, bundle_index in sorted(plan.members, key=lambda m: (m[0], m[1])):
+            placements[role].groups.append(pg)
+            placements[role].bundles.append(bundle_index)
+            placements[role].capture_child_tasks |= plan.capture_child_tasks
     ready, _ = ray.wait([pg.ready() for pg in created], num_returns=len(created), timeout=cfg.cluster.placement_timeout_s)
     if len(ready) < len(created):
         for pg in created:
             remove_placement_group(pg)
         raise PlacementError(
             f"placement groups not ready after {cfg.cluster.placement_timeout_s:g} s: the cluster has the "
-            f"resources in total ({total_demand(specs)}) but no nodes can hold the bundles as requested"
+            f"resources in total ({total_demand(plans)}) but no nodes can hold the bundles as requested"
         )
     return placements
 
 
 def release(placements: dict[str, Placement]) -> None:
-    for pg in {id(p.group): p.group for p in placements.values()}.values():
+    for pg in {id(g): g for p in placements.values() for g in p.groups}.values():
         remove_placement_group(pg)
 
 
@@ -132,6 +195,5 @@ def placement_report(placements: dict[str, Placement]) -> dict[str, Any]:
              for n in ray.nodes() if n["Alive"]}
     roles = {}
     for role, p in placements.items():
-        bundle_nodes = placement_group_table(p.group)["bundles_to_node_id"]
-        roles[role] = [bundle_nodes[i] for i in p.bundles]
+        roles[role] = [placement_group_table(g)["bundles_to_node_id"][i] for g, i in zip(p.groups, p.bundles)]
     return {"roles": roles, "nodes": nodes}

@@ -11,6 +11,10 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # vLLM engine inside the actor process
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # NCCL's NVLink SHARP (NVLS) can hang or corrupt collectives on H100/H200 nodes when each Ray
+    # actor sees only its own GPUs through CUDA_VISIBLE_DEVICES (NVIDIA/nccl#1906, the mitigation
+    # NeMo-RL ships). Costs nothing elsewhere; cluster.actor_env can set it back to 1.
+    "NCCL_NVLS_ENABLE": "0",
 }
 
 

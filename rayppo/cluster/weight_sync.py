@@ -3,6 +3,7 @@
 - ``ObjectStoreSync``: rank 0 packs the (gathered, merged) weights into numpy arrays and puts them
   in Ray's object store once; every generator reads them (zero-copy on its node) and reloads them
   in place. Works everywhere; on GPUs the weights make a device -> host -> device round trip.
+- ``IpcSync`` (colocated on GPUs): learner rank i hands the generator on its GPU CUDA-IPC handles.
 - ``BroadcastSync``: rank 0 and every inference worker of every generator form one process group
   at start (``rayppo/learner/weight_sync.py``); each sync is one broadcast per tensor, received by
   vLLM's weight-transfer engine inside each worker (NCCL GPU to GPU, or gloo on CPUs).
@@ -17,7 +18,7 @@ import warnings
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get
-from rayppo.config import Config, weight_sync_backend
+from rayppo.config import Config, tensor_parallel_size, weight_sync_backend
 from rayppo.guard import check_weights
 from rayppo.learner.group import LearnerGroup
 from rayppo.learner.weight_sync import SyncEndpoint
@@ -85,11 +86,39 @@ class BroadcastSync:
         return results[0]
 
 
-def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup) -> ObjectStoreSync | BroadcastSync:
+class IpcSync:
+    """Colocated on GPUs: learner rank i shares its GPU's policy tensors with generator i by
+    CUDA-IPC handles; nothing is copied between processes. Under ZeRO-3 or LoRA the tensors are
+    gathered or merged one at a time and each run is loaded before the next is made."""
+
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup):
+        self.learner, self.generators = learner, generators
+
+    def sync(self, version: int) -> int:
+        """Hand over the weights of ``version``; returns the bytes the generators loaded."""
+        g = self.generators
+        g.get(g.call_all(GeneratorEngine.start_ipc_update))
+        delivered = 0
+        while True:
+            runs = self.learner.ipc_next()  # collective: every rank, every run
+            first = get(runs[0])
+            if first is None:
+                get(runs)
+                break
+            # Rank i's handles go to generator i, on the same GPU (futures: Ray resolves them there).
+            g.get(g.call(GeneratorEngine.load_ipc, [(runs[i],) for i in range(len(g))]))
+            delivered += first.nbytes * len(g)
+        _check_versions(g.get(g.call_all(GeneratorEngine.finish_ipc_update, version)), version)
+        return delivered
+
+
+def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup) -> ObjectStoreSync | BroadcastSync | IpcSync:
     """The strategy ``learner.weight_sync`` selects (see ``weight_sync_backend``)."""
     backend = weight_sync_backend(cfg)
     if backend is None:
         return ObjectStoreSync(learner, generators)
-    # A vLLM generator has one inference worker per tensor-parallel GPU; the hf backend has one.
-    tp = max(1, int(cfg.generators.gpus_per_worker)) if cfg.generators.backend == "vllm" else 1
-    return BroadcastSync(learner, generators, backend, tp)
+    if backend == "ipc":
+        return IpcSync(learner, generators)
+    # A vLLM generator has one inference worker per tensor-parallel rank; the hf backend has one.
+    tp = tensor_parallel_size(cfg.generators)
+    return BroadcastSync(learner, generators, backend, tp, cfg.cluster.sync_timeout_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 from rayppo.actors.base import Engine
-from rayppo.config import Config, mismatch_limit
+from rayppo.config import Config, mismatch_limit, role_gpus
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import TruncationRule, local_minibatches, make_experience, minibatch_plan, ppo_update
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, WeightSender, free_port, param_specs
-from rayppo.models.fingerprint import SentPrint, sent_prints
+from rayppo.learner.full_weights import full_tensors
+from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
+                                       param_specs)
+from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.weights import WeightsPayload, pack_weights
 
@@ -84,12 +86,12 @@ class LearnerEngine(Engine):
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                  num_threads: int | None = None):
         self.set_threads(num_threads)
-        use_cuda = cfg.learner.gpus_per_rank > 0 and torch.cuda.is_available()
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+        use_cuda = self.init_device(role_gpus(cfg, "learner"), "learner").type == "cuda"
+        # DeepSpeed binds the rank to cuda:LOCAL_RANK: the device Ray gave this actor.
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(self.device.index or 0),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.collective = TorchCollective(world_size, self.device)
         m = cfg.model
         policy_path = resolve_model_path(m.policy, m.cache_dir)
@@ -109,6 +111,8 @@ class LearnerEngine(Engine):
         self.version = 0
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
         self.sent: dict[str, SentPrint] = {}  # rank 0: fingerprints of the last weights sent
+        self._ipc_stream: Iterator[list[tuple[str, torch.Tensor]]] | None = None  # a sync in progress
+        self._ipc_held: IpcChunk | None = None  # the run the generator is loading
 
     def train(self, shard: Rollout, offset: int, batch_size: int, kl_coef: float, iteration: int) -> dict[str, float]:
         """Values, shaped rewards, GAE, global whitening and M epochs of PPO on this rank's rows.
@@ -136,26 +140,27 @@ class LearnerEngine(Engine):
         self.policy.step()
         self.critic.step()
 
-    @contextmanager
-    def _full_policy(self) -> Iterator[dict[str, torch.Tensor] | None]:
-        """Full policy weights (HF names) on rank 0, None elsewhere. Collective: call on all ranks.
+    def _full_policy(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` of the policy, one module gathered at a time (ZeRO-3), LoRA
+        merged per layer (``full_weights.py``). Collective: every rank must drain it."""
+        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
+        return full_tensors(self.policy.module, gather)
 
-        ZeRO-3 partitions are gathered; with LoRA the adapters are merged into the base weights.
-        """
-        module = self.policy.module
-        with self._gathered(module):
-            if self.rank != 0:
-                yield None
-            else:
-                yield _merged_lora_state(module) if self.cfg.learner.lora_rank > 0 else module.state_dict()
+    def _fingerprinted(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass ``stream`` through, recording each tensor's fingerprint in ``self.sent`` (rank 0)."""
+        self.sent = {}
+        for name, tensor in stream:
+            self.sent[name] = sent_print(tensor)
+            yield name, tensor
 
     def policy_weights(self) -> WeightsPayload | None:
         """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere)."""
-        with self._full_policy() as named:
-            if named is None:
-                return None
-            self.sent = sent_prints(named)
-            return pack_weights(named, self.version)
+        stream = self._full_policy()
+        if self.rank != 0:
+            return _drain(stream)
+        # Host copies: the gathered module is released as soon as the next one is requested.
+        named = {name: tensor.to("cpu", copy=True) for name, tensor in self._fingerprinted(stream)}
+        return pack_weights(named, self.version)
 
     def sent_fingerprints(self) -> dict[str, SentPrint] | None:
         """Fingerprints of the weights of the last sync (rank 0; None elsewhere): the learner's
@@ -172,22 +177,40 @@ class LearnerEngine(Engine):
 
         Blocks until every generator has joined; call on all ranks (ZeRO-3 gathers to find shapes).
         """
-        with self._full_policy() as named:
-            if named is None:
-                return None
-            specs = param_specs(named)
+        specs = param_specs(self._full_policy())
+        if self.rank != 0:
+            return None
         self.sender = WeightSender(endpoint, specs, self.device)
         return specs
 
     def send_weights(self) -> int:
-        """Broadcast the current policy to the sync group; returns bytes delivered (0 off rank 0)."""
-        with self._full_policy() as named:
-            if named is None:
-                return 0
-            if self.sender is None:
-                raise RuntimeError("send_weights before open_weight_sync: the sync group is not open")
-            self.sent = sent_prints(named)
-            return self.sender.send(named)
+        """Broadcast the current policy to the sync group, one gathered module at a time; returns
+        bytes delivered (0 off rank 0)."""
+        stream = self._full_policy()
+        if self.rank != 0:
+            return _drain(stream) or 0
+        if self.sender is None:
+            raise RuntimeError("send_weights before open_weight_sync: the sync group is not open")
+        return self.sender.send(self._fingerprinted(stream))
+
+    def ipc_next(self) -> IpcChunk | None:
+        """The next run of policy tensors as CUDA-IPC handles, for the generator on this rank's GPU
+        (colocated mode; ranks without a generator return None), or None after the last.
+
+        Collective (ZeRO-3 gathers): all ranks call it together, until it returns None. A run
+        stays valid until the next call, which is when the driver has seen the generator load
+        it: without ZeRO-3 or LoRA the whole policy is one run of the live parameters (no
+        copy); otherwise one gathered or merged tensor at a time, so the peak is one module."""
+        if self._ipc_stream is None:
+            whole = self.cfg.learner.zero_stage < 3 and self.cfg.learner.lora_rank == 0
+            stream = self._fingerprinted(self._full_policy())
+            self._ipc_stream = iter([list(stream)]) if whole else ([item] for item in stream)
+        run = next(self._ipc_stream, None)
+        if run is None:
+            self._ipc_stream, self._ipc_held = None, None
+            return None
+        self._ipc_held = ipc_chunk(run) if self.rank < self.cfg.generators.num else None
+        return self._ipc_held
 
     def save(self, out_dir: str, client_state: dict[str, Any] | None = None, checkpoint: bool = False) -> None:
         """Final models in HF format (rank 0); with ``checkpoint`` also DeepSpeed optimizer states."""
@@ -214,16 +237,12 @@ class LearnerEngine(Engine):
         return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
-def _merged_lora_state(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Base-model weights with the LoRA deltas merged in, under the base model's names."""
-    peft_model.merge_adapter()
-    try:
-        state = {}
-        for name, tensor in peft_model.state_dict().items():
-            if "lora_" in name:
-                continue
-            clean = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-            state[clean] = tensor.detach().clone()
-        return state
-    finally:
-        peft_model.unmerge_adapter()
+def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Follow rank 0 through a stream's gathers without using the tensors (they are collective)."""
+    for _ in stream:
+        pass
+
+
+def _zero3_gather(params: list[torch.nn.Parameter]):
+    """DeepSpeed ZeRO-3: the full values of ``params`` inside the block, on every rank."""
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -58,6 +58,10 @@ class LearnerGroup:
         """Futures: broadcast the policy to the sync group (rank 0's result: bytes delivered)."""
         return self.ranks.call_all(LearnerEngine.send_weights)
 
+    def ipc_next(self) -> list[Any]:
+        """Futures: every rank's next run of CUDA-IPC handles (``LearnerEngine.ipc_next``)."""
+        return self.ranks.call_all(LearnerEngine.ipc_next)
+
     def sent_fingerprints(self) -> dict[str, Any]:
         """Rank 0's fingerprints of the weights of the last sync (``SentPrint`` per tensor)."""
         return self.ranks.get(self.ranks.call_all(LearnerEngine.sent_fingerprints))[0]

@@ -73,15 +73,20 @@ class ReferenceTrainer:
         torch.manual_seed(cfg.seed)
         m = cfg.model
         policy_path = str(resolve_model_path(m.policy, m.cache_dir))
-        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype)
+        # One process, one device: every engine on the learner's GPU when learner.gpus_per_rank > 0.
+        gpus = cfg.learner.gpus_per_rank
+        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype, gpus=gpus)
+        self.device = self.generator.device
         self.tokenizer = self.generator.tokenizer
         self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
-        self.reference = ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype)
+        self.reference = ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype, gpus=gpus)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
-        self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint)
-        self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype, cfg.seed)
+        self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint,
+                                   gpus=gpus)
+        self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
+                                             cfg.seed).to(self.device)
         for model in (self.policy, self.critic):
             prepare_for_training(model, cfg.learner.gradient_checkpointing)
         max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
@@ -106,9 +111,9 @@ class ReferenceTrainer:
         t3 = clock()
         kl_coef = self.kl_ctl.value
         exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
-                                     TruncationRule.of(cfg.rollout))
+                                     TruncationRule.of(cfg.rollout), device=self.device)
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
-        minibatches = local_minibatches(plan, 0, exp.batch.mask, LocalCollective())
+        minibatches = local_minibatches(plan, 0, exp.batch.mask.cpu(), LocalCollective())
         guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._step,
                             guard=guard)

@@ -7,6 +7,11 @@ hosts, so neither side needs a global ``torch.distributed`` world of this shape:
 policy lives on GPUs, gloo on CPUs. Every sync broadcasts each tensor of the (gathered, merged)
 policy in the order of its ``ParamSpec`` list, which the receivers got once when they joined.
 
+Colocated on GPUs (``learner.weight_sync=ipc``) there is no copy at all: learner rank i hands the
+generator on its GPU CUDA-IPC handles of the policy's tensors (``IpcChunk``), in the layout of
+vLLM 0.32's IPC weight-transfer engine (``vllm/distributed/weight_transfer/ipc_engine.py``,
+``IPCWeightTransferUpdateInfo``, unpacked mode), which rebuilds them in its worker and loads them.
+
 Receivers live in ``rayppo/actors/weight_receiver.py`` (a vLLM weight-transfer engine, and the
 transformers backend's receiver); both use ``open_sync_group`` from here. Only ``torch`` is
 imported, so the learner does not depend on vLLM.
@@ -16,7 +21,10 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,13 +75,23 @@ def open_sync_group(endpoint: SyncEndpoint, rank: int) -> dist.ProcessGroup:
                           timeout=timeout, wait_for_workers=False)
     store = dist.PrefixStore("rayppo-weight-sync", store)
     if endpoint.backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, endpoint.world_size)
+        # The timeout bounds every NCCL collective of the group, as gloo's does (without it a
+        # generator that died mid-sync would leave rank 0 waiting on NCCL's default of 10 min+).
+        # torch 2.13, torch/csrc/distributed/c10d/init.cpp: ProcessGroupNCCL(store, rank, size,
+        # options) with ProcessGroupNCCL.Options()._timeout.
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, endpoint.world_size, options)
     return dist.ProcessGroupGloo(store, rank, endpoint.world_size, timeout)
 
 
-def param_specs(named: dict[str, torch.Tensor]) -> list[ParamSpec]:
+def param_spec(name: str, tensor: torch.Tensor) -> ParamSpec:
+    return ParamSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+
+def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     """The stream's layout, in send order."""
-    return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named.items()]
+    return [param_spec(n, t) for n, t in named]
 
 
 def broadcast_from_root(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
@@ -98,14 +116,67 @@ class WeightSender:
         self.group = open_sync_group(endpoint, rank=0)
         self.receivers = endpoint.world_size - 1
 
-    def send(self, named: dict[str, torch.Tensor]) -> int:
-        """Broadcast every tensor; returns the bytes delivered (payload x receivers)."""
-        if param_specs(named) != self.specs:
-            raise RuntimeError("the policy's tensors changed name, dtype or shape since the sync group was opened")
-        sent = 0
-        for tensor in named.values():
+    def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Broadcast every tensor as it comes; returns the bytes delivered (payload x receivers)."""
+        sent, count = 0, 0
+        for spec, (name, tensor) in zip(self.specs, named):
+            # The receivers allocate from the layout they got at join time: a changed tensor
+            # would be read into the wrong buffer, so it stops the sync.
+            if param_spec(name, tensor) != spec:
+                raise RuntimeError(f"the policy's tensor {name} changed name, dtype or shape since the sync group "
+                                   f"was opened ({param_spec(name, tensor)} vs {spec})")
             # Broadcast reads raw memory: send a contiguous copy on the group's device.
             tensor = tensor.detach().to(self.device).contiguous()
             broadcast_from_root(self.group, tensor)
             sent += tensor.numel() * tensor.element_size()
+            count += 1
+        if count != len(self.specs):
+            raise RuntimeError(f"the policy streamed {count} tensors, the sync group expects {len(self.specs)}")
         return sent * self.receivers
+
+
+HandleExport = Callable[[torch.Tensor], dict[str, tuple]]
+"""``export(tensor)``: ``{physical GPU UUID: rebuild args}`` of a CUDA tensor (``cuda_ipc_handle``)."""
+
+
+def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
+    """A CUDA tensor as what vLLM's IPC engine rebuilds: the arguments of
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` under the UUID of the physical GPU
+    (the receiver looks up its own UUID, so a handle can only be opened on the same GPU)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return {uuid: reduce_tensor(tensor)[1]}
+
+
+@dataclass
+class IpcChunk:
+    """A run of policy tensors shared by CUDA-IPC: vLLM's ``IPCWeightTransferUpdateInfo`` fields
+    (unpacked: one handle per tensor), plus the bytes they hold."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    ipc_handles: list[dict[str, tuple]]
+    nbytes: int = 0
+    held: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """The exported tensors, kept alive by the sender until the receiver has loaded them (never
+    sent: ``update_info`` leaves them out)."""
+
+    def update_info(self) -> dict:
+        """The ``update_info`` of vLLM's ``LLM.update_weights``."""
+        return {k: v for k, v in asdict(self).items() if k not in ("nbytes", "held")}
+
+    def __reduce__(self):  # crossing processes: the handles, never the tensors
+        return IpcChunk, (self.names, self.dtype_names, self.shapes, self.ipc_handles, self.nbytes)
+
+
+def ipc_chunk(named: list[tuple[str, torch.Tensor]], export: HandleExport = cuda_ipc_handle) -> IpcChunk:
+    """CUDA-IPC handles of ``named`` (contiguous tensors; a non-contiguous one is copied and the
+    copy held)."""
+    held = [t.detach().contiguous() for _, t in named]
+    return IpcChunk(names=[n for n, _ in named],
+                    dtype_names=[str(t.dtype).removeprefix("torch.") for t in held],
+                    shapes=[list(t.shape) for t in held],
+                    ipc_handles=[export(t) for t in held],
+                    nbytes=sum(t.numel() * t.element_size() for t in held), held=held)

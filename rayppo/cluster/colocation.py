@@ -1,0 +1,68 @@
+"""Who holds the GPUs when: the schedule of colocated mode (``cluster.colocate_all``).
+
+When every role shares the learner's GPUs, memory is shared in time. Per iteration:
+
+    generate          generators awake (weights + KV cache), learner resident but idle
+    sleep             vLLM frees its KV cache and moves its weights to host memory (level 1)
+    score, learn      reference, reward and the learner's PPO update have the GPU
+    wake weights      vLLM's weights come back (the sync writes into them)
+    sync              learner rank i -> the generator on its GPU (CUDA-IPC, or the object store)
+    wake kv_cache     the KV cache is re-allocated for the next generation
+
+Level 1 keeps a host copy of the weights, so a failed sync cannot leave an engine with none; the
+KV cache holds no state between iterations. vLLM refuses sleep mode on CPU (``vllm/platforms/
+cpu.py``, 0.32): there the same schedule runs and each sleep/wake is recorded as skipped, so
+the order of the stages is tested on CPU and the memory it frees only on GPUs.
+
+Disaggregated runs (roles on their own devices) use ``DeviceSchedule(False)``: nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.cluster.group import ActorGroup
+
+log = logging.getLogger(__name__)
+
+
+class DeviceSchedule:
+    """Sleeps and wakes the generators around the stages that need their memory; ``events``
+    records what happened, in order (``"generators: sleep"`` or ``"generators: sleep skipped"``,
+    and the driver's stage names)."""
+
+    def __init__(self, colocated: bool):
+        self.colocated = colocated
+        self.generators: ActorGroup | None = None  # set once they are spawned
+        self.events: list[str] = []
+        self._warned = False
+
+    def stage(self, name: str) -> None:
+        """Record a stage of the iteration (only in colocated mode, where order matters)."""
+        if self.colocated:
+            self.events.append(name)
+
+    def sleep_generators(self) -> None:
+        """Before scoring and learning: the generators give their GPU memory back."""
+        if self.colocated:
+            self._record("sleep", self.generators.get(self.generators.call_all(GeneratorEngine.sleep)))
+
+    def wake_weights(self) -> None:
+        """Before the sync: the generators' weights are back on the GPU to be overwritten."""
+        if self.colocated:
+            self._record("wake weights", self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["weights"])))
+
+    def wake_kv_cache(self) -> None:
+        """After the sync: the KV cache is re-allocated for the next generation."""
+        if self.colocated:
+            self._record("wake kv_cache",
+                         self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["kv_cache"])))
+
+    def _record(self, what: str, done: list[bool]) -> None:
+        skipped = not all(done)
+        self.events.append(f"generators: {what}{' skipped' if skipped else ''}")
+        if skipped and not self._warned:
+            self._warned = True
+            log.warning("colocated mode: vLLM sleep/wake skipped (sleep mode needs vLLM on GPUs; this run's "
+                        "generators cannot free their memory, the schedule runs unchanged)")

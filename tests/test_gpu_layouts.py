@@ -1,0 +1,251 @@
+"""The GPU path's logic, tested on CPU: device per role, placement layouts, tensor parallelism,
+the bounded ZeRO-3 gather, and the colocated schedule. What needs CUDA is in test_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rayppo.actors.base import DeviceError, engine_device
+from rayppo.cluster.placement import plan_groups, role_specs, total_demand
+from rayppo.config import load_config
+from rayppo.learner.full_weights import full_tensors
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+# ------------------------------------------------------------------------------------ devices
+def test_engine_device_is_cpu_without_gpus_and_the_first_visible_gpu_with_them(monkeypatch):
+    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
+    assert engine_device(0.0, "reference") == torch.device("cpu")
+    # Ray masks CUDA_VISIBLE_DEVICES to the actor's GPUs: a share of one is still cuda:0.
+    assert engine_device(0.1, "reference", cuda_available=True) == torch.device("cuda", 0)
+    # Masking disabled by the cluster: the GPU Ray assigned, by its index on the node.
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    assert engine_device(1, "learner", cuda_available=True, visible="<unset>", ray_gpu_ids=["3"]) == torch.device("cuda", 3)
+    assert engine_device(1, "learner", cuda_available=True, visible="2,3,6", ray_gpu_ids=["6"]) == torch.device("cuda", 2)
+
+
+def test_a_role_given_gpus_where_cuda_is_missing_is_an_error_naming_it():
+    with pytest.raises(DeviceError, match=r"^reward: given 0.5 GPU\(s\) but this process sees no CUDA device"):
+        engine_device(0.5, "reward", cuda_available=False, visible="")
+
+
+@NO_CUDA
+def test_every_engine_takes_its_device_from_its_gpus(embedded_dir, reward_model_dir):
+    """Each role's constructor asks the base class for its device: given a GPU on this CPU-only
+    machine, each refuses by name instead of silently running on the CPU."""
+    from rayppo.actors.generator import GeneratorEngine, SamplingSettings
+    from rayppo.actors.reference import ReferenceEngine
+    from rayppo.actors.reward import RewardEngine
+    from rayppo.learner.group import LearnerGroup
+
+    with pytest.raises(DeviceError, match="^reference: given 1 GPU"):
+        ReferenceEngine(str(embedded_dir), gpus=1.0)
+    with pytest.raises(DeviceError, match="^reward: given 0.25 GPU"):
+        RewardEngine(model=str(reward_model_dir), gpus=0.25)
+    with pytest.raises(DeviceError, match="^generators: given 1 GPU"):
+        GeneratorEngine(str(embedded_dir), SamplingSettings(4), backend="hf", gpus=1.0)
+    with pytest.raises(DeviceError, match="^learner: given 1 GPU"):
+        LearnerGroup(load_config(None, ["learner.num_ranks=1", "learner.gpus_per_rank=1"]), placement=None)
+
+
+# ---------------------------------------------------------------------------------- placement
+def _members(plan):
+    return sorted(plan.members)
+
+
+def test_one_node_tensor_parallel_generator_holds_all_its_gpus_in_one_bundle():
+    cfg = load_config(None, ["generators.gpus_per_worker=4", "generators.num=2", "learner.gpus_per_rank=1"])
+    gen = next(p for p in plan_groups(cfg) if p.name == "generators")
+    assert gen.bundles == [{"CPU": 0.5, "GPU": 4.0}] * 2 and not gen.capture_child_tasks
+
+
+def test_tensor_parallel_across_nodes_is_one_group_of_one_gpu_bundles_per_engine():
+    cfg = load_config(None, ["generators.gpus_per_worker=4", "generators.num=2", "learner.gpus_per_rank=1",
+                             "generators.tensor_parallel_layout=across_nodes"])
+    groups = [p for p in plan_groups(cfg) if p.name.startswith("generator-")]
+    assert [g.name for g in groups] == ["generator-0", "generator-1"]
+    for i, group in enumerate(groups):
+        # vLLM's ray executor puts one worker in each one-GPU bundle; the actor holds no GPU.
+        assert group.bundles == [{"CPU": 0.5, "GPU": 1.0}] + [{"GPU": 1.0}] * 3
+        assert group.members == [("generators", i, 0)] and group.capture_child_tasks
+    assert next(s for s in role_specs(cfg) if s.name == "generators").bundle == {"CPU": 0.5}
+    assert total_demand(plan_groups(cfg))["GPU"] == 8 + 2  # 2 engines x TP 4, 2 learner ranks
+
+
+def test_colocated_mode_puts_rank_i_and_actor_i_of_every_role_on_gpu_i():
+    cfg = load_config(None, ["cluster.colocate_all=true", "learner.gpus_per_rank=1", "learner.num_ranks=2",
+                             "generators.num=2", "learner.cpus_per_rank=1"])
+    (plan,) = plan_groups(cfg)
+    assert plan.name == "colocated"
+    # Bundle 0: rank 0 (1 CPU), generator 0 (0.5), reference and reward (0.25 each); bundle 1
+    # has no reference or reward actor. One GPU each, whatever the actors' fractions.
+    assert plan.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.5, "GPU": 1.0}]
+    assert _members(plan) == sorted([("learner", 0, 0), ("learner", 1, 1), ("generators", 0, 0),
+                                     ("generators", 1, 1), ("reference", 0, 0), ("reward", 0, 0)])
+    gpus = {s.name: s.bundle.get("GPU") for s in role_specs(cfg)}
+    assert gpus == {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.1}
+    assert sum(gpus.values()) == pytest.approx(1.0)  # Ray can place all four on one GPU
+
+
+# ------------------------------------------------------------------------------ full tensors
+def test_full_tensors_are_the_state_dict_in_order(embedded_dir):
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir)
+    streamed = list(full_tensors(model))
+    state = model.state_dict()
+    assert [n for n, _ in streamed] == list(state)
+    assert all(torch.equal(t, state[n]) for n, t in streamed)
+
+
+def test_full_tensors_of_a_lora_model_are_the_merged_weights_under_base_names(embedded_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(embedded_dir),
+                           LoraConfig(r=4, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # B starts at 0: make the deltas non-zero
+    streamed = dict(full_tensors(model))
+    merged = model.merge_and_unload().state_dict()  # peft's own merge, for comparison
+    assert list(streamed) == list(merged)
+    # Same sum W + s B A in the same dtype; peft and rayppo may order the two terms differently.
+    for name, tensor in streamed.items():
+        assert torch.allclose(tensor, merged[name], rtol=0, atol=1e-6 * float(merged[name].abs().max()) + 1e-7), name
+
+
+def test_zero3_sync_gathers_one_module_at_a_time(embedded_dir):
+    """While rank 0 streams the policy for a sync, at most one module's parameters are gathered."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from rayppo.learner.group import LearnerGroup
+
+    learner = LearnerGroup(load_config(None, ["learner.num_ranks=1", "learner.zero_stage=3"]), placement=None)
+    engine = learner.ranks.actors[0]
+    params = list(engine.policy.module.parameters())
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)  # partitioned at rest
+    largest = max(sum(p.ds_numel for p in m.parameters(recurse=False)) for m in engine.policy.module.modules())
+    peak, count = 0, 0
+    for _name, _tensor in engine._full_policy():
+        gathered = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
+        peak = max(peak, sum(p.ds_numel for p in gathered))
+        count += 1
+    total = sum(p.ds_numel for p in params)
+    assert count == len(engine.policy.module.state_dict())
+    assert 0 < peak <= largest < total / 4  # one module at a time, never the model
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)  # all released again
+
+
+# ------------------------------------------------------------- tensor parallel and colocation
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, embedded_dir, tokenizer, monkeypatch):
+    """generators.tensor_parallel_size=2 as a Ray actor (vLLM's mp executor, 2 worker processes)
+    against a TP=1 engine with the same seed: the same tokens, and log-probs equal to fp32
+    rounding (a row-parallel layer sums two partial products instead of one)."""
+    from rayppo.actors.generator import GeneratorEngine
+    from rayppo.cluster.driver import vllm_settings
+    from rayppo.cluster.group import ActorGroup
+    from rayppo.cluster.placement import release, reserve
+    from rayppo.cluster.session import ACTOR_ENV
+    from rayppo.data.prompts import PromptBatch
+    from rayppo.learner.reference_trainer import sampling_settings
+
+    texts = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 4
+    prompts = PromptBatch(texts, [tokenizer(t)["input_ids"] for t in texts])
+    cfg = load_config(None, ["generators.tensor_parallel_size=2", "learner.num_ranks=1", "generators.cpus_per_worker=1",
+                             "learner.cpus_per_rank=0.25"])
+    settings = vllm_settings(cfg)
+    assert (settings.tensor_parallel_size, settings.executor) == (2, "mp")
+    placements = reserve(cfg)
+    try:
+        group = ActorGroup(GeneratorEngine, [(str(embedded_dir), sampling_settings(cfg), "vllm", "float32", 0, 5,
+                                              settings)], [placements["generators"].actor_options(0, dict(ACTOR_ENV))])
+        tp2 = group.get(group.call_all(GeneratorEngine.generate, prompts, 0))[0]
+        group.kill()
+    finally:
+        release(placements)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    cfg1 = load_config(None, [])
+    tp1 = GeneratorEngine(str(embedded_dir), sampling_settings(cfg1), "vllm", "float32", 0, 5, vllm_settings(cfg1))
+    reference = tp1.generate(prompts, 0)
+    assert tp2.response_ids == reference.response_ids
+    gap = max(abs(a - b) for x, y in zip(tp2.logprobs, reference.logprobs) for a, b in zip(x, y))
+    assert gap < 1e-4  # two fp32 evaluations of one network, as in the other sync tests
+    del tp1
+
+
+@pytest.mark.slow
+def test_colocated_schedule_frees_the_gpu_for_the_learner(local_ray, tmp_path):
+    """cluster.colocate_all on CPU: generators start (and are ready) before the other roles, and
+    each iteration puts them to sleep before scoring and learning and wakes them for the sync.
+    vLLM refuses sleep mode on CPU, so each sleep/wake is recorded as skipped."""
+    from rayppo.cluster.driver import DistributedTrainer
+
+    trainer = DistributedTrainer(load_config(None, ["cluster.colocate_all=true", "learner.num_ranks=1",
+                                                    "rollout.batch_size=16", f"output.dir={tmp_path}"]))
+    try:
+        for _ in range(2):
+            trainer.iteration()
+        placements = trainer.placements
+    finally:
+        trainer.close()
+    iteration = ["generate", "generators: sleep skipped", "score", "learn", "generators: wake weights skipped", "sync",
+                 "generators: wake kv_cache skipped"]
+    assert trainer.schedule.events == ["spawn generators", "generators ready", "spawn reference, reward, learner",
+                                       *iteration, *iteration]
+    group = placements["learner"].groups[0]
+    for role in ("generators", "reference", "reward", "learner"):
+        assert placements[role].groups == [group] and placements[role].bundles == [0], role
+
+
+# --------------------------------------------------------------------------- CUDA-IPC sync
+def _fake_export(tensor: torch.Tensor) -> dict[str, tuple]:
+    """Stands in for CUDA's IPC export, which needs a GPU: records which storage was shared."""
+    return {"GPU-test": (tensor.data_ptr(), tuple(tensor.shape))}
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_ipc_sync_shares_live_parameters_or_one_gathered_tensor_at_a_time(embedded_dir, monkeypatch, zero_stage):
+    """Without ZeRO-3 the whole policy is one run of handles to the live parameters (no copy);
+    under ZeRO-3 each run is one gathered tensor, valid until the next call. Every run is a
+    valid vLLM 0.32 ``IPCWeightTransferUpdateInfo``."""
+    import functools
+    import pickle
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    import rayppo.learner.engine as engine_module
+    from rayppo.learner.group import LearnerGroup
+    from rayppo.learner.weight_sync import ipc_chunk
+
+    monkeypatch.setattr(engine_module, "ipc_chunk", functools.partial(ipc_chunk, export=_fake_export))
+    cfg = load_config(None, ["learner.num_ranks=1", f"learner.zero_stage={zero_stage}", "generators.num=1"])
+    engine = LearnerGroup(cfg, placement=None).ranks.actors[0]
+    names = list(engine.policy.module.state_dict())
+    runs = []
+    while (run := engine.ipc_next()) is not None:
+        IPCWeightTransferUpdateInfo(**run.update_info())  # vLLM's own checks of the layout
+        assert pickle.loads(pickle.dumps(run)).held == []  # handles cross processes, tensors never
+        runs.append(run)
+    assert [n for r in runs for n in r.names] == names
+    assert set(engine.sent) == set(names)  # fingerprinted for the guard's check
+    if zero_stage == 2:
+        (run,) = runs
+        live = {p.data_ptr() for p in engine.policy.module.parameters()}
+        assert {h["GPU-test"][0] for h in run.ipc_handles} <= live  # handles to the parameters themselves
+    else:
+        assert [len(r.names) for r in runs] == [1] * len(names)
