@@ -65,3 +65,54 @@ def test_nccl_broadcast_sync_end_to_end():
     assert max(r["logprob_mismatch/max"] for r in records) < MISMATCH_TOLERANCE
     assert records[2]["kl/ref_mean"] > 1e-4
     assert records[-1]["sync/bytes"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+def test_every_role_given_a_gpu_share_runs_on_it():
+    """Reference, reward model and the hf generator place their models on the GPU Ray gave them."""
+    from rayppo.actors.base import Engine
+    from rayppo.cluster.driver import DistributedTrainer
+
+    overrides = BASE + ["generators.backend=hf", "learner.gpus_per_rank=0.4", "generators.gpus_per_worker=0.4",
+                        "reference.gpus=0.1", "reward.gpus=0.1"]
+    trainer = DistributedTrainer(load_config(None, overrides))
+    try:
+        for group in (trainer.generators, trainer.reference, trainer.learner.ranks):
+            assert all("cuda" in line for line in group.get(group.call_all(Engine.ready)))
+        trainer.iteration()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+def test_colocated_run_sleeps_vllm_and_syncs_by_cuda_ipc():
+    """cluster.colocate_all on one GPU: vLLM sleeps while the learner trains and takes the new
+    weights as CUDA-IPC handles from the learner rank on its GPU."""
+    from rayppo.cluster.driver import DistributedTrainer
+
+    overrides = BASE + ["cluster.colocate_all=true", "learner.gpus_per_rank=1"]
+    assert weight_sync_backend(load_config(None, overrides)) == "ipc"
+    trainer = DistributedTrainer(load_config(None, overrides))
+    try:
+        records = [trainer.iteration() for _ in range(3)]
+    finally:
+        trainer.close()
+    assert not any("skipped" in event for event in trainer.schedule.events)
+    assert max(r["logprob_mismatch/max"] for r in records) < MISMATCH_TOLERANCE
+    assert [r["sync/verified"] for r in records] == [1.0] * 3
+    assert records[2]["kl/ref_mean"] > 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for tensor parallelism")
+def test_tensor_parallel_generator_on_one_node_with_the_mp_executor():
+    """generators.gpus_per_worker=2: the actor holds both GPUs, vLLM's mp executor uses them."""
+    from rayppo.cluster.driver import DistributedTrainer
+
+    overrides = [o for o in BASE if "gpu_memory" not in o] + ["generators.gpus_per_worker=2",
+                                                              "learner.weight_sync=object_store"]
+    trainer = DistributedTrainer(load_config(None, overrides))
+    try:
+        records = [trainer.iteration() for _ in range(2)]
+    finally:
+        trainer.close()
+    assert max(r["logprob_mismatch/max"] for r in records) < MISMATCH_TOLERANCE
