@@ -1,0 +1,166 @@
+"""Cross-field checks of the config tree: ranges, the algorithm's constraints, and the layouts of
+roles on CPUs and GPUs that NCCL, vLLM and DeepSpeed accept. ``validate`` runs at load
+(``rayppo.config.load_config``); every error is a ``ConfigError`` that starts with the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayppo.config import (SYNC_FAULTS, Config, ConfigError, role_gpus, tensor_parallel_size)
+
+
+def _require(ok: bool, name: str, message: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}, got {value!r}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field.
+
+    This part covers the algorithm's sections; ``_validate_system`` the roles and resources."""
+    r, p = cfg.rollout, cfg.ppo
+    _require(r.batch_size >= 1, "rollout.batch_size", "must be >= 1", r.batch_size)
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
+    _require(r.temperature > 0, "rollout.temperature", "must be > 0", r.temperature)
+    _require(r.top_p == 1.0, "rollout.top_p", "must be 1.0: nucleus sampling renormalises the sampled "
+             "distribution, which the learner's and reference's log_softmax(logits / T) do not model, so the "
+             "PPO ratio and KL would be silently wrong", r.top_p)
+    _require(r.truncation in ("bootstrap", "terminal"), "rollout.truncation", "must be bootstrap or terminal",
+             r.truncation)
+    _require(r.missing_eos_penalty >= 0, "rollout.missing_eos_penalty", "must be >= 0", r.missing_eos_penalty)
+    _require(r.missing_eos_penalty == 0 or r.truncation == "terminal", "rollout.missing_eos_penalty",
+             "applies only with rollout.truncation=terminal (under bootstrap a cut row has no score)",
+             r.missing_eos_penalty)
+    _require(cfg.checks.sync_fault in SYNC_FAULTS, "checks.sync_fault", f"must be one of {', '.join(SYNC_FAULTS)}",
+             cfg.checks.sync_fault)
+    limit = cfg.checks.max_logprob_mismatch
+    _require(limit is None or limit > 0, "checks.max_logprob_mismatch", "must be > 0 or null", limit)
+    _require(p.epochs >= 1, "ppo.epochs", "must be >= 1", p.epochs)
+    _require(p.minibatches >= 1, "ppo.minibatches", "must be >= 1", p.minibatches)
+    _require(
+        r.batch_size % p.minibatches == 0,
+        "ppo.minibatches",
+        f"must divide rollout.batch_size={r.batch_size}",
+        p.minibatches,
+    )
+    _require(0 < p.clip_eps < 1, "ppo.clip_eps", "must be in (0, 1)", p.clip_eps)
+    _require(p.value_clip is None or p.value_clip > 0, "ppo.value_clip", "must be > 0 or null", p.value_clip)
+    _require(0 < p.gamma <= 1, "ppo.gamma", "must be in (0, 1]", p.gamma)
+    _require(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]", p.lam)
+    _require(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0", p.kl_coef)
+    _require(p.kl_estimator in ("k1", "k2", "k3"), "ppo.kl_estimator", "must be k1, k2 or k3", p.kl_estimator)
+    _require(p.kl_target > 0, "ppo.kl_target", "must be > 0", p.kl_target)
+    _require(p.kl_horizon > 0, "ppo.kl_horizon", "must be > 0", p.kl_horizon)
+    _require(p.lr > 0, "ppo.lr", "must be > 0", p.lr)
+    _require(p.critic_lr > 0, "ppo.critic_lr", "must be > 0", p.critic_lr)
+    _require(p.vf_coef >= 0, "ppo.vf_coef", "must be >= 0", p.vf_coef)
+    _require(
+        p.loss_agg in ("token-mean", "seq-mean-token-mean"),
+        "ppo.loss_agg",
+        "must be token-mean or seq-mean-token-mean",
+        p.loss_agg,
+    )
+    _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
+    _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
+    _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
+    sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
+    _require(sum(x is not None for x in sources) == 1, "reward.function",
+             "set exactly one of reward.function, reward.model and reward.url", sources)
+    _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0", cfg.reward.timeout_s)
+    _require(cfg.reward.retries >= 1, "reward.retries", "must be >= 1", cfg.reward.retries)
+    if cfg.reward.function is not None:
+        _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
+    _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
+    return _validate_system(cfg)
+
+
+def _validate_gpus(cfg: Config) -> None:
+    """GPU shares, tensor parallelism and colocation: layouts NCCL and vLLM accept."""
+    g, lr_, c = cfg.generators, cfg.learner, cfg.cluster
+    _require(0 <= lr_.gpus_per_rank <= 1, "learner.gpus_per_rank", "must be in [0, 1]", lr_.gpus_per_rank)
+    # Two ranks of one NCCL group on one GPU: NCCL refuses ("Duplicate GPU detected").
+    _require(lr_.num_ranks == 1 or lr_.gpus_per_rank in (0, 1), "learner.gpus_per_rank",
+             f"a fraction of a GPU per rank needs learner.num_ranks=1 (with learner.num_ranks={lr_.num_ranks} "
+             "two ranks of one NCCL group could land on one GPU, which NCCL refuses); use whole GPUs, or "
+             "cluster.colocate_all=true to share each rank's GPU with the other roles", lr_.gpus_per_rank)
+    _require(g.gpus_per_worker <= 1 or float(g.gpus_per_worker).is_integer(), "generators.gpus_per_worker",
+             "above 1 must be a whole number (the tensor-parallel size)", g.gpus_per_worker)
+    tp = tensor_parallel_size(g)
+    _require(tp >= 1, "generators.tensor_parallel_size", "must be >= 1", g.tensor_parallel_size)
+    _require(tp == 1 or g.backend == "vllm", "generators.tensor_parallel_size", "above 1 needs generators.backend=vllm",
+             tp)
+    _require(g.gpus_per_worker == 0 or tp == max(1, int(g.gpus_per_worker)), "generators.tensor_parallel_size",
+             f"must equal generators.gpus_per_worker={g.gpus_per_worker:g} (one GPU per tensor-parallel worker)", tp)
+    _require(g.tensor_parallel_layout in ("one_node", "across_nodes"), "generators.tensor_parallel_layout",
+             "must be one_node or across_nodes", g.tensor_parallel_layout)
+    _require(g.tensor_parallel_layout == "one_node" or (g.gpus_per_worker >= 1 and g.backend == "vllm"),
+             "generators.tensor_parallel_layout", "across_nodes needs vLLM generators with whole GPUs "
+             "(vLLM's ray executor, which places the workers, is refused on CPU)", g.tensor_parallel_layout)
+    util = g.gpu_memory_utilization
+    _require(util is None or 0 < util <= 1, "generators.gpu_memory_utilization", "must be in (0, 1] or null", util)
+    share = min(1.0, g.gpus_per_worker or 1.0)
+    _require(util is None or c.colocate_all or util <= share + 1e-9, "generators.gpu_memory_utilization",
+             f"vLLM sizes itself against the whole GPU: with generators.gpus_per_worker={g.gpus_per_worker:g} it "
+             f"may use at most {share:g} of it (leave it unset for 0.85 x the share)", util)
+    if c.colocate_all:
+        _validate_colocated(cfg)
+
+
+def _validate_colocated(cfg: Config) -> None:
+    g, lr_ = cfg.generators, cfg.learner
+    _require(lr_.gpus_per_rank in (0, 1), "learner.gpus_per_rank", "must be 0 or 1 with cluster.colocate_all "
+             "(each rank's GPU hosts the other roles)", lr_.gpus_per_rank)
+    for name, count in (("generators.num", g.num), ("reference.num", cfg.reference.num), ("reward.num", cfg.reward.num)):
+        _require(count <= lr_.num_ranks, name, f"with cluster.colocate_all at most learner.num_ranks={lr_.num_ranks} "
+                 "(one per learner GPU)", count)
+    for name, gpus in (("generators.gpus_per_worker", g.gpus_per_worker), ("reference.gpus", cfg.reference.gpus),
+                       ("reward.gpus", cfg.reward.gpus)):
+        _require(gpus == 0, name, "is set by cluster.colocate_all (every role shares its learner rank's GPU); "
+                 "leave it at 0", gpus)
+    _require(tensor_parallel_size(g) == 1, "generators.tensor_parallel_size",
+             "must be 1 with cluster.colocate_all (one generator worker per learner GPU)", g.tensor_parallel_size)
+
+
+def _validate_weight_sync(cfg: Config) -> None:
+    g, lr_, mode = cfg.generators, cfg.learner, cfg.learner.weight_sync
+    gen_gpus = role_gpus(cfg, "generators")
+    if mode == "ipc":
+        _require(cfg.cluster.colocate_all and lr_.gpus_per_rank == 1 and g.backend == "vllm", "learner.weight_sync",
+                 "ipc needs cluster.colocate_all=true, learner.gpus_per_rank=1 and vLLM generators (CUDA-IPC "
+                 "hands a GPU's tensors to another process on the same GPU)", mode)
+    if mode == "broadcast":
+        _require((lr_.gpus_per_rank > 0) == (gen_gpus > 0), "learner.weight_sync", "broadcast needs generators "
+                 "and the learner both on GPUs or both on CPUs (use object_store)", mode)
+        _require(not gen_gpus or (lr_.gpus_per_rank >= 1 and gen_gpus >= 1 and not cfg.cluster.colocate_all),
+                 "learner.weight_sync", "broadcast over NCCL needs whole GPUs per learner rank and generator (NCCL "
+                 "cannot join two processes sharing one GPU; use object_store, or ipc when colocated)", mode)
+
+
+def _validate_system(cfg: Config) -> Config:
+    """Cross-field checks of the distributed system's sections."""
+    r = cfg.rollout
+    _require(cfg.trainer in ("distributed", "reference"), "trainer", "must be distributed or reference", cfg.trainer)
+    g, lr_ = cfg.generators, cfg.learner
+    _require(g.num >= 1, "generators.num", "must be >= 1", g.num)
+    _require(g.backend in ("vllm", "hf"), "generators.backend", "must be vllm or hf", g.backend)
+    _require(g.num <= r.batch_size, "generators.num", f"must be <= rollout.batch_size={r.batch_size}", g.num)
+    _require(g.cpus_per_worker > 0, "generators.cpus_per_worker", "must be > 0", g.cpus_per_worker)
+    _require(g.gpus_per_worker >= 0, "generators.gpus_per_worker", "must be >= 0", g.gpus_per_worker)
+    _validate_gpus(cfg)
+    for name, role in (("reference", cfg.reference), ("reward", cfg.reward)):
+        _require(role.num >= 1, f"{name}.num", "must be >= 1", role.num)
+        _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
+    _require(lr_.num_ranks >= 1, "learner.num_ranks", "must be >= 1", lr_.num_ranks)
+    _require(lr_.num_ranks <= r.batch_size, "learner.num_ranks", f"must be <= rollout.batch_size={r.batch_size}", lr_.num_ranks)
+    _require(lr_.weight_sync in ("auto", "broadcast", "object_store", "ipc"), "learner.weight_sync",
+             "must be auto, broadcast, object_store or ipc", lr_.weight_sync)
+    _validate_weight_sync(cfg)
+    _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
+    _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
+    for name, threads in (("generators", g.threads), ("reference", cfg.reference.threads),
+                          ("reward", cfg.reward.threads), ("learner", lr_.threads)):
+        _require(threads is None or threads >= 1, f"{name}.threads", "must be >= 1 or null", threads)
+    _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
+    _require(cfg.cluster.sync_timeout_s > 0, "cluster.sync_timeout_s", "must be > 0", cfg.cluster.sync_timeout_s)
+    return cfg
