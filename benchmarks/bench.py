@@ -108,6 +108,14 @@ def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str
         trainer.close()
 
 
+def plan_estimate(cfg: Config, rollout) -> dict[str, int]:
+    """``rayppo plan``'s peak-RSS estimate per role, for the longest prompt actually sampled."""
+    from rayppo.footprint import estimate_roles
+
+    longest = max(len(p) for p in rollout.prompt_ids)
+    return {role: int(e.rss) for role, e in estimate_roles(cfg, prompt_tokens=longest).items()}
+
+
 def _timed(fn, *args) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn(*args)
@@ -201,7 +209,8 @@ def _mmm(values: list[float]) -> dict[str, float]:
 
 
 def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: dict[str, int],
-              alone: dict[str, float] | None, trl: list[dict[str, float]] | None) -> dict[str, Any]:
+              alone: dict[str, float] | None, trl: list[dict[str, float]] | None,
+              estimate: dict[str, int] | None = None) -> dict[str, Any]:
     """The figures of one benchmark run (bench.json)."""
     tokens = cfg.rollout.batch_size * cfg.rollout.max_new_tokens  # fixed lengths
     col = {k: [r[k] for r in records] for k in records[0]}
@@ -232,6 +241,9 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "peak_memory_bytes": memory,
         "per_iteration": per_iteration,
     }
+    if estimate:  # the pre-flight plan against what was measured, per role
+        out["plan_estimate_bytes"] = estimate
+        out["plan_ratio"] = {role: estimate[role] / memory[role] for role in memory if role in estimate}
     if alone:
         limit = alone["generate"] + max(alone["reference"], alone["reward"]) + alone["learn"]
         out["stages_alone_s"] = alone
@@ -264,6 +276,9 @@ def print_table(s: dict[str, Any]) -> None:
     print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
           f"{100 * s['sync_share']:.1f}% of the iteration; its weight check {100 * s['sync_verify_share']:.0f}% of the sync")
     print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
+    if "plan_ratio" in s:
+        print("  rayppo plan's guess  " + ", ".join(f"{k} {s['plan_estimate_bytes'][k] / 2**30:.2f} GiB ({r:.2f}x)"
+                                                   for k, r in s["plan_ratio"].items()))
     if "overhead_ratio" in s:
         alone = s["stages_alone_s"]
         print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
@@ -341,8 +356,9 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
         for point in sweep_points(sweep):
             cfg = workload_config(w, policy, reward_model, overrides + [f"{k}={v}" for k, v in point.items()])
             print(f"sweep point {point}", file=sys.stderr)
-            records, memory, _ = run_rayppo(cfg, warmup, iterations)
-            points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None)})
+            records, memory, rollout = run_rayppo(cfg, warmup, iterations)
+            points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None,
+                                                       plan_estimate(cfg, rollout))})
             print_table(points[-1])
         (out / "sweep.json").write_text("\n".join(json.dumps(p) for p in points) + "\n")
         plot_sweep(points, out / "sweep.png")
@@ -352,7 +368,7 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     records, memory, rollout = run_rayppo(cfg, warmup, iterations)
     alone = None if skip_alone else stages_alone(cfg, rollout)
     trl = run_trl(cfg, rollout, warmup, iterations, out, HERE.parent / ".venv-trl") if compare == "trl" else None
-    summary = summarize(w.name, cfg, records, memory, alone, trl)
+    summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout))
     (out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot_stages(summary, out / "stages.png")
     print_table(summary)

@@ -1,6 +1,7 @@
-"""``rayppo`` command line: train, bench, submit, status, logs, stop, config.
+"""``rayppo`` command line: train, plan, bench, submit, status, logs, stop, config.
 
     rayppo train                                   # the embedded default, end to end
+    rayppo plan --config job.yaml --cluster-resources '{"GPU": 8, "CPU": 64}'   # will it fit?
     rayppo train --config job.yaml ppo.clip_eps=0.1 --rollout.batch_size=128
     rayppo bench --workload tiny --compare trl     # throughput, side by side with TRL
     rayppo submit --address http://head:8265 --config job.yaml --wait   # on a Ray cluster
@@ -11,6 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+PLAN_EPILOG = """Estimates each role's peak memory per actor from the models' config.json (no model is
+loaded) and checks CPUs, GPUs, per-GPU memory and total RSS against the cluster: exit 0 when it
+fits, 2 with one line per missing thing and its fix. Config overrides as for 'rayppo train', e.g.
+  rayppo plan --config job.yaml --cluster-resources '{"GPU": 8, "CPU": 64, "memory": 512e9}'
+  rayppo plan --address auto --json"""
 
 EPILOG = """overrides: any config field as section.field=value (or --section.field=value), e.g.
   rayppo train ppo.clip_eps=0.1 rollout.max_new_tokens=64 output.dir=runs/exp1
@@ -47,6 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    plan = sub.add_parser(
+        "plan", help="pre-flight: will the job fit? actors, CPUs/GPUs, placement group and peak memory per role",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PLAN_EPILOG,
+    )
+    plan.add_argument("--config", metavar="FILE", help="YAML config file (as for 'rayppo train')")
+    plan.add_argument("--address", help="Ray cluster to read the resources of (as cluster.address: auto, "
+                                        "ray://host:10001, host:6379); default: cluster.address, else this machine")
+    plan.add_argument("--cluster-resources", metavar="JSON",
+                      help='the cluster\'s resources instead of connecting, e.g. \'{"GPU": 8, "CPU": 64, "memory": 512e9}\' '
+                           "(memory in bytes; custom resources by name)")
+    plan.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                      help="memory of one GPU (default: from the connected cluster's accelerator type, else 80)")
+    plan.add_argument("--prompt-tokens", type=int, metavar="N",
+                      help="longest prompt in tokens (default: the embedded prompts', else max_model_len - "
+                           "rollout.max_new_tokens)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     bench = sub.add_parser(
         "bench", help="throughput benchmark of a named workload (optionally against TRL)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -88,6 +111,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.train import run
 
     cfg = load_config(args.config, overrides)
+    if cfg.trainer == "distributed":
+        from rayppo.plan import preflight
+
+        missing, warnings = preflight(cfg)  # before any process starts; 'rayppo plan' shows it all
+        for line in warnings:
+            print(f"rayppo: warning: may not fit (an estimate; see 'rayppo plan'): {line}", file=sys.stderr)
+        if missing:
+            print("rayppo: error: this job does not fit:\n  " + "\n  ".join(missing), file=sys.stderr)
+            return 2
     if cfg.trainer == "reference":
         from rayppo.learner.reference_trainer import ReferenceTrainer as Trainer
     else:
@@ -99,6 +131,21 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         "(metrics.jsonl, plot.png, tb/, policy/, critic/)"
     )
     return 0
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Print the plan; exit 0 when the job fits, 2 with one line per missing thing."""
+    import json
+
+    from rayppo import plan
+    from rayppo.config import load_config
+
+    cfg = load_config(args.config, overrides)
+    available, source = plan.cluster_resources(cfg, args.address, args.cluster_resources)
+    gib = args.gpu_memory_gib or plan.accelerator_gib(available) or 80.0
+    result = plan.make_plan(cfg, available, source, gib, args.prompt_tokens)
+    print(json.dumps(plan.plan_json(cfg, result), indent=1) if args.json else plan.render(cfg, result))
+    return 0 if not result.missing else 2
 
 
 def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -166,6 +213,16 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "plan":  # before the imports below (torch, transformers: seconds)
+        from rayppo.config import ConfigError
+
+        try:
+            return cmd_plan(args, _collect_overrides(extra))
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            print(f"rayppo: error: {exc}", file=sys.stderr)
+            return 2
     from rayppo.actors.generator import EmptyResponseError
     from rayppo.actors.reward import RewardError
     from rayppo.cluster.placement import PlacementError
@@ -176,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
     if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

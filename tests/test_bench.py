@@ -73,4 +73,7 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert key in summary, key
     assert summary["workload"] == "tiny" and len(summary["per_iteration"]) == 2
     assert summary["end_to_end_tokens_per_s"] > 0 and summary["overhead_ratio"] > 0.5
+    # rayppo plan's peak-memory estimate is within 25% of the measured peak RSS of every role
+    assert set(summary["plan_ratio"]) == {"generators", "reference", "reward", "learner"}
+    assert all(0.75 <= ratio <= 1.25 for ratio in summary["plan_ratio"].values()), summary["plan_ratio"]
     assert (out / "stages.png").stat().st_size > 1000

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
+    from ray.util.placement_group import PlacementGroup
 
 from rayppo.config import Config, role_gpus, tensor_parallel_size
 
@@ -50,6 +49,8 @@ class Placement:
 
     def actor_options(self, i: int, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Ray actor options for actor ``i`` of the role."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         resources = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
         options: dict[str, Any] = {
             "num_cpus": self.bundle.get("CPU", 0),
@@ -159,6 +160,9 @@ def check_capacity(cfg: Config, plans: list[GroupPlan], available: dict[str, flo
 
 def reserve(cfg: Config) -> dict[str, Placement]:
     """Create the placement groups of ``plan_groups`` and wait until they are ready."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
     plans = plan_groups(cfg)
     check_capacity(cfg, plans, ray.cluster_resources())
     specs = {s.name: s for s in role_specs(cfg)}
@@ -183,12 +187,15 @@ def reserve(cfg: Config) -> dict[str, Placement]:
 
 
 def release(placements: dict[str, Placement]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
     for pg in {id(g): g for p in placements.values() for g in p.groups}.values():
         remove_placement_group(pg)
 
 
 def placement_report(placements: dict[str, Placement]) -> dict[str, Any]:
     """Which node holds each actor of each role, and what each node offers (placement.json)."""
+    import ray
     from ray.util import placement_group_table
 
     nodes = {n["NodeID"]: {"address": n["NodeManagerAddress"], "resources": n["Resources"]}

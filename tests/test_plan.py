@@ -1,0 +1,184 @@
+"""``rayppo plan``: parameter counts against real models, the ZeRO arithmetic, the fit check, and
+a plan that answers without importing torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rayppo.cli import main
+from rayppo.config import load_config
+from rayppo.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, lora_params, model_dir,
+                              param_count, read_shape, zero_bytes)
+from rayppo.plan import accelerator_gib, gpu_loads
+
+BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+            "tie_word_embeddings": False}
+COLOCATED_8_GPUS = ["model.dtype=bfloat16", "cluster.colocate_all=true", "learner.num_ranks=8", "learner.gpus_per_rank=1",
+                    "generators.num=8", "reference.num=8", "reward.num=8", "learner.zero_stage=3",
+                    "learner.gradient_checkpointing=true", "rollout.batch_size=256", "ppo.minibatches=8",
+                    "rollout.max_new_tokens=512", "generators.max_model_len=1024"]
+RESOURCES_8_GPUS = '{"GPU": 8, "CPU": 64, "memory": 1e12}'
+
+
+def numel(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_parameter_count_matches_real_models(embedded_dir, reward_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rayppo.models.loading import Critic, load_reward_model
+
+    for path in [embedded_dir, *BENCH_MODELS[:1]]:
+        shape = read_shape(path)
+        assert param_count(shape) == numel(AutoModelForCausalLM.from_pretrained(path)), path
+        assert param_count(shape, "value") == numel(Critic.from_pretrained(path)), path
+    assert param_count(read_shape(reward_model_dir), "score") == numel(load_reward_model(reward_model_dir))
+
+
+def test_parameter_count_qwen_style_bias_tied_and_grouped_query(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    assert param_count(read_shape(tmp_path)) == numel(model)
+
+
+def test_lora_adapter_count_matches_peft(embedded_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(embedded_dir),
+                           LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(read_shape(embedded_dir), 4) == trainable
+
+
+def test_zero_stage_arithmetic():
+    n, ranks = 1000, 4
+    assert zero_bytes(n, 0, ranks, 4) == {"params": 4000, "grads": 4000, "optimizer": 8000}  # torch AdamW, no master
+    assert zero_bytes(n, 0, ranks, 2) == {"params": 2000, "grads": 2000, "optimizer": 12000}  # bf16: fp32 master
+    assert zero_bytes(n, 1, ranks, 4) == {"params": 4000, "grads": 4000, "optimizer": 12000 / 4}
+    assert zero_bytes(n, 2, ranks, 4) == {"params": 4000, "grads": 4000 / 4, "optimizer": 12000 / 4}
+    assert zero_bytes(n, 3, ranks, 4) == {"params": 4000 / 4, "grads": 4000 / 4, "optimizer": 12000 / 4}
+    assert zero_bytes(n, 3, 8, 2) == {"params": 2000 / 8, "grads": 2000 / 8, "optimizer": 12000 / 8}
+    assert zero_bytes(n, 3, ranks, 2, trainable=False) == {"params": 2000 / 4}  # LoRA's frozen base
+
+
+def test_learner_offload_moves_optimizer_states_to_host(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    base = [f"model.policy={tmp_path}", "learner.gpus_per_rank=1", "learner.num_ranks=1", "model.dtype=bfloat16"]
+    for stage, moved in ((2, {"optimizer"}), (3, {"optimizer", "params"})):
+        on_gpu = estimate_roles(load_config(None, base + [f"learner.zero_stage={stage}"]))["learner"]
+        offloaded = load_config(None, base + [f"learner.zero_stage={stage}", "learner.offload=true"])
+        offload = estimate_roles(offloaded)["learner"]
+        assert offload.peak < on_gpu.peak and offload.rss > on_gpu.rss
+        assert {k.removesuffix(" (offloaded)") for k in offload.host if "offloaded" in k} == moved
+    s = read_shape(tmp_path)  # checkpointing keeps one hidden state per layer plus one layer
+    assert activation_bytes(s, 100, 2, True) < activation_bytes(s, 100, 2, False) / 10
+
+
+@pytest.mark.parametrize("gib, code", [(80, 0), (24, 2)])
+def test_colocated_7b_on_8_gpus_fits_80_gib_not_24(tmp_path, capsys, gib, code):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    args = ["plan", f"model.policy={tmp_path}", *COLOCATED_8_GPUS, "--cluster-resources", RESOURCES_8_GPUS,
+            "--gpu-memory-gib", str(gib), "--prompt-tokens", "512"]
+    assert main(args) == code
+    out = capsys.readouterr().out
+    assert ("fits" in out.splitlines()) == (code == 0)
+    if code:
+        assert any(line.strip().startswith("GPU memory: 8 GPUs need") for line in out.splitlines()), out
+    assert main(args + ["--json"]) == code
+    plan = json.loads(capsys.readouterr().out)
+    # vLLM sleeps while the others score and learn: no phase holds every role's peak at once.
+    peaks = sum(role["peak_bytes"] for role in plan["roles"].values())
+    assert len(plan["gpus"]) == 8 and all(sum(gpu["roles"].values()) < peaks for gpu in plan["gpus"])
+    assert plan["demand"]["GPU"] == 8 and plan["fits"] == (code == 0)
+
+
+def test_fractional_shares_add_up_on_one_gpu():
+    cfg = load_config(None, ["generators.gpus_per_worker=0.4", "generators.gpu_memory_utilization=0.3",
+                             "learner.num_ranks=1", "learner.gpus_per_rank=0.4", "reference.gpus=0.1",
+                             "reward.gpus=0.1"])
+    est = estimate_roles(cfg, gpu_memory_gib=80)
+    [(phase, load)] = gpu_loads(cfg, est)
+    assert phase == "concurrent" and set(load) == {"generators", "reference", "reward", "learner"}
+    assert load["generators"] == pytest.approx(0.3 * 80 * GiB + est["generators"].parts["CUDA context"])
+
+
+@pytest.mark.parametrize("overrides, resources, expected", [
+    (["learner.cpus_per_rank=4"], '{"CPU": 2}',
+     ("CPU: need 9 (", "cluster has 2: fewer or smaller actors", "learner.cpus_per_rank")),
+    (["generators.gpus_per_worker=1", "generators.num=2"], '{"CPU": 8, "GPU": 1}',
+     ("GPU: need 2 (generators 2 x 1), cluster has 1: fewer generators (generators.num)",)),
+    (["learner.resources={learner_node: 1}"], '{"CPU": 8}', ("learner_node: need 2 (learner 2 x 1), cluster has 0",)),
+    ([], '{"CPU": 8, "memory": 1e9}', ("memory: need", "cluster has 0.9 GiB")),
+])
+def test_shortfalls_exit_2_with_one_line_naming_the_fix(capsys, overrides, resources, expected):
+    assert main(["plan", *overrides, "--cluster-resources", resources]) == 2
+    out = capsys.readouterr().out
+    missing = out.split("does not fit:\n")[1].splitlines()
+    assert len(missing) == 1 and all(text in missing[0] for text in expected), out
+
+
+def test_gpu_memory_from_the_clusters_accelerator_type():
+    assert accelerator_gib({"GPU": 8, "accelerator_type:H100": 1}) == 80
+    assert accelerator_gib({"GPU": 8, "accelerator_type:A100": 1}) is None  # 40 or 80 GiB: unknown
+    assert accelerator_gib({"CPU": 8}) is None
+
+
+def test_bad_cluster_resources_is_a_clear_error(capsys):
+    assert main(["plan", "--cluster-resources", "{GPU: 8}"]) == 2
+    assert "rayppo: error: --cluster-resources: not valid JSON" in capsys.readouterr().err
+
+
+def test_json_output_parses(capsys):
+    assert main(["plan", "--json", "--cluster-resources", '{"CPU": 4}']) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["missing"] == [] and plan["prompt_tokens"] == 4
+    assert set(plan["roles"]) == {"generators", "reference", "reward", "learner"}
+    assert all(r["peak_bytes"] > 0 and r["device"] == "cpu" for r in plan["roles"].values())
+    assert plan["roles"]["learner"]["actors"] == 2 and plan["roles"]["learner"]["groups"] == ["learner"]
+
+
+def test_default_plan_answers_fast_without_torch():
+    rayppo = Path(sys.executable).parent / "rayppo"
+    start = time.perf_counter()
+    out = subprocess.run([str(rayppo), "plan"], capture_output=True, text=True)
+    print(f"rayppo plan: {time.perf_counter() - start:.2f} s")  # measured, not asserted (shared machines)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("fits"), out.stderr
+    probe = ("import sys; from rayppo.config import load_config; from rayppo.footprint import estimate_roles; "
+             "estimate_roles(load_config()); print(sorted({'torch', 'transformers', 'ray'} & set(sys.modules)))")
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert imported.strip() == "[]"
+
+
+def test_model_dir_matches_the_loader_without_torch(embedded_dir):
+    from rayppo.models.embedded import BUILD_VERSION
+    from rayppo.models.loading import resolve_model_path
+
+    assert EMBEDDED_VERSION == BUILD_VERSION
+    assert model_dir("embedded") == resolve_model_path("embedded") == embedded_dir
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        model_dir("/nonexistent/model")
+
+
+def test_train_stops_before_starting_anything_when_the_machine_lacks_resources(monkeypatch, capsys):
+    import ray
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU
+    assert main(["train", "generators.gpus_per_worker=1"]) == 2
+    err = capsys.readouterr().err
+    assert "this job does not fit" in err and "GPU: need 1 (generators 1 x 1), cluster has 0: fewer generators" in err
+    assert not ray.is_initialized()
