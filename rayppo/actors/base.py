@@ -83,6 +83,14 @@ class Engine:
             out["cuda"] = int(torch.cuda.max_memory_allocated())
         return out
 
+    def release_cached_memory(self) -> int:
+        """Hand the CUDA caching allocator's free blocks back to the device (colocated mode: vLLM
+        wakes into that memory). Returns the bytes still reserved (0 off the GPU)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.empty_cache()
+        return int(torch.cuda.memory_reserved(self.device))
+
     def ready(self) -> str:
         """A one-line description once the engine is built (the driver waits on it)."""
         return f"{type(self).__name__} on {self.device}"

@@ -5,6 +5,7 @@ When every role shares the learner's GPUs, memory is shared in time. Per iterati
     generate          generators awake (weights + KV cache), learner resident but idle
     sleep             vLLM frees its KV cache and moves its weights to host memory (level 1)
     score, learn      reference, reward and the learner's PPO update have the GPU
+    release           they hand their allocators' cached blocks back to the device
     wake weights      vLLM's weights come back (the sync writes into them)
     sync              learner rank i -> the generator on its GPU (CUDA-IPC, or the object store)
     wake kv_cache     the KV cache is re-allocated for the next generation
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 
+from rayppo.actors.base import Engine
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup
 
@@ -35,6 +37,7 @@ class DeviceSchedule:
     def __init__(self, colocated: bool):
         self.colocated = colocated
         self.generators: ActorGroup | None = None  # set once they are spawned
+        self.others: list[ActorGroup] = []  # the roles that use the GPU while vLLM sleeps
         self.events: list[str] = []
         self._warned = False
 
@@ -49,8 +52,12 @@ class DeviceSchedule:
             self._record("sleep", self.generators.get(self.generators.call_all(GeneratorEngine.sleep)))
 
     def wake_weights(self) -> None:
-        """Before the sync: the generators' weights are back on the GPU to be overwritten."""
+        """Before the sync: the other roles release their cached memory (PyTorch's allocator would
+        keep its peak reserved), then the generators' weights come back to be overwritten."""
         if self.colocated:
+            for group in self.others:
+                group.get(group.call_all(Engine.release_cached_memory))
+            self.events.append("others: release cached memory")
             self._record("wake weights", self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["weights"])))
 
     def wake_kv_cache(self) -> None:

@@ -115,6 +115,7 @@ class DistributedTrainer:
         self.schedule.stage("spawn reference, reward, learner")
         self.weight_sync = make_weight_sync(cfg, self.learner, self.generators)
         self.schedule.generators = self.generators
+        self.schedule.others = [self.reference, self.rewards, self.learner.ranks]
 
     # ------------------------------------------------------------------------------- iteration
     def iteration(self) -> dict[str, float]:
