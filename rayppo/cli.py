@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with "
+                                                        "DIR's config (overrides may change resources, stop.*, "
+                                                        "output.* and cluster.*)")
     plan = sub.add_parser(
         "plan", help="pre-flight: will the job fit? actors, CPUs/GPUs, placement group and peak memory per role",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PLAN_EPILOG,
@@ -110,7 +113,16 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.config import load_config
     from rayppo.train import run
 
-    cfg = load_config(args.config, overrides)
+    resume = None
+    if args.resume:
+        if args.config:
+            print("rayppo: error: --resume takes the run's own config; use overrides, not --config", file=sys.stderr)
+            return 2
+        from rayppo.checkpoint import resume_config
+
+        cfg, resume = resume_config(args.resume, overrides)
+    else:
+        cfg = load_config(args.config, overrides)
     if cfg.trainer == "distributed":
         from rayppo.plan import preflight
 
@@ -124,7 +136,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from rayppo.learner.reference_trainer import ReferenceTrainer as Trainer
     else:
         from rayppo.cluster.driver import DistributedTrainer as Trainer
-    result = run(cfg, Trainer(cfg), progress=not args.no_progress)
+    result = run(cfg, Trainer(cfg), progress=not args.no_progress, resume=resume)
     print(
         f"{result.stop_reason}: {result.iterations} iterations; mean reward {result.reward_start:.3f} "
         f"(first iteration) -> {result.reward_end:.3f} (last five). Outputs in {result.out_dir}/ "
@@ -225,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from rayppo.actors.generator import EmptyResponseError
     from rayppo.actors.reward import RewardError
+    from rayppo.checkpoint import CheckpointError
     from rayppo.cluster.placement import PlacementError
     from rayppo.config import ConfigError
     from rayppo.data.prompts import PromptDataError
@@ -246,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_job(args)
         return cmd_config(args)
     except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError,
-            CorrectnessError) as exc:
+            CorrectnessError, CheckpointError) as exc:
         print(f"rayppo: error: {exc}", file=sys.stderr)
         return 2
 

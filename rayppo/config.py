@@ -200,6 +200,17 @@ class OutputConfig:
     """Also write TensorBoard event files to ``DIR/tb``."""
     save_model: bool = True
     """Save the final policy (Hugging Face format) and critic to ``DIR/policy``, ``DIR/critic``."""
+    checkpoint_every: int = 20
+    """Write a checkpoint every N iterations to ``DIR/checkpoints/iter_NNNNNN`` (0: only on Ctrl-C
+    and correctness-guard stops). A checkpoint holds everything the next iteration depends on:
+    policy and critic with their optimizer states (DeepSpeed, every ZeRO partition), beta, the
+    prompt order and position, the iteration; sampling is seeded per iteration from ``seed``.
+    It is written to a temporary folder, renamed into place, then ``checkpoints/latest`` is
+    updated, so a crash while writing leaves the previous one intact. 20 suits iterations of a
+    minute or more (at most 20 iterations are redone after a failure); lower it for slow ones."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep (older ones are deleted after a new one is in
+    place)."""
 
 
 def actor_threads(threads: int | None, cpus: float) -> int:
@@ -341,6 +352,8 @@ def role_gpus(cfg: Config, role: str) -> float:
     """GPUs (or a share of one) that Ray gives each actor of ``role``
     (generators, reference, reward, learner)."""
     if cfg.cluster.colocate_all:
+        if role == "reward" and cfg.reward.model is None:
+            return 0.0  # a verifier function or an endpoint needs no GPU (nor a CUDA context)
         return COLOCATED_SHARES[role] if cfg.learner.gpus_per_rank else 0.0
     return {"generators": cfg.generators.gpus_per_worker, "reference": cfg.reference.gpus,
             "reward": cfg.reward.gpus, "learner": cfg.learner.gpus_per_rank}[role]

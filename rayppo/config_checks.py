@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayppo.config import (SYNC_FAULTS, Config, ConfigError, role_gpus, tensor_parallel_size)
+from rayppo.config import SYNC_FAULTS, Config, ConfigError, role_gpus, tensor_parallel_size, weight_sync_backend
 
 
 def _require(ok: bool, name: str, message: str, value: Any) -> None:
@@ -64,6 +64,8 @@ def validate(cfg: Config) -> Config:
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
+    _require(cfg.output.checkpoint_every >= 0, "output.checkpoint_every", "must be >= 0", cfg.output.checkpoint_every)
+    _require(cfg.output.keep_checkpoints >= 1, "output.keep_checkpoints", "must be >= 1", cfg.output.keep_checkpoints)
     sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
     _require(sum(x is not None for x in sources) == 1, "reward.function",
              "set exactly one of reward.function, reward.model and reward.url", sources)
@@ -125,6 +127,9 @@ def _validate_colocated(cfg: Config) -> None:
 def _validate_weight_sync(cfg: Config) -> None:
     g, lr_, mode = cfg.generators, cfg.learner, cfg.learner.weight_sync
     gen_gpus = role_gpus(cfg, "generators")
+    _require(weight_sync_backend(cfg) != "ipc" or cfg.checks.sync_fault == "none", "checks.sync_fault",
+             "is not implemented for the CUDA-IPC weight sync (use learner.weight_sync=object_store)",
+             cfg.checks.sync_fault)
     if mode == "ipc":
         _require(cfg.cluster.colocate_all and lr_.gpus_per_rank == 1 and g.backend == "vllm", "learner.weight_sync",
                  "ipc needs cluster.colocate_all=true, learner.gpus_per_rank=1 and vLLM generators (CUDA-IPC "
@@ -151,6 +156,7 @@ def _validate_system(cfg: Config) -> Config:
     for name, role in (("reference", cfg.reference), ("reward", cfg.reward)):
         _require(role.num >= 1, f"{name}.num", "must be >= 1", role.num)
         _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
+        _require(0 <= role.gpus <= 1, f"{name}.gpus", "must be in [0, 1] (one model on one GPU)", role.gpus)
     _require(lr_.num_ranks >= 1, "learner.num_ranks", "must be >= 1", lr_.num_ranks)
     _require(lr_.num_ranks <= r.batch_size, "learner.num_ranks", f"must be <= rollout.batch_size={r.batch_size}", lr_.num_ranks)
     _require(lr_.weight_sync in ("auto", "broadcast", "object_store", "ipc"), "learner.weight_sync",

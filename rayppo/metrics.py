@@ -9,16 +9,22 @@ from pathlib import Path
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (and ``tb/`` events) under the run folder."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, append: bool = False):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_at: int | None = None):
+        """``resume_at=k``: continue a run from iteration k. Records of iterations >= k (written
+        after the checkpoint, before the run stopped) are dropped, from TensorBoard too, so
+        the resumed iterations replace them instead of appearing twice."""
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self._file = self.path.open("a" if append else "w", encoding="utf-8")
+        if resume_at is not None and self.path.is_file():
+            kept = [r for r in read_metrics(self.path) if r["iteration"] < resume_at]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self._file = self.path.open("w" if resume_at is None else "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.dir / "tb"))
+            self._tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_at)
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
         self._file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")

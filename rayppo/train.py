@@ -12,11 +12,12 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import yaml
 from tqdm import tqdm
 
+from rayppo.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
 from rayppo.config import Config, to_dict
 from rayppo.data.rollout import Rollout
 from rayppo.guard import CorrectnessError
@@ -28,7 +29,11 @@ class Trainer(Protocol):
 
     def iteration(self) -> dict[str, float]: ...
 
-    def save(self, out_dir: str | Path, checkpoint: bool = False) -> None: ...
+    def save(self, out_dir: str | Path) -> None: ...
+
+    def checkpoint(self, path: Path) -> dict[str, Any]: ...
+
+    def restore(self, path: Path, state: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -81,37 +86,36 @@ class _StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
-def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
-    """Run ``cfg.stop.iterations`` iterations of ``trainer``; write every output of a run."""
+def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | None = None) -> TrainResult:
+    """Run ``cfg.stop.iterations`` iterations of ``trainer`` (from checkpoint ``resume`` on, if
+    given); write every output of a run, and a checkpoint every ``output.checkpoint_every``."""
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    logger = MetricsLogger(out, cfg.output.tensorboard)
-    stop_reason, done = "completed", 0
+    first = 0
+    if resume is not None:
+        state = read_driver_state(resume)
+        trainer.restore(resume, state)
+        first = state["iteration"]
+        tqdm.write(f"Resumed from {resume} after {first} iterations", file=sys.stderr)
+    logger = MetricsLogger(out, cfg.output.tensorboard, resume_at=first if resume is not None else None)
+    stop_reason, done = "completed", first
     guard_error: CorrectnessError | None = None
-    bar = tqdm(total=cfg.stop.iterations, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=cfg.stop.iterations, initial=first, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
     stop = _StopRequest()
     try:
         with stop.installed():
-            for it in range(cfg.stop.iterations):
+            for it in range(first, cfg.stop.iterations):
                 metrics = trainer.iteration()
                 logger.log(it, metrics)
                 done = it + 1
-                if cfg.output.save_rollouts and trainer.last_rollout is not None:
-                    trainer.last_rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
-                bar.set_postfix(
-                    reward=f"{metrics['reward/mean']:.3f}",
-                    kl=f"{metrics['kl/ref_mean']:.2f}",
-                    tok_s=f"{metrics['throughput/tokens_per_s']:.0f}",
-                )
-                bar.update()
+                _after_iteration(cfg, trainer, out, it, metrics, bar)
+                if cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0:
+                    write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
                 if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
                     stop_reason = "kl_budget"
-                    tqdm.write(
-                        f"Stopping early at iteration {it}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} nats "
-                        f"per response exceeds stop.kl_budget = {cfg.stop.kl_budget}",
-                        file=sys.stderr,
-                    )
+                    tqdm.write(f"Stopping early at iteration {it}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} "
+                               f"nats per response exceeds stop.kl_budget = {cfg.stop.kl_budget}", file=sys.stderr)
                     break
                 if stop.requested:
                     stop_reason = "interrupted"
@@ -123,18 +127,38 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True) -> TrainResult:
     finally:
         bar.close()
         logger.close()
-    checkpoint = stop_reason in ("interrupted", "correctness_guard")
-    if checkpoint:
-        why = "Interrupted" if stop_reason == "interrupted" else "Stopped by the correctness guard"
-        tqdm.write(f"{why} after {done} iterations; saving a checkpoint to {out}", file=sys.stderr)
-    try:
-        if cfg.output.save_model or checkpoint:
-            trainer.save(out, checkpoint=checkpoint)
-    finally:
-        trainer.close()
+    _finish(cfg, trainer, out, stop_reason, done)
     if guard_error is not None:
         raise guard_error
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)
     return TrainResult(done, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out)
+
+
+def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics: dict[str, float], bar: tqdm) -> None:
+    """Rollouts to disk (when asked) and the progress bar."""
+    if cfg.output.save_rollouts and trainer.last_rollout is not None:
+        trainer.last_rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
+    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl/ref_mean']:.2f}",
+                    tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
+    bar.update()
+
+
+def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: int) -> None:
+    """A last checkpoint (always after Ctrl-C or a guard stop; with periodic checkpoints on, also at
+    the end, so ``--resume DIR stop.iterations=...`` can extend a finished run), the final
+    models, then close."""
+    every = cfg.output.checkpoint_every
+    try:
+        if stop_reason in ("interrupted", "correctness_guard"):
+            why = "Interrupted" if stop_reason == "interrupted" else "Stopped by the correctness guard"
+            tqdm.write(f"{why} after {done} iterations; saving a checkpoint to {checkpoint_root(out)} "
+                       f"(continue with: rayppo train --resume {out})", file=sys.stderr)
+            write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
+        elif every and done % every:
+            write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
+        if cfg.output.save_model:
+            trainer.save(out)
+    finally:
+        trainer.close()

@@ -84,7 +84,9 @@ def test_mismatch_limit_stops_before_the_bad_update_and_checkpoints(tmp_path, ca
                      r"0.001 on generator 0", capsys.readouterr().err)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1 and records[0]["logprob_mismatch/max"] < 1e-4  # iteration 0 was fine
-    assert (out / "checkpoint" / "policy" / "latest").is_file()
+    # The checkpoint holds the state after iteration 0, the last good one.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000001"
+    assert json.loads((out / "checkpoints" / "iter_000001" / "driver.json").read_text())["iteration"] == 1
 
 
 def _policy_bytes(embedded_dir) -> int:

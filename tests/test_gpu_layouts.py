@@ -87,9 +87,13 @@ def test_colocated_mode_puts_rank_i_and_actor_i_of_every_role_on_gpu_i():
     assert plan.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.5, "GPU": 1.0}]
     assert _members(plan) == sorted([("learner", 0, 0), ("learner", 1, 1), ("generators", 0, 0),
                                      ("generators", 1, 1), ("reference", 0, 0), ("reward", 0, 0)])
-    gpus = {s.name: s.bundle.get("GPU") for s in role_specs(cfg)}
-    assert gpus == {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.1}
-    assert sum(gpus.values()) == pytest.approx(1.0)  # Ray can place all four on one GPU
+    gpus = {s.name: s.bundle.get("GPU", 0.0) for s in role_specs(cfg)}
+    # The default reward is a verifier function: no GPU share, no CUDA context for it.
+    assert gpus == {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.0}
+    with_model = load_config(None, ["cluster.colocate_all=true", "learner.gpus_per_rank=1", "reward.function=null",
+                                    "reward.model=some/folder"])
+    shares = {s.name: s.bundle.get("GPU", 0.0) for s in role_specs(with_model)}
+    assert shares["reward"] == 0.1 and sum(shares.values()) == pytest.approx(1.0)  # all four fit one GPU
 
 
 # ------------------------------------------------------------------------------ full tensors
@@ -204,7 +208,7 @@ def test_colocated_schedule_frees_the_gpu_for_the_learner(local_ray, tmp_path):
     finally:
         trainer.close()
     iteration = ["generate", "generators: sleep skipped", "score", "learn", "others: release cached memory",
-                 "generators: wake weights skipped", "sync",
+                 "generators: wake weights skipped", "sync", "others: release cached memory",
                  "generators: wake kv_cache skipped"]
     assert trainer.schedule.events == ["spawn generators", "generators ready", "spawn reference, reward, learner",
                                        *iteration, *iteration]

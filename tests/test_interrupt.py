@@ -29,11 +29,14 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, embedded_dir):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "interrupted:" in stdout and "saving a checkpoint" in stderr
+    assert "interrupted:" in stdout and "saving a checkpoint" in stderr and f"rayppo train --resume {out}" in stderr
     assert len(metrics.read_text().splitlines()) >= 2
-    state_files = list((out / "checkpoint" / "policy").rglob("*"))
+    done = len(metrics.read_text().splitlines())
+    checkpoint = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert checkpoint.name == f"iter_{done:06d}"  # the state after the last completed iteration
+    state_files = list((checkpoint / "policy").rglob("*"))
     assert any(p.name.endswith("optim_states.pt") for p in state_files), state_files  # optimizer state
-    assert (out / "checkpoint" / "critic" / "latest").is_file()
+    assert list((checkpoint / "critic").rglob("*optim_states.pt"))
     assert (out / "policy" / "config.json").is_file() and (out / "critic" / "value_head.safetensors").is_file()
 
 

@@ -37,7 +37,7 @@ def engine_device(gpus: float, role: str, cuda_available: bool | None = None,
         raise DeviceError(f"{role}: given {gpus:g} GPU(s) but this process sees no CUDA device "
                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible}); install a CUDA build "
                           f"of torch on that node, or set the role's GPUs to 0")
-    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1":
+    if _ray_does_not_mask():
         ids = ray_gpu_ids if ray_gpu_ids is not None else _ray_gpu_ids()
         if ids:
             # Ray's ids are the node's (or the raylet's CUDA_VISIBLE_DEVICES entries); torch counts
@@ -45,6 +45,11 @@ def engine_device(gpus: float, role: str, cuda_available: bool | None = None,
             listed = [] if visible == "<unset>" else visible.split(",")
             return torch.device("cuda", listed.index(ids[0]) if ids[0] in listed else int(ids[0]))
     return torch.device("cuda", 0)
+
+
+def _ray_does_not_mask() -> bool:
+    # Ray reads the variable as a boolean (ray/_common/utils.py, env_bool, 2.60).
+    return os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() in ("1", "true")
 
 
 def _ray_gpu_ids() -> list[str]:
@@ -62,8 +67,13 @@ class Engine:
     def init_device(self, gpus: float, role: str, make_current: bool = True) -> torch.device:
         """Select this engine's device from the GPUs Ray gave it (``engine_device``).
 
-        ``make_current=False`` leaves CUDA uninitialised in this process (a vLLM engine forks
-        its tensor-parallel workers, which a process holding a CUDA context cannot do safely)."""
+        ``make_current=False`` is for engines whose library places its own workers (vLLM, whose
+        workers take ``cuda:<local rank>`` of what they see): no device is made current here,
+        and where a cluster turned Ray's masking off, ``CUDA_VISIBLE_DEVICES`` is set to this
+        actor's GPUs before anything touches CUDA, so those workers see only them."""
+        if gpus and not make_current and _ray_does_not_mask() and _ray_gpu_ids():
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(_ray_gpu_ids())
+            os.environ.pop("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
         self.device = engine_device(gpus, role)
         if self.device.type == "cuda" and make_current:
             torch.cuda.set_device(self.device)
@@ -88,6 +98,7 @@ class Engine:
         wakes into that memory). Returns the bytes still reserved (0 off the GPU)."""
         if self.device.type != "cuda":
             return 0
+        torch.cuda.ipc_collect()  # blocks shared by CUDA-IPC that the receiver has let go of
         torch.cuda.empty_cache()
         return int(torch.cuda.memory_reserved(self.device))
 

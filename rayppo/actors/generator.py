@@ -164,6 +164,7 @@ class _HFBackend:
 class _VLLMBackend:
     def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int, eos_ids: list[int]):
         self.eos_ids = eos_ids
+        self.seed = seed
         self.tensor_parallel_size = settings.tensor_parallel_size
         self.sleep_mode = settings.sleep_mode
         # In-process engine (no extra worker process inside the Ray actor) and a bounded CPU
@@ -251,9 +252,13 @@ class _VLLMBackend:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        # One SamplingParams for the batch, without a per-request seed: the engine is seeded once
-        # (LLM(seed=...)). Per-request seeds crash vLLM 0.32's CPU runner whenever a prefill is
-        # chunked ("CPU Generator does not use offset"), e.g. 256 prompts of the small benchmark.
+        # One SamplingParams for the batch, without a per-request seed (per-request seeds crash
+        # vLLM 0.32's CPU runner whenever a prefill is chunked: "CPU Generator does not use
+        # offset"). Requests without a seed draw from each worker's default torch generator
+        # (vllm/v1/sample/ops/topk_topp_sampler.py, random_sample, 0.32): reseeding it per call
+        # makes an iteration's samples a function of (engine seed, iteration seed) only, so a
+        # resumed run samples what the uninterrupted one did.
+        self.llm.collective_rpc(_reseed_worker, args=((self.seed * 1_000_003 + seed) % 2**63,))
         # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
         # detokenisation (rayppo decodes once itself): less Python work per generated token.
         params = SamplingParams(temperature=s.temperature, max_tokens=s.max_new_tokens, ignore_eos=s.ignore_eos,
@@ -268,6 +273,11 @@ class _VLLMBackend:
             logprobs.append(_sampled_logprobs(sample.logprobs, ids))
             reasons.append("length" if sample.finish_reason == "length" else "stop")
         return response_ids, logprobs, reasons
+
+
+def _reseed_worker(worker, seed: int) -> None:
+    """Runs inside a vLLM worker: reseed the generator its sampler draws from."""
+    torch.manual_seed(seed)
 
 
 @torch.no_grad()

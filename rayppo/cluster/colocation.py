@@ -8,6 +8,7 @@ When every role shares the learner's GPUs, memory is shared in time. Per iterati
     release           they hand their allocators' cached blocks back to the device
     wake weights      vLLM's weights come back (the sync writes into them)
     sync              learner rank i -> the generator on its GPU (CUDA-IPC, or the object store)
+    release           the sync's gathered and IPC-shared blocks go back to the device
     wake kv_cache     the KV cache is re-allocated for the next generation
 
 Level 1 keeps a host copy of the weights, so a failed sync cannot leave an engine with none; the
@@ -55,16 +56,21 @@ class DeviceSchedule:
         """Before the sync: the other roles release their cached memory (PyTorch's allocator would
         keep its peak reserved), then the generators' weights come back to be overwritten."""
         if self.colocated:
-            for group in self.others:
-                group.get(group.call_all(Engine.release_cached_memory))
-            self.events.append("others: release cached memory")
+            self._release_others()
             self._record("wake weights", self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["weights"])))
 
     def wake_kv_cache(self) -> None:
-        """After the sync: the KV cache is re-allocated for the next generation."""
+        """After the sync: the KV cache is re-allocated for the next generation, into the memory the
+        sync's gathers and IPC-shared tensors held."""
         if self.colocated:
+            self._release_others()
             self._record("wake kv_cache",
                          self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["kv_cache"])))
+
+    def _release_others(self) -> None:
+        for group in self.others:
+            group.get(group.call_all(Engine.release_cached_memory))
+        self.events.append("others: release cached memory")
 
     def _record(self, what: str, done: list[bool]) -> None:
         skipped = not all(done)

@@ -53,6 +53,7 @@ class DistributedTrainer:
         self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
+        self._start_state: dict[str, Any] | None = None
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
@@ -92,6 +93,8 @@ class DistributedTrainer:
             [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm_settings(cfg),
               threads["generators"], fault, gpus["generators"]) for i in range(g.num)],
             options("generators", g.num),
+            # Two vLLM engines profiling one GPU at once would each count the other's memory.
+            one_by_one=Engine.ready if 0 < gpus["generators"] < 1 else None,
         )
         if generators_start_first(cfg):
             # vLLM charges every device-wide memory change during its profiling window to itself
@@ -121,6 +124,8 @@ class DistributedTrainer:
     def iteration(self) -> dict[str, float]:
         """One PPO iteration; returns the metrics of design.md."""
         it, clock = self.iteration_count, time.perf_counter
+        self._start_state = None
+        self._start_state = self.driver_state()  # what a checkpoint holds until this iteration completes
         t0 = clock()
         rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
         self.schedule.sleep_generators()  # colocated mode: vLLM frees the GPU for the learner
@@ -141,6 +146,7 @@ class DistributedTrainer:
         self.schedule.wake_kv_cache()
         t4 = clock()
         self.iteration_count += 1
+        self._start_state = None
         self.last_rollout = rollout
         timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
                    "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
@@ -185,11 +191,30 @@ class DistributedTrainer:
                 for role, group in groups.items()}
 
     # ----------------------------------------------------------------------------- save / close
-    def save(self, out_dir: str | Path, checkpoint: bool = False) -> None:
-        """Policy (HF format) and critic; with ``checkpoint`` also optimizer and driver state."""
-        state: dict[str, Any] = {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
-                                 "prompts": self.prompts.state_dict()}
-        self.learner.save(str(Path(out_dir).resolve()), state, checkpoint)
+    def save(self, out_dir: str | Path) -> None:
+        """The final policy (Hugging Face format, with tokenizer) and critic."""
+        self.learner.save(str(Path(out_dir).resolve()))
+
+    def driver_state(self) -> dict[str, Any]:
+        """What the next iteration needs besides the models (JSON): as of the last completed
+        iteration, even when one failed half-way (its prompts are drawn again on resume)."""
+        return self._start_state or {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
+                                     "prompts": self.prompts.state_dict()}
+
+    def checkpoint(self, path: Path) -> dict[str, Any]:
+        """Every learner rank's DeepSpeed states under ``path``; returns the driver's state."""
+        self.learner.save_checkpoint(str(path))
+        return self.driver_state()
+
+    def restore(self, path: Path, state: dict[str, Any]) -> None:
+        """Load a checkpoint and bring every generator to its policy version (sync, then check)."""
+        version = self.learner.load_checkpoint(str(path))
+        self.iteration_count = state["iteration"]
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.weight_sync.sync(version)
+        if self.cfg.checks.verify_sync:
+            verify_sync(self.learner, self.generators, version)
 
     def close(self) -> None:
         for group in ("generators", "reference", "rewards", "learner"):
@@ -205,7 +230,8 @@ def vllm_settings(cfg: Config) -> VLLMSettings:
     """The vLLM engine arguments of a generator, executor and memory share made explicit."""
     g = cfg.generators
     tp = tensor_parallel_size(g)
-    executor = "uni" if tp == 1 else ("ray" if g.tensor_parallel_layout == "across_nodes" else "mp")
+    # across_nodes: the actor holds no GPU, so even one worker must be a Ray actor in the bundle.
+    executor = "ray" if g.tensor_parallel_layout == "across_nodes" else ("uni" if tp == 1 else "mp")
     on_gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
     return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), g.max_model_len, g.kv_cache_gib, g.enforce_eager,
                         collective_sync=weight_sync_backend(cfg) in ("gloo", "nccl"),

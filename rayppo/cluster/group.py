@@ -23,13 +23,18 @@ class ActorGroup(Generic[E]):
     """``len(args)`` instances of ``cls``; ``options[i]`` are the Ray actor options of actor i."""
 
     def __init__(self, cls: type[E], args: Sequence[tuple], options: Sequence[dict[str, Any]] | None = None,
-                 local: bool = False):
+                 local: bool = False, one_by_one: Callable[..., Any] | None = None):
+        """``one_by_one=Engine.ready``: start each actor only once the previous one answers it."""
         self.local = local
         if local:
             self.actors: list[Any] = [cls(*a) for a in args]
-        else:
-            remote_cls = ray.remote(cls)
-            self.actors = [remote_cls.options(**(options[i] if options else {})).remote(*a) for i, a in enumerate(args)]
+            return
+        remote_cls = ray.remote(cls)
+        self.actors = []
+        for i, a in enumerate(args):
+            self.actors.append(remote_cls.options(**(options[i] if options else {})).remote(*a))
+            if one_by_one is not None:
+                get(getattr(self.actors[-1], one_by_one.__name__).remote())
 
     def __len__(self) -> int:
         return len(self.actors)

@@ -212,12 +212,25 @@ class LearnerEngine(Engine):
         self._ipc_held = ipc_chunk(run) if self.rank < self.cfg.generators.num else None
         return self._ipc_held
 
-    def save(self, out_dir: str, client_state: dict[str, Any] | None = None, checkpoint: bool = False) -> None:
-        """Final models in HF format (rank 0); with ``checkpoint`` also DeepSpeed optimizer states."""
+    def save_checkpoint(self, path: str) -> None:
+        """DeepSpeed states of policy and critic under ``path`` (each rank writes its own ZeRO
+        partitions and optimizer shards; the folder must be shared by the ranks' nodes)."""
+        self.policy.save_checkpoint(f"{path}/policy", tag="state", client_state={"version": self.version},
+                                    save_latest=False)
+        self.critic.save_checkpoint(f"{path}/critic", tag="state", save_latest=False)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load what ``save_checkpoint`` wrote (weights, optimizer moments and steps); returns the
+        policy version it holds."""
+        loaded, client = self.policy.load_checkpoint(f"{path}/policy", tag="state")
+        if loaded is None or self.critic.load_checkpoint(f"{path}/critic", tag="state")[0] is None:
+            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint of rank {self.rank} under {path}")
+        self.version = int(client["version"])
+        return self.version
+
+    def save(self, out_dir: str) -> None:
+        """Final models in Hugging Face format (rank 0 writes; every rank joins the gathers)."""
         out = Path(out_dir)
-        if checkpoint:
-            self.policy.save_checkpoint(str(out / "checkpoint" / "policy"), client_state=client_state or {})
-            self.critic.save_checkpoint(str(out / "checkpoint" / "critic"))
         payload = self.policy_weights()
         if self.rank == 0:
             from rayppo.models.weights import unpack_weights

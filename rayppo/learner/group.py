@@ -66,8 +66,20 @@ class LearnerGroup:
         """Rank 0's fingerprints of the weights of the last sync (``SentPrint`` per tensor)."""
         return self.ranks.get(self.ranks.call_all(LearnerEngine.sent_fingerprints))[0]
 
-    def save(self, out_dir: str, client_state: dict[str, Any], checkpoint: bool) -> None:
-        self.ranks.get(self.ranks.call_all(LearnerEngine.save, out_dir, client_state, checkpoint))
+    def save(self, out_dir: str) -> None:
+        """The final policy and critic in Hugging Face format."""
+        self.ranks.get(self.ranks.call_all(LearnerEngine.save, out_dir))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank's DeepSpeed states under ``path``."""
+        self.ranks.get(self.ranks.call_all(LearnerEngine.save_checkpoint, path))
+
+    def load_checkpoint(self, path: str) -> int:
+        """Every rank loads its states; returns the policy version."""
+        versions = set(self.ranks.get(self.ranks.call_all(LearnerEngine.load_checkpoint, path)))
+        if len(versions) != 1:
+            raise RuntimeError(f"learner ranks restored different policy versions {sorted(versions)} from {path}")
+        return versions.pop()
 
     def kill(self) -> None:
         self.ranks.kill()

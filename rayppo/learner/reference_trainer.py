@@ -136,19 +136,30 @@ class ReferenceTrainer:
         self.policy_opt.step()
         self.critic_opt.step()
 
-    def save(self, out_dir: str | Path, checkpoint: bool = False) -> None:
-        """The policy (Hugging Face format, with tokenizer) and the critic; with ``checkpoint``
-        also the optimizers, the KL controller and the prompt position."""
+    def save(self, out_dir: str | Path) -> None:
+        """The final policy (Hugging Face format, with tokenizer) and critic."""
         out_dir = Path(out_dir)
         self.policy.save_pretrained(str(out_dir / "policy"))
         self.tokenizer.save_pretrained(str(out_dir / "policy"))
         self.critic.save_pretrained(out_dir / "critic")
-        if checkpoint:
-            state = {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
-                     "prompts": self.prompts.state_dict(), "policy_opt": self.policy_opt.state_dict(),
-                     "critic_opt": self.critic_opt.state_dict()}
-            (out_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
-            torch.save(state, out_dir / "checkpoint" / "trainer_state.pt")
+
+    def checkpoint(self, path: Path) -> dict:
+        """Models and optimizers (tensors only, read back with ``weights_only``); returns the
+        driver's state."""
+        torch.save({"policy": self.policy.state_dict(), "critic": self.critic.state_dict(),
+                    "policy_opt": self.policy_opt.state_dict(), "critic_opt": self.critic_opt.state_dict()},
+                   path / "trainer.pt")
+        return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": self.prompts.state_dict()}
+
+    def restore(self, path: Path, state: dict) -> None:
+        saved = torch.load(path / "trainer.pt", map_location=self.device, weights_only=True)
+        self.policy.load_state_dict(saved["policy"])
+        self.critic.load_state_dict(saved["critic"])
+        self.policy_opt.load_state_dict(saved["policy_opt"])
+        self.critic_opt.load_state_dict(saved["critic_opt"])
+        self.iteration_count = state["iteration"]
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.prompts.load_state_dict(state["prompts"])
 
     def close(self) -> None:
         """Nothing to release in-process."""
