@@ -126,9 +126,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if cfg.trainer == "distributed":
         from rayppo.plan import preflight
 
-        missing, warnings = preflight(cfg)  # before any process starts; 'rayppo plan' shows it all
-        for line in warnings:
-            print(f"rayppo: warning: may not fit (an estimate; see 'rayppo plan'): {line}", file=sys.stderr)
+        missing = preflight(cfg)  # before any process starts; 'rayppo plan' shows memory too
         if missing:
             print("rayppo: error: this job does not fit:\n  " + "\n  ".join(missing), file=sys.stderr)
             return 2
@@ -238,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayppo.actors.generator import EmptyResponseError
     from rayppo.actors.reward import RewardError
     from rayppo.checkpoint import CheckpointError
+    from rayppo.errors import ActorFailedError
     from rayppo.cluster.placement import PlacementError
     from rayppo.config import ConfigError
     from rayppo.data.prompts import PromptDataError
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_job(args)
         return cmd_config(args)
     except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError,
-            CorrectnessError, CheckpointError) as exc:
+            CorrectnessError, CheckpointError, ActorFailedError) as exc:
         print(f"rayppo: error: {exc}", file=sys.stderr)
         return 2
 

@@ -81,7 +81,11 @@ class RewardConfig(ScorerConfig):
     """HTTP reward endpoint: POST ``{"prompts": [...], "responses": [...]}``, answer
     ``{"scores": [...]}`` (one float per response)."""
     timeout_s: float = 30.0
-    """HTTP endpoint: seconds per request."""
+    """Seconds per HTTP request, and per call of a verifier function (which runs in a child
+    process that is killed past it, so a hanging verifier cannot stall the run)."""
+    timeout_score: float | None = None
+    """Score of a response whose verifier call ran past ``timeout_s``; null stops the run with an
+    error naming the prompt instead."""
     retries: int = 3
     """HTTP endpoint: attempts per batch before the job fails (exponential back-off)."""
     batch_size: int = 32
@@ -241,6 +245,14 @@ class ClusterConfig:
     """Environment variables for every actor process, over rayppo's defaults (which include
     ``NCCL_NVLS_ENABLE=0``: NVLS can hang or corrupt data with Ray's per-actor
     ``CUDA_VISIBLE_DEVICES`` on H100/H200 nodes, NVIDIA/nccl#1906; set it to 1 here to undo)."""
+    max_actor_restarts: int = 3
+    """Generator, reference and reward actors that die (SIGKILL, OOM, node loss) or miss
+    ``call_timeout_s`` are replaced and their share of the work is redone; this many times over
+    the whole run, then the run stops naming the role, the actor and the cause."""
+    call_timeout_s: float = 1800.0
+    """Deadline of one generate or scoring call of one actor (its share of a rollout batch). Past
+    it the actor counts as hung: its threads' stacks go to its log, it is replaced, its share
+    redone. Size it above the slowest honest call (long responses on a slow GPU take minutes)."""
     sync_timeout_s: float = 600.0
     """How long joining the weight-sync group and each broadcast (NCCL or gloo) may wait for
     the other side before the run fails."""

@@ -168,5 +168,8 @@ def _validate_system(cfg: Config) -> Config:
                           ("reward", cfg.reward.threads), ("learner", lr_.threads)):
         _require(threads is None or threads >= 1, f"{name}.threads", "must be >= 1 or null", threads)
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
+    _require(cfg.cluster.max_actor_restarts >= 0, "cluster.max_actor_restarts", "must be >= 0",
+             cfg.cluster.max_actor_restarts)
+    _require(cfg.cluster.call_timeout_s > 0, "cluster.call_timeout_s", "must be > 0", cfg.cluster.call_timeout_s)
     _require(cfg.cluster.sync_timeout_s > 0, "cluster.sync_timeout_s", "must be > 0", cfg.cluster.sync_timeout_s)
     return cfg

@@ -63,12 +63,6 @@ def gpu_loads(cfg: Config, est: dict[str, Estimate]) -> list[tuple[str, dict[str
         shared[i][role] = shared[i].get(role, 0.0) + est[role].peak
     return loads + [("concurrent", load) for load in shared]
 
-FIXES = {
-    "CPU": "fewer or smaller actors (generators.num, generators.cpus_per_worker, reference.cpus, reward.cpus, "
-           "learner.num_ranks, learner.cpus_per_rank) or more CPUs (cluster.num_cpus on one machine)",
-    "GPU": "fewer generators (generators.num) or smaller shares (generators.gpus_per_worker, learner.gpus_per_rank, "
-           "reference.gpus, reward.gpus), or fewer learner ranks (learner.num_ranks)",
-}
 MEMORY_FIXES = {
     "generators": "a lower generators.gpu_memory_utilization (on CPU a smaller generators.kv_cache_gib)",
     "reference": "a GPU of its own for the reference (reference.gpus=1) or a shorter rollout.max_new_tokens",
@@ -92,7 +86,7 @@ def fit_lines(cfg: Config, est: dict[str, Estimate], available: dict[str, float]
     """One line per missing thing, naming the fix. Counts (CPU, GPU, custom resources) are always
     checked; host memory only when ``available`` has ``memory`` (bytes), GPU memory only when
     ``gpu_memory_gib`` is given (then ``est`` must be the roles' estimates)."""
-    from rayppo.cluster.placement import plan_groups, role_specs, total_demand
+    from rayppo.cluster.placement import FIXES, plan_groups, role_specs, total_demand
 
     lines = []
     for key, need in sorted(total_demand(plan_groups(cfg)).items()):
@@ -248,26 +242,12 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
         ray.shutdown()
 
 
-def preflight(cfg: Config) -> tuple[list[str], list[str]]:
-    """``rayppo train``'s check before anything starts: ``(missing, warnings)``.
-
-    Missing CPUs, GPUs or custom resources stop the job (placement could never succeed). Memory
-    estimates only warn: they are validated against measured RSS on CPU (within 25%), not yet
-    on GPUs, and a job must not be refused on an estimate. Without ``cluster.address`` the counts
-    are this machine's; with it, the cluster's (the trainer reuses the connection), with host
-    memory and, for a known accelerator, GPU memory."""
-    if not cfg.cluster.address:
-        return fit_lines(cfg, {}, local_resources(cfg, with_memory=False), None), []
-    import ray
-
-    from rayppo.cluster.session import RaySession
-
-    RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
-    available = dict(ray.cluster_resources())
-    missing = fit_lines(cfg, {}, {k: v for k, v in available.items() if k != "memory"}, None)
-    gib = accelerator_gib(available)
-    try:
-        est = estimate_roles(cfg, gpu_memory_gib=gib or 80.0) if gib or "memory" in available else {}
-    except FileNotFoundError:  # a model folder only the actors' nodes have: check the counts alone
-        return missing, []
-    return missing, [line for line in fit_lines(cfg, est, available, gib) if line not in missing]
+def preflight(cfg: Config) -> list[str]:
+    """``rayppo train``'s check before anything starts on this machine: the CPU/GPU counts of
+    the local Ray instance it would start. With ``cluster.address`` nothing is checked here: the
+    driver checks the cluster's counts when it reserves the roles' placement groups (same lines,
+    same fixes), after it has joined; joining earlier from a Ray job re-points the job's working
+    directory under modules still to be imported. ``rayppo plan --address`` shows memory too."""
+    if cfg.cluster.address:
+        return []
+    return fit_lines(cfg, {}, local_resources(cfg, with_memory=False), None)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from rayppo.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
 from rayppo.config import Config, to_dict
 from rayppo.data.rollout import Rollout
+from rayppo.errors import ActorFailedError
 from rayppo.guard import CorrectnessError
 from rayppo.metrics import MetricsLogger, plot_metrics, read_metrics
 
@@ -100,7 +101,7 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         tqdm.write(f"Resumed from {resume} after {first} iterations", file=sys.stderr)
     logger = MetricsLogger(out, cfg.output.tensorboard, resume_at=first if resume is not None else None)
     stop_reason, done = "completed", first
-    guard_error: CorrectnessError | None = None
+    guard_error: CorrectnessError | ActorFailedError | None = None
     bar = tqdm(total=cfg.stop.iterations, initial=first, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
     stop = _StopRequest()
     try:
@@ -124,6 +125,8 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         stop_reason = "interrupted"
     except CorrectnessError as exc:  # raised before the bad update, or after a bad sync
         stop_reason, guard_error = "correctness_guard", exc
+    except ActorFailedError as exc:  # restarts spent: keep what is done, say how to go on
+        stop_reason, guard_error = "actor_failure", exc
     finally:
         bar.close()
         logger.close()
@@ -151,8 +154,9 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
     models, then close."""
     every = cfg.output.checkpoint_every
     try:
-        if stop_reason in ("interrupted", "correctness_guard"):
-            why = "Interrupted" if stop_reason == "interrupted" else "Stopped by the correctness guard"
+        if stop_reason in ("interrupted", "correctness_guard", "actor_failure"):
+            why = {"interrupted": "Interrupted", "correctness_guard": "Stopped by the correctness guard",
+                   "actor_failure": "Stopped by an actor failure"}[stop_reason]
             tqdm.write(f"{why} after {done} iterations; saving a checkpoint to {checkpoint_root(out)} "
                        f"(continue with: rayppo train --resume {out})", file=sys.stderr)
             write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)

@@ -6,10 +6,20 @@ puts its model and every batch on ``self.device``; one given none stays on the C
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import resource
+import signal
+import sys
 
 import torch
+
+# Every role's process writes its threads' stacks to its log on SIGUSR1: the driver sends it to an
+# actor that missed its deadline before replacing it (rayppo/cluster/supervisor.py).
+try:
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+except (AttributeError, ValueError, OSError):  # no real stderr here (a captured test run): nothing to dump to
+    pass
 
 
 class DeviceError(RuntimeError):
@@ -101,6 +111,13 @@ class Engine:
         torch.cuda.ipc_collect()  # blocks shared by CUDA-IPC that the receiver has let go of
         torch.cuda.empty_cache()
         return int(torch.cuda.memory_reserved(self.device))
+
+    @staticmethod
+    def process_id() -> tuple[int, str]:
+        """``(pid, node address)`` of this engine's process."""
+        import ray
+
+        return os.getpid(), ray.util.get_node_ip_address()
 
     def ready(self) -> str:
         """A one-line description once the engine is built (the driver waits on it)."""

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from rayppo.actors.base import Engine
+from rayppo.actors.verifier import VerifierProcess, VerifierTimeout
 from rayppo.data.rollout import Rollout
 
 RewardFunction = Callable[[str, str], float]
@@ -81,13 +82,17 @@ class RewardEngine(Engine):
 
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
                  dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None,
-                 gpus: float = 0.0):
+                 gpus: float = 0.0, timeout_s: float = 30.0, timeout_score: float | None = None):
         self.set_threads(num_threads)
         self.init_device(gpus, "reward")
         if sum(x is not None for x in (function, model, http)) != 1:
             raise ValueError("RewardEngine needs exactly one of function=, model= and http=")
         self.batch_size = batch_size
-        self.function = load_reward_function(function) if function else None
+        if function:
+            load_reward_function(function)  # a bad name fails here, at start, with the field named
+        # Each call runs in a child process that is killed past timeout_s (verifier.py).
+        self.function = VerifierProcess(function, timeout_s) if function else None
+        self.timeout_s, self.timeout_score = timeout_s, timeout_score
         self.http = http
         self.name = function or model or (http.url if http else "")
         if model is not None:
@@ -118,6 +123,12 @@ class RewardEngine(Engine):
         for prompt, response in zip(rollout.prompt_text, rollout.response_text):
             try:
                 out.append(float(self.function(prompt, response)))
+            except VerifierTimeout:
+                if self.timeout_score is None:
+                    raise RewardError(f"reward function {self.name} ran past reward.timeout_s={self.timeout_s:g} s on "
+                                      f"prompt {prompt!r} (response {response!r}); set reward.timeout_score to score "
+                                      "such responses instead of stopping") from None
+                out.append(self.timeout_score)
             except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
                 raise RewardError(
                     f"reward function {self.name} failed on prompt {prompt!r} "

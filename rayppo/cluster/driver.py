@@ -25,6 +25,7 @@ from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.colocation import DeviceSchedule
+from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.placement import Placement, placement_report, release, reserve, role_specs
 from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
@@ -57,6 +58,7 @@ class DistributedTrainer:
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
+        self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s)
         self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
         try:
             self.placements = reserve(cfg)
@@ -111,13 +113,16 @@ class DistributedTrainer:
         self.rewards = ActorGroup(
             RewardEngine,
             [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"],
-              endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus["reward"])] * cfg.reward.num,
+              endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus["reward"],
+              cfg.reward.timeout_s, cfg.reward.timeout_score)] * cfg.reward.num,
             options("reward", cfg.reward.num),
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
         self.schedule.stage("spawn reference, reward, learner")
         self.weight_sync = make_weight_sync(cfg, self.learner, self.generators)
         self.schedule.generators = self.generators
+        for group in (self.generators, self.reference, self.rewards):
+            self.supervisor.watch(group)
         self.schedule.others = [self.reference, self.rewards, self.learner.ranks]
 
     # ------------------------------------------------------------------------------- iteration
@@ -150,38 +155,32 @@ class DistributedTrainer:
         self.last_rollout = rollout
         timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
                    "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
-                   "sync/bytes": float(sync_bytes), "sync/verified": float(verified)}
+                   "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
+                   "faults/actor_restarts": float(self.supervisor.restarts)}
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """Split the prompts across the generators; each samples with its own seed."""
+        """Split the prompts across the generators; each samples with its own seed. A generator
+        that dies or hangs is replaced, given the current weights, and samples its share again."""
         parts = split_evenly(len(prompts.ids), len(self.generators))
         args = [(PromptBatch(prompts.texts[r.start:r.stop], prompts.ids[r.start:r.stop]), seed + 7919 * i)
                 for i, r in enumerate(parts)]
-        rollout = Rollout.concat(self.generators.get(self.generators.call(GeneratorEngine.generate, args)))
+        rollout = Rollout.concat(self.supervisor.call(self.generators, "generators", GeneratorEngine.generate, args,
+                                                      refresh=self.weight_sync.refresh))
         self.schedule.stage("generate")
         return rollout
 
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors."""
-        start = time.perf_counter()
-        ref_parts = split_evenly(len(rollout), len(self.reference))
-        reward_parts = split_evenly(len(rollout), len(self.rewards))
-        pending = {
-            "time/reference": self.reference.call(ReferenceEngine.ref_logprobs, [(rollout.select(r),) for r in ref_parts]),
-            "time/reward": self.rewards.call(RewardEngine.scores, [(rollout.select(r),) for r in reward_parts]),
-        }
-        outstanding = {ref: key for key, futures in pending.items() for ref in futures}
-        times = {}
-        while outstanding:  # record when each pass has all its parts back
-            ready, _ = ray.wait(list(outstanding), num_returns=1)
-            key = outstanding.pop(ready[0])
-            if key not in outstanding.values():
-                times[key] = time.perf_counter() - start
-        results = {key: [x for part in get(futures) for x in part] for key, futures in pending.items()}
+        ref_rows = split_evenly(len(rollout), len(self.reference))
+        reward_rows = split_evenly(len(rollout), len(self.rewards))
+        passes = [Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs, [(rollout.select(r),) for r in ref_rows]),
+                  Fanout(self.rewards, "reward", RewardEngine.scores, [(rollout.select(r),) for r in reward_rows])]
+        ref_parts, reward_parts = self.supervisor.run(passes)  # at the same time; failed shares redone
         self.schedule.stage("score")
-        rollout.ref_logprobs, rollout.score = results["time/reference"], results["time/reward"]
-        return rollout, times
+        rollout.ref_logprobs = [x for part in ref_parts for x in part]
+        rollout.score = [x for part in reward_parts for x in part]
+        return rollout, {"time/reference": passes[0].seconds, "time/reward": passes[1].seconds}
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""

@@ -29,12 +29,30 @@ class ActorGroup(Generic[E]):
         if local:
             self.actors: list[Any] = [cls(*a) for a in args]
             return
-        remote_cls = ray.remote(cls)
+        self._remote, self._args = ray.remote(cls), list(args)
+        self._options = [options[i] if options else {} for i in range(len(args))]
         self.actors = []
-        for i, a in enumerate(args):
-            self.actors.append(remote_cls.options(**(options[i] if options else {})).remote(*a))
+        for i in range(len(args)):
+            self.actors.append(self._start(i))
             if one_by_one is not None:
                 get(getattr(self.actors[-1], one_by_one.__name__).remote())
+
+    def _start(self, i: int) -> Any:
+        return self._remote.options(**self._options[i]).remote(*self._args[i])
+
+    def restart(self, i: int) -> None:
+        """Replace actor ``i`` (dead or hung) by a new one built with the same arguments and options."""
+        try:
+            ray.kill(self.actors[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone: nothing to kill
+            pass
+        self.actors[i] = self._start(i)
+
+    def call_at(self, i: int, method: Callable[..., R], args: tuple) -> Any:
+        """Start ``method`` on actor ``i`` alone; returns its future (its value when local)."""
+        if self.local:
+            return method(self.actors[i], *args)
+        return getattr(self.actors[i], method.__name__).remote(*args)
 
     def __len__(self) -> int:
         return len(self.actors)

@@ -12,6 +12,13 @@ if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo p
 from rayppo.config import Config, role_gpus, tensor_parallel_size
 
 
+FIXES = {  # what to change when the cluster lacks a resource (also ``rayppo plan``'s advice)
+    "CPU": "fewer or smaller actors (generators.num, generators.cpus_per_worker, reference.cpus, reward.cpus, "
+           "learner.num_ranks, learner.cpus_per_rank) or more CPUs (cluster.num_cpus on one machine)",
+    "GPU": "fewer generators (generators.num) or smaller shares (generators.gpus_per_worker, learner.gpus_per_rank, "
+           "reference.gpus, reward.gpus), or fewer learner ranks (learner.num_ranks)",
+}
+
 class PlacementError(RuntimeError):
     """The cluster cannot hold the requested roles; the message says what is missing."""
 
@@ -153,7 +160,8 @@ def check_capacity(cfg: Config, plans: list[GroupPlan], available: dict[str, flo
         have = available.get(key, 0.0)
         if need > have + 1e-9:
             users = ", ".join(f"{s.name} {s.count} x {s.bundle[key]:g}" for s in specs if s.bundle.get(key))
-            missing.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}")
+            fix = FIXES.get(key, "a cluster that has it, or no actor asking for it (*.resources)")
+            missing.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}: {fix}")
     if missing:
         raise PlacementError("the Ray cluster cannot hold this job: " + "; ".join(missing))
 

@@ -18,6 +18,7 @@ import warnings
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get
+from rayppo.errors import ActorFailedError
 from rayppo.config import Config, tensor_parallel_size, weight_sync_backend
 from rayppo.guard import check_weights
 from rayppo.learner.group import LearnerGroup
@@ -61,6 +62,13 @@ class ObjectStoreSync:
             self.payload_bytes = get(payload).nbytes
         return self.payload_bytes * len(g)
 
+    def refresh(self, i: int) -> None:
+        """A replacement generator i takes the current weights (and version) from rank 0."""
+        payload = self.learner.policy_weights()
+        version = get(payload).version
+        _check_versions(self.generators.get([self.generators.call_at(i, GeneratorEngine.load_weights, (payload,))]),
+                        version)
+
 
 class BroadcastSync:
     """Weights broadcast by rank 0 over a process group it shares with every inference worker."""
@@ -76,6 +84,11 @@ class BroadcastSync:
         opened = learner.open_weight_sync(endpoint)
         self.specs = get(opened)[0]
         get(joins)
+
+    @staticmethod
+    def refresh(i: int) -> None:
+        raise ActorFailedError(f"generator {i} was replaced, but a broadcast sync group cannot take a new member "
+                               "yet: use learner.weight_sync=object_store for runs that must survive generator failures")
 
     def sync(self, version: int) -> int:
         """Broadcast the weights of ``version``; returns the bytes delivered to the workers."""
@@ -93,6 +106,11 @@ class IpcSync:
 
     def __init__(self, learner: LearnerGroup, generators: ActorGroup):
         self.learner, self.generators = learner, generators
+
+    @staticmethod
+    def refresh(i: int) -> None:
+        raise ActorFailedError(f"generator {i} was replaced; the CUDA-IPC sync cannot bring it up to date yet: use "
+                               "learner.weight_sync=object_store for runs that must survive generator failures")
 
     def sync(self, version: int) -> int:
         """Hand over the weights of ``version``; returns the bytes the generators loaded."""

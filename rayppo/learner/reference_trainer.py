@@ -84,7 +84,7 @@ class ReferenceTrainer:
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
         self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint,
-                                   gpus=gpus)
+                                   gpus=gpus, timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score)
         self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
                                              cfg.seed).to(self.device)
         for model in (self.policy, self.critic):

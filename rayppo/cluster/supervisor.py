@@ -1,0 +1,124 @@
+"""Calls that survive a dead or hung actor: replace it, bring it up to date, redo its share.
+
+The driver fans work out to generator, reference and reward actors with ``Supervisor.call``
+instead of waiting on the futures directly. An actor whose process died (SIGKILL, OOM, node
+loss: Ray raises ``RayActorError``) or that misses ``cluster.call_timeout_s`` is replaced by a
+new actor with the same arguments and placement; ``refresh(i)`` brings it to the current state
+(a generator: the current policy weights and version); then only that actor's share of the
+call runs again, so no prompt is lost or scored twice. Replacements are counted
+(``faults/actor_restarts``) and bounded by ``cluster.max_actor_restarts`` over the run.
+
+A hung actor's threads are dumped to its own log first (``faulthandler`` on SIGUSR1, set up in
+every role's process by ``rayppo.actors.base``) when it runs on this node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+
+from rayppo.actors.base import Engine
+from rayppo.cluster.group import ActorGroup, get
+from rayppo.errors import ActorFailedError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fanout:
+    """One typed fan-out: ``method`` on actor i of ``group`` with ``args[i]``."""
+
+    group: ActorGroup
+    role: str
+    """For messages: ``generators``, ``reference``, ``reward``."""
+    method: Callable[..., Any]
+    args: Sequence[tuple]
+    refresh: Callable[[int], None] | None = None
+    """Brings a replacement actor i up to date before its share runs again."""
+    results: list[Any] = field(default_factory=list)
+    seconds: float = 0.0
+    """When the last result arrived, from the start of ``Supervisor.run``."""
+
+
+class Supervisor:
+    """Restarts actors of any group it calls, within one budget for the whole run."""
+
+    def __init__(self, max_restarts: int, timeout_s: float):
+        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+        self.restarts = 0
+        self._where: dict[tuple[int, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
+
+    def watch(self, group: ActorGroup) -> None:
+        """Note where each actor of ``group`` runs (waits until they are built)."""
+        if not group.local:
+            for i, where in enumerate(group.get(group.call_all(Engine.process_id))):
+                self._where[id(group), i] = where
+
+    def call(self, group: ActorGroup, role: str, method: Callable[..., Any], args: Sequence[tuple],
+             refresh: Callable[[int], None] | None = None) -> list[Any]:
+        """``method`` on actor i with ``args[i]``; every result, in order; failed shares redone."""
+        return self.run([Fanout(group, role, method, args, refresh)])[0]
+
+    def run(self, fanouts: list["Fanout"]) -> list[list[Any]]:
+        """Several fan-outs at once (e.g. reference and reward scoring); each one's results, and
+        ``Fanout.seconds`` set to when its last result arrived."""
+        start = time.perf_counter()
+        pending: dict[Any, tuple[Fanout, int]] = {}
+        for f in fanouts:
+            f.results = f.group.call(f.method, f.args) if f.group.local else [None] * len(f.args)
+            if not f.group.local:
+                pending |= {f.group.call_at(i, f.method, a): (f, i) for i, a in enumerate(f.args)}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:  # past the deadline: every call still running counts as hung
+                for future, (f, i) in list(pending.items()):
+                    self._replace(f, i, f"did not answer {f.method.__name__} within cluster.call_timeout_s="
+                                        f"{self.timeout_s:g} s", hung=True)
+                    del pending[future]
+                    pending[f.group.call_at(i, f.method, f.args[i])] = (f, i)
+                deadline = time.monotonic() + self.timeout_s
+                continue
+            f, i = pending.pop(ready[0])
+            try:
+                f.results[i] = get(ready[0])
+            except RayActorError as exc:
+                self._replace(f, i, f"died ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+                pending[f.group.call_at(i, f.method, f.args[i])] = (f, i)
+                continue
+            if not any(g is f for g, _ in pending.values()):
+                f.seconds = time.perf_counter() - start
+        return [f.results for f in fanouts]
+
+    def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
+        group, role = f.group, f.role
+        if self.restarts >= self.max_restarts:
+            raise ActorFailedError(f"{role} actor {i} {cause}; cluster.max_actor_restarts={self.max_restarts} "
+                                   "restarts are spent")
+        if hung:
+            _dump_stacks(*self._where.get((id(group), i), (None, None)))
+        self.restarts += 1
+        start = time.perf_counter()
+        group.restart(i)
+        self._where[id(group), i] = get(group.call_at(i, Engine.process_id, ()))
+        if f.refresh is not None:
+            f.refresh(i)
+        log.warning("%s actor %d %s: replaced in %.1f s (restart %d of cluster.max_actor_restarts=%d); redoing its "
+                    "share", role, i, cause, time.perf_counter() - start, self.restarts, self.max_restarts)
+
+
+def _dump_stacks(pid: int | None, host: str | None) -> None:
+    """SIGUSR1 to a hung actor's process when it runs on this node: its threads' stacks go to its log."""
+    if pid is not None and host == ray.util.get_node_ip_address():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)  # let it write before the kill
+        except ProcessLookupError:
+            pass
