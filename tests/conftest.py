@@ -21,6 +21,18 @@ def embedded_dir() -> Path:
     return embedded_model_dir()
 
 
+@pytest.fixture(scope="module")
+def local_ray(embedded_dir):
+    """One local Ray instance (2 logical CPUs, like this machine) for a test module that asks for
+    it (the embedded model is built first, outside Ray)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tokenizer(embedded_dir):
     from rayppo.models.loading import load_tokenizer

@@ -6,7 +6,6 @@ import json
 import re
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -22,16 +21,7 @@ from rayppo.learner.reference_trainer import ReferenceTrainer
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import unpack_weights
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(embedded_dir):
-    """One local Ray instance (2 logical CPUs, like this machine) for the whole module."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
 def run_iterations(overrides: list[str], n: int) -> tuple[list[dict[str, float]], DistributedTrainer]:

@@ -10,7 +10,6 @@ import os
 import signal
 
 import pytest
-import ray
 
 from rayppo.actors.base import Engine
 from rayppo.cluster.driver import DistributedTrainer
@@ -18,18 +17,10 @@ from rayppo.cluster.group import get
 from rayppo.config import load_config
 from rayppo.errors import ActorFailedError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 BASE = ["generators.num=2", "generators.cpus_per_worker=0.25", "learner.num_ranks=1", "rollout.batch_size=16",
         "ppo.lr=0.003"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(embedded_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
 
 
 def _signal(group, i: int, sig: int) -> None:

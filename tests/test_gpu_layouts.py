@@ -145,16 +145,6 @@ def test_zero3_sync_gathers_one_module_at_a_time(embedded_dir):
 
 
 # ------------------------------------------------------------- tensor parallel and colocation
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, embedded_dir, tokenizer, monkeypatch):
     """generators.tensor_parallel_size=2 as a Ray actor (vLLM's mp executor, 2 worker processes)
