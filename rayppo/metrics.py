@@ -13,15 +13,18 @@ class MetricsLogger:
         """``resume_at=k``: continue a run from iteration k. Records of iterations >= k (written
         after the checkpoint, before the run stopped) are dropped, from TensorBoard too, so
         the resumed iterations replace them instead of appearing twice."""
-        self.dir = Path(out_dir)
+        self.dir, self.tensorboard = Path(out_dir), tensorboard
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        self._open(resume_at)
+
+    def _open(self, resume_at: int | None) -> None:
         if resume_at is not None and self.path.is_file():
             kept = [r for r in read_metrics(self.path) if r["iteration"] < resume_at]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         self._file = self.path.open("w" if resume_at is None else "a", encoding="utf-8")
         self._tb = None
-        if tensorboard:
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_at)
@@ -32,6 +35,12 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, iteration)
+
+    def rewind(self, iteration: int) -> None:
+        """Continue at ``iteration``, later records dropped: after the run went back to an
+        earlier checkpoint, the iterations it redoes replace the first attempt's."""
+        self.close()
+        self._open(iteration)
 
     def close(self) -> None:
         self._file.close()

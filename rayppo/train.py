@@ -20,7 +20,7 @@ from tqdm import tqdm
 from rayppo.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
 from rayppo.config import Config, to_dict
 from rayppo.data.rollout import Rollout
-from rayppo.errors import ActorFailedError
+from rayppo.errors import ActorFailedError, LearnerFailedError
 from rayppo.guard import CorrectnessError
 from rayppo.metrics import MetricsLogger, plot_metrics, read_metrics
 
@@ -36,6 +36,8 @@ class Trainer(Protocol):
 
     def restore(self, path: Path, state: dict[str, Any]) -> None: ...
 
+    def recover(self, failure: LearnerFailedError) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -46,7 +48,7 @@ class TrainResult:
     iterations: int
     """Iterations completed."""
     stop_reason: str
-    """``completed``, ``kl_budget`` or ``interrupted`` (a correctness-guard stop raises)."""
+    """``completed``, ``kl_budget`` or ``interrupted`` (a guard or failure stop raises)."""
     reward_start: float
     """Mean reward of the first iteration (the initial policy)."""
     reward_end: float
@@ -89,33 +91,35 @@ class _StopRequest:
 
 def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | None = None) -> TrainResult:
     """Run ``cfg.stop.iterations`` iterations of ``trainer`` (from checkpoint ``resume`` on, if
-    given); write every output of a run, and a checkpoint every ``output.checkpoint_every``."""
+    given); write every output of a run, and a checkpoint every ``output.checkpoint_every``.
+    When a learner rank dies the trainer goes back to its latest checkpoint (``recover``) and
+    the iterations since are redone, their first records replaced."""
     out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    first = 0
-    if resume is not None:
-        state = read_driver_state(resume)
-        trainer.restore(resume, state)
-        first = state["iteration"]
-        tqdm.write(f"Resumed from {resume} after {first} iterations", file=sys.stderr)
+    first = _start(cfg, trainer, out, resume)
     logger = MetricsLogger(out, cfg.output.tensorboard, resume_at=first if resume is not None else None)
-    stop_reason, done = "completed", first
+    stop_reason, it, every = "completed", first, cfg.output.checkpoint_every
     guard_error: CorrectnessError | ActorFailedError | None = None
     bar = tqdm(total=cfg.stop.iterations, initial=first, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
     stop = _StopRequest()
     try:
         with stop.installed():
-            for it in range(first, cfg.stop.iterations):
-                metrics = trainer.iteration()
-                logger.log(it, metrics)
-                done = it + 1
-                _after_iteration(cfg, trainer, out, it, metrics, bar)
-                if cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0:
-                    write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
+            while it < cfg.stop.iterations:
+                try:
+                    metrics = trainer.iteration()
+                    logger.log(it, metrics)
+                    _after_iteration(cfg, trainer, out, it, metrics, bar)
+                    if every and (it + 1) % every == 0:
+                        write_checkpoint(out, it + 1, trainer, cfg.output.keep_checkpoints)
+                except LearnerFailedError as exc:  # raises again once the restart budget is spent
+                    it = trainer.recover(exc)
+                    logger.rewind(it)
+                    bar.n = it
+                    bar.refresh()
+                    continue
+                it += 1
                 if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
                     stop_reason = "kl_budget"
-                    tqdm.write(f"Stopping early at iteration {it}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} "
+                    tqdm.write(f"Stopping early at iteration {it - 1}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} "
                                f"nats per response exceeds stop.kl_budget = {cfg.stop.kl_budget}", file=sys.stderr)
                     break
                 if stop.requested:
@@ -125,18 +129,32 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         stop_reason = "interrupted"
     except CorrectnessError as exc:  # raised before the bad update, or after a bad sync
         stop_reason, guard_error = "correctness_guard", exc
+    except LearnerFailedError as exc:  # no learner left to checkpoint: the message says how to go on
+        stop_reason, guard_error = "learner_failure", exc
     except ActorFailedError as exc:  # restarts spent: keep what is done, say how to go on
         stop_reason, guard_error = "actor_failure", exc
     finally:
         bar.close()
         logger.close()
-    _finish(cfg, trainer, out, stop_reason, done)
+    _finish(cfg, trainer, out, stop_reason, it)
     if guard_error is not None:
         raise guard_error
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)
-    return TrainResult(done, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out)
+    return TrainResult(it, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out)
+
+
+def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int:
+    """The run folder and its config; the checkpoint ``resume`` loaded. Returns the first iteration."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if resume is None:
+        return 0
+    state = read_driver_state(resume)
+    trainer.restore(resume, state)
+    tqdm.write(f"Resumed from {resume} after {state['iteration']} iterations", file=sys.stderr)
+    return state["iteration"]
 
 
 def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics: dict[str, float], bar: tqdm) -> None:
@@ -153,6 +171,9 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
     the end, so ``--resume DIR stop.iterations=...`` can extend a finished run), the final
     models, then close."""
     every = cfg.output.checkpoint_every
+    if stop_reason == "learner_failure":  # the learner's state died with it
+        trainer.close()
+        return
     try:
         if stop_reason in ("interrupted", "correctness_guard", "actor_failure"):
             why = {"interrupted": "Interrupted", "correctness_guard": "Stopped by the correctness guard",

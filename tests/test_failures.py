@@ -6,8 +6,11 @@ share, and the iteration completes with exactly the prompts it drew."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -15,7 +18,9 @@ from rayppo.actors.base import Engine
 from rayppo.cluster.driver import DistributedTrainer
 from rayppo.cluster.group import get
 from rayppo.config import load_config
-from rayppo.errors import ActorFailedError
+from rayppo.checkpoint import latest_checkpoint
+from rayppo.errors import ActorFailedError, LearnerFailedError
+from rayppo.train import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -55,6 +60,22 @@ def test_killed_actors_of_every_role_are_replaced_and_the_iteration_completes(tm
         trainer.close()
 
 
+def test_a_generator_replaced_under_the_broadcast_sync_joins_a_new_sync_group(tmp_path):
+    """learner.weight_sync=broadcast (gloo on CPUs): the replacement cannot join the old process group; everyone
+    forms a new one, the replacement gets the current weights, and later syncs reach it."""
+    trainer = DistributedTrainer(load_config(None, BASE + ["learner.weight_sync=broadcast", f"output.dir={tmp_path}"]))
+    try:
+        trainer.iteration()
+        _signal(trainer.generators, 1, signal.SIGKILL)
+        for _ in range(2):  # the iteration with the replacement, then one synced through the new group
+            record, expected = _iteration_with_expected_prompts(trainer)
+            assert trainer.last_rollout.prompt_text == list(expected)
+            assert record["logprob_mismatch/max"] < 1e-4 and record["sync/verified"] == 1.0
+        assert record["faults/actor_restarts"] == 1 and record["sync/bytes"] > 0
+    finally:
+        trainer.close()
+
+
 def test_an_actor_that_stops_answering_is_replaced_after_the_deadline(tmp_path):
     """SIGSTOP the reward actor: past cluster.call_timeout_s it is dumped, killed, replaced."""
     trainer = DistributedTrainer(load_config(None, BASE + ["cluster.call_timeout_s=15", f"output.dir={tmp_path}"]))
@@ -78,3 +99,56 @@ def test_past_the_restart_budget_the_run_stops_naming_role_actor_and_cause(tmp_p
             trainer.iteration()
     finally:
         trainer.close()
+
+
+LEARNER = ["generators.num=1", "learner.num_ranks=2", "learner.cpus_per_rank=0.25", "rollout.batch_size=16",
+           "ppo.lr=0.003", "output.checkpoint_every=1", "stop.iterations=5", "cluster.max_actor_restarts=2"]
+# Statistics that must equal the uninterrupted run's (fp32, fixed seed: as for --resume).
+STATS = ("reward/mean", "policy/loss", "value/loss", "kl/ref_mean", "policy/clipfrac", "entropy", "kl_coef")
+
+
+def _records(path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _kill_learner_ranks(trainer: DistributedTrainer, metrics, kills: list[tuple[int, int]]) -> threading.Thread:
+    """For each (records, rank): once metrics.jsonl holds that many records of the current
+    learner group's life, SIGKILL that rank's process (the group restarted each time)."""
+    def killer() -> None:
+        for n, (records, rank) in enumerate(kills):
+            while not (metrics.is_file() and len(_records(metrics)) >= records
+                       and trainer.learner_restarts == n):
+                time.sleep(0.05)
+            os.kill(trainer.learner.where[rank][0], signal.SIGKILL)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_killed_learner_ranks_restart_the_group_from_the_latest_checkpoint(tmp_path):
+    """SIGKILL learner rank 1, then rank 0, mid-run: each time the group is rebuilt from the
+    latest checkpoint, the lost iterations are redone, and the run equals an uninterrupted one."""
+    whole = DistributedTrainer(load_config(None, LEARNER + [f"output.dir={tmp_path / 'whole'}"]))
+    run(whole.cfg, whole, progress=False)
+    trainer = DistributedTrainer(load_config(None, LEARNER + [f"output.dir={tmp_path / 'killed'}"]))
+    killer = _kill_learner_ranks(trainer, tmp_path / "killed" / "metrics.jsonl", [(1, 1), (3, 0)])
+    result = run(trainer.cfg, trainer, progress=False)
+    killer.join(timeout=1)
+    assert not killer.is_alive(), "the kills never happened"
+    assert result.stop_reason == "completed" and result.iterations == 5
+    killed, expected = _records(tmp_path / "killed" / "metrics.jsonl"), _records(tmp_path / "whole" / "metrics.jsonl")
+    assert [r["iteration"] for r in killed] == list(range(5))  # each once: redone records replace the first
+    assert killed[-1]["faults/learner_restarts"] == 2
+    worst = max(abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-12) for a, b in zip(killed, expected) for k in STATS)
+    assert worst < 1e-6
+
+
+def test_past_the_budget_a_dead_learner_stops_the_run_with_the_resume_command(tmp_path):
+    out = tmp_path / "run"
+    trainer = DistributedTrainer(load_config(None, LEARNER + ["cluster.max_actor_restarts=0", f"output.dir={out}"]))
+    _kill_learner_ranks(trainer, out / "metrics.jsonl", [(2, 0)])
+    with pytest.raises(LearnerFailedError, match=rf"^learner rank \d died.*restarts are spent; continue from "
+                                                 rf"its last checkpoint with: rayppo train --resume {out}$"):
+        run(trainer.cfg, trainer, progress=False)
+    assert latest_checkpoint(out).name >= "iter_000001"  # complete (the kill may land while one is written)

@@ -13,6 +13,7 @@ learner rank 0 to the generators through the object store or by broadcast (``wei
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,19 @@ from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.placement import Placement, placement_report, release, reserve, role_specs
 from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
+from rayppo.checkpoint import CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.config import (Config, actor_threads, role_gpus, tensor_parallel_size, vllm_memory_utilization,
                            weight_sync_backend)
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
+from rayppo.errors import LearnerFailedError
 from rayppo.learner.group import LearnerGroup
 from rayppo.learner.reference_trainer import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
                                              sampling_settings)
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault
+
+log = logging.getLogger(__name__)
 
 
 class DistributedTrainer:
@@ -55,6 +60,8 @@ class DistributedTrainer:
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self._start_state: dict[str, Any] | None = None
+        self._initial_state = self.driver_state()  # where a learner restart goes with no checkpoint yet
+        self.learner_restarts = 0
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
@@ -119,7 +126,7 @@ class DistributedTrainer:
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
         self.schedule.stage("spawn reference, reward, learner")
-        self.weight_sync = make_weight_sync(cfg, self.learner, self.generators)
+        self.weight_sync = make_weight_sync(cfg, self.learner, self.generators, self.supervisor)
         self.schedule.generators = self.generators
         for group in (self.generators, self.reference, self.rewards):
             self.supervisor.watch(group)
@@ -138,16 +145,17 @@ class DistributedTrainer:
         rollout, score_times = self.score(rollout)
         t2 = clock()
         kl_coef = self.kl_ctl.value
-        stats = self.learner.train(rollout, kl_coef, it)
-        self.schedule.stage("learn")
+        with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
+            stats = self.learner.train(rollout, kl_coef, it)
+            self.schedule.stage("learn")
+            t3 = clock()
+            version = int(stats["policy/version"])
+            self.schedule.wake_weights()
+            sync_bytes = self.weight_sync.sync(version)
+            self.schedule.stage("sync")
+            t_verify = clock()
+            verified = verify_sync(self.learner, self.generators, version) if self.cfg.checks.verify_sync else 0.0
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
-        t3 = clock()
-        version = int(stats["policy/version"])
-        self.schedule.wake_weights()
-        sync_bytes = self.weight_sync.sync(version)
-        self.schedule.stage("sync")
-        t_verify = clock()
-        verified = verify_sync(self.learner, self.generators, version) if self.cfg.checks.verify_sync else 0.0
         self.schedule.wake_kv_cache()
         t4 = clock()
         self.iteration_count += 1
@@ -156,7 +164,8 @@ class DistributedTrainer:
         timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
                    "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
                    "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
-                   "faults/actor_restarts": float(self.supervisor.restarts)}
+                   "faults/actor_restarts": float(self.supervisor.restarts),
+                   "faults/learner_restarts": float(self.learner_restarts)}
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
@@ -205,15 +214,42 @@ class DistributedTrainer:
         self.learner.save_checkpoint(str(path))
         return self.driver_state()
 
-    def restore(self, path: Path, state: dict[str, Any]) -> None:
-        """Load a checkpoint and bring every generator to its policy version (sync, then check)."""
-        version = self.learner.load_checkpoint(str(path))
+    def restore(self, path: Path | None, state: dict[str, Any]) -> None:
+        """Load a checkpoint (None: the initial models, as built) and bring every generator to
+        its policy version (sync, then check)."""
+        version = self.learner.load_checkpoint(str(path)) if path is not None else 0
+        self._start_state = None
         self.iteration_count = state["iteration"]
         self.kl_ctl.value = float(state["kl_coef"])
         self.prompts.load_state_dict(state["prompts"])
         self.weight_sync.sync(version)
         if self.cfg.checks.verify_sync:
             verify_sync(self.learner, self.generators, version)
+
+    def recover(self, failure: LearnerFailedError) -> int:
+        """After a learner rank died or hung: rebuild the learner group, load the latest
+        checkpoint (the start of the run when none was written) and bring the generators to it.
+        Returns the iteration to go on from; the iterations since that checkpoint are redone.
+        Past ``cluster.max_actor_restarts``, ``LearnerFailedError`` with the command to resume."""
+        out = Path(self.cfg.output.dir)
+        try:
+            checkpoint: Path | None = latest_checkpoint(out)
+        except CheckpointError:
+            checkpoint = None
+        hint = (f"; continue from its last checkpoint with: rayppo train --resume {out}" if checkpoint else
+                f"; no checkpoint was written yet (output.checkpoint_every={self.cfg.output.checkpoint_every})")
+        self.supervisor.spend(str(failure), LearnerFailedError, hint)
+        start = time.perf_counter()
+        self.learner.rebuild()
+        self.schedule.others[-1] = self.learner.ranks
+        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor)
+        self.restore(checkpoint, read_driver_state(checkpoint) if checkpoint else self._initial_state)
+        self.learner_restarts += 1
+        log.warning("%s: learner group restarted from %s in %.1f s (restart %d of cluster.max_actor_restarts=%d); "
+                    "redoing iterations from %d", failure, checkpoint or "the initial models",
+                    time.perf_counter() - start, self.supervisor.restarts, self.supervisor.max_restarts,
+                    self.iteration_count)
+        return self.iteration_count
 
     def close(self) -> None:
         for group in ("generators", "reference", "rewards", "learner"):

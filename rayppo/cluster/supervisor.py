@@ -90,6 +90,8 @@ class Supervisor:
             try:
                 f.results[i] = get(ready[0])
             except RayActorError as exc:
+                if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
+                    raise  # another actor's death reached this call (an argument it produced)
                 self._replace(f, i, f"died ({type(exc).__name__}: {str(exc).splitlines()[0]})")
                 pending[f.group.call_at(i, f.method, f.args[i])] = (f, i)
                 continue
@@ -97,14 +99,17 @@ class Supervisor:
                 f.seconds = time.perf_counter() - start
         return [f.results for f in fanouts]
 
+    def spend(self, failure: str, error: type[ActorFailedError] = ActorFailedError, hint: str = "") -> None:
+        """Count one restart for ``failure``; past the budget raise ``error`` saying so."""
+        if self.restarts >= self.max_restarts:
+            raise error(f"{failure}; cluster.max_actor_restarts={self.max_restarts} restarts are spent{hint}")
+        self.restarts += 1
+
     def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
         group, role = f.group, f.role
-        if self.restarts >= self.max_restarts:
-            raise ActorFailedError(f"{role} actor {i} {cause}; cluster.max_actor_restarts={self.max_restarts} "
-                                   "restarts are spent")
+        self.spend(f"{role} actor {i} {cause}")
         if hung:
-            _dump_stacks(*self._where.get((id(group), i), (None, None)))
-        self.restarts += 1
+            dump_stacks(*self._where.get((id(group), i), (None, None)))
         start = time.perf_counter()
         group.restart(i)
         self._where[id(group), i] = get(group.call_at(i, Engine.process_id, ()))
@@ -114,7 +119,7 @@ class Supervisor:
                     "share", role, i, cause, time.perf_counter() - start, self.restarts, self.max_restarts)
 
 
-def _dump_stacks(pid: int | None, host: str | None) -> None:
+def dump_stacks(pid: int | None, host: str | None) -> None:
     """SIGUSR1 to a hung actor's process when it runs on this node: its threads' stacks go to its log."""
     if pid is not None and host == ray.util.get_node_ip_address():
         try:

@@ -18,6 +18,7 @@ import warnings
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get
+from rayppo.cluster.supervisor import Supervisor
 from rayppo.errors import ActorFailedError
 from rayppo.config import Config, tensor_parallel_size, weight_sync_backend
 from rayppo.guard import check_weights
@@ -49,15 +50,17 @@ def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int) -> 
 class ObjectStoreSync:
     """Weights through Ray's object store: put once by rank 0, read by every generator."""
 
-    def __init__(self, learner: LearnerGroup, generators: ActorGroup):
-        self.learner, self.generators = learner, generators
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup, supervisor: Supervisor):
+        self.learner, self.generators, self.supervisor = learner, generators, supervisor
         self.payload_bytes: int | None = None
 
     def sync(self, version: int) -> int:
-        """Move the weights of ``version``; returns the bytes delivered to the generators."""
+        """Move the weights of ``version``; returns the bytes delivered to the generators. A
+        generator that dies while loading is replaced and loads the same payload."""
         payload = self.learner.policy_weights()  # an ObjectRef: rank 0's WeightsPayload
         g = self.generators
-        _check_versions(g.get(g.call_all(GeneratorEngine.load_weights, payload)), version)
+        _check_versions(self.supervisor.call(g, "generators", GeneratorEngine.load_weights, [(payload,)] * len(g)),
+                        version)
         if self.payload_bytes is None:
             self.payload_bytes = get(payload).nbytes
         return self.payload_bytes * len(g)
@@ -76,19 +79,27 @@ class BroadcastSync:
     def __init__(self, learner: LearnerGroup, generators: ActorGroup, backend: str, workers_per_generator: int,
                  timeout_s: float = 600.0):
         self.learner, self.generators = learner, generators
-        host, port = learner.rank0_address()
-        endpoint = SyncEndpoint(backend, host, port, 1 + len(generators) * workers_per_generator, timeout_s)
+        self.backend, self.workers, self.timeout_s = backend, workers_per_generator, timeout_s
+        self.version = 0  # what every generator holds: the initial weights until the first sync
+        self._open()
+
+    def _open(self) -> None:
+        """Form the group: rank 0 and every generator's workers (again after a replacement: a
+        process group cannot take a new member, so everyone joins a fresh one)."""
+        host, port = self.learner.rank0_address()
+        g, w = self.generators, self.workers
+        endpoint = SyncEndpoint(self.backend, host, port, 1 + len(g) * w, self.timeout_s)
         # Both sides block until the group is complete: start the generators' joins first.
-        offsets = [(endpoint, 1 + i * workers_per_generator) for i in range(len(generators))]
-        joins = generators.call(GeneratorEngine.join_weight_sync, offsets)
-        opened = learner.open_weight_sync(endpoint)
+        joins = g.call(GeneratorEngine.join_weight_sync, [(endpoint, 1 + i * w) for i in range(len(g))])
+        opened = self.learner.open_weight_sync(endpoint)
         self.specs = get(opened)[0]
         get(joins)
 
-    @staticmethod
-    def refresh(i: int) -> None:
-        raise ActorFailedError(f"generator {i} was replaced, but a broadcast sync group cannot take a new member "
-                               "yet: use learner.weight_sync=object_store for runs that must survive generator failures")
+    def refresh(self, i: int) -> None:
+        """Generator i was replaced: a new group with it, and the current weights to everyone."""
+        self._open()
+        if self.version:
+            self.sync(self.version)
 
     def sync(self, version: int) -> int:
         """Broadcast the weights of ``version``; returns the bytes delivered to the workers."""
@@ -96,6 +107,7 @@ class BroadcastSync:
         sends = self.learner.send_weights()
         results = get(sends + receives)
         _check_versions(results[len(sends):], version)
+        self.version = version
         return results[0]
 
 
@@ -130,11 +142,12 @@ class IpcSync:
         return delivered
 
 
-def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup) -> ObjectStoreSync | BroadcastSync | IpcSync:
+def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup,
+                     supervisor: Supervisor) -> ObjectStoreSync | BroadcastSync | IpcSync:
     """The strategy ``learner.weight_sync`` selects (see ``weight_sync_backend``)."""
     backend = weight_sync_backend(cfg)
     if backend is None:
-        return ObjectStoreSync(learner, generators)
+        return ObjectStoreSync(learner, generators, supervisor)
     if backend == "ipc":
         return IpcSync(learner, generators)
     # A vLLM generator has one inference worker per tensor-parallel rank; the hf backend has one.

@@ -1,15 +1,27 @@
-"""The learner group: N ``LearnerEngine`` ranks as Ray actors forming one torch.distributed group."""
+"""The learner group: N ``LearnerEngine`` ranks as Ray actors forming one torch.distributed group.
+
+A rank cannot be replaced mid-step (its ZeRO partitions and the collectives in flight die with
+it), so every wait on the ranks has a deadline and a dead or hung rank surfaces as one
+``LearnerFailedError``; the driver then ``rebuild``s the whole group and loads the latest
+checkpoint (``DistributedTrainer.recover``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import ray
+from ray.exceptions import RayActorError
 
+from rayppo.actors.base import Engine
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement
+from rayppo.cluster.supervisor import dump_stacks
 from rayppo.config import Config, actor_threads
 from rayppo.data.rollout import Rollout
+from rayppo.errors import LearnerFailedError
 from rayppo.learner.engine import LearnerEngine
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
 
@@ -23,6 +35,12 @@ class LearnerGroup:
     """Ranks 0..N-1; ``train`` shards a rollout across them, ``policy_weights`` gathers on rank 0."""
 
     def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None):
+        self._spec = (cfg, placement, options)
+        self.timeout_s = cfg.cluster.call_timeout_s
+        self._start()
+
+    def _start(self) -> None:
+        cfg, placement, options = self._spec
         n = cfg.learner.num_ranks
         threads = actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
         if placement is None:  # in-process, one rank (tests)
@@ -35,16 +53,64 @@ class LearnerGroup:
             self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
         self.rank0_host = addr
+        self.where = [] if self.ranks.local else self.ranks.get(self.ranks.call_all(Engine.process_id))
+
+    def rebuild(self) -> None:
+        """Kill every rank and start the group again from the initial models (same placement)."""
+        self.ranks.kill()
+        self._start()
+
+    def _gather(self, futures: list[Any], what: str) -> list[Any]:
+        """Every rank's result; ``LearnerFailedError`` as soon as a rank dies, or when some rank
+        has not answered within ``cluster.call_timeout_s`` (its stack dumped to its log first)."""
+        if self.ranks.local:
+            return futures
+        rank_of = {ref: r for r, ref in enumerate(futures)}
+        pending, deadline = list(futures), time.monotonic() + self.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(rank_of[ref] for ref in pending)
+                for r in late:
+                    if r < len(self.where):
+                        dump_stacks(*self.where[r])
+                raise LearnerFailedError(f"learner rank {late[0]} did not finish {what} within "
+                                         f"cluster.call_timeout_s={self.timeout_s:g} s")
+            try:
+                get(ready[0])
+            except RayActorError as exc:
+                raise LearnerFailedError(f"learner rank {rank_of[ready[0]]} died during {what} "
+                                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+            except Exception:
+                # A collective failing in a live rank is often the first sign of a dead peer.
+                dead = _dead(pending, rank_of, grace_s=10.0)
+                if dead is None:
+                    raise
+                raise LearnerFailedError(f"learner rank {dead} died during {what}") from None
+        return get(futures)
+
+    @contextmanager
+    def failures(self) -> Iterator[None]:
+        """Report a rank's death as ``LearnerFailedError`` also where it surfaces in another
+        actor's call (a generator reading rank 0's weights from the object store)."""
+        try:
+            yield
+        except RayActorError as exc:
+            ids = [actor._actor_id.hex() for actor in ([] if self.ranks.local else self.ranks.actors)]
+            if getattr(exc, "actor_id", None) not in ids:
+                raise
+            raise LearnerFailedError(f"learner rank {ids.index(exc.actor_id)} died ({type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0]})") from None
 
     def rank0_address(self) -> tuple[str, int]:
         """Address of rank 0's node and a port free there now (for another rendezvous store)."""
-        return self.rank0_host, self.ranks.get(self.ranks.call_all(LearnerEngine.free_port))[0]
+        return self.rank0_host, self._gather(self.ranks.call_all(LearnerEngine.free_port), "free_port")[0]
 
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
         """One PPO iteration over ``rollout``, its rows split contiguously across the ranks."""
         shards = split_evenly(len(rollout), self.num_ranks)
         args = [(rollout.select(rows), rows.start, len(rollout), kl_coef, iteration) for rows in shards]
-        return self.ranks.get(self.ranks.call(LearnerEngine.train, args))[0]
+        return self._gather(self.ranks.call(LearnerEngine.train, args), "train")[0]
 
     def policy_weights(self) -> Any:
         """A future of rank 0's ``WeightsPayload`` (the value itself when in-process)."""
@@ -64,22 +130,35 @@ class LearnerGroup:
 
     def sent_fingerprints(self) -> dict[str, Any]:
         """Rank 0's fingerprints of the weights of the last sync (``SentPrint`` per tensor)."""
-        return self.ranks.get(self.ranks.call_all(LearnerEngine.sent_fingerprints))[0]
+        return self._gather(self.ranks.call_all(LearnerEngine.sent_fingerprints), "sent_fingerprints")[0]
 
     def save(self, out_dir: str) -> None:
         """The final policy and critic in Hugging Face format."""
-        self.ranks.get(self.ranks.call_all(LearnerEngine.save, out_dir))
+        self._gather(self.ranks.call_all(LearnerEngine.save, out_dir), "save")
 
     def save_checkpoint(self, path: str) -> None:
         """Every rank's DeepSpeed states under ``path``."""
-        self.ranks.get(self.ranks.call_all(LearnerEngine.save_checkpoint, path))
+        self._gather(self.ranks.call_all(LearnerEngine.save_checkpoint, path), "save_checkpoint")
 
     def load_checkpoint(self, path: str) -> int:
         """Every rank loads its states; returns the policy version."""
-        versions = set(self.ranks.get(self.ranks.call_all(LearnerEngine.load_checkpoint, path)))
+        versions = set(self._gather(self.ranks.call_all(LearnerEngine.load_checkpoint, path), "load_checkpoint"))
         if len(versions) != 1:
             raise RuntimeError(f"learner ranks restored different policy versions {sorted(versions)} from {path}")
         return versions.pop()
 
     def kill(self) -> None:
         self.ranks.kill()
+
+
+def _dead(pending: list[Any], rank_of: dict[Any, int], grace_s: float) -> int | None:
+    """The rank among ``pending`` calls whose actor died, waiting up to ``grace_s`` to see it."""
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+    for ref in ready:
+        try:
+            get(ref)
+        except RayActorError:
+            return rank_of[ref]
+        except Exception:  # noqa: BLE001 - another casualty of the same failure
+            continue
+    return None
