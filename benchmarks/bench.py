@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from rayppo.config import Config, actor_threads, load_config, to_dict, weight_sync_backend
-from rayppo.models.embedded import cache_root
+from rayppo.models.paths import cache_root
 
 HERE = Path(__file__).resolve().parent
 TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0"]

@@ -19,11 +19,13 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
+from rayppo.errors import RayppoError
+
 NAME = re.compile(r"^iter_(\d{6,})$")
 DRIVER_STATE = "driver.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RayppoError, RuntimeError):
     """A checkpoint folder is missing, incomplete or unreadable; the message names the path."""
 
 

@@ -110,26 +110,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rayppo.config import load_config
-    from rayppo.train import run
+    from rayppo.config import ConfigError, load_config
+    from rayppo.errors import RayppoError
+    from rayppo.inputs import check_inputs
 
     resume = None
     if args.resume:
         if args.config:
-            print("rayppo: error: --resume takes the run's own config; use overrides, not --config", file=sys.stderr)
-            return 2
+            raise ConfigError("--resume takes the run's own config; use overrides, not --config")
         from rayppo.checkpoint import resume_config
 
         cfg, resume = resume_config(args.resume, overrides)
     else:
         cfg = load_config(args.config, overrides)
+    check_inputs(cfg)  # models, prompts, reward function: before anything heavy is imported
     if cfg.trainer == "distributed":
         from rayppo.plan import preflight
 
         missing = preflight(cfg)  # before any process starts; 'rayppo plan' shows memory too
         if missing:
-            print("rayppo: error: this job does not fit:\n  " + "\n  ".join(missing), file=sys.stderr)
-            return 2
+            raise RayppoError("this job does not fit: " + "; ".join(missing))
+    _quiet_transformers()
+    from rayppo.train import run
+
     if cfg.trainer == "reference":
         from rayppo.learner.reference_trainer import ReferenceTrainer as Trainer
     else:
@@ -141,6 +144,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         "(metrics.jsonl, plot.png, tb/, policy/, critic/)"
     )
     return 0
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -223,44 +232,37 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success; 2 with one line ``rayppo: error: ...`` naming the problem for every
+    bad input (``RayppoError``), with no traceback; 130 on a Ctrl-C that stops the run at once."""
+    from rayppo.errors import RayppoError  # nothing heavy: errors are caught before any import below
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "plan":  # before the imports below (torch, transformers: seconds)
-        from rayppo.config import ConfigError
-
-        try:
-            return cmd_plan(args, _collect_overrides(extra))
-        except (ConfigError, FileNotFoundError, ValueError) as exc:
-            print(f"rayppo: error: {exc}", file=sys.stderr)
-            return 2
-    from rayppo.actors.generator import EmptyResponseError
-    from rayppo.actors.reward import RewardError
-    from rayppo.checkpoint import CheckpointError
-    from rayppo.errors import ActorFailedError
-    from rayppo.cluster.placement import PlacementError
-    from rayppo.config import ConfigError
-    from rayppo.data.prompts import PromptDataError
-    from rayppo.guard import CorrectnessError
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
     if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    commands = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit}
     try:
-        if args.command == "train":
-            return cmd_train(args, _collect_overrides(extra))
-        if args.command == "bench":
-            return cmd_bench(args, _collect_overrides(extra))
-        if args.command == "submit":
-            return cmd_submit(args, _collect_overrides(extra))
+        if args.command in commands:
+            return commands[args.command](args, _collect_overrides(extra))
         if args.command in ("status", "logs", "stop"):
             return cmd_job(args)
         return cmd_config(args)
-    except (ConfigError, PromptDataError, FileNotFoundError, PlacementError, RewardError, EmptyResponseError,
-            CorrectnessError, CheckpointError, ActorFailedError) as exc:
-        print(f"rayppo: error: {exc}", file=sys.stderr)
+    except RayppoError as exc:
+        print(f"rayppo: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("rayppo: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message on one line (an error raised in an actor carries Ray's header and traceback:
+    only the exception's own message is kept)."""
+    text = str(exc)
+    cause = getattr(exc, "cause", None)  # RayTaskError.as_instanceof_cause() keeps the original
+    if cause is not None and type(cause).__name__ == type(exc).__name__:
+        text = str(cause)
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

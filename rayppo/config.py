@@ -19,11 +19,13 @@ from typing import Any
 
 import yaml
 
+from rayppo.errors import RayppoError
+
 SYNC_FAULTS = ("none", "skip_all", "skip_tensor", "perturb_tensor")
 """``checks.sync_fault`` values (``rayppo.models.weights.SyncFault``)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(RayppoError, ValueError):
     """A bad configuration value; the message starts with the dotted field name."""
 
 
@@ -416,12 +418,13 @@ def _convert(value: Any, hint: Any, name: str) -> Any:
             return value.lower() in ("true", "yes", "1")
         raise ConfigError(f"{name}: expected true or false, got {value!r}")
     if hint in (int, float):
+        kind = "an integer" if hint is int else "a number"
         if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}")
+            raise ConfigError(f"{name}: expected {kind}, got {value!r}")
         try:
             return hint(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}") from None
+            raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{name}: expected a string, got {value!r}")
@@ -444,14 +447,24 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
     for key, value in data.items():
         name = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"{name}: unknown field (known: {', '.join(sorted(names))})")
+            raise ConfigError(f"{name}: unknown {'section' if not prefix else 'field'} ({_suggest(str(key), names, prefix)})")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{name}: expected a section (mapping), got {value!r}")
+                raise ConfigError(f"{name}: expected a mapping of fields, got {value!r}")
             _apply(current, value, f"{name}.")
         else:
             setattr(obj, key, _convert(value, hints[key], name))
+
+
+def _suggest(key: str, names: set[str], prefix: str) -> str:
+    """``did you mean ppo.clip_eps?`` for a near miss, else the names there are."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    return f"known: {', '.join(sorted(names))}"
 
 
 def parse_override(text: str) -> dict[str, Any]:
@@ -483,7 +496,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--config: {path} is not valid YAML: {exc}") from None
+            raise ConfigError(f"--config: {path} is not valid YAML{_yaml_where(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--config: {path} must hold a mapping of sections")
         _apply(cfg, data, "")
@@ -492,6 +505,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     from rayppo.config_checks import validate  # the checks module builds on this one
 
     return validate(cfg)
+
+
+def _yaml_where(exc: yaml.YAMLError) -> str:
+    """`` (line 3, column 1: expected ',' or ']')``: PyYAML's several-line message in one line."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or ""
+    if mark is None:
+        return f": {' '.join(str(exc).split())}"
+    return f" (line {mark.line + 1}, column {mark.column + 1}: {problem})"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

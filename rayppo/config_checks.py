@@ -6,6 +6,7 @@ roles on CPUs and GPUs that NCCL, vLLM and DeepSpeed accept. ``validate`` runs a
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from rayppo.config import SYNC_FAULTS, Config, ConfigError, role_gpus, tensor_parallel_size, weight_sync_backend
 
@@ -71,6 +72,10 @@ def validate(cfg: Config) -> Config:
              "set exactly one of reward.function, reward.model and reward.url", sources)
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0", cfg.reward.timeout_s)
     _require(cfg.reward.retries >= 1, "reward.retries", "must be >= 1", cfg.reward.retries)
+    if cfg.reward.url is not None:  # never file://, ftp:// or a bare path: only a scorer over HTTP
+        url = urlsplit(cfg.reward.url)
+        _require(url.scheme in ("http", "https") and bool(url.netloc), "reward.url",
+                 "must be an http:// or https:// URL", cfg.reward.url)
     if cfg.reward.function is not None:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)

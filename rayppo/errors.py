@@ -1,9 +1,22 @@
-"""Errors that stop a run at an iteration boundary after a checkpoint (the driver catches them)."""
+"""The errors a user acts on. Every one is a ``RayppoError``: its message is one line that names
+the culprit (field, file and row, function, URL, role and actor), and ``rayppo`` prints it and
+exits 2 with no traceback. Raised mid-run, the run first stops with a checkpoint where it can.
+
+This module imports nothing, so the command line can catch them before loading anything heavy.
+"""
 
 from __future__ import annotations
 
 
-class ActorFailedError(RuntimeError):
+class RayppoError(Exception):
+    """A problem with the job's input or its cluster, said in one line naming the culprit."""
+
+
+class ModelFolderError(RayppoError, FileNotFoundError):
+    """A model folder that is missing, is not a model, or cannot be used; names field and path."""
+
+
+class ActorFailedError(RayppoError, RuntimeError):
     """An actor failed more often than ``cluster.max_actor_restarts`` allows, or could not be
     brought up to date after a restart; the message names role, actor and cause."""
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayppo.config import Config, role_gpus, tensor_parallel_size, vllm_memory_utilization, weight_sync_backend
+from rayppo.errors import ModelFolderError
 
 MiB, GiB = 2**20, 2**30
 EMBEDDED_VERSION = "digits-v1"
@@ -202,7 +203,7 @@ def model_dir(name: str, cache_dir: str | None = None) -> Path:
         return resolve_model_path(name, cache_dir)
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no config.json: give a local Hugging Face model folder "
+        raise ModelFolderError(f"model folder {path} has no config.json: give a local Hugging Face model folder "
                                 "(rayppo never downloads models)")
     return path
 

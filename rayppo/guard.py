@@ -22,10 +22,11 @@ from typing import Protocol
 
 import torch
 
+from rayppo.errors import RayppoError
 from rayppo.models.fingerprint import SentPrint
 
 
-class CorrectnessError(RuntimeError):
+class CorrectnessError(RayppoError, RuntimeError):
     """The run would go on silently wrong; the message says where and why."""
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayppo.config import Config, role_gpus, tensor_parallel_size
+from rayppo.config import Config, ConfigError, role_gpus, tensor_parallel_size
 from rayppo.footprint import GiB, MiB, Estimate, Inputs, estimate_roles, estimates, inputs, param_count
 
 ROLES = ("generators", "reference", "reward", "learner")
@@ -226,9 +226,9 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
         try:
             data = json.loads(given)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--cluster-resources: not valid JSON ({exc.msg}): {given!r}") from None
+            raise ConfigError(f"--cluster-resources: not valid JSON ({exc.msg}): {given!r}") from None
         if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
-            raise ValueError(f'--cluster-resources: expected an object of numbers like {{"GPU": 8}}, got {given!r}')
+            raise ConfigError(f'--cluster-resources: expected an object of numbers like {{"GPU": 8}}, got {given!r}')
         return {k: float(v) for k, v in data.items()}, "--cluster-resources"
     address = address or cfg.cluster.address
     if not address:

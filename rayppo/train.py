@@ -20,7 +20,7 @@ from tqdm import tqdm
 from rayppo.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
 from rayppo.config import Config, to_dict
 from rayppo.data.rollout import Rollout
-from rayppo.errors import ActorFailedError, LearnerFailedError
+from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError
 from rayppo.guard import CorrectnessError
 from rayppo.metrics import MetricsLogger, plot_metrics, read_metrics
 
@@ -98,7 +98,7 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
     first = _start(cfg, trainer, out, resume)
     logger = MetricsLogger(out, cfg.output.tensorboard, resume_at=first if resume is not None else None)
     stop_reason, it, every = "completed", first, cfg.output.checkpoint_every
-    guard_error: CorrectnessError | ActorFailedError | None = None
+    guard_error: RayppoError | None = None
     bar = tqdm(total=cfg.stop.iterations, initial=first, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
     stop = _StopRequest()
     try:
@@ -127,12 +127,10 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
                     break
     except KeyboardInterrupt:  # a second Ctrl-C, mid-iteration
         stop_reason = "interrupted"
-    except CorrectnessError as exc:  # raised before the bad update, or after a bad sync
-        stop_reason, guard_error = "correctness_guard", exc
     except LearnerFailedError as exc:  # no learner left to checkpoint: the message says how to go on
         stop_reason, guard_error = "learner_failure", exc
-    except ActorFailedError as exc:  # restarts spent: keep what is done, say how to go on
-        stop_reason, guard_error = "actor_failure", exc
+    except RayppoError as exc:  # keep what is done (the state before this iteration), then say why
+        stop_reason, guard_error = _stop_reason(exc), exc
     finally:
         bar.close()
         logger.close()
@@ -157,6 +155,17 @@ def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int
     return state["iteration"]
 
 
+STOPS = {"interrupted": "Interrupted", "correctness_guard": "Stopped by the correctness guard",
+         "actor_failure": "Stopped by an actor failure", "error": "Stopped by an error"}
+"""Stops after which a checkpoint is written (of the last completed iteration), and how they read."""
+
+
+def _stop_reason(exc: RayppoError) -> str:
+    if isinstance(exc, CorrectnessError):  # raised before the bad update, or after a bad sync
+        return "correctness_guard"
+    return "actor_failure" if isinstance(exc, ActorFailedError) else "error"
+
+
 def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics: dict[str, float], bar: tqdm) -> None:
     """Rollouts to disk (when asked) and the progress bar."""
     if cfg.output.save_rollouts and trainer.last_rollout is not None:
@@ -175,9 +184,8 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
         trainer.close()
         return
     try:
-        if stop_reason in ("interrupted", "correctness_guard", "actor_failure"):
-            why = {"interrupted": "Interrupted", "correctness_guard": "Stopped by the correctness guard",
-                   "actor_failure": "Stopped by an actor failure"}[stop_reason]
+        if stop_reason in STOPS:
+            why = STOPS[stop_reason]
             tqdm.write(f"{why} after {done} iterations; saving a checkpoint to {checkpoint_root(out)} "
                        f"(continue with: rayppo train --resume {out})", file=sys.stderr)
             write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)

@@ -6,6 +6,7 @@ import torch
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, split_response
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, RewardError
+from rayppo.config import ConfigError
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import Critic, load_causal_lm, load_reward_model, load_tokenizer
@@ -118,7 +119,7 @@ def test_verifier_reward_and_its_errors():
     assert engine.scores(_text_rollout(["say 7 :", "say 7 :"], ["7 7 1 7", "7"])) == [0.75, 0.25]
     with pytest.raises(RewardError, match=r"failed on prompt 'hello there'"):
         engine.scores(_text_rollout(["say 7 :", "hello there"], ["7", "7"]))
-    with pytest.raises(RewardError, match="cannot load"):
+    with pytest.raises(ConfigError, match="^reward.function: module 'rayppo.tasks.digits' has no 'nope'$"):
         RewardEngine(function="rayppo.tasks.digits:nope")
 
 

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from rayppo.errors import RayppoError
+
 # Every role's process writes its threads' stacks to its log on SIGUSR1: the driver sends it to an
 # actor that missed its deadline before replacing it (rayppo/cluster/supervisor.py).
 try:
@@ -22,7 +24,7 @@ except (AttributeError, ValueError, OSError):  # no real stderr here (a captured
     pass
 
 
-class DeviceError(RuntimeError):
+class DeviceError(RayppoError, RuntimeError):
     """A role was given GPUs this process cannot use; the message names the role."""
 
 

@@ -24,6 +24,7 @@ from transformers import GenerationConfig
 from rayppo.actors.base import Engine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+from rayppo.errors import RayppoError
 from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints, matrix_shape, probe_rows, probes, split_rows
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
@@ -31,7 +32,7 @@ from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
 
 
-class EmptyResponseError(RuntimeError):
+class EmptyResponseError(RayppoError, RuntimeError):
     """A generator produced a response with no tokens; the message names the prompt."""
 
 

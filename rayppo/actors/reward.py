@@ -3,38 +3,24 @@ HTTP endpoint."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from rayppo.actors.base import Engine
-from rayppo.actors.verifier import VerifierProcess, VerifierTimeout
+from rayppo.actors.verifier import VerifierProcess, VerifierTimeout, load_reward_function
 from rayppo.data.rollout import Rollout
+from rayppo.errors import RayppoError
 
-RewardFunction = Callable[[str, str], float]
 
 
-class RewardError(RuntimeError):
+class RewardError(RayppoError, RuntimeError):
     """The reward could not be computed for a response; the message names the prompt."""
-
-
-def load_reward_function(spec: str) -> RewardFunction:
-    """Import ``module:function`` (a name from the user's own config, never from data)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardError(f"reward.function: cannot load {spec!r}: {exc}") from None
-    if not callable(fn):
-        raise RewardError(f"reward.function: {spec!r} is not callable")
-    return fn
 
 
 @dataclass

@@ -11,6 +11,7 @@ child executes untrusted code, so nothing it sends is unpickled); a call that pa
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -18,8 +19,33 @@ import select
 import subprocess
 import sys
 import time
+from typing import Callable
 
 STARTUP_TIMEOUT_S = 120.0  # importing the user's module (and what it imports)
+
+
+def load_reward_function(spec: str) -> Callable[[str, str], float]:
+    """Import ``module:function`` (a name from the user's own config, never from data); a
+    ``ConfigError`` naming ``reward.function`` and what is wrong with it."""
+    from rayppo.config import ConfigError
+
+    module_name, sep, attr = spec.partition(":")
+    if not (sep and module_name and attr):
+        raise ConfigError(f"reward.function: {spec!r}: expected module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"reward.function: cannot import module {module_name!r} ({exc}); is its folder on "
+                          "PYTHONPATH?") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
+        raise ConfigError(f"reward.function: importing module {module_name!r} failed: {type(exc).__name__}: "
+                          f"{exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"reward.function: module {module_name!r} has no {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"reward.function: {spec!r} is not callable")
+    return fn
 
 
 class VerifierTimeout(TimeoutError):
@@ -86,8 +112,6 @@ class VerifierProcess:
 
 def _serve(spec: str) -> None:
     """The child: import the function, then answer one JSON line per call on stdout."""
-    from rayppo.actors.reward import load_reward_function
-
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the user's prints go to the log, not into the protocol
 

@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo p
     from ray.util.placement_group import PlacementGroup
 
 from rayppo.config import Config, role_gpus, tensor_parallel_size
+from rayppo.errors import RayppoError
 
 
 FIXES = {  # what to change when the cluster lacks a resource (also ``rayppo plan``'s advice)
@@ -19,7 +20,7 @@ FIXES = {  # what to change when the cluster lacks a resource (also ``rayppo pla
            "reference.gpus, reward.gpus), or fewer learner ranks (learner.num_ranks)",
 }
 
-class PlacementError(RuntimeError):
+class PlacementError(RayppoError, RuntimeError):
     """The cluster cannot hold the requested roles; the message says what is missing."""
 
 

@@ -11,10 +11,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rayppo.errors import RayppoError
 
-class PromptDataError(ValueError):
+
+class PromptDataError(RayppoError, ValueError):
     """A prompt file that cannot be used; the message names the file, row and field."""
 
 
@@ -25,7 +28,10 @@ def read_prompt_texts(path: str | Path, column: str = "prompt") -> list[str]:
         raise PromptDataError(f"{path}: prompt file not found")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        table = pq.read_table(str(path))
+        try:
+            table = pq.read_table(str(path))
+        except (pa.ArrowException, OSError) as exc:
+            raise PromptDataError(f"{path}: not a Parquet file ({str(exc).splitlines()[0]})") from None
         if column not in table.column_names:
             raise PromptDataError(f"{path}: no column {column!r} (columns: {', '.join(table.column_names)})")
         texts = table.column(column).to_pylist()

@@ -98,11 +98,13 @@ class ReferenceTrainer:
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self.last_rollout: Rollout | None = None
+        self._prompts_at_start: dict[str, int] | None = None  # set while an iteration runs
 
     def iteration(self) -> dict[str, float]:
         """One PPO iteration; returns the metrics of design.md."""
         cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
         t0 = clock()
+        self._prompts_at_start = self.prompts.state_dict()
         rollout = self.generator.generate(self.prompts.next_batch(), seed=iteration_seed(cfg.seed, it))
         t1 = clock()
         rollout.ref_logprobs = self.reference.ref_logprobs(rollout)
@@ -120,6 +122,7 @@ class ReferenceTrainer:
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t4 = clock()
         self.iteration_count += 1
+        self._prompts_at_start = None
         self.last_rollout = rollout
         timings = {"time/generate": t1 - t0, "time/reference": t2 - t1, "time/reward": t3 - t2,
                    "time/learn": t4 - t3, "time/sync": 0.0, "time/iteration": t4 - t0}
@@ -149,7 +152,10 @@ class ReferenceTrainer:
         torch.save({"policy": self.policy.state_dict(), "critic": self.critic.state_dict(),
                     "policy_opt": self.policy_opt.state_dict(), "critic_opt": self.critic_opt.state_dict()},
                    path / "trainer.pt")
-        return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": self.prompts.state_dict()}
+        # Stopped half-way through an iteration (a reward error, the guard before its update): its
+        # prompts are drawn again on resume, since the update never happened.
+        prompts = self._prompts_at_start or self.prompts.state_dict()
+        return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": prompts}
 
     def restore(self, path: Path, state: dict) -> None:
         saved = torch.load(path / "trainer.pt", map_location=self.device, weights_only=True)

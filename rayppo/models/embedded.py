@@ -10,7 +10,6 @@ several processes asking at once build it once.
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,15 +18,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rayppo.models.paths import BUILD_VERSION, cache_root
 from rayppo.tasks import digits
 
-BUILD_VERSION = "digits-v1"
-"""Bump when the recipe below changes, so stale caches are rebuilt."""
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("RAYPPO_CACHE") or Path.home() / ".cache" / "rayppo")
 
 
 def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -81,7 +75,7 @@ def build_embedded_model(out_dir: Path, seed: int = 0, sft: bool = True, progres
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
     """The cached embedded model folder, built on first use."""
     root = cache_root(cache_dir)
-    target = root / BUILD_VERSION
+    target = root / BUILD_VERSION  # rayppo.models.paths.embedded_path
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from rayppo.errors import ModelFolderError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -32,7 +34,7 @@ def resolve_model_path(name: str, cache_dir: str | None = None) -> Path:
         return embedded_model_dir(cache_dir)
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise ModelFolderError(
             f"model folder {path} has no config.json: give a local Hugging Face model folder "
             "(rayppo never downloads models)"
         )

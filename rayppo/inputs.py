@@ -1,0 +1,112 @@
+"""The job's inputs checked before anything heavy loads: model folders, the prompt file, the
+reward function. ``rayppo train`` runs ``check_inputs`` right after the config, before torch,
+transformers, Ray, vLLM or DeepSpeed are imported, so a typo'd path or a broken file is answered
+in well under two seconds, in one line naming the field, the file and the row.
+
+Only what can be checked exactly is checked here; the loaders still check everything again
+(``rayppo.models.loading``, ``rayppo.data.prompts``) for the callers that skip this module.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rayppo.config import Config
+from rayppo.data.prompts import PromptDataError, read_prompt_texts
+from rayppo.errors import ModelFolderError
+from rayppo.models.paths import embedded_path
+
+
+def check_inputs(cfg: Config) -> None:
+    """Raise the first problem found, as a ``RayppoError`` whose message names it."""
+    m = cfg.model
+    folders = {"model.policy": m.policy, "model.reference": m.reference, "model.critic": m.critic,
+               "reward.model": cfg.reward.model}
+    configs = {name: check_model_folder(name, path) for name, path in folders.items()
+               if path is not None and path != "embedded"}
+    policy_dir = embedded_path(m.cache_dir) if m.policy == "embedded" else Path(m.policy)
+    for name in ("model.reference", "model.critic"):  # they read the policy's token ids
+        if folders[name] not in (None, "embedded"):
+            check_same_tokenizer(name, Path(folders[name]), policy_dir)
+    if cfg.data.prompts != "embedded":
+        texts = read_prompt_texts(cfg.data.prompts, cfg.data.prompt_column)
+        policy_config = configs.get("model.policy") or _read_config("model.policy", policy_dir, must_exist=False)
+        positions = cfg.generators.max_model_len or (policy_config or {}).get("max_position_embeddings")
+        if positions:
+            check_prompt_lengths(texts, policy_dir, positions - cfg.rollout.max_new_tokens, cfg.data.prompts)
+    if cfg.reward.function is not None:
+        from rayppo.actors.verifier import load_reward_function  # light: no torch
+
+        load_reward_function(cfg.reward.function)
+
+
+def check_model_folder(field: str, folder: str | Path) -> dict[str, Any]:
+    """A local Hugging Face model folder with safetensors weights; returns its ``config.json``."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ModelFolderError(f"{field}: {path}: folder not found (rayppo never downloads models: give a local "
+                               "Hugging Face model folder)")
+    config = _read_config(field, path)
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        found = f" (found {', '.join(pickled[:3])}: pickle, which can run code when loaded)" if pickled else ""
+        raise ModelFolderError(f"{field}: {path} has no .safetensors weights{found}; rayppo loads safetensors only "
+                               "(convert with transformers: from_pretrained(...).save_pretrained(dir))")
+    return config
+
+
+def _read_config(field: str, path: Path, must_exist: bool = True) -> dict[str, Any] | None:
+    file = path / "config.json"
+    if not file.is_file():
+        if not must_exist:
+            return None
+        raise ModelFolderError(f"{field}: {path} has no config.json: not a Hugging Face model folder")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelFolderError(f"{field}: {file} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelFolderError(f"{field}: {file} has no model_type: not a transformers model config")
+    return config
+
+
+def check_same_tokenizer(field: str, folder: Path, policy_dir: Path) -> None:
+    """``folder``'s vocabulary must be the policy's: it scores the policy's token ids. Compared
+    when both folders carry a ``tokenizer.json`` (vocabulary and added tokens, id by id)."""
+    mine, theirs = _vocabulary(folder), _vocabulary(policy_dir)
+    if mine is not None and theirs is not None and mine != theirs:
+        differ = sorted(set(mine[0].items()) ^ set(theirs[0].items()))[:1]
+        example = f" (e.g. {differ[0][0]!r} -> {differ[0][1]})" if differ else " (added tokens)"
+        raise ModelFolderError(f"{field}: {folder}'s tokenizer differs from model.policy's{example}: it would "
+                               "read the policy's token ids as other words")
+
+
+def _vocabulary(folder: Path) -> tuple[dict[str, int], list[tuple[str, int]]] | None:
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        added = sorted((t["content"], t["id"]) for t in data.get("added_tokens", []))
+    except (ValueError, KeyError, TypeError):
+        return None  # a format this check does not know: the loaders will tell
+    return (dict(vocab) if isinstance(vocab, dict) else {str(i): i for i, _ in enumerate(vocab)}), added
+
+
+def check_prompt_lengths(texts: list[str], policy_dir: Path, max_tokens: int, source: str) -> None:
+    """A prompt whose tokens *without* special tokens already exceed ``max_tokens`` is refused
+    (a lower bound of the exact count, so nothing valid is refused; the exact check, with the
+    special tokens transformers adds, runs when the tokenizer loads)."""
+    file = policy_dir / "tokenizer.json"
+    if not file.is_file():
+        return
+    from tokenizers import Tokenizer  # Rust, no torch: a fraction of a second
+
+    encodings = Tokenizer.from_file(str(file)).encode_batch(texts, add_special_tokens=False)
+    for row, encoding in enumerate(encodings, start=1):
+        if len(encoding.ids) > max_tokens:
+            raise PromptDataError(f"{source}: row {row}: prompt is at least {len(encoding.ids)} tokens, longer than "
+                                  f"the {max_tokens} the model allows with rollout.max_new_tokens reserved")

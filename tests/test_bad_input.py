@@ -1,0 +1,207 @@
+"""Every bad input a new user can give, answered the same way: exit code 2, one line naming the
+culprit (field, file and row, function, URL), no Python traceback, no Ray process left behind.
+
+Each case runs ``rayppo train`` as a real process. Inputs that can be checked before Ray starts
+are also checked before torch, transformers, Ray, vLLM or DeepSpeed are imported (the process
+reports which it imported): that is what keeps those answers under two seconds, whatever the
+machine's load (the time itself is measured in ``benchmarks/bad_input.py``, not asserted).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("torch", "transformers", "ray", "vllm", "deepspeed")
+# Runs rayppo's command line and reports (on stdout) which heavy modules it imported.
+RUNNER = (f"import sys; from rayppo.cli import main; rc = main(sys.argv[1:]); "
+          f"print('IMPORTED=' + ','.join(m for m in {HEAVY!r} if m in sys.modules)); sys.exit(rc)")
+# The smallest distributed run: what a case that needs Ray (and models) starts.
+RUN = ["generators.backend=hf", "generators.num=1", "rollout.batch_size=4", "rollout.max_new_tokens=4",
+       "stop.iterations=1", "reward.retries=1", "output.save_model=false"]
+
+VERIFIERS = '''
+def raises(prompt, response):
+    raise ValueError("no digits in " + response)
+
+def nan(prompt, response):
+    return float("nan")
+
+def text(prompt, response):
+    return "high"
+
+not_callable = 3
+'''
+
+
+@dataclass
+class Case:
+    args: list[str]
+    says: str
+    """A piece of the one line of error: the culprit's name (field, file, row, function, URL)."""
+    before_ray: bool = True
+    """Checkable before Ray starts: then no heavy module may have been imported."""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, embedded_dir) -> Path:
+    """Bad files of every kind, written once."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "broken.yaml").write_text("ppo:\n  lr: [0.1, 0.2\n")
+    (d / "list.yaml").write_text("- ppo\n- rollout\n")
+    (d / "typed.yaml").write_text("rollout:\n  batch_size: many\n")
+    (d / "section.yaml").write_text("ppo: 3\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "notjson.jsonl").write_text('{"prompt": "add 1 2 :"}\nadd 2 3\n')
+    (d / "fake.parquet").write_text("prompt\nadd 1 2 :\n")
+    (d / "column.jsonl").write_text('{"text": "add 1 2 :"}\n')
+    (d / "emptyrow.jsonl").write_text('{"prompt": "add 1 2 :"}\n{"prompt": "a"}\n{"prompt": "  "}\n')
+    (d / "number.jsonl").write_text('{"prompt": 12}\n')
+    (d / "long.jsonl").write_text('{"prompt": "add 1 2 :"}\n' + json.dumps({"prompt": "7 " * 5000}) + "\n")
+    (d / "prompts.csv").write_text("prompt\nadd 1 2 :\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["add 1 2 :"]}), d / "column.parquet")
+    (d / "notamodel").mkdir()
+    (d / "notamodel" / "README.md").write_text("weights elsewhere")
+    (d / "badconfig").mkdir()
+    (d / "badconfig" / "config.json").write_text("{")
+    pickled = d / "pickled"
+    shutil.copytree(embedded_dir, pickled)
+    for f in pickled.glob("*.safetensors"):
+        f.rename(f.with_name("pytorch_model.bin"))
+    other = d / "othervocab"
+    shutil.copytree(embedded_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = list(vocab)[5:7]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same size, different ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    (d / "bad_verifiers.py").write_text(VERIFIERS)
+    (d / "norun").mkdir()
+    return d
+
+
+CASES: dict[str, Case] = {
+    # ---- configs
+    "yaml_malformed": Case(["--config", "{d}/broken.yaml"], "broken.yaml is not valid YAML (line 3"),
+    "yaml_not_a_mapping": Case(["--config", "{d}/list.yaml"], "list.yaml must hold a mapping of sections"),
+    "config_file_missing": Case(["--config", "{d}/nope.yaml"], "file not found: {d}/nope.yaml"),
+    "unknown_field_suggested": Case(["ppo.clip_epsilon=0.1"], "ppo.clip_epsilon: unknown field (did you mean ppo.clip_eps?)"),
+    "unknown_section_suggested": Case(["rollot.batch_size=8"], "rollot: unknown section (did you mean rollout?)"),
+    "wrong_type_override": Case(["ppo.lr=fast"], "ppo.lr: expected a number"),
+    "wrong_type_in_yaml": Case(["--config", "{d}/typed.yaml"], "rollout.batch_size: expected an integer"),
+    "section_not_a_mapping": Case(["--config", "{d}/section.yaml"], "ppo: expected a mapping of fields"),
+    "out_of_range": Case(["ppo.gamma=1.5"], "ppo.gamma"),
+    "override_without_value": Case(["ppo.lr"], "ppo.lr: an override must look like section.field=value"),
+    # ---- prompt files
+    "prompts_missing": Case(["data.prompts={d}/nope.jsonl"], "{d}/nope.jsonl: prompt file not found"),
+    "prompts_empty": Case(["data.prompts={d}/empty.jsonl"], "{d}/empty.jsonl: no prompts"),
+    "prompts_not_json": Case(["data.prompts={d}/notjson.jsonl"], "notjson.jsonl: row 2: not valid JSON"),
+    "prompts_not_parquet": Case(["data.prompts={d}/fake.parquet"], "fake.parquet: not a Parquet file"),
+    "prompts_unsupported_type": Case(["data.prompts={d}/prompts.csv"], "prompts.csv: unsupported prompt file type"),
+    "prompts_missing_field": Case(["data.prompts={d}/column.jsonl"], "column.jsonl: row 1: missing field 'prompt'"),
+    "prompts_missing_column": Case(["data.prompts={d}/column.parquet"], "column.parquet: no column 'prompt'"),
+    "prompts_empty_row": Case(["data.prompts={d}/emptyrow.jsonl"], "emptyrow.jsonl: row 3: field 'prompt' is empty"),
+    "prompts_not_a_string": Case(["data.prompts={d}/number.jsonl"], "number.jsonl: row 1: field 'prompt' is empty or not a string"),
+    "prompts_overlong_row": Case(["data.prompts={d}/long.jsonl"], "long.jsonl: row 2: prompt is"),
+    # ---- model folders
+    "model_missing": Case(["model.policy={d}/nomodel"], "model.policy: {d}/nomodel: folder not found"),
+    "model_not_a_model": Case(["model.policy={d}/notamodel"], "model.policy: {d}/notamodel has no config.json"),
+    "model_config_corrupt": Case(["model.reference={d}/badconfig"], "model.reference: {d}/badconfig/config.json is not valid JSON"),
+    "model_pickle_weights_only": Case(["model.policy={d}/pickled"], "model.policy: {d}/pickled has no .safetensors weights"),
+    "tokenizer_mismatch": Case(["model.reference={d}/othervocab"], "model.reference: {d}/othervocab's tokenizer differs from model.policy's"),
+    # ---- reward functions and endpoints
+    "reward_function_not_importable": Case(["reward.function=no_such_module:score"], "reward.function: cannot import module 'no_such_module'"),
+    "reward_function_missing": Case(["reward.function=bad_verifiers:nothing"], "reward.function: module 'bad_verifiers' has no 'nothing'"),
+    "reward_function_not_callable": Case(["reward.function=bad_verifiers:not_callable"], "reward.function: 'bad_verifiers:not_callable' is not callable"),
+    "reward_url_not_http": Case(["reward.function=null", "reward.url=file:///etc/passwd"], "reward.url: must be an http:// or https:// URL"),
+    "reward_function_raises": Case(["reward.function=bad_verifiers:raises", *RUN], "reward function bad_verifiers:raises failed on prompt", False),
+    "reward_function_nan": Case(["reward.function=bad_verifiers:nan", *RUN], "reward bad_verifiers:nan returned nan for prompt", False),
+    "reward_function_string": Case(["reward.function=bad_verifiers:text", *RUN], "reward function bad_verifiers:text failed on prompt", False),
+    "endpoint_refuses": Case(["reward.function=null", "reward.url=http://127.0.0.1:{closed}/score", *RUN], "reward endpoint http://127.0.0.1:{closed}/score failed", False),
+    "endpoint_times_out": Case(["reward.function=null", "reward.url={server}/slow", "reward.timeout_s=1", *RUN], "reward endpoint {server}/slow failed", False),
+    "endpoint_garbage": Case(["reward.function=null", "reward.url={server}/garbage", *RUN], "reward endpoint {server}/garbage failed", False),
+    "endpoint_wrong_count": Case(["reward.function=null", "reward.url={server}/short", *RUN], "reward endpoint {server}/short returned [1.0] for 4 responses", False),
+    # ---- resources and runs
+    "job_bigger_than_cluster": Case(["generators.num=64"], "this job does not fit"),
+    "resume_without_checkpoint": Case(["--resume", "{d}/norun"], "{d}/norun is not a rayppo run folder"),
+}
+
+
+class _Scorer(http.server.BaseHTTPRequestHandler):
+    """A reward endpoint gone wrong in three ways, by path."""
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
+        if self.path == "/slow":
+            time.sleep(5)
+        body = b"<html>502 Bad Gateway</html>" if self.path == "/garbage" else json.dumps({"scores": [1.0] * (
+            1 if self.path == "/short" else n)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def endpoints():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    from rayppo.learner.weight_sync import free_port
+
+    yield {"server": f"http://127.0.0.1:{server.server_address[1]}", "closed": str(free_port())}
+    server.shutdown()
+
+
+def _ray_processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.before_ray])
+def test_bad_input_before_ray(name, inputs, tmp_path):
+    _check(CASES[name], inputs, tmp_path, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c.before_ray])
+def test_bad_input_during_the_run(name, inputs, tmp_path, endpoints):
+    _check(CASES[name], inputs, tmp_path, endpoints)
+
+
+def _check(case: Case, inputs: Path, tmp_path: Path, where: dict[str, str]) -> None:
+    fill = {"d": str(inputs), **where}
+    args = [a.format(**fill) for a in case.args]
+    # This run's Ray sessions live here (short: Ray's socket paths must fit in 107 bytes), so any
+    # process it leaves behind is found by the folder in its command line.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
+    env = {**os.environ, "PYTHONPATH": str(inputs), "RAY_TMPDIR": str(ray_tmp)}
+    out = [] if "--resume" in args else [f"output.dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-c", RUNNER, "train", "--no-progress", *args, *out],
+                          capture_output=True, text=True, env=env, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rayppo: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert len(errors) == 1 and "\n" not in errors[0], proc.stderr[-3000:]
+    assert case.says.format(**fill) in errors[0]
+    imported = next(line for line in proc.stdout.splitlines() if line.startswith("IMPORTED="))[len("IMPORTED="):]
+    if case.before_ray:
+        assert proc.stderr.strip() == errors[0]  # nothing else printed
+        assert imported == "", f"imported {imported} before answering"
+    assert _ray_processes(str(ray_tmp)) == []  # no raylet, GCS or worker of this run is left
