@@ -249,12 +249,15 @@ class ClusterConfig:
     ``CUDA_VISIBLE_DEVICES`` on H100/H200 nodes, NVIDIA/nccl#1906; set it to 1 here to undo)."""
     max_actor_restarts: int = 3
     """Generator, reference and reward actors that die (SIGKILL, OOM, node loss) or miss
-    ``call_timeout_s`` are replaced and their share of the work is redone; this many times over
-    the whole run, then the run stops naming the role, the actor and the cause."""
+    ``call_timeout_s`` are replaced and their share of the work is redone; a learner rank that
+    does restarts the learner group from the latest checkpoint. This many restarts over the whole
+    run, then the run stops naming the role, the actor and the cause."""
     call_timeout_s: float = 1800.0
-    """Deadline of one generate or scoring call of one actor (its share of a rollout batch). Past
-    it the actor counts as hung: its threads' stacks go to its log, it is replaced, its share
-    redone. Size it above the slowest honest call (long responses on a slow GPU take minutes)."""
+    """Deadline of one generate or scoring call of one actor (its share of a rollout batch), and
+    of each learner call (a PPO iteration's update, a checkpoint). Past it the actor counts as
+    hung: its threads' stacks go to its log, it is replaced and its share redone (a learner rank:
+    the learner group restarts from the latest checkpoint). Size it above the slowest honest call
+    (long responses on a slow GPU take minutes)."""
     sync_timeout_s: float = 600.0
     """How long joining the weight-sync group and each broadcast (NCCL or gloo) may wait for
     the other side before the run fails."""

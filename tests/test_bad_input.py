@@ -27,9 +27,11 @@ HEAVY = ("torch", "transformers", "ray", "vllm", "deepspeed")
 # Runs rayppo's command line and reports (on stdout) which heavy modules it imported.
 RUNNER = (f"import sys; from rayppo.cli import main; rc = main(sys.argv[1:]); "
           f"print('IMPORTED=' + ','.join(m for m in {HEAVY!r} if m in sys.modules)); sys.exit(rc)")
-# The smallest distributed run: what a case that needs Ray (and models) starts.
-RUN = ["generators.backend=hf", "generators.num=1", "rollout.batch_size=4", "rollout.max_new_tokens=4",
-       "stop.iterations=1", "reward.retries=1", "output.save_model=false"]
+# The smallest in-process run, and the smallest distributed one (Ray, actors): half the cases
+# that show only once the run goes use each, so both paths answer the same way.
+LOCAL = ["trainer=reference", "rollout.batch_size=4", "rollout.max_new_tokens=4", "ppo.minibatches=1",
+         "stop.iterations=1", "reward.retries=1", "output.save_model=false"]
+RUN = ["generators.backend=hf", "generators.num=1", *LOCAL[1:]]
 
 VERIFIERS = '''
 def raises(prompt, response):
@@ -129,12 +131,12 @@ CASES: dict[str, Case] = {
     "reward_function_not_callable": Case(["reward.function=bad_verifiers:not_callable"], "reward.function: 'bad_verifiers:not_callable' is not callable"),
     "reward_url_not_http": Case(["reward.function=null", "reward.url=file:///etc/passwd"], "reward.url: must be an http:// or https:// URL"),
     "reward_function_raises": Case(["reward.function=bad_verifiers:raises", *RUN], "reward function bad_verifiers:raises failed on prompt", False),
-    "reward_function_nan": Case(["reward.function=bad_verifiers:nan", *RUN], "reward bad_verifiers:nan returned nan for prompt", False),
-    "reward_function_string": Case(["reward.function=bad_verifiers:text", *RUN], "reward function bad_verifiers:text failed on prompt", False),
-    "endpoint_refuses": Case(["reward.function=null", "reward.url=http://127.0.0.1:{closed}/score", *RUN], "reward endpoint http://127.0.0.1:{closed}/score failed", False),
+    "reward_function_nan": Case(["reward.function=bad_verifiers:nan", *LOCAL], "reward bad_verifiers:nan returned nan for prompt", False),
+    "reward_function_string": Case(["reward.function=bad_verifiers:text", *LOCAL], "reward function bad_verifiers:text failed on prompt", False),
+    "endpoint_refuses": Case(["reward.function=null", "reward.url=http://127.0.0.1:{closed}/score", *LOCAL], "reward endpoint http://127.0.0.1:{closed}/score failed", False),
     "endpoint_times_out": Case(["reward.function=null", "reward.url={server}/slow", "reward.timeout_s=1", *RUN], "reward endpoint {server}/slow failed", False),
     "endpoint_garbage": Case(["reward.function=null", "reward.url={server}/garbage", *RUN], "reward endpoint {server}/garbage failed", False),
-    "endpoint_wrong_count": Case(["reward.function=null", "reward.url={server}/short", *RUN], "reward endpoint {server}/short returned [1.0] for 4 responses", False),
+    "endpoint_wrong_count": Case(["reward.function=null", "reward.url={server}/short", *LOCAL], "reward endpoint {server}/short returned [1.0] for 4 responses", False),
     # ---- resources and runs
     "job_bigger_than_cluster": Case(["generators.num=64"], "this job does not fit"),
     "resume_without_checkpoint": Case(["--resume", "{d}/norun"], "{d}/norun is not a rayppo run folder"),

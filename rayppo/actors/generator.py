@@ -189,7 +189,7 @@ class _VLLMBackend:
             distributed_executor_backend=settings.executor, enable_sleep_mode=settings.sleep_mode,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-            logprobs_mode="processed_logprobs", trust_remote_code=False,
+            logprobs_mode="processed_logprobs", trust_remote_code=False, load_format="safetensors",
             # vLLM's neutral sampling defaults, not the model's generation_config (rayppo passes
             # every sampling parameter itself); the EOS ids are passed explicitly in sample().
             generation_config="vllm", **extra,

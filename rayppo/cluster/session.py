@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
+
+log = logging.getLogger(__name__)
 
 # What every actor process of a job needs in its environment.
 ACTOR_ENV = {
@@ -35,8 +38,16 @@ class RaySession:
         if self.address:
             ray.init(address=self.address, log_to_driver=True)
         else:
+            # Ray 2.60's servers listen on every interface whatever the node address (measured:
+            # tests/test_security.py), so what keeps this instance private is the token Ray
+            # generates for a new local cluster (~/.ray/auth_token): left on unless the user
+            # turned it off, and then said out loud.
+            if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+                log.warning("RAY_AUTH_MODE=disabled: the local Ray instance accepts anyone who can reach this "
+                            "machine's Ray ports (they listen on every interface); unset it to keep token "
+                            "authentication on")
             cpus = self.num_cpus or os.cpu_count() or 1
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+            ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=True)
             self.started = True
         return self
 

@@ -1,7 +1,8 @@
 """Loading models and tokenizers from local folders, and the critic (backbone + value head).
 
-Everything loads from a local Hugging Face folder with ``trust_remote_code=False``: a model
-folder is data, and data never runs code here.
+Everything loads from a local Hugging Face folder with ``trust_remote_code=False`` and
+``use_safetensors=True``: a model folder is data, and data never runs code here (no custom model
+code, no pickled weights; ``rayppo.inputs`` says so in one line before anything loads).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def no_dropout(path: str | Path) -> dict[str, float]:
 def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     """A causal LM (policy or reference) from a local folder, with dropout off."""
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False,
-                                                **no_dropout(path))
+                                                use_safetensors=True, **no_dropout(path))
 
 
 def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
@@ -84,7 +85,7 @@ def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -
 def load_reward_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     """A sequence-classification reward model with exactly one label (the scalar r_phi)."""
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), dtype=DTYPES[dtype], trust_remote_code=False
+        str(path), dtype=DTYPES[dtype], trust_remote_code=False, use_safetensors=True
     )
     if model.config.num_labels != 1:
         raise ValueError(f"reward model {path} has num_labels={model.config.num_labels}; it needs exactly 1")
@@ -132,7 +133,7 @@ class Critic(torch.nn.Module):
         hf_logging.set_verbosity_error()
         try:
             backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False,
-                                                 **no_dropout(path))
+                                                 use_safetensors=True, **no_dropout(path))
         finally:
             hf_logging.set_verbosity(verbosity)
         critic = cls(backbone, seed)
