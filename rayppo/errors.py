@@ -24,3 +24,9 @@ class ActorFailedError(RayppoError, RuntimeError):
 class LearnerFailedError(ActorFailedError):
     """A learner rank died or missed ``cluster.call_timeout_s``: the group cannot go on as it is
     (its collectives and ZeRO partitions are gone) and is rebuilt from the latest checkpoint."""
+
+
+def brief(exc: BaseException) -> str:
+    """``TypeName: first line`` of an exception (Ray's actor errors run to many lines)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

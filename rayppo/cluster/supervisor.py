@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 
 from rayppo.actors.base import Engine
 from rayppo.cluster.group import ActorGroup, get
-from rayppo.errors import ActorFailedError
+from rayppo.errors import ActorFailedError, brief
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Supervisor:
             except RayActorError as exc:
                 if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
                     raise  # another actor's death reached this call (an argument it produced)
-                self._replace(f, i, f"died ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+                self._replace(f, i, f"died ({brief(exc)})")
                 pending[f.group.call_at(i, f.method, f.args[i])] = (f, i)
                 continue
             if not any(g is f for g, _ in pending.values()):

@@ -21,7 +21,7 @@ from rayppo.cluster.placement import Placement
 from rayppo.cluster.supervisor import dump_stacks
 from rayppo.config import Config, actor_threads
 from rayppo.data.rollout import Rollout
-from rayppo.errors import LearnerFailedError
+from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
 
@@ -80,7 +80,7 @@ class LearnerGroup:
                 get(ready[0])
             except RayActorError as exc:
                 raise LearnerFailedError(f"learner rank {rank_of[ready[0]]} died during {what} "
-                                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+                                         f"({brief(exc)})") from None
             except Exception:
                 # A collective failing in a live rank is often the first sign of a dead peer.
                 dead = _dead(pending, rank_of, grace_s=10.0)
@@ -99,8 +99,7 @@ class LearnerGroup:
             ids = [actor._actor_id.hex() for actor in ([] if self.ranks.local else self.ranks.actors)]
             if getattr(exc, "actor_id", None) not in ids:
                 raise
-            raise LearnerFailedError(f"learner rank {ids.index(exc.actor_id)} died ({type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0]})") from None
+            raise LearnerFailedError(f"learner rank {ids.index(exc.actor_id)} died ({brief(exc)})") from None
 
     def rank0_address(self) -> tuple[str, int]:
         """Address of rank 0's node and a port free there now (for another rendezvous store)."""
