@@ -49,10 +49,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     prompts: str = "embedded"
-    """Prompt file (``.jsonl``, ``.json`` lines or ``.parquet``), or ``embedded`` for the default
-    task's generated prompts."""
+    """Prompts: a ``.jsonl`` file (one JSON object per line), a ``.parquet`` file, a Hugging Face
+    ``datasets`` folder written by ``save_to_disk`` (split ``data.split``), or ``embedded`` for
+    the default task's generated prompts."""
     prompt_column: str = "prompt"
-    """Column (JSON key) that holds the prompt text."""
+    """Column (JSON key) that holds the prompt: a string, or a chat conversation (a list of
+    ``{role, content}`` messages, rendered with the policy tokenizer's chat template and its
+    generation prompt). The row's other columns reach the reward (``reward.function``)."""
+    split: str = "train"
+    """Split of a ``datasets`` folder saved from a ``DatasetDict`` (ignored for files)."""
     shuffle: bool = True
     """Shuffle the prompts each pass over the dataset."""
 
@@ -74,14 +79,19 @@ class ScorerConfig:
 @dataclass
 class RewardConfig(ScorerConfig):
     function: str | None = "rayppo.tasks.digits:reward"
-    """Verifier ``module:function`` called as ``f(prompt: str, response: str) -> float``. Set it
-    to null to use ``reward.model`` or ``reward.url`` instead."""
+    """Verifier ``module:function`` called as ``f(prompt: str, response: str, **row) -> float``;
+    ``row`` holds the prompt row's other columns (e.g. ``answer``), passed when the function
+    takes them (named, or ``**kwargs``). The module is imported from the current directory first
+    (``rayppo submit`` ships it). Setting ``reward.model`` or ``reward.url`` clears this default."""
     model: str | None = None
     """Folder of a Hugging Face sequence-classification reward model (one label). Prompt and
-    response text are re-tokenised with the reward model's own tokenizer."""
+    response are rendered with the reward model's own chat template when its tokenizer has one
+    (a chat prompt as its conversation, then the response as the assistant turn), else as
+    ``prompt + " " + response`` text, and re-tokenised with its own tokenizer."""
     url: str | None = None
-    """HTTP reward endpoint: POST ``{"prompts": [...], "responses": [...]}``, answer
-    ``{"scores": [...]}`` (one float per response)."""
+    """HTTP reward endpoint: POST ``{"prompts": [...], "responses": [...], "messages": [...],
+    "rows": [...]}`` (``messages``: each chat prompt's conversation or null; ``rows``: each
+    prompt row's other columns), answer ``{"scores": [...]}`` (one float per response)."""
     timeout_s: float = 30.0
     """Seconds per HTTP request, and per call of a verifier function (which runs in a child
     process that is killed past it, so a hanging verifier cannot stall the run)."""
@@ -162,6 +172,25 @@ class PPOConfig:
 
 
 @dataclass
+class EvalConfig:
+    prompts: str | None = None
+    """Held-out prompts, in the formats of ``data.prompts`` (split ``eval.split``); null: the
+    embedded task's held-out split when ``data.prompts`` is ``embedded``, else no evaluation."""
+    split: str = "test"
+    """Split of a ``datasets`` folder for ``eval.prompts``."""
+    every: int = 10
+    """Evaluate the current policy every N iterations and after the last one; 0 disables.
+    Reported as ``eval/reward/mean`` (and ``eval/pass_rate`` for verifier rewards)."""
+    greedy: bool = True
+    """One greedy (temperature 0) response per eval prompt: ``eval/reward/mean``."""
+    samples: int = 0
+    """Sampled responses per eval prompt at ``rollout.temperature`` besides the greedy one:
+    ``eval/sampled/reward/mean`` and, for verifier rewards, ``eval/pass@k`` with k = samples."""
+    pass_threshold: float = 1.0
+    """A response passes when its reward is at least this (``eval/pass_rate``, ``eval/pass@k``)."""
+
+
+@dataclass
 class ChecksConfig:
     max_logprob_mismatch: float | None = None
     """Correctness guard: largest allowed |log pi_old (generator) - log pi (learner)| over the
@@ -217,6 +246,26 @@ class OutputConfig:
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep (older ones are deleted after a new one is in
     place)."""
+    overwrite: bool = False
+    """Start a new run in a ``dir`` that already holds one (its metrics, models, checkpoints and
+    TensorBoard files are deleted first); without it such a start is refused (``--resume DIR``
+    continues a run instead)."""
+    samples_every: int = 10
+    """Every N iterations print a few of the batch's responses (prompt, response, reward) and
+    write them to TensorBoard as text; 0 never."""
+    samples_shown: int = 3
+    """How many responses ``samples_every`` shows."""
+    wandb_project: str | None = None
+    """Also log metrics, samples and the resolved config to this Weights & Biases project
+    (``pip install wandb``)."""
+    wandb_mode: str = "online"
+    """``online``, ``offline`` (written under ``dir/wandb``; ``wandb sync`` uploads it later) or
+    ``disabled``."""
+    mlflow_uri: str | None = None
+    """Also log metrics and the resolved config to MLflow: a tracking server URL or a local
+    folder (``pip install mlflow-skinny``)."""
+    run_name: str | None = None
+    """Run name in W&B and MLflow; default: the last part of ``dir``."""
 
 
 def actor_threads(threads: int | None, cpus: float) -> int:
@@ -230,8 +279,9 @@ class ClusterConfig:
     """Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); null starts a local
     Ray instance sized to this machine and shuts it down at the end."""
     num_cpus: float | None = None
-    """Logical CPUs of the local Ray instance; default: the machine's cores. The roles' CPU
-    shares must fit in it."""
+    """Logical CPUs of the local Ray instance; default: the machine's cores, or what the roles
+    ask for when that is more (oversubscribing a small machine is fine: the stages of an
+    iteration take turns, so the roles rarely compute at once)."""
     placement_timeout_s: float = 60.0
     """How long to wait for the roles' placement groups before failing with what is missing."""
     colocate: bool = False
@@ -349,6 +399,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
