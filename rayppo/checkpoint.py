@@ -110,8 +110,8 @@ def resume_config(run_dir: str | Path, overrides: list[str]):
     if not saved.is_file():
         raise CheckpointError(f"--resume: {saved} not found: {run_dir} is not a rayppo run folder")
     checkpoint = latest_checkpoint(run_dir)
-    before = _flat(load_config(saved))
-    cfg = load_config(saved, overrides)
+    before = _flat(load_config(saved, paths_relative_to_file=False))
+    cfg = load_config(saved, overrides, paths_relative_to_file=False)
     after = _flat(cfg)
     for name in (n for n, _, _ in field_docs()):
         if before[name] != after[name] and (name == "output.dir" or not _resumable(name)):

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    train.add_argument("--verbose", "-v", action="store_true",
+                       help="show everything the libraries and actors print (by default it goes to "
+                            "output.dir/logs/: driver.log and <role>-<i>.log)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with "
                                                         "DIR's config (overrides may change resources, stop.*, "
                                                         "output.* and cluster.*)")
@@ -111,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.config import ConfigError, load_config
+    from rayppo.console import console
     from rayppo.errors import RayppoError
     from rayppo.inputs import check_inputs
+    from rayppo.tracking import check_trackers
 
     resume = None
     if args.resume:
@@ -124,13 +129,20 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         cfg = load_config(args.config, overrides)
     check_inputs(cfg)  # models, prompts, reward function: before anything heavy is imported
+    check_trackers(cfg)
     if cfg.trainer == "distributed":
         from rayppo.plan import preflight
 
         missing = preflight(cfg)  # before any process starts; 'rayppo plan' shows memory too
         if missing:
             raise RayppoError("this job does not fit: " + "; ".join(missing))
-    _quiet_transformers()
+    if resume is None:
+        from rayppo.run_folder import claim_output_dir
+
+        claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
+    console.setup(cfg.output.dir, args.verbose)
+    console.phase(_headline(cfg, resume))
+    _quiet_libraries(args.verbose)
     from rayppo.train import run
 
     if cfg.trainer == "reference":
@@ -138,18 +150,34 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         from rayppo.cluster.driver import DistributedTrainer as Trainer
     result = run(cfg, Trainer(cfg), progress=not args.no_progress, resume=resume)
-    print(
-        f"{result.stop_reason}: {result.iterations} iterations; mean reward {result.reward_start:.3f} "
-        f"(first iteration) -> {result.reward_end:.3f} (last five). Outputs in {result.out_dir}/ "
-        "(metrics.jsonl, plot.png, tb/, policy/, critic/)"
-    )
-    return 0
+    print(result.summary())
+    return 130 if result.stop_reason == "interrupted" else 0
 
 
-def _quiet_transformers() -> None:
+def _headline(cfg, resume) -> str:
+    """``rayppo train: 40 iterations of 64 prompts (embedded task) -> runs/default``."""
+    data = "embedded task" if cfg.data.prompts == "embedded" else cfg.data.prompts
+    model = "embedded model" if cfg.model.policy == "embedded" else cfg.model.policy
+    what = f"resuming {resume.parent.parent}" if resume is not None else f"output {cfg.output.dir}/"
+    return (f"rayppo train: {model}, {data}, {cfg.stop.iterations} iterations of {cfg.rollout.batch_size} prompts, "
+            f"trainer={cfg.trainer}; {what}")
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    """transformers' per-file progress bars off (one progress bar per run) and, unless verbose,
+    its advisory warnings to the log file instead of the terminal."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one progress bar per run, not one per weight file
+    hf_logging.disable_progress_bar()
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed's own handler would warn that it fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not verbose:
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()  # to the root logger: logs/driver.log
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -253,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rayppo: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `rayppo config | head`: the reader has gone, nothing to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def _one_line(exc: BaseException) -> str:

@@ -540,8 +540,30 @@ def parse_override(text: str) -> dict[str, Any]:
     return nested
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build the config: defaults, then the YAML file, then the dotted overrides; then validate."""
+INPUT_PATHS = ("model.policy", "model.reference", "model.critic", "model.cache_dir", "data.prompts", "eval.prompts",
+               "reward.model")
+"""Fields naming files or folders to read. Set in a ``--config`` file, a relative one is relative
+to that file's folder (the file and its data travel together); on the command line, to the
+current directory. ``output.dir`` is always relative to the current directory."""
+
+
+def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:
+    """Rewrite the relative ``INPUT_PATHS`` of a YAML mapping as seen from the current
+    directory (kept relative, so a submitted job's working directory still works)."""
+    import os
+
+    for name in INPUT_PATHS:
+        section, key = name.split(".")
+        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(value, str) and value and value != "embedded" and not Path(value).is_absolute():
+            data[section][key] = os.path.relpath(folder / value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                paths_relative_to_file: bool = True) -> Config:
+    """Build the config: defaults, then the YAML file, then the dotted overrides; then validate.
+    ``paths_relative_to_file=False``: the file's paths are relative to the current directory
+    (a run's own saved config.yaml, written with them so)."""
     cfg = Config()
     if path is not None:
         path = Path(path)
@@ -553,9 +575,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--config: {path} is not valid YAML{_yaml_where(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        if paths_relative_to_file:
+            _paths_relative_to(data, path.parent)
         _apply(cfg, data, "")
+    chosen: set[str] = set()
     for text in overrides or []:
-        _apply(cfg, parse_override(text), "")
+        override = parse_override(text)
+        chosen |= {f"{section}.{key}" for section, fields in override.items() if isinstance(fields, dict)
+                   for key in fields}
+        _apply(cfg, override, "")
+    if path is not None and isinstance(data.get("reward"), dict):
+        chosen |= {f"reward.{key}" for key in data["reward"]}
+    if "reward.function" not in chosen and (cfg.reward.model or cfg.reward.url):
+        cfg.reward.function = None  # choosing a reward model or an endpoint replaces the default verifier
     from rayppo.config_checks import validate  # the checks module builds on this one
 
     return validate(cfg)

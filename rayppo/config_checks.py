@@ -79,7 +79,21 @@ def validate(cfg: Config) -> Config:
     if cfg.reward.function is not None:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
+    _validate_outputs(cfg)
     return _validate_system(cfg)
+
+
+def _validate_outputs(cfg: Config) -> None:
+    """The eval section and what a run reports."""
+    e, o = cfg.eval, cfg.output
+    _require(e.every >= 0, "eval.every", "must be >= 0 (0 disables evaluation)", e.every)
+    _require(e.samples >= 0, "eval.samples", "must be >= 0", e.samples)
+    _require(e.greedy or e.samples > 0 or e.every == 0, "eval.greedy",
+             "evaluation needs greedy responses or eval.samples > 0 (or eval.every=0 to turn it off)", e.greedy)
+    _require(o.samples_every >= 0, "output.samples_every", "must be >= 0", o.samples_every)
+    _require(o.samples_shown >= 1, "output.samples_shown", "must be >= 1", o.samples_shown)
+    _require(o.wandb_mode in ("online", "offline", "disabled"), "output.wandb_mode",
+             "must be online, offline or disabled", o.wandb_mode)
 
 
 def _validate_gpus(cfg: Config) -> None:

@@ -1,7 +1,8 @@
-"""The job's inputs checked before anything heavy loads: model folders, the prompt file, the
-reward function. ``rayppo train`` runs ``check_inputs`` right after the config, before torch,
-transformers, Ray, vLLM or DeepSpeed are imported, so a typo'd path or a broken file is answered
-in well under two seconds, in one line naming the field, the file and the row.
+"""The job's inputs checked before anything heavy loads: model folders, the prompt files (training
+and evaluation), the reward function. ``rayppo train`` runs ``check_inputs`` right after the
+config, before torch, transformers, Ray, vLLM or DeepSpeed are imported, so a typo'd path or a
+broken file is answered in well under two seconds, in one line naming the field, the file and
+the row.
 
 Only what can be checked exactly is checked here; the loaders still check everything again
 (``rayppo.models.loading``, ``rayppo.data.prompts``) for the callers that skip this module.
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rayppo.config import Config
-from rayppo.data.prompts import PromptDataError, read_prompt_texts
+from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
 
@@ -30,12 +31,15 @@ def check_inputs(cfg: Config) -> None:
     for name in ("model.reference", "model.critic"):  # they read the policy's token ids
         if folders[name] not in (None, "embedded"):
             check_same_tokenizer(name, Path(folders[name]), policy_dir)
-    if cfg.data.prompts != "embedded":
-        texts = read_prompt_texts(cfg.data.prompts, cfg.data.prompt_column)
+    for spec, split in ((cfg.data.prompts, cfg.data.split), (cfg.eval.prompts, cfg.eval.split)):
+        if spec is None or spec == "embedded":
+            continue
+        rows = read_prompt_rows(spec, cfg.data.prompt_column, split)
+        check_chat_template(rows, policy_dir)
         policy_config = configs.get("model.policy") or _read_config("model.policy", policy_dir, must_exist=False)
         positions = cfg.generators.max_model_len or (policy_config or {}).get("max_position_embeddings")
         if positions:
-            check_prompt_lengths(texts, policy_dir, positions - cfg.rollout.max_new_tokens, cfg.data.prompts)
+            check_prompt_lengths(rows, policy_dir, positions - cfg.rollout.max_new_tokens)
     if cfg.reward.function is not None:
         from rayppo.actors.verifier import load_reward_function  # light: no torch
 
@@ -96,17 +100,45 @@ def _vocabulary(folder: Path) -> tuple[dict[str, int], list[tuple[str, int]]] | 
     return (dict(vocab) if isinstance(vocab, dict) else {str(i): i for i, _ in enumerate(vocab)}), added
 
 
-def check_prompt_lengths(texts: list[str], policy_dir: Path, max_tokens: int, source: str) -> None:
+def check_chat_template(rows: PromptRows, policy_dir: Path) -> None:
+    """Conversation rows need the policy tokenizer's chat template. Refused only when the policy
+    folder has a tokenizer config and no template in any place transformers reads one from."""
+    chat = next((row for row, p in enumerate(rows.prompts, start=1) if not isinstance(p, str)), None)
+    config_file = policy_dir / "tokenizer_config.json"
+    if chat is None or not config_file.is_file():
+        return
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return  # the tokenizer loader will say what is wrong with it
+    files = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+    if (isinstance(config, dict) and config.get("chat_template")) or any((policy_dir / f).exists() for f in files):
+        return
+    raise PromptDataError(f"{rows.source}: row {chat}: field {rows.column!r} is a chat conversation, but the policy "
+                          "tokenizer has no chat template (add chat_template to its tokenizer_config.json, or give "
+                          "plain string prompts)")
+
+
+def check_prompt_lengths(rows: PromptRows, policy_dir: Path, max_tokens: int) -> None:
     """A prompt whose tokens *without* special tokens already exceed ``max_tokens`` is refused
     (a lower bound of the exact count, so nothing valid is refused; the exact check, with the
-    special tokens transformers adds, runs when the tokenizer loads)."""
+    special tokens transformers adds, runs when the tokenizer loads). A conversation's bound is
+    the sum of its messages' contents (its chat template only adds to them), less one token at
+    each edge of a content, where a subword merge with the template's text may save one."""
     file = policy_dir / "tokenizer.json"
     if not file.is_file():
         return
     from tokenizers import Tokenizer  # Rust, no torch: a fraction of a second
 
-    encodings = Tokenizer.from_file(str(file)).encode_batch(texts, add_special_tokens=False)
-    for row, encoding in enumerate(encodings, start=1):
-        if len(encoding.ids) > max_tokens:
-            raise PromptDataError(f"{source}: row {row}: prompt is at least {len(encoding.ids)} tokens, longer than "
+    pieces, owner = [], []  # every text to count, and the row it belongs to
+    for row, prompt in enumerate(rows.prompts, start=1):
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        pieces.extend(texts)
+        owner.extend([row] * len(texts))
+    counts = [0] + [0 if isinstance(p, str) else -2 * len(p) for p in rows.prompts]
+    for row, encoding in zip(owner, Tokenizer.from_file(str(file)).encode_batch(pieces, add_special_tokens=False)):
+        counts[row] += len(encoding.ids)
+    for row, count in enumerate(counts[1:], start=1):
+        if count > max_tokens:
+            raise PromptDataError(f"{rows.source}: row {row}: prompt is at least {count} tokens, longer than "
                                   f"the {max_tokens} the model allows with rollout.max_new_tokens reserved")

@@ -1,51 +1,77 @@
-"""Run outputs: one JSON line per iteration, TensorBoard events, and a PNG of reward and KL."""
+"""Run outputs: one JSON line per iteration (also fanned out to the trackers: TensorBoard, W&B,
+MLflow), a few sample completions, and a PNG of reward and KL."""
 
 from __future__ import annotations
 
 import json
+import math
+import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
+
+from rayppo.tracking import TensorBoardTracker, Tracker
 
 
 class MetricsLogger:
-    """Writes ``metrics.jsonl`` (and ``tb/`` events) under the run folder."""
+    """Writes ``metrics.jsonl`` under the run folder and hands every record to ``trackers``."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_at: int | None = None):
-        """``resume_at=k``: continue a run from iteration k. Records of iterations >= k (written
+    def __init__(self, out_dir: str | Path, trackers: Sequence[Tracker] | bool = (), resume_at: int | None = None):
+        """``trackers``: from ``rayppo.tracking.make_trackers`` (closed by ``close``). The old
+        form ``MetricsLogger(dir, tensorboard: bool)`` still means a TensorBoard tracker in
+        ``dir/tb`` or none, until every caller passes trackers.
+
+        ``resume_at=k``: continue a run from iteration k. Records of iterations >= k (written
         after the checkpoint, before the run stopped) are dropped, from TensorBoard too, so
         the resumed iterations replace them instead of appearing twice."""
-        self.dir, self.tensorboard = Path(out_dir), tensorboard
+        self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(trackers, bool):
+            trackers = [TensorBoardTracker(self.dir / "tb")] if trackers else []
+        self.trackers: list[Tracker] = list(trackers)
         self.path = self.dir / "metrics.jsonl"
         self._open(resume_at)
+        if resume_at is not None:
+            for tracker in self.trackers:
+                tracker.rewind(resume_at)
 
     def _open(self, resume_at: int | None) -> None:
         if resume_at is not None and self.path.is_file():
             kept = [r for r in read_metrics(self.path) if r["iteration"] < resume_at]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         self._file = self.path.open("w" if resume_at is None else "a", encoding="utf-8")
-        self._tb = None
-        if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_at)
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        """One line ``{"iteration": ..., **metrics}``, and the same record to every tracker."""
         self._file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                self._tb.add_scalar(key, value, iteration)
+        for tracker in self.trackers:
+            tracker.log(iteration, metrics)
+
+    def log_samples(self, iteration: int, samples: Sequence["Sample"]) -> None:
+        """A few completions of ``iteration`` (``pick_samples``) to every tracker."""
+        for tracker in self.trackers:
+            tracker.log_samples(iteration, samples)
 
     def rewind(self, iteration: int) -> None:
         """Continue at ``iteration``, later records dropped: after the run went back to an
         earlier checkpoint, the iterations it redoes replace the first attempt's."""
-        self.close()
+        self._file.close()
         self._open(iteration)
+        for tracker in self.trackers:
+            tracker.rewind(iteration)
 
     def close(self) -> None:
+        """Close the file and every tracker (all of them, even when one fails)."""
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        failure: BaseException | None = None
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as exc:  # the others still get to flush; the first failure is raised
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -54,8 +80,88 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One completion shown to the user: the prompt, the policy's response and its reward."""
+
+    prompt: str
+    response: str
+    reward: float
+
+
+def pick_samples(prompts: Sequence[str], responses: Sequence[str], rewards: Sequence[float], n: int) -> list[Sample]:
+    """``n`` completions spread over the batch's rewards, highest first: the highest and the
+    lowest, the rest evenly spaced between them in reward order (n=3: highest, median, lowest;
+    n=1: the median). Ties keep batch order, NaN rewards rank lowest: the same batch always gives
+    the same samples."""
+    if not len(prompts) == len(responses) == len(rewards):
+        raise ValueError(f"pick_samples: {len(prompts)} prompts, {len(responses)} responses, {len(rewards)} rewards")
+    ranked = sorted(range(len(rewards)), key=lambda i: (-_rank_value(rewards[i]), i))
+    m, n = len(ranked), min(n, len(ranked))
+    if n <= 0:
+        return []
+    if n == 1:  # the middle, rounded as below: the lower median of an even batch
+        positions = [m // 2]
+    else:  # k * (m - 1) / (n - 1), rounded half up: n <= m keeps the positions distinct
+        positions = [(2 * k * (m - 1) + n - 1) // (2 * (n - 1)) for k in range(n)]
+    return [Sample(prompts[i], responses[i], float(rewards[i])) for i in (ranked[p] for p in positions)]
+
+
+def _rank_value(reward: float) -> float:
+    return -math.inf if math.isnan(reward) else reward
+
+
+def format_samples(samples: Sequence[Sample], width: int = 100) -> list[str]:
+    """Two terminal lines per sample, each at most ``width`` columns::
+
+        reward  0.750  say 7 :
+                    -> 7 7 3 7 7
+
+    Line breaks show as ``⏎``, tabs as spaces; text that does not fit keeps its start and end
+    around a ``…``."""
+    lines = []
+    for s in samples:
+        head = f"reward {s.reward:>6.3f}  "
+        lines.append(head + _fit(s.prompt, width - _columns(head)))
+        arrow = " " * (len(head) - 3) + "-> "
+        lines.append(arrow + _fit(s.response, width - len(arrow)))
+    return lines
+
+
+def _one_line(text: str) -> str:
+    """Line breaks as ``⏎``, tabs as spaces, other control characters as ``�``."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "⏎").replace("\t", " ")
+    return "".join("\ufffd" if unicodedata.category(c) == "Cc" else c for c in text)
+
+
+def _columns(text: str) -> int:
+    """Terminal columns of ``text``: wide (CJK) characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` on one line within ``width`` columns: start and end kept around a ``…``."""
+    text, width = _one_line(text), max(width, 5)
+    if _columns(text) <= width:
+        return text
+    room = width - 1
+    head, tail = _prefix_within(text, room - room // 3), _prefix_within(text[::-1], room // 3)[::-1]
+    return head + "…" + tail
+
+
+def _prefix_within(text: str, width: int) -> str:
+    used = 0
+    for i, c in enumerate(text):
+        used += _columns(c)
+        if used > width:
+            return text[:i]
+    return text
+
+
 def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget: float | None = None) -> None:
-    """Reward and KL(pi || pi_ref) per iteration, side by side."""
+    """Reward and KL(pi || pi_ref) per iteration, side by side. The reward panel shades the
+    batch's min..max and mean ± std where the records have them, and adds the evaluations
+    (``eval/reward/mean``, ``eval/sampled/reward/mean``) at the iterations that have them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,8 +169,7 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
 
     its = [r["iteration"] for r in records]
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax_r.plot(its, [r["reward/mean"] for r in records], marker=".")
-    ax_r.set(title="mean reward r_phi", xlabel="iteration")
+    _reward_panel(ax_r, records, its)
     ax_k.plot(its, [r["kl/ref_mean"] for r in records], marker=".", color="tab:red")
     ax_k.set(title="KL(pi || pi_ref), nats per response", xlabel="iteration")
     if kl_budget is not None:
@@ -75,3 +180,28 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
     fig.tight_layout()
     fig.savefig(str(out_png), dpi=100)
     plt.close(fig)
+
+
+def _column(records: list[dict[str, float]], key: str) -> list[float]:
+    """``key`` of every record, NaN where missing (matplotlib leaves a gap there)."""
+    return [r.get(key, math.nan) for r in records]
+
+
+def _reward_panel(ax, records: list[dict[str, float]], its: list[int]) -> None:
+    mean = _column(records, "reward/mean")
+    if any("reward/min" in r and "reward/max" in r for r in records):
+        ax.fill_between(its, _column(records, "reward/min"), _column(records, "reward/max"), color="tab:blue",
+                        alpha=0.12, linewidth=0, label="batch min..max")
+    if any("reward/std" in r for r in records):
+        std = _column(records, "reward/std")
+        ax.fill_between(its, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color="tab:blue", alpha=0.25, linewidth=0, label="mean ± std")
+    ax.plot(its, mean, marker=".", color="tab:blue", label="batch mean")
+    for key, label, color in (("eval/reward/mean", "eval (greedy)", "tab:green"),
+                              ("eval/sampled/reward/mean", "eval (sampled)", "tab:orange")):
+        evals = [(r["iteration"], r[key]) for r in records if key in r]
+        if evals:
+            ax.plot(*zip(*evals), marker="o", color=color, label=label)
+    ax.set(title="reward r_phi", xlabel="iteration")
+    if len(ax.get_legend_handles_labels()[1]) > 1:
+        ax.legend(fontsize="small")

@@ -1,23 +1,28 @@
 """``rayppo plan``: will a job fit? Per role: actors, CPUs/GPUs, placement group, peak memory.
 
-The memory per actor comes from ``rayppo.footprint`` (json + math), the placement groups from
-``rayppo.cluster.placement`` (pure, but its module imports Ray). The fit check compares the
-placement groups' total demand with the cluster's resources, each GPU's memory with the device's
-(actors sharing a GPU add up; in colocated mode the worst of the generate, score and learn
-phases), and the total RSS with the cluster's ``memory``. ``rayppo train`` runs the same check
-on the resource counts it knows before anything starts (``preflight``).
+The memory per actor comes from ``rayppo.footprint`` (json + math), the placement groups and
+what they reserve (``requested_resources``) from ``rayppo.cluster.placement`` (pure: Ray is
+imported only where groups are made). The fit check compares that demand with the cluster's
+resources, each GPU's memory with the device's (actors sharing a GPU add up; in colocated mode
+the worst of the generate, score and learn phases), and the total RSS with the cluster's
+``memory``. Every shortage ends with the config changes that fix it, each one checked by running
+this check again on the changed config. ``rayppo train`` runs the check on the resource counts it
+knows before anything starts (``preflight``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayppo.config import Config, ConfigError, role_gpus, tensor_parallel_size
-from rayppo.footprint import GiB, MiB, Estimate, Inputs, estimate_roles, estimates, inputs, param_count
+from rayppo.cluster.placement import (changed, fewer_actors, override_text, plan_groups, requested_resources,
+                                      role_specs, shortage_lines)
+from rayppo.config import Config, ConfigError, role_gpus, tensor_parallel_size, vllm_memory_utilization
+from rayppo.footprint import GiB, MiB, Estimate, Inputs, estimates, inputs, param_count
 
 ROLES = ("generators", "reference", "reward", "learner")
 ACCELERATOR_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "L40S": 48, "L4": 24,
@@ -63,64 +68,156 @@ def gpu_loads(cfg: Config, est: dict[str, Estimate]) -> list[tuple[str, dict[str
         shared[i][role] = shared[i].get(role, 0.0) + est[role].peak
     return loads + [("concurrent", load) for load in shared]
 
-MEMORY_FIXES = {
-    "generators": "a lower generators.gpu_memory_utilization (on CPU a smaller generators.kv_cache_gib)",
-    "reference": "a GPU of its own for the reference (reference.gpus=1) or a shorter rollout.max_new_tokens",
-    "reward": "a GPU of its own for the reward model (reward.gpus=1) or a smaller reward.batch_size",
-}
+THIS_MACHINE = "this machine"
+"""``cluster_resources``'s source for the local Ray instance a job without ``cluster.address`` starts."""
 
 
-def _memory_fix(cfg: Config, role: str) -> str:
-    """What makes ``role`` smaller, leaving out what the config already does."""
-    if role != "learner":
-        return MEMORY_FIXES[role]
-    lr = cfg.learner
-    options = [] if lr.gradient_checkpointing else ["learner.gradient_checkpointing=true"]
-    options += ["learner.zero_stage=3" if lr.zero_stage < 3 else "more learner.num_ranks"]
-    options += [] if lr.offload else ["learner.offload=true"]
-    return ", ".join(options) + ", or more ppo.minibatches"
+@dataclass
+class Target:
+    """What a job is checked against."""
+
+    available: dict[str, float]
+    """Resource counts, and ``memory`` (bytes) when host memory is to be checked."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU; None leaves GPU memory unchecked."""
+    local: bool = False
+    """``available`` is the local Ray instance rayppo would start (``cluster.num_cpus`` sizes it)."""
+    prompt_tokens: int | None = None
+    """P of the memory estimates (None: as ``footprint.inputs`` picks it)."""
+
+    @property
+    def checks_memory(self) -> bool:
+        return bool(self.gpu_memory_gib) or "memory" in self.available
+
+    def inputs(self, cfg: Config) -> Inputs:
+        return inputs(cfg, self.prompt_tokens, self.gpu_memory_gib or 80.0)
 
 
-def fit_lines(cfg: Config, est: dict[str, Estimate], available: dict[str, float],
-              gpu_memory_gib: float | None) -> list[str]:
-    """One line per missing thing, naming the fix. Counts (CPU, GPU, custom resources) are always
-    checked; host memory only when ``available`` has ``memory`` (bytes), GPU memory only when
-    ``gpu_memory_gib`` is given (then ``est`` must be the roles' estimates)."""
-    from rayppo.cluster.placement import FIXES, plan_groups, role_specs, total_demand
+@dataclass
+class Shortage:
+    """A memory line before its fixes."""
 
-    lines = []
-    for key, need in sorted(total_demand(plan_groups(cfg)).items()):
-        have = available.get(key, 0.0)
-        if need > have + 1e-9:  # worded as placement.check_capacity words it, plus the fix
-            users = ", ".join(f"{s.name} {s.count} x {s.bundle[key]:g}" for s in role_specs(cfg) if s.bundle.get(key))
-            fix = FIXES.get(key, "a cluster that has it, or no actor asking for it (generators.resources, "
-                                 "reference.resources, reward.resources, learner.resources)")
-            lines.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}: {fix}")
-    if gpu_memory_gib:
-        lines += [p for e in est.values() for p in e.problems] + _gpu_memory_lines(cfg, est, gpu_memory_gib)
-    if "memory" in available and est:
-        need = sum(n * est[r].rss for r, n in _counts(cfg).items())
-        if need > available["memory"]:
-            worst = max(ROLES, key=lambda r: _counts(cfg)[r] * est[r].rss)
-            lines.append(f"memory: need {need / GiB:.1f} GiB of RSS in total, cluster has "
-                         f"{available['memory'] / GiB:.1f} "
-                         f"GiB (the {worst} take the most): fewer actors, or {_memory_fix(cfg, worst)}")
+    kind: str
+    """``GPU memory`` (one GPU's) or ``memory`` (host RSS, all actors)."""
+    roles: list[str]
+    """The roles it adds up, the one that takes the most first: the ones to shrink."""
+    text: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.roles[0]
+
+
+def fit_lines(cfg: Config, target: Target) -> list[str]:
+    """One line per missing thing, ending with ``Fix:`` and the changes that would each make it fit.
+    Counts (CPU, GPU, custom resources) are always checked; host memory when ``target.available``
+    has ``memory``, GPU memory when ``target.gpu_memory_gib`` is given."""
+    lines = shortage_lines(cfg, target.available, target.local)
+    if not target.checks_memory:
+        return lines
+    est = estimates(cfg, target.inputs(cfg))
+    if target.gpu_memory_gib:
+        lines += [p for e in est.values() for p in e.problems]
+    before = _problems(cfg, target)
+    for short in _memory_shortages(cfg, est, target):
+        lines.append(f"{short.text}. Fix: {', or '.join(_memory_fixes(cfg, est, target, short, before))}")
     return lines
 
 
-def _gpu_memory_lines(cfg: Config, est: dict[str, Estimate], gpu_memory_gib: float) -> list[str]:
+def _problems(cfg: Config, target: Target) -> set[tuple[str, str]]:
+    """What does not fit, as ``(resource, role)``: ``fit_lines`` without the words, to tell
+    whether a change fixed a line without breaking anything else."""
+    have = target.available
+    keys = {(k, "") for k, need in requested_resources(cfg).items() if need > have.get(k, 0.0) + 1e-9}
+    if target.checks_memory:
+        est = estimates(cfg, target.inputs(cfg))
+        keys |= {short.key for short in _memory_shortages(cfg, est, target)}
+        if target.gpu_memory_gib:
+            keys |= {("problem", role) for role, e in est.items() if e.problems}
+    return keys
+
+
+def _memory_shortages(cfg: Config, est: dict[str, Estimate], target: Target) -> list[Shortage]:
+    out = _gpu_memory_shortages(cfg, est, target.gpu_memory_gib) if target.gpu_memory_gib else []
+    if "memory" in target.available and est:
+        need = sum(n * est[r].rss for r, n in _counts(cfg).items())
+        if need > target.available["memory"]:
+            roles = sorted(ROLES, key=lambda r: -_counts(cfg)[r] * est[r].rss)
+            worst = roles[0]
+            out.append(Shortage("memory", roles, f"memory: need {need / GiB:.1f} GiB of RSS in total, cluster has "
+                                f"{target.available['memory'] / GiB:.1f} GiB (the {worst} take the most)"))
+    return out
+
+
+def _gpu_memory_shortages(cfg: Config, est: dict[str, Estimate], gpu_memory_gib: float) -> list[Shortage]:
     over: dict[tuple, list[int]] = {}  # identical GPUs share one line
     for i, (phase, load) in enumerate(gpu_loads(cfg, est)):
         if sum(load.values()) > gpu_memory_gib * GiB:
             over.setdefault((phase, *((r, round(b / GiB, 1)) for r, b in load.items())), []).append(i)
-    lines = []
+    out = []
     for (phase, *load), gpus in over.items():
         which = f"GPU {gpus[0]} needs" if len(gpus) == 1 else f"{len(gpus)} GPUs need"
-        worst = max(load, key=lambda role_gib: role_gib[1])[0]
-        lines.append(f"GPU memory: {which} {sum(b for _, b in load):.1f} GiB ({phase}: "
-                     f"{' + '.join(f'{r} {b:g}' for r, b in load)}), the device has {gpu_memory_gib:g} GiB: "
-                     f"{_memory_fix(cfg, worst)}")
-    return lines
+        roles = [r for r, _ in sorted(load, key=lambda role_gib: -role_gib[1])]
+        out.append(Shortage("GPU memory", roles, f"GPU memory: {which} {sum(b for _, b in load):.1f} GiB ({phase}: "
+                            f"{' + '.join(f'{r} {b:g}' for r, b in load)}), the device has {gpu_memory_gib:g} GiB"))
+    return out
+
+
+def _memory_fixes(cfg: Config, est: dict[str, Estimate], target: Target, short: Shortage,
+                  before: set[tuple[str, str]]) -> list[str]:
+    """Overrides that each make ``short`` go away with nothing else running short: up to three
+    single changes (the first value that works of each field), else the options together in order
+    until they do; for host memory also fewer actors; else what the config cannot do."""
+    goal = before - {short.key}
+
+    def fixes_it(candidate: Config | None) -> bool:
+        return candidate is not None and _problems(candidate, target) <= goal
+
+    options = [option for role in short.roles for option in _memory_options(cfg, role, short.kind == "GPU memory")]
+    found: list[dict[str, Any]] = []
+    for option in options:
+        if len(found) < 3 and not any(set(option) & set(f) for f in found) and fixes_it(changed(cfg, option)):
+            found.append(option)
+    together: dict[str, Any] = {}
+    for option in options if not found else []:
+        together = {**together, **option}
+        if fixes_it(changed(cfg, together)):
+            found.append(together)
+            break
+    fixes = [override_text(f) for f in found]
+    if short.kind == "memory":
+        fewer = fewer_actors(cfg, fixes_it, lambda s: s.count * est[s.name].rss)
+        fixes += [f"fewer actors: {override_text(fewer)}"] if fewer else []
+    if fixes:
+        return fixes
+    if short.kind == "memory":
+        return ["a machine with more memory" if target.local else "nodes with more memory"]
+    return [f"GPUs with more than {target.gpu_memory_gib:g} GiB, or a smaller model (the config's memory options "
+            "are not enough)"]
+
+
+def _memory_options(cfg: Config, role: str, on_gpu: bool) -> list[dict[str, Any]]:
+    """Changes that shrink the GPU memory (``on_gpu``) or RSS of each actor of ``role``, in the order
+    to try them (the mildest first)."""
+    lr = cfg.learner
+    if role == "learner":
+        options = [] if lr.gradient_checkpointing else [{"learner.gradient_checkpointing": True}]
+        options += [{"learner.zero_stage": 3}] if lr.zero_stage < 3 else []
+        options += [{"learner.offload": True}] if on_gpu and not lr.offload else []  # to host memory: not for RSS
+        b, m = cfg.rollout.batch_size, cfg.ppo.minibatches
+        return options + [{"ppo.minibatches": d} for d in range(m + 1, b + 1) if b % d == 0]
+    if role == "generators" and on_gpu:  # vLLM's share of the GPU, in steps of 0.05
+        steps = int(vllm_memory_utilization(cfg) / 0.05 - 1e-9)
+        return [{"generators.gpu_memory_utilization": round(k * 0.05, 2)} for k in range(steps, 1, -1)]
+    if role == "generators":  # vLLM on CPU: its KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE)
+        return [{"generators.kv_cache_gib": float(k)} for k in range(int(cfg.generators.kv_cache_gib) - 1, 0, -1)]
+    scorer = cfg.reference if role == "reference" else cfg.reward
+    options = [{f"{role}.gpus": 1.0}] if on_gpu and 0 < scorer.gpus < 1 else []  # a GPU of its own
+    if role == "reward":
+        size = cfg.reward.batch_size
+        options += [{"reward.batch_size": size >> k} for k in range(1, size.bit_length())]
+    return options
+
 
 @dataclass
 class Plan:
@@ -142,9 +239,11 @@ class Plan:
 
 def make_plan(cfg: Config, available: dict[str, float], source: str, gpu_memory_gib: float = 80.0,
               prompt_tokens: int | None = None) -> Plan:
-    m = inputs(cfg, prompt_tokens, gpu_memory_gib)
-    est = estimates(cfg, m)
-    return Plan(m, est, available, gpu_memory_gib, source, fit_lines(cfg, est, available, gpu_memory_gib))
+    """The plan of ``cfg`` on ``available`` (from ``source``: ``THIS_MACHINE`` is the local Ray
+    instance rayppo would start, whose CPUs ``cluster.num_cpus`` sets)."""
+    target = Target(available, gpu_memory_gib, source == THIS_MACHINE, prompt_tokens)
+    m = target.inputs(cfg)
+    return Plan(m, estimates(cfg, m), available, gpu_memory_gib, source, fit_lines(cfg, target))
 
 
 def _size(n: float) -> str:
@@ -153,8 +252,6 @@ def _size(n: float) -> str:
 
 def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
     """The plan as plain data (``rayppo plan --json``); sizes in bytes."""
-    from rayppo.cluster.placement import plan_groups, role_specs, total_demand
-
     groups: dict[str, list[str]] = {}
     for group in plan_groups(cfg):
         for role in dict.fromkeys(role for role, _, _ in group.members):
@@ -168,7 +265,7 @@ def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
             "policy": {"parameters": param_count(m.policy), "layers": m.policy.layers, "hidden": m.policy.hidden,
                        "vocab": m.policy.vocab, "dtype": cfg.model.dtype},
             "prompt_tokens": m.prompt_tokens, "prompt_tokens_from": m.prompt_note,
-            "response_tokens": cfg.rollout.max_new_tokens, "demand": total_demand(plan_groups(cfg)),
+            "response_tokens": cfg.rollout.max_new_tokens, "demand": requested_resources(cfg),
             "available": plan.available, "resources_from": plan.source, "gpu_memory_gib": plan.gpu_memory_gib,
             "gpus": [{"phase": phase, "roles": load} for phase, load in gpu_loads(cfg, plan.roles)]}
 
@@ -195,18 +292,22 @@ def render(cfg: Config, plan: Plan) -> str:
     need = ", ".join(f"{k} {v:g}" for k, v in sorted(data["demand"].items()))
     rss = sum(n * plan.roles[r].rss for r, n in _counts(cfg).items())
     gpus = [sum(gpu["roles"].values()) for gpu in data["gpus"]]
-    out += ["", f"cluster ({plan.source}): {have}", f"needs: {need}, RSS {_size(rss)} in total"
+    source = f"{plan.source}, {os.cpu_count() or 1} cores" if plan.source == THIS_MACHINE else plan.source
+    out += ["", f"cluster ({source}): {have}", f"needs: {need}, RSS {_size(rss)} in total"
             + (f", busiest GPU {_size(max(gpus))} of {plan.gpu_memory_gib:g} GiB" if gpus else "")]
     return "\n".join(out + (["fits"] if not plan.missing else ["does not fit:"] + [f"  {x}" for x in plan.missing]))
 
 
 def local_resources(cfg: Config, with_memory: bool = True) -> dict[str, float]:
-    """This machine as rayppo's local Ray instance sees it: CPUs (``cluster.num_cpus`` or the
-    cores), GPUs (``CUDA_VISIBLE_DEVICES``, else the NVIDIA driver's list), memory (MemTotal)."""
+    """This machine as rayppo's local Ray instance sees it: CPUs (``cluster.num_cpus``, else the
+    cores or what the roles reserve, rounded up, when that is more), GPUs
+    (``CUDA_VISIBLE_DEVICES``, else the NVIDIA driver's list), memory (MemTotal)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = (len([d for d in visible.split(",") if d.strip()]) if visible is not None
             else len(list(Path("/proc/driver/nvidia/gpus").glob("*"))))
-    out = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": float(gpus)}
+    asked = math.ceil(requested_resources(cfg).get("CPU", 0.0) - 1e-9)  # a Ray node's CPUs are whole
+    cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, asked)
+    out = {"CPU": float(cpus), "GPU": float(gpus)}
     meminfo = Path("/proc/meminfo")
     if with_memory and meminfo.is_file():
         out["memory"] = float(meminfo.read_text().split("MemTotal:")[1].split()[0]) * 1024
@@ -232,7 +333,7 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
         return {k: float(v) for k, v in data.items()}, "--cluster-resources"
     address = address or cfg.cluster.address
     if not address:
-        return local_resources(cfg), "this machine"
+        return local_resources(cfg), THIS_MACHINE
     import ray
 
     ray.init(address=address, log_to_driver=False)
@@ -244,10 +345,11 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
 
 def preflight(cfg: Config) -> list[str]:
     """``rayppo train``'s check before anything starts on this machine: the CPU/GPU counts of
-    the local Ray instance it would start. With ``cluster.address`` nothing is checked here: the
+    the local Ray instance it would start (its CPUs fall short only when ``cluster.num_cpus`` is
+    set below what the roles reserve). With ``cluster.address`` nothing is checked here: the
     driver checks the cluster's counts when it reserves the roles' placement groups (same lines,
     same fixes), after it has joined; joining earlier from a Ray job re-points the job's working
     directory under modules still to be imported. ``rayppo plan --address`` shows memory too."""
     if cfg.cluster.address:
         return []
-    return fit_lines(cfg, {}, local_resources(cfg, with_memory=False), None)
+    return fit_lines(cfg, Target(local_resources(cfg, with_memory=False), local=True))

@@ -6,9 +6,11 @@ The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +24,18 @@ from rayppo.config import Config, to_dict
 from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError
 from rayppo.guard import CorrectnessError
-from rayppo.metrics import MetricsLogger, plot_metrics, read_metrics
+from rayppo.console import console
+from rayppo.evaluation import due
+from rayppo.metrics import MetricsLogger, format_samples, pick_samples, plot_metrics, read_metrics
+from rayppo.tracking import make_trackers
 
 
 class Trainer(Protocol):
     last_rollout: Rollout | None
 
     def iteration(self) -> dict[str, float]: ...
+
+    def evaluate(self) -> dict[str, float]: ...
 
     def save(self, out_dir: str | Path) -> None: ...
 
@@ -54,6 +61,19 @@ class TrainResult:
     reward_end: float
     """Mean reward of the last (up to) five iterations."""
     out_dir: Path
+    eval_reward: float | None = None
+    """The last ``eval/reward/mean`` (None without evaluation)."""
+    seconds: float = 0.0
+    """Wall-clock seconds of the iterations (start-up excluded)."""
+
+    def summary(self) -> str:
+        """The closing line: what was done, how reward moved, where everything is."""
+        n = self.iterations
+        evaluated = f", held-out {self.eval_reward:.3f}" if self.eval_reward is not None else ""
+        return (f"{self.stop_reason}: {n} iteration{'s' if n != 1 else ''} in {self.seconds:.0f} s; mean reward "
+                f"{self.reward_start:.3f} (first iteration) -> {self.reward_end:.3f} "
+                f"({'last' if n == 1 else f'mean of the last {min(n, 5)}'}){evaluated}. Outputs in {self.out_dir}/ "
+                "(metrics.jsonl, plot.png, tb/, policy/, critic/, logs/)")
 
 
 def _mean_reward(records: list[dict[str, float]]) -> float:
@@ -74,8 +94,7 @@ class _StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        tqdm.write("Ctrl-C: stopping after this iteration, then saving a checkpoint (Ctrl-C again to stop now)",
-                   file=sys.stderr)
+        console.write("Ctrl-C: stopping after this iteration, then saving a checkpoint (Ctrl-C again to stop now)")
 
     @contextmanager
     def installed(self) -> Iterator["_StopRequest"]:
@@ -95,32 +114,40 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
     When a learner rank dies the trainer goes back to its latest checkpoint (``recover``) and
     the iterations since are redone, their first records replaced."""
     out = Path(cfg.output.dir)
-    first = _start(cfg, trainer, out, resume)
-    logger = MetricsLogger(out, cfg.output.tensorboard, resume_at=first if resume is not None else None)
+    try:
+        first = _start(cfg, trainer, out, resume)
+        trackers = make_trackers(cfg, to_dict(cfg), resume=resume is not None)
+    except BaseException:
+        trainer.close()
+        raise
+    logger = MetricsLogger(out, trackers, resume_at=first if resume is not None else None)
     stop_reason, it, every = "completed", first, cfg.output.checkpoint_every
     guard_error: RayppoError | None = None
-    bar = tqdm(total=cfg.stop.iterations, initial=first, desc="PPO", unit="it", disable=not progress, file=sys.stderr)
-    stop = _StopRequest()
+    bar = Bar(cfg.stop.iterations, first, progress)
+    stop, started = _StopRequest(), time.monotonic()
     try:
         with stop.installed():
             while it < cfg.stop.iterations:
                 try:
                     metrics = trainer.iteration()
+                    if due(cfg.eval.every, it, cfg.stop.iterations):
+                        metrics |= trainer.evaluate()
                     logger.log(it, metrics)
-                    _after_iteration(cfg, trainer, out, it, metrics, bar)
+                    _after_iteration(cfg, trainer, out, it, metrics, logger)
+                    bar.update(metrics)
                     if every and (it + 1) % every == 0:
                         write_checkpoint(out, it + 1, trainer, cfg.output.keep_checkpoints)
                 except LearnerFailedError as exc:  # raises again once the restart budget is spent
                     it = trainer.recover(exc)
                     logger.rewind(it)
-                    bar.n = it
-                    bar.refresh()
+                    bar.rewind(it)
                     continue
                 it += 1
                 if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
                     stop_reason = "kl_budget"
-                    tqdm.write(f"Stopping early at iteration {it - 1}: KL(pi || pi_ref) = {metrics['kl/ref_mean']:.2f} "
-                               f"nats per response exceeds stop.kl_budget = {cfg.stop.kl_budget}", file=sys.stderr)
+                    console.write(f"Stopping early at iteration {it - 1}: KL(pi || pi_ref) = "
+                                  f"{metrics['kl/ref_mean']:.2f} nats per response exceeds stop.kl_budget = "
+                                  f"{cfg.stop.kl_budget}")
                     break
                 if stop.requested:
                     stop_reason = "interrupted"
@@ -137,10 +164,17 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
     _finish(cfg, trainer, out, stop_reason, it)
     if guard_error is not None:
         raise guard_error
+    return _result(cfg, out, it, stop_reason, time.monotonic() - started)
+
+
+def _result(cfg: Config, out: Path, done: int, stop_reason: str, seconds: float) -> TrainResult:
+    """The run's summary (and its plot) from metrics.jsonl."""
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)
-    return TrainResult(it, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out)
+    evals = [r["eval/reward/mean"] for r in records if "eval/reward/mean" in r]
+    return TrainResult(done, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out,
+                       evals[-1] if evals else None, seconds)
 
 
 def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int:
@@ -151,7 +185,7 @@ def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int
         return 0
     state = read_driver_state(resume)
     trainer.restore(resume, state)
-    tqdm.write(f"Resumed from {resume} after {state['iteration']} iterations", file=sys.stderr)
+    console.phase(f"resumed from {resume} after {state['iteration']} iterations")
     return state["iteration"]
 
 
@@ -166,13 +200,44 @@ def _stop_reason(exc: RayppoError) -> str:
     return "actor_failure" if isinstance(exc, ActorFailedError) else "error"
 
 
-def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics: dict[str, float], bar: tqdm) -> None:
-    """Rollouts to disk (when asked) and the progress bar."""
-    if cfg.output.save_rollouts and trainer.last_rollout is not None:
-        trainer.last_rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
-    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl/ref_mean']:.2f}",
-                    tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
-    bar.update()
+def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics: dict[str, float],
+                     logger: MetricsLogger) -> None:
+    """Rollouts to disk (when asked) and, every ``output.samples_every``, a few responses."""
+    rollout = trainer.last_rollout
+    if cfg.output.save_rollouts and rollout is not None:
+        rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
+    every = cfg.output.samples_every
+    if every and (it + 1) % every == 0 and rollout is not None:
+        samples = pick_samples(rollout.prompt_text, rollout.response_text, rollout.score, cfg.output.samples_shown)
+        logger.log_samples(it, samples)
+        console.write(f"samples of iteration {it} (highest to lowest reward):")
+        for line in format_samples(samples, shutil.get_terminal_size().columns):
+            console.write(line)
+
+
+class Bar:
+    """The progress bar: iterations, ETA, and the figures a user watches (reward, held-out
+    reward, KL, tokens/s). The last evaluation's reward stays on it until the next one."""
+
+    def __init__(self, total: int, first: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, initial=first, desc="PPO", unit="it", disable=not enabled, file=sys.stderr,
+                        dynamic_ncols=True)
+        self.eval: str | None = None
+
+    def update(self, metrics: dict[str, float]) -> None:
+        if "eval/reward/mean" in metrics:
+            self.eval = f"{metrics['eval/reward/mean']:.3f}"
+        shown = {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
+                 "kl": f"{metrics['kl/ref_mean']:.2f}", "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update()
+
+    def rewind(self, iteration: int) -> None:
+        self.bar.n = iteration
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: int) -> None:
@@ -186,8 +251,8 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
     try:
         if stop_reason in STOPS:
             why = STOPS[stop_reason]
-            tqdm.write(f"{why} after {done} iterations; saving a checkpoint to {checkpoint_root(out)} "
-                       f"(continue with: rayppo train --resume {out})", file=sys.stderr)
+            console.write(f"{why} after {done} iterations; saving a checkpoint to {checkpoint_root(out)} "
+                          f"(continue with: rayppo train --resume {out})")
             write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
         elif every and done % every:
             write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from rayppo.cli import main
 from rayppo.config import load_config
+from rayppo.errors import RayppoError
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
@@ -61,6 +63,96 @@ def test_workloads_file_defines_the_required_presets(bench):
     assert workloads["small"].config["rollout.batch_size"] == 256 and workloads["small"].config["rollout.max_new_tokens"] == 128
     for w in workloads.values():  # every preset's overrides are valid config
         load_config(None, [f"{k}={v}" for k, v in w.config.items()])
+
+
+def fake_venv(bench, path: Path, python: bool = True, packages: bool = True) -> Path:
+    """A virtual environment's layout as venv and pip leave it, nothing installed: ``python``
+    False is an interrupted ``python -m venv``, ``packages`` False a failed pip install."""
+    site = path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (path / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (path / "bin").mkdir()
+    if python:
+        (path / "bin" / "python").symlink_to(sys.executable)
+    for requirement in bench.TRL_REQUIREMENTS if packages else []:
+        name, version = requirement.split("==")
+        (site / f"{name}-{version}{'+cpu' if name == 'torch' else ''}.dist-info").mkdir()
+    return path
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be made in: mode 555, or for root (whom modes do not stop) /proc."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        (folder / "probe").mkdir()
+        (folder / "probe").rmdir()
+        refusing = Path("/proc")  # root: procfs refuses new entries to everyone
+    except PermissionError:
+        refusing = folder
+    yield refusing
+    folder.chmod(0o755)
+
+
+def test_trl_venv_states(bench, tmp_path):
+    assert bench.venv_state(tmp_path / "nothing") == "missing"
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    assert bench.venv_state(tmp_path / "dangling") == "a dangling symlink"
+    (tmp_path / "file").write_text("")
+    assert bench.venv_state(tmp_path / "file") == "a file"
+    assert bench.venv_state(fake_venv(bench, tmp_path / "no-python", python=False)) == "half-made (no bin/python)"
+    no_trl = fake_venv(bench, tmp_path / "no-trl", packages=False)  # pip failed or was interrupted
+    assert bench.venv_state(no_trl) == f"half-made (no {bench.TRL_REQUIREMENTS[0]})"
+    assert bench.venv_state(fake_venv(bench, tmp_path / "ready")) == "ready"
+    (tmp_path / "link").symlink_to(tmp_path / "ready")
+    assert bench.venv_state(tmp_path / "link") == "ready"
+
+
+def test_trl_venv_goes_beside_the_repo_else_named_else_in_the_cache(bench, tmp_path, monkeypatch, read_only_dir):
+    monkeypatch.setenv("RAYPPO_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert bench.choose_trl_venv(repo, {}) == bench.TrlVenv(repo / ".venv-trl", "beside the repository")
+    named = bench.choose_trl_venv(repo, {"RAYPPO_TRL_VENV": str(tmp_path / "mine")})
+    assert named == bench.TrlVenv(tmp_path / "mine", "from RAYPPO_TRL_VENV")
+    assert bench.choose_trl_venv(read_only_dir, {}) == bench.TrlVenv(tmp_path / "cache" / "venv-trl",
+                                                                      f"{read_only_dir} is not writable")
+    assert list(repo.iterdir()) == []  # the writability probe leaves nothing behind
+
+
+def test_trl_venv_leftovers_are_replaced_and_nothing_else_is(bench, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    venv = bench.choose_trl_venv(repo, {})
+    link = venv.path
+    link.symlink_to(tmp_path / "gone")
+    bench.clear_leftovers(venv, venv.state)
+    assert not link.is_symlink() and not link.exists()
+    fake_venv(bench, link, python=False)  # an interrupted python -m venv
+    bench.clear_leftovers(venv, venv.state)
+    assert not link.exists()
+    elsewhere = fake_venv(bench, tmp_path / "elsewhere", packages=False)
+    link.symlink_to(elsewhere)  # a link to a half-made environment: the link goes, its target stays
+    bench.clear_leftovers(venv, venv.state)
+    assert not link.exists() and (elsewhere / "bin" / "python").exists()
+    fake_venv(bench, link, python=False)
+    (link / "notes.txt").write_text("someone's")
+    with pytest.raises(RayppoError, match="holds more than a virtual environment; move it, or set RAYPPO_TRL_VENV"):
+        bench.clear_leftovers(venv, venv.state)
+    assert (link / "notes.txt").exists()
+    shutil.rmtree(link)
+    link.write_text("")
+    with pytest.raises(RayppoError, match=r"\.venv-trl \(beside the repository\) is a file"):
+        bench.clear_leftovers(venv, venv.state)
+    link.unlink()
+    fake_venv(bench, link)
+    assert bench.ensure_trl_venv(venv) == link / "bin" / "python"  # ready: used as it is, silently
+    assert capsys.readouterr().err == ""
+    line = bench.install_line(venv, "a dangling symlink")
+    assert line == (f"TRL's environment: {link} (beside the repository): it was a dangling symlink, so it is rebuilt: "
+                    f"a one-time install of {' '.join(bench.TRL_REQUIREMENTS)}, reused by later --compare trl runs")
 
 
 @pytest.mark.slow

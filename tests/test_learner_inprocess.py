@@ -21,8 +21,7 @@ def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):
     reference = ReferenceEngine(str(embedded_dir))
     reward = RewardEngine(function=cfg.reward.function)
     learner = LearnerGroup(cfg, placement=None)  # one DeepSpeed rank in this process
-    texts, ids = load_prompt_set("embedded", "prompt", generator.tokenizer, 40)
-    sampler = PromptSampler(texts, ids, 8, seed=0)
+    sampler = PromptSampler(load_prompt_set("embedded", "prompt", generator.tokenizer, 40), 8, seed=0)
 
     def rollout():
         r = generator.generate(sampler.next_batch(), seed=0)

@@ -4,6 +4,8 @@ a plan that answers without importing torch."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -12,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from rayppo.cli import main
+from rayppo.cluster.placement import PlacementError, check_capacity
 from rayppo.config import load_config
 from rayppo.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, lora_params, model_dir,
                               param_count, read_shape, zero_bytes)
-from rayppo.plan import accelerator_gib, gpu_loads
+from rayppo.plan import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -117,19 +120,131 @@ def test_fractional_shares_add_up_on_one_gpu():
     assert load["generators"] == pytest.approx(0.3 * 80 * GiB + est["generators"].parts["CUDA context"])
 
 
+def missing_lines(capsys, args: list[str]) -> list[str]:
+    """``rayppo plan ARGS``' missing lines; none (and exit 0, ``fits``) when the job fits."""
+    code = main(["plan", *args])
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.split("does not fit:\n")[1].splitlines()] if "does not fit:" in out else []
+    assert (code, out.rstrip().endswith("fits")) == ((2, False) if lines else (0, True)), out
+    return lines
+
+
+def suggested(line: str) -> list[list[str]]:
+    """The overrides of each fix a missing line suggests (the fixes follow ``Fix:``, split by ``, or``)."""
+    return [re.findall(r"[a-z_]+\.[a-z_]+=\S+", fix) for fix in line.split(". Fix: ", 1)[1].split(", or ")]
+
+
+def assert_each_fix_fits(capsys, args: list[str], line: str) -> None:
+    """Every override fix in ``line``, applied to the same ``rayppo plan`` call, makes the job fit."""
+    fixes = [fix for fix in suggested(line) if fix]
+    assert fixes, line
+    for fix in fixes:
+        assert missing_lines(capsys, args + fix) == [], fix
+
+
+MORE_ACTORS = ["generators.num=2", "learner.num_ranks=2"]
+CPU_2_5 = ("CPU: need 2.5 (generators 2 x 0.5, reference 1 x 0.25, reward 1 x 0.25, learner 2 x 0.5), cluster has 2. "
+           "Fix: ")
+SHARES = ("smaller CPU shares: generators.cpus_per_worker=0.4 reference.cpus=0.2 reward.cpus=0.2 "
+          "learner.cpus_per_rank=0.4, or fewer actors: generators.num=1")
+
+
+def test_requested_resources_is_what_the_roles_reserve():
+    assert requested_resources(load_config()) == {"CPU": 2.0}
+    assert requested_resources(load_config(None, MORE_ACTORS)) == {"CPU": 2.5}
+    # 3 x 0.1 is 0.30000000000000004 in floats; Ray counts to 0.0001
+    assert requested_resources(load_config(None, ["reference.num=3", "reference.cpus=0.1"])) == {"CPU": 2.05}
+    assert requested_resources(load_config(None, ["learner.resources={learner_node: 1}"])) == {"CPU": 2.0,
+                                                                                               "learner_node": 2.0}
+    # colocated: each learner rank's bundle holds its GPU once, the four roles' CPUs add up
+    assert requested_resources(load_config(None, COLOCATED_8_GPUS)) == {"CPU": 8 * (0.5 + 0.5 + 0.25 + 0.25), "GPU": 8}
+    across = load_config(None, ["generators.gpus_per_worker=2", "generators.tensor_parallel_layout=across_nodes",
+                                "generators.num=2"])
+    assert requested_resources(across)["GPU"] == 4  # vLLM's workers' bundles, the actor holds none
+
+
+def test_local_instance_is_sized_to_the_roles_unless_num_cpus_is_set(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU
+    huge = load_config(None, ["learner.cpus_per_rank=1000", "reference.cpus=0.1"])  # more than any machine's cores
+    assert requested_resources(huge)["CPU"] == 2000.85
+    assert local_resources(huge, with_memory=False)["CPU"] == 2001  # Ray's node resources are whole numbers
+    assert preflight(huge) == []
+    assert local_resources(load_config(), with_memory=False)["CPU"] == max(os.cpu_count(), 2)
+    [line] = preflight(load_config(None, MORE_ACTORS + ["cluster.num_cpus=2"]))
+    assert line == CPU_2_5 + ("cluster.num_cpus=3 (oversubscribing this machine is fine: the stages of an iteration "
+                              "take turns), or cluster.num_cpus=null (sized to what the roles reserve), or " + SHARES)
+
+
+def test_cpu_shortage_on_this_machine_names_fixes_that_fit(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert missing_lines(capsys, MORE_ACTORS) == []  # unset, cluster.num_cpus follows the roles (3 on 2 cores)
+    args = MORE_ACTORS + ["cluster.num_cpus=2"]
+    [line] = missing_lines(capsys, args)  # this machine has the memory: the default job needs ~6 GiB of RSS
+    assert line.startswith(CPU_2_5 + "cluster.num_cpus=3 (") and line.endswith(SHARES)
+    assert [fix for fix in suggested(line) if fix] == [
+        ["cluster.num_cpus=3"], ["cluster.num_cpus=null"],
+        ["generators.cpus_per_worker=0.4", "reference.cpus=0.2", "reward.cpus=0.2", "learner.cpus_per_rank=0.4"],
+        ["generators.num=1"]]
+    assert_each_fix_fits(capsys, args, line)
+
+
+def test_cpu_shortage_on_a_cluster_says_add_nodes_or_shrink(capsys):
+    args = MORE_ACTORS + ["cluster.address=ray://head:10001", "--cluster-resources", '{"CPU": 2}']
+    [line] = missing_lines(capsys, args)
+    assert line == CPU_2_5 + "0.5 more CPUs (add nodes to the cluster), or " + SHARES
+    assert_each_fix_fits(capsys, args, line)
+    with pytest.raises(PlacementError, match=re.escape(line)):  # what the driver raises when it reserves
+        check_capacity(load_config(None, MORE_ACTORS + ["cluster.address=ray://head:10001"]), {"CPU": 2.0})
+
+
 @pytest.mark.parametrize("overrides, resources, expected", [
     (["learner.cpus_per_rank=4"], '{"CPU": 2}',
-     ("CPU: need 9 (", "cluster has 2: fewer or smaller actors", "learner.cpus_per_rank")),
+     "CPU: need 9 (generators 1 x 0.5, reference 1 x 0.25, reward 1 x 0.25, learner 2 x 4), cluster has 2. Fix: "
+     "7 more CPUs (add nodes to the cluster), or smaller CPU shares: generators.cpus_per_worker=0.1 "
+     "reference.cpus=0.05 reward.cpus=0.05 learner.cpus_per_rank=0.85"),
     (["generators.gpus_per_worker=1", "generators.num=2"], '{"CPU": 8, "GPU": 1}',
-     ("GPU: need 2 (generators 2 x 1), cluster has 1: fewer generators (generators.num)",)),
-    (["learner.resources={learner_node: 1}"], '{"CPU": 8}', ("learner_node: need 2 (learner 2 x 1), cluster has 0",)),
-    ([], '{"CPU": 8, "memory": 1e9}', ("memory: need", "cluster has 0.9 GiB")),
+     "GPU: need 2 (generators 2 x 1), cluster has 1. Fix: 1 more GPU (add nodes to the cluster), or smaller GPU "
+     "shares: generators.gpus_per_worker=0.5, or fewer actors: generators.num=1"),
+    (["generators.gpus_per_worker=1", "learner.gpus_per_rank=1", "reference.gpus=1", "reward.gpus=1"],
+     '{"CPU": 8, "GPU": 3}',
+     "GPU: need 5 (generators 1 x 1, reference 1 x 1, reward 1 x 1, learner 2 x 1), cluster has 3. Fix: 2 more GPUs "
+     "(add nodes to the cluster), or smaller GPU shares: generators.gpus_per_worker=0.3333 reference.gpus=0.3333 "
+     "reward.gpus=0.3333"),
+    (["learner.resources={learner_node: 1}"], '{"CPU": 8}',
+     "learner_node: need 2 (learner 2 x 1), cluster has 0. Fix: 2 more learner_node (add nodes started with ray start "
+     "--resources '{\"learner_node\": N}'), or no actor asking for it: learner.resources={}"),
+    (["learner.resources={learner_node: 1}"], '{"CPU": 8, "learner_node": 1}',
+     "learner_node: need 2 (learner 2 x 1), cluster has 1. Fix: 1 more learner_node (add nodes started with ray start "
+     "--resources '{\"learner_node\": N}'), or fewer actors: learner.num_ranks=1, or no actor asking for it: "
+     "learner.resources={}"),
+    ([], '{"CPU": 8, "memory": 4e9}',
+     "memory: need 4.2 GiB of RSS in total, cluster has 3.7 GiB (the generators take the most). Fix: fewer actors: "
+     "learner.num_ranks=1"),
 ])
-def test_shortfalls_exit_2_with_one_line_naming_the_fix(capsys, overrides, resources, expected):
-    assert main(["plan", *overrides, "--cluster-resources", resources]) == 2
-    out = capsys.readouterr().out
-    missing = out.split("does not fit:\n")[1].splitlines()
-    assert len(missing) == 1 and all(text in missing[0] for text in expected), out
+def test_shortfalls_exit_2_with_one_line_and_fixes_that_fit(capsys, overrides, resources, expected):
+    args = [*overrides, "cluster.address=auto", "--cluster-resources", resources]
+    assert missing_lines(capsys, args) == [expected]
+    assert_each_fix_fits(capsys, args, expected)
+
+
+def test_rss_no_config_can_fix_says_so(capsys):
+    assert missing_lines(capsys, ["cluster.address=auto", "--cluster-resources", '{"CPU": 8, "memory": 1e9}']) == [
+        "memory: need 4.2 GiB of RSS in total, cluster has 0.9 GiB (the generators take the most). Fix: nodes with "
+        "more memory"]
+
+
+@pytest.mark.parametrize("gib, extra, fix", [
+    (40, [], "learner.offload=true"),
+    (80, ["learner.zero_stage=2", "learner.gradient_checkpointing=false", "ppo.minibatches=1"],
+     "learner.gradient_checkpointing=true learner.zero_stage=3"),  # neither alone is enough: both
+])
+def test_gpu_memory_fixes_are_computed_and_fit(tmp_path, capsys, gib, extra, fix):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    args = [f"model.policy={tmp_path}", *COLOCATED_8_GPUS, *extra, "--cluster-resources", RESOURCES_8_GPUS,
+            "--gpu-memory-gib", str(gib), "--prompt-tokens", "512"]
+    [line] = missing_lines(capsys, args)
+    assert line.startswith("GPU memory: 8 GPUs need") and line.endswith(f"GiB. Fix: {fix}"), line
+    assert_each_fix_fits(capsys, args, line)
 
 
 def test_gpu_memory_from_the_clusters_accelerator_type():
@@ -180,5 +295,6 @@ def test_train_stops_before_starting_anything_when_the_machine_lacks_resources(m
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU
     assert main(["train", "generators.gpus_per_worker=1"]) == 2
     err = capsys.readouterr().err
-    assert "this job does not fit" in err and "GPU: need 1 (generators 1 x 1), cluster has 0: fewer generators" in err
+    assert ("rayppo: error: this job does not fit: GPU: need 1 (generators 1 x 1), cluster has 0. Fix: a machine with "
+            "1 GPU, or a Ray cluster with them (cluster.address), or CPUs only: generators.gpus_per_worker=0") in err
     assert not ray.is_initialized()

@@ -17,10 +17,12 @@ from rayppo.tasks import digits
 class Scorer(BaseHTTPRequestHandler):
     failures_left = 0  # answer 503 this many times first (to exercise retries)
     wrong_count = False
+    bodies: list[dict] = []  # every request body received, in order
 
     def do_POST(self):  # noqa: N802 - the http.server API
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls = type(self)
+        cls.bodies.append(body)
         if cls.failures_left > 0:
             cls.failures_left -= 1
             self.send_response(503)
@@ -43,7 +45,7 @@ def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Scorer)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    Scorer.failures_left, Scorer.wrong_count = 0, False
+    Scorer.failures_left, Scorer.wrong_count, Scorer.bodies = 0, False, []
     yield f"http://127.0.0.1:{httpd.server_address[1]}/score"
     httpd.shutdown()
 
@@ -60,6 +62,23 @@ def test_http_scores_in_batches_and_retries(server):
     assert engine.scores(r) == [0.75, 0.25, 0.0]
 
 
+def test_http_body_carries_each_rows_conversation_and_columns(server):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say 7 :"}]
+    r = rollout(["say 7 : (rendered from a chat)", "say 1 :", "give 2 :"], ["7 7 7 1", "1", "3 3"])
+    r.prompt_messages = [json.dumps(chat), "", ""]
+    r.prompt_fields = [json.dumps({"answer": "7"}), "{}", json.dumps({"answer": "2", "tests": [1]})]
+    engine = RewardEngine(http=HttpEndpoint(server, timeout_s=5, retries=1), batch_size=2)
+    assert engine.scores(r) == [0.75, 0.25, 0.0]
+    assert Scorer.bodies == [
+        {"prompts": r.prompt_text[:2], "responses": r.response_text[:2], "messages": [chat, None],
+         "rows": [{"answer": "7"}, {}]},
+        {"prompts": r.prompt_text[2:], "responses": r.response_text[2:], "messages": [None],
+         "rows": [{"answer": "2", "tests": [1]}]},
+    ]
+    engine.scores(rollout(["say 1 :"], ["1"]))  # a rollout without the prompt columns
+    assert Scorer.bodies[-1] == {"prompts": ["say 1 :"], "responses": ["1"], "messages": [None], "rows": [{}]}
+
+
 def test_http_gives_up_with_a_clear_error(server):
     Scorer.failures_left = 5
     engine = RewardEngine(http=HttpEndpoint(server, timeout_s=5, retries=2))
@@ -72,5 +91,7 @@ def test_http_gives_up_with_a_clear_error(server):
 
 def test_config_wants_exactly_one_reward_source():
     with pytest.raises(ConfigError, match="exactly one of reward.function, reward.model and reward.url"):
-        load_config(None, ["reward.url=http://x/score"])
+        load_config(None, ["reward.function=rayppo.tasks.digits:reward", "reward.url=http://x/score"])
+    reward = load_config(None, ["reward.url=http://x/score"]).reward  # the url clears the default verifier
+    assert (reward.function, reward.url) == (None, "http://x/score")
     assert load_config(None, ["reward.function=null", "reward.url=http://x/score"]).reward.url == "http://x/score"

@@ -11,10 +11,21 @@ import os
 import resource
 import signal
 import sys
+import time
 
 import torch
 
 from rayppo.errors import RayppoError
+
+LOG_FILE_ENV = "RAYPPO_LOG_FILE"
+"""Set in an actor's environment by the driver: the file its stdout and stderr go to."""
+
+if os.environ.get(LOG_FILE_ENV):
+    # First thing in the actor's process (this module is imported before any engine is built):
+    # vLLM's, DeepSpeed's and transformers' output goes to the role's log file, not the terminal.
+    from rayppo.console import redirect_output
+
+    redirect_output(os.environ[LOG_FILE_ENV])
 
 # Every role's process writes its threads' stacks to its log on SIGUSR1: the driver sends it to an
 # actor that missed its deadline before replacing it (rayppo/cluster/supervisor.py).
@@ -121,6 +132,40 @@ class Engine:
 
         return os.getpid(), ray.util.get_node_ip_address()
 
-    def ready(self) -> str:
-        """A one-line description once the engine is built (the driver waits on it)."""
-        return f"{type(self).__name__} on {self.device}"
+    def ready(self) -> tuple[str, float]:
+        """Once the engine is built (the driver waits on it): what it holds, in one line, and
+        the seconds since its process started."""
+        return self.describe(), time.time() - _process_start()
+
+    def describe(self) -> str:
+        """``engine, device, threads, model``: overridden by each role."""
+        return f"{type(self).__name__}, {self.where()}"
+
+    def where(self) -> str:
+        """``cpu, 2 threads`` or ``cuda:0 (NVIDIA H200)``."""
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        threads = torch.get_num_threads()
+        return f"cpu, {threads} thread{'s' if threads != 1 else ''}"
+
+
+def model_size(model: torch.nn.Module) -> str:
+    """``1.2M params`` / ``494M params`` / ``7.6B params``."""
+    n = sum(p.numel() for p in model.parameters())
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit} params"
+    return f"{n} params"
+
+
+def _process_start() -> float:
+    """When this process started (Unix time)."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil comes with Ray; without it, this module's import time
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()

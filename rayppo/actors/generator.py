@@ -16,12 +16,13 @@ what the learner recomputes as log_softmax(logits / temperature):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import GenerationConfig
 
-from rayppo.actors.base import Engine
+from rayppo.actors.base import Engine, model_size
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.errors import RayppoError
@@ -149,7 +150,8 @@ class _HFBackend:
         out = self.model.generate(
             input_ids=batch.input_ids[:, :width],
             attention_mask=batch.attention_mask[:, :width],
-            do_sample=True, temperature=s.temperature, top_p=1.0, top_k=0,
+            # temperature 0: greedy decoding (evaluation); its log-probs below are at T = 1.
+            do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=1.0, top_k=0,
             max_new_tokens=s.max_new_tokens, min_new_tokens=s.max_new_tokens if s.ignore_eos else 0,
             eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
         )
@@ -158,7 +160,7 @@ class _HFBackend:
         response_ids = [ids for ids, _ in rows]
         nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
         logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
-                                     s.temperature)
+                                     s.temperature or 1.0)
         return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]
 
 
@@ -406,8 +408,24 @@ class GeneratorEngine(Engine):
         Returns False where the engine cannot sleep."""
         return self.backend.wake_up(tags)
 
-    def ready(self) -> str:
-        return f"generator {self.generator_id}: {type(self.backend).__name__.strip('_')} on {self.device}"
+    def describe(self) -> str:
+        if isinstance(self.backend, _VLLMBackend):
+            import vllm
+
+            tp = self.backend.tensor_parallel_size
+            engine = f"vLLM {vllm.__version__}" + (f", tensor parallel {tp}" if tp > 1 else "")
+        else:
+            engine = f"transformers generate, {model_size(self.backend.model)}"
+        return f"{engine}, {self.where()}"
+
+    def warmup(self) -> float:
+        """One short generation: an engine's first call allocates and warms its kernels, which
+        belongs to start-up, not to the first iteration's timings. Returns its seconds. (Each
+        ``sample`` reseeds, so this changes no later sample.)"""
+        start = time.perf_counter()
+        ids = self.tokenizer("warm up", add_special_tokens=True)["input_ids"]
+        self.backend.sample([ids] * 2, replace(self.sampling, max_new_tokens=2), seed=0)
+        return time.perf_counter() - start
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """One response per prompt, sampled at the configured temperature / top-p."""
@@ -417,6 +435,20 @@ class GeneratorEngine(Engine):
                 raise EmptyResponseError(
                     f"generator {self.generator_id} returned an empty response for prompt {text!r}"
                 )
+        return self._rollout(prompts, response_ids, logprobs, reasons)
+
+    def evaluate(self, prompts: PromptBatch, temperature: float, samples: int, seed: int) -> Rollout:
+        """``samples`` responses per held-out prompt (rows prompt-major) at ``temperature``
+        (0: greedy); for scoring only, so no log-probs are kept."""
+        if not len(prompts):  # more generators than held-out prompts
+            return self._rollout(prompts, [], [], [])
+        repeated = prompts.select([i for i in range(len(prompts)) for _ in range(samples)])
+        response_ids, _, reasons = self.backend.sample(repeated.ids, replace(self.sampling, temperature=temperature),
+                                                       seed)
+        return self._rollout(repeated, response_ids, [], reasons)
+
+    def _rollout(self, prompts: PromptBatch, response_ids: list[list[int]], logprobs: list[list[float]],
+                 reasons: list[str]) -> Rollout:
         return Rollout(
             prompt_ids=[list(p) for p in prompts.ids],
             response_ids=response_ids,
@@ -426,4 +458,6 @@ class GeneratorEngine(Engine):
             response_text=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             policy_version=[self.policy_version] * len(response_ids),
             generator_id=[self.generator_id] * len(response_ids),
+            prompt_messages=prompts.messages_json(),
+            prompt_fields=prompts.fields_json(),
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayppo.actors.base import Engine
+from rayppo.actors.base import Engine, model_size
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
@@ -26,6 +26,9 @@ class ReferenceEngine(Engine):
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.temperature = temperature
         self.batch_size = batch_size
+
+    def describe(self) -> str:
+        return f"transformers, {model_size(self.model)}, {self.where()}"
 
     @torch.no_grad()
     def ref_logprobs(self, rollout: Rollout) -> list[list[float]]:

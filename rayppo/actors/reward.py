@@ -9,14 +9,14 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from rayppo.actors.base import Engine
+from rayppo.actors.base import Engine, model_size
 from rayppo.actors.verifier import VerifierProcess, VerifierTimeout, load_reward_function
 from rayppo.data.rollout import Rollout
 from rayppo.errors import RayppoError
-
 
 
 class RewardError(RayppoError, RuntimeError):
@@ -31,8 +31,13 @@ class HttpEndpoint:
     timeout_s: float = 30.0
     retries: int = 3
 
-    def scores(self, prompts: list[str], responses: list[str]) -> list[float]:
-        body = json.dumps({"prompts": prompts, "responses": responses}).encode()
+    def scores(self, prompts: list[str], responses: list[str], messages: list[list[dict] | None] | None = None,
+               rows: list[dict[str, Any]] | None = None) -> list[float]:
+        """``[B]`` scores of one batch. The body is ``{"prompts", "responses", "messages", "rows"}``:
+        each prompt's conversation (null for a plain prompt) and its row's other columns."""
+        body = json.dumps({"prompts": prompts, "responses": responses,
+                           "messages": messages if messages is not None else [None] * len(prompts),
+                           "rows": rows if rows is not None else [{} for _ in prompts]}).encode()
         error: Exception | None = None
         for attempt in range(self.retries):
             if attempt:
@@ -63,7 +68,8 @@ class RewardEngine(Engine):
     HTTP endpoint (``HttpEndpoint``).
 
     A reward model is re-fed *text* (prompt + response) through its own tokenizer, so it may use
-    a different vocabulary from the policy.
+    a different vocabulary from the policy; with its own chat template when it has one. A verifier
+    and an endpoint also get each prompt row's conversation and other columns.
     """
 
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
@@ -89,14 +95,19 @@ class RewardEngine(Engine):
             self.tokenizer = load_tokenizer(model)
             self.tokenizer.padding_side = "right"
 
+    def describe(self) -> str:
+        if self.function:
+            return f"verifier {self.name} in a child process (reward.timeout_s={self.timeout_s:g})"
+        if self.http:
+            return f"HTTP endpoint {self.http.url}"
+        return f"reward model {self.name}, {model_size(self.model)}, {self.where()}"
+
     def scores(self, rollout: Rollout) -> list[float]:
         """``[B]`` r_phi(x, y); raises ``RewardError`` naming the prompt on failure or non-finite."""
         if self.function:
             values = self._verifier_scores(rollout)
         elif self.http:
-            values = [x for start in range(0, len(rollout), self.batch_size)
-                      for x in self.http.scores(rollout.prompt_text[start:start + self.batch_size],
-                                                rollout.response_text[start:start + self.batch_size])]
+            values = self._http_scores(rollout)
         else:
             values = self._model_scores(rollout)
         for prompt, value in zip(rollout.prompt_text, values):
@@ -104,11 +115,21 @@ class RewardEngine(Engine):
                 raise RewardError(f"reward {self.name} returned {value} for prompt {prompt!r}")
         return values
 
+    def _http_scores(self, rollout: Rollout) -> list[float]:
+        messages, rows = rollout.conversations(), rollout.row_fields()
+        out: list[float] = []
+        for start in range(0, len(rollout), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            out.extend(self.http.scores(rollout.prompt_text[part], rollout.response_text[part], messages[part],
+                                        rows[part]))
+        return out
+
     def _verifier_scores(self, rollout: Rollout) -> list[float]:
         out = []
-        for prompt, response in zip(rollout.prompt_text, rollout.response_text):
+        rows = zip(rollout.prompt_text, rollout.response_text, rollout.row_fields(), rollout.conversations())
+        for prompt, response, fields, messages in rows:
             try:
-                out.append(float(self.function(prompt, response)))
+                out.append(float(self.function(prompt, response, fields, messages)))
             except VerifierTimeout:
                 if self.timeout_score is None:
                     raise RewardError(f"reward function {self.name} ran past reward.timeout_s={self.timeout_s:g} s on "
@@ -122,12 +143,32 @@ class RewardEngine(Engine):
                 ) from exc
         return out
 
+    def _model_texts(self, rollout: Rollout) -> tuple[list[str], bool]:
+        """``([B] texts the reward model scores, whether they carry their special tokens)``. With a
+        chat template: the prompt's conversation (a plain prompt as one user turn) and the response
+        as the assistant turn, rendered by the template, which writes its own special tokens.
+        Without one: ``prompt + " " + response``."""
+        pairs = list(zip(rollout.prompt_text, rollout.response_text))
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [f"{p} {r}" for p, r in pairs], False
+        texts = []
+        for conversation, (prompt, response) in zip(rollout.conversations(), pairs):
+            turns = [*(conversation or [{"role": "user", "content": prompt}]),
+                     {"role": "assistant", "content": response}]
+            try:
+                texts.append(self.tokenizer.apply_chat_template(turns, tokenize=False))
+            except Exception as exc:  # noqa: BLE001 - the template is the model folder's Jinja code: any failure
+                raise RewardError(f"reward model {self.name}'s chat template failed on prompt {prompt!r}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        return texts, True
+
     @torch.no_grad()
     def _model_scores(self, rollout: Rollout) -> list[float]:
-        texts = [f"{p} {r}" for p, r in zip(rollout.prompt_text, rollout.response_text)]
+        texts, templated = self._model_texts(rollout)
         out: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True).to(self.device)
+            enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
+                                 add_special_tokens=not templated).to(self.device)
             logits = self.model(**enc).logits  # [b, 1]
             out.extend(logits[:, 0].float().tolist())
         return out

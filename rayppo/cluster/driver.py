@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
-from rayppo.actors.base import Engine
+from rayppo.actors.base import LOG_FILE_ENV, Engine
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.supervisor import Fanout, Supervisor
-from rayppo.cluster.placement import Placement, placement_report, release, reserve, role_specs
+from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve, role_specs
 from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
 from rayppo.checkpoint import CheckpointError, latest_checkpoint, read_driver_state
@@ -35,7 +36,9 @@ from rayppo.config import (Config, actor_threads, role_gpus, tensor_parallel_siz
                            weight_sync_backend)
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.errors import LearnerFailedError
+from rayppo.console import console
+from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
+from rayppo.errors import ActorFailedError, LearnerFailedError, brief
 from rayppo.learner.group import LearnerGroup
 from rayppo.learner.reference_trainer import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
                                              sampling_settings)
@@ -55,8 +58,11 @@ class DistributedTrainer:
         self.policy_path = str(resolve_model_path(m.policy, m.cache_dir))  # builds the embedded model once
         tokenizer = load_tokenizer(self.policy_path)
         max_prompt = (cfg.generators.max_model_len or _max_positions(self.policy_path)) - cfg.rollout.max_new_tokens
-        texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, tokenizer, max_prompt)
-        self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        prompt_set = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, tokenizer, max_prompt, cfg.data.split)
+        self.prompts = PromptSampler(prompt_set, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        held_out = eval_source(cfg)
+        self.eval_prompts = (load_prompt_set(held_out[0], cfg.data.prompt_column, tokenizer, max_prompt, held_out[1])
+                             if held_out else None)
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self._start_state: dict[str, Any] | None = None
@@ -66,10 +72,16 @@ class DistributedTrainer:
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
         self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s)
-        self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus).__enter__()
+        self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus, requested_resources(cfg).get("CPU", 0.0),
+                                  verbose=console.actor_log("driver", 0) is None).__enter__()
         try:
             self.placements = reserve(cfg)
+            console.phase(f"starting {_actor_count(cfg)}" + (f" (their output: {console.log_dir}/)" if console.log_dir else ""))
             self._spawn_roles()
+            wait_ready({"generators": self.generators, "reference": self.reference, "reward": self.rewards,
+                        "learner": self.learner.ranks}, cfg.cluster.call_timeout_s)
+            console.phase("warming up the generators (their first call allocates)")
+            self.generators.get(self.generators.call_all(GeneratorEngine.warmup))
             out = Path(cfg.output.dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "placement.json").write_text(json.dumps(placement_report(self.placements), indent=1))
@@ -95,7 +107,7 @@ class DistributedTrainer:
             if role == "generators" and g.tensor_parallel_layout == "across_nodes":
                 # vLLM's ray executor: worker r in bundle r of the generator's own group.
                 env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, range(tensor_parallel_size(g))))
-            return [self.placements[role].actor_options(i, env) for i in range(n)]
+            return [self.placements[role].actor_options(i, {**env, **_log_env(role, i)}) for i in range(n)]
 
         self.generators = ActorGroup(
             GeneratorEngine,
@@ -172,8 +184,7 @@ class DistributedTrainer:
         """Split the prompts across the generators; each samples with its own seed. A generator
         that dies or hangs is replaced, given the current weights, and samples its share again."""
         parts = split_evenly(len(prompts.ids), len(self.generators))
-        args = [(PromptBatch(prompts.texts[r.start:r.stop], prompts.ids[r.start:r.stop]), seed + 7919 * i)
-                for i, r in enumerate(parts)]
+        args = [(prompts.select(r), seed + 7919 * i) for i, r in enumerate(parts)]
         rollout = Rollout.concat(self.supervisor.call(self.generators, "generators", GeneratorEngine.generate, args,
                                                       refresh=self.weight_sync.refresh))
         self.schedule.stage("generate")
@@ -190,6 +201,25 @@ class DistributedTrainer:
         rollout.ref_logprobs = [x for part in ref_parts for x in part]
         rollout.score = [x for part in reward_parts for x in part]
         return rollout, {"time/reference": passes[0].seconds, "time/reward": passes[1].seconds}
+
+    def evaluate(self) -> dict[str, float]:
+        """The current policy on the held-out prompts, split across the generators and scored by
+        the reward actors (``rayppo/evaluation.py``); {} without held-out prompts."""
+        if self.eval_prompts is None:
+            return {}
+        prompts, seed = self.eval_prompts, iteration_seed(self.cfg.seed, SEED_OFFSET)
+
+        def score_pass(temperature: float, k: int) -> list[float]:
+            parts = split_evenly(len(prompts), len(self.generators))
+            args = [(prompts.select(r), temperature, k, seed + 7919 * i) for i, r in enumerate(parts)]
+            rollout = Rollout.concat(self.supervisor.call(self.generators, "generators", GeneratorEngine.evaluate,
+                                                          args, refresh=self.weight_sync.refresh))
+            rows = split_evenly(len(rollout), len(self.rewards))
+            (scores,) = self.supervisor.run([Fanout(self.rewards, "reward", RewardEngine.scores,
+                                                    [(rollout.select(r),) for r in rows])])
+            return [x for part in scores for x in part]
+
+        return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""
@@ -259,6 +289,57 @@ class DistributedTrainer:
             release(self.placements)
             self.placements = {}
         self.session.close()
+
+
+LOG_NAMES = {"generators": "generator", "reference": "reference", "reward": "reward", "learner": "learner"}
+"""Role -> the stem of its actors' log files (``logs/generator-0.log``)."""
+
+
+def _log_env(role: str, index: int) -> dict[str, str]:
+    """The environment variable that sends an actor's output to its log file (none with --verbose)."""
+    path = console.actor_log(LOG_NAMES[role], index)
+    return {LOG_FILE_ENV: str(path)} if path else {}
+
+
+def _actor_count(cfg: Config) -> str:
+    """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
+    counts = {"generator": cfg.generators.num, "reference": cfg.reference.num, "reward": cfg.reward.num,
+              "learner rank": cfg.learner.num_ranks}
+    parts = [f"{n} {name}{'s' if n != 1 and name != 'reference' and name != 'reward' else ''}"
+             for name, n in counts.items()]
+    return f"{sum(counts.values())} actors: {', '.join(parts)}"
+
+
+def wait_ready(groups: dict[str, ActorGroup], timeout_s: float) -> None:
+    """Wait until every actor answers ``Engine.ready``; one line per role as its last actor
+    does (what it holds, the slowest actor's start-up seconds). An actor that fails while
+    starting raises its own error, with the log file that holds the details."""
+    pending = {ref: (role, i) for role, group in groups.items() for i, ref in enumerate(group.call_all(Engine.ready))}
+    answers: dict[str, list[tuple[str, float]]] = {role: [] for role in groups}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            late = sorted({f"{LOG_NAMES[r]}-{i}" for r, i in pending.values()})
+            raise ActorFailedError(f"{', '.join(late)} did not start within cluster.call_timeout_s={timeout_s:g} s"
+                                   f"{_log_hint(*next(iter(pending.values())))}")
+        role, i = pending.pop(done[0])
+        try:
+            answers[role].append(get(done[0]))
+        except RayActorError as exc:  # an error in __init__ ends Ray's message as "Type: message"
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
+            raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{_log_hint(role, i)}") from None
+        if len(answers[role]) == len(groups[role]):
+            what, seconds = answers[role][0][0], max(s for _, s in answers[role])
+            n = len(groups[role])
+            label = LOG_NAMES[role] + (f" x{n}" if n > 1 else "")
+            console.phase(f"{label:<13} ready in {seconds:5.1f} s: {what}")
+
+
+def _log_hint(role: str, index: int) -> str:
+    path = console.actor_log(LOG_NAMES[role], index)
+    return f" (details: {path})" if path else ""
 
 
 def vllm_settings(cfg: Config) -> VLLMSettings:

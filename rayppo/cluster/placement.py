@@ -1,24 +1,33 @@
-"""Reserving resources per role with Ray placement groups, failing fast with what is missing."""
+"""Reserving resources per role with Ray placement groups, failing fast with what is missing and
+the config changes that would make the job fit (computed, and checked against the config's rules)."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
     from ray.util.placement_group import PlacementGroup
 
-from rayppo.config import Config, role_gpus, tensor_parallel_size
+from rayppo.config import Config, ConfigError, role_gpus, tensor_parallel_size
 from rayppo.errors import RayppoError
 
-
-FIXES = {  # what to change when the cluster lacks a resource (also ``rayppo plan``'s advice)
-    "CPU": "fewer or smaller actors (generators.num, generators.cpus_per_worker, reference.cpus, reward.cpus, "
-           "learner.num_ranks, learner.cpus_per_rank) or more CPUs (cluster.num_cpus on one machine)",
-    "GPU": "fewer generators (generators.num) or smaller shares (generators.gpus_per_worker, learner.gpus_per_rank, "
-           "reference.gpus, reward.gpus), or fewer learner ranks (learner.num_ranks)",
+COUNT_FIELDS = {"generators": "generators.num", "reference": "reference.num", "reward": "reward.num",
+                "learner": "learner.num_ranks"}
+"""The field that sets how many actors a role has."""
+SHARE_FIELDS = {
+    "CPU": {"generators": "generators.cpus_per_worker", "reference": "reference.cpus", "reward": "reward.cpus",
+            "learner": "learner.cpus_per_rank"},
+    "GPU": {"generators": "generators.gpus_per_worker", "reference": "reference.gpus", "reward": "reward.gpus",
+            "learner": "learner.gpus_per_rank"},
 }
+"""The field that sets what each actor of a role asks for, per resource."""
+CPU_STEP = 0.05
+"""Suggested CPU shares are multiples of this: Ray counts to 0.0001, but round shares read better."""
+
 
 class PlacementError(RayppoError, RuntimeError):
     """The cluster cannot hold the requested roles; the message says what is missing."""
@@ -146,6 +155,7 @@ def _role_group(name: str, members: list[RoleSpec]) -> GroupPlan:
 
 
 def total_demand(plans: list[GroupPlan]) -> dict[str, float]:
+    """The resources of every bundle of ``plans``, added up."""
     demand: dict[str, float] = {}
     for plan in plans:
         for bundle in plan.bundles:
@@ -153,16 +163,187 @@ def total_demand(plans: list[GroupPlan]) -> dict[str, float]:
     return demand
 
 
-def check_capacity(cfg: Config, plans: list[GroupPlan], available: dict[str, float]) -> None:
-    """Raise ``PlacementError`` naming every resource the cluster lacks, before anything waits."""
+def requested_resources(cfg: Config) -> dict[str, float]:
+    """What the job reserves in total, per resource (``CPU``, ``GPU``, custom names): every role's
+    actors times what each asks for, as its placement groups ask Ray for it (colocated: each
+    learner rank's GPU once, the roles' CPUs added up). Pure: no Ray. A local Ray instance started
+    without ``cluster.num_cpus`` gets at least its ``CPU``, rounded up (a Ray node's resources are
+    whole numbers); ``rayppo plan``, the pre-flight check and ``reserve`` compare it with the
+    cluster's resources."""
+    # Ray counts resources to 0.0001: rounding drops float dust such as 3 x 0.1 = 0.30000000000000004.
+    return {k: round(v, 4) for k, v in total_demand(plan_groups(cfg)).items() if v > 0}
+
+
+def changed(cfg: Config, changes: dict[str, Any]) -> Config | None:
+    """A copy of ``cfg`` with ``changes`` (``section.field`` -> value), or None when the config's
+    checks refuse it: a suggested fix has to load."""
+    from rayppo.config_checks import validate  # it builds on rayppo.config, as load_config imports it
+
+    new = copy.deepcopy(cfg)
+    for dotted, value in changes.items():
+        section, name = dotted.split(".")
+        setattr(getattr(new, section), name, value)
+    try:
+        return validate(new)
+    except ConfigError:
+        return None
+
+
+def _value(v: Any) -> str:
+    """A value as an override types it: ``true``, ``null``, ``0.25``, ``{learner_node: 1}``."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4f}".rstrip("0").rstrip(".")
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def override_text(changes: dict[str, Any]) -> str:
+    """``generators.num=1 learner.offload=true``: changes as command-line overrides."""
+    return " ".join(f"{k}={_value(v)}" for k, v in changes.items())
+
+
+def shortage_lines(cfg: Config, available: dict[str, float], local: bool) -> list[str]:
+    """One line per resource the job reserves more of than ``available`` holds: who asks for it,
+    then ``Fix:`` and the changes that would each make it fit. ``local``: ``available`` is the
+    local Ray instance rayppo starts (``cluster.num_cpus`` sizes it), not a cluster."""
     specs = role_specs(cfg)
-    missing = []
-    for key, need in sorted(total_demand(plans).items()):
+    lines = []
+    for key, need in sorted(requested_resources(cfg).items()):
         have = available.get(key, 0.0)
         if need > have + 1e-9:
-            users = ", ".join(f"{s.name} {s.count} x {s.bundle[key]:g}" for s in specs if s.bundle.get(key))
-            fix = FIXES.get(key, "a cluster that has it, or no actor asking for it (*.resources)")
-            missing.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}: {fix}")
+            users = ", ".join(f"{s.name} {s.count} x {_asks(cfg, s, key):g}" for s in specs if _asks(cfg, s, key))
+            lines.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}. "
+                         f"Fix: {', or '.join(capacity_fixes(cfg, key, have, local))}")
+    return lines
+
+
+def capacity_fixes(cfg: Config, key: str, have: float, local: bool) -> list[str]:
+    """What makes the job's ``key`` fit in ``have``: more of it, smaller shares, fewer actors, or
+    (a custom resource) no actor asking for it. Every override listed passes the config's checks."""
+    fixes = [_more(cfg, key, have, local)]
+    shares = smaller_shares(cfg, key, have)
+    if shares:
+        fixes.append(f"smaller {key} shares: {override_text(shares)}")
+    fewer = fewer_actors(cfg, lambda c: _holds(c, key, have), lambda s: s.count * _asks(cfg, s, key))
+    if fewer:
+        fixes.append(f"fewer actors: {override_text(fewer)}")
+    if key == "GPU" and have < 1:  # no GPU to share: the roles could still run on CPUs
+        cpus = {f: 0.0 for f in SHARE_FIELDS["GPU"].values() if _get(cfg, f) > 0}
+        candidate = changed(cfg, cpus)
+        if candidate is not None and _holds(candidate, key, have):
+            fixes.append(f"CPUs only: {override_text(cpus)}")
+    if key not in ("CPU", "GPU"):
+        unasked = {f"{s.name}.resources": {k: v for k, v in getattr(cfg, s.name).resources.items() if k != key}
+                   for s in role_specs(cfg) if s.bundle.get(key)}
+        fixes.append(f"no actor asking for it: {override_text(unasked)}")
+    return fixes
+
+
+def _more(cfg: Config, key: str, have: float, local: bool) -> str:
+    """The fix that adds what is missing: the local instance's ``cluster.num_cpus`` (Ray's CPUs are
+    reservations, not pinned cores), else a cluster with more."""
+    need = requested_resources(cfg)[key]
+    if key == "CPU" and local:  # a Ray node's resources are whole numbers: ray.init refuses num_cpus=2.5
+        unset = ", or cluster.num_cpus=null (sized to what the roles reserve)" if cfg.cluster.num_cpus else ""
+        return (f"cluster.num_cpus={math.ceil(need - 1e-9)} (oversubscribing this machine is fine: the stages of an "
+                f"iteration take turns){unset}")
+    if local and key == "GPU":
+        return f"a machine with {need:g} GPU{'' if need == 1 else 's'}, or a Ray cluster with them (cluster.address)"
+    if local:
+        return f"a Ray cluster whose nodes offer {need:g} {key} (cluster.address: a local instance has none)"
+    short = round(need - have, 4)
+    if key in ("CPU", "GPU"):
+        return f"{short:g} more {key}{'' if short == 1 else 's'} (add nodes to the cluster)"
+    return f"{short:g} more {key} (add nodes started with ray start --resources '{{\"{key}\": N}}')"
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _asks(cfg: Config, spec: RoleSpec, key: str) -> float:
+    """What each actor of ``spec`` reserves of ``key``, counting the GPUs a generator's placement
+    group holds for vLLM's workers across nodes (its own bundle has none)."""
+    if key == "GPU" and spec.name == "generators" and cfg.generators.tensor_parallel_layout == "across_nodes":
+        return float(tensor_parallel_size(cfg.generators))
+    return spec.bundle.get(key, 0.0)
+
+
+def _holds(cfg: Config, key: str, have: float) -> bool:
+    return requested_resources(cfg).get(key, 0.0) <= have + 1e-9
+
+
+def _shareable(cfg: Config, key: str) -> dict[str, tuple[int, float]]:
+    """``field -> (actors, share)`` of the per-actor asks for ``key`` that may shrink: every CPU
+    share; GPU shares a role may split (at most one GPU, not colocated, a fraction only for a
+    single learner rank: NCCL refuses two ranks on one GPU)."""
+    out = {}
+    for spec in role_specs(cfg):
+        name = SHARE_FIELDS.get(key, {}).get(spec.name)
+        share = spec.bundle.get(key, 0.0)
+        if name is None or share <= 0:
+            continue
+        if key == "GPU" and (cfg.cluster.colocate_all or share > 1 or (spec.name == "learner" and spec.count > 1)):
+            continue
+        out[name] = (spec.count, share)
+    return out
+
+
+def smaller_shares(cfg: Config, key: str, have: float) -> dict[str, float] | None:
+    """Per-actor asks for ``key`` (CPU or GPU) that fit in ``have``, or None. CPUs: every share
+    scaled down alike, in steps of ``CPU_STEP``. GPUs: the roles that may share one get equal
+    ``1/k`` shares (they pack whole GPUs, as Ray needs)."""
+    fields = _shareable(cfg, key)
+    asked = sum(n * share for n, share in fields.values())
+    budget = have - (requested_resources(cfg).get(key, 0.0) - asked)  # what is left for those fields
+    if not fields or budget <= 0:
+        return None
+    if key == "CPU":
+        scale = budget / asked
+        new = {f: round(max(1, math.floor(share * scale / CPU_STEP + 1e-9)) * CPU_STEP, 4)
+               for f, (_, share) in fields.items()}
+    else:
+        gpus = math.floor(budget + 1e-9)
+        k = math.ceil(sum(n for n, _ in fields.values()) / gpus) if gpus else 0
+        new = {f: min(share, round(1 / k, 4)) for f, (_, share) in fields.items()} if k else {}
+    changes = {f: v for f, v in new.items() if v != fields[f][1]}
+    if not changes:
+        return None
+    candidate = changed(cfg, changes)
+    return changes if candidate is not None and _holds(candidate, key, have) else None
+
+
+def fewer_actors(cfg: Config, fits: Callable[[Config], bool],
+                 weight: Callable[[RoleSpec], float]) -> dict[str, int] | None:
+    """Actor counts that make ``fits`` true, or None: one actor less at a time of the role that
+    weighs most (of equals the first of generators, reference, reward, learner: fewer learner
+    ranks mean larger ZeRO shards), skipping a step the config's checks refuse."""
+    changes: dict[str, int] = {}
+    current, refused = cfg, set()
+    while not fits(current):
+        specs = [s for s in role_specs(current) if s.count > 1 and s.name not in refused and weight(s) > 0]
+        if not specs:
+            return None
+        spec = max(specs, key=weight)  # max keeps the first of equals
+        trial = {**changes, COUNT_FIELDS[spec.name]: spec.count - 1}
+        candidate = changed(cfg, trial)
+        if candidate is None:  # e.g. colocated: a generator per learner rank at most
+            refused.add(spec.name)
+        else:
+            changes, current, refused = trial, candidate, set()
+    return changes or None
+
+
+def check_capacity(cfg: Config, available: dict[str, float]) -> None:
+    """Raise ``PlacementError`` naming every resource the cluster lacks and how to fit the job,
+    before anything waits."""
+    missing = shortage_lines(cfg, available, local=not cfg.cluster.address)
     if missing:
         raise PlacementError("the Ray cluster cannot hold this job: " + "; ".join(missing))
 
@@ -173,7 +354,7 @@ def reserve(cfg: Config) -> dict[str, Placement]:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     plans = plan_groups(cfg)
-    check_capacity(cfg, plans, ray.cluster_resources())
+    check_capacity(cfg, ray.cluster_resources())
     specs = {s.name: s for s in role_specs(cfg)}
     placements = {name: Placement([], [], spec.bundle) for name, spec in specs.items()}
     created: list[PlacementGroup] = []

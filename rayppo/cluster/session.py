@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import ray
+
+from rayppo.console import console
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +24,13 @@ ACTOR_ENV = {
 }
 
 
+def local_cpus(cpus_asked: float) -> float:
+    """Logical CPUs of a local instance nobody sized: the machine's cores, or what the roles
+    reserve when that is more. Ray's CPUs are reservations, not pinned cores: on a 2-core laptop
+    a job whose roles reserve 2.5 runs fine, its generate, score and learn stages taking turns."""
+    return float(max(os.cpu_count() or 1, math.ceil(cpus_asked)))  # Ray starts with whole CPUs only
+
+
 class RaySession:
     """``with RaySession(address, num_cpus):`` connects (or starts Ray) and cleans up after.
 
@@ -28,15 +38,25 @@ class RaySession:
     options, and a submitted job's runtime environment (working dir, env vars) stays untouched.
     """
 
-    def __init__(self, address: str | None, num_cpus: float | None):
-        self.address, self.num_cpus = address, num_cpus
+    def __init__(self, address: str | None, num_cpus: float | None, cpus_asked: float = 0.0, verbose: bool = True):
+        """``num_cpus``: the local instance's logical CPUs (None: the machine's cores, or
+        ``cpus_asked``, what the job's roles reserve, when that is more). ``verbose=False``
+        keeps Ray's banners and the actors' output out of this terminal (they have log files)."""
+        self.address, self.num_cpus, self.cpus_asked = address, num_cpus, cpus_asked
+        self.verbose = verbose
         self.started = False
 
     def __enter__(self) -> "RaySession":
         if ray.is_initialized():
             return self
+        quiet = {"log_to_driver": self.verbose, "logging_level": logging.INFO if self.verbose else logging.WARNING}
+        if not self.verbose:
+            # Ray announces its default token authentication at every local start (the README's
+            # security section says what it means); not a warning about this job.
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         if self.address:
-            ray.init(address=self.address, log_to_driver=True)
+            console.phase(f"connecting to the Ray cluster at {self.address}")
+            ray.init(address=self.address, **quiet)
         else:
             # Ray 2.60's servers listen on every interface whatever the node address (measured:
             # tests/test_security.py), so what keeps this instance private is the token Ray
@@ -46,8 +66,11 @@ class RaySession:
                 log.warning("RAY_AUTH_MODE=disabled: the local Ray instance accepts anyone who can reach this "
                             "machine's Ray ports (they listen on every interface); unset it to keep token "
                             "authentication on")
-            cpus = self.num_cpus or os.cpu_count() or 1
-            ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=True)
+            cpus = self.num_cpus or local_cpus(self.cpus_asked)
+            cores = os.cpu_count() or 1
+            over = f" on {cores} cores (oversubscribed: the stages of an iteration take turns)" if cpus > cores else ""
+            console.phase(f"starting a local Ray instance with {cpus:g} logical CPUs{over}")
+            ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)
             self.started = True
         return self
 

@@ -1,15 +1,18 @@
 """The rollout record: one typed batch of responses that crosses processes as an Arrow table.
 
 One row per response. The generator fills the ids, the old log-probs, the finish reason and the
-policy version; the reference scorer adds ``ref_logprobs``; the reward scorer adds ``score``.
+policy version, and copies the prompt row (its conversation and other columns, as JSON text) for
+the reward; the reference scorer adds ``ref_logprobs``; the reward scorer adds ``score``.
 Learner-side tensors (values, advantages, returns) never leave the learner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +30,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("generator_id", pa.int32()),  # which generator produced the row
         pa.field("prompt_text", pa.string()),
         pa.field("response_text", pa.string()),
+        pa.field("prompt_messages", pa.string()),  # the chat conversation x was rendered from, JSON; "" if plain
+        pa.field("prompt_fields", pa.string()),  # the prompt row's other columns, a JSON object ("{}": none)
     ]
 )
 
@@ -55,6 +60,12 @@ class Rollout:
     """[B][T_b] log pi_ref(y_t | S_{t-1}); empty until the reference pass."""
     score: list[float] = field(default_factory=list)
     """[B] r_phi(x, y); empty until the reward pass."""
+    prompt_messages: list[str] = field(default_factory=list)
+    """[B] the chat conversation (a JSON list of ``{role, content}``) the prompt text was rendered
+    from, ``""`` for a plain-text prompt; empty: every prompt is plain."""
+    prompt_fields: list[str] = field(default_factory=list)
+    """[B] the prompt row's other columns (e.g. ``answer``) as a JSON object text, ``"{}"`` when
+    none; empty: no row has any. Read by the reward."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -79,6 +90,19 @@ class Rollout:
             for name, column in merged.items():
                 column.extend(getattr(part, name))
         return Rollout(**merged)
+
+    # -- the prompt rows, decoded ----------------------------------------------------------------
+    def conversations(self) -> list[list[dict[str, Any]] | None]:
+        """[B] each row's chat conversation, or None for a plain-text prompt."""
+        if not self.prompt_messages:
+            return [None] * len(self)
+        return [json.loads(text) if text else None for text in self.prompt_messages]
+
+    def row_fields(self) -> list[dict[str, Any]]:
+        """[B] each prompt row's other columns (``{}`` when none)."""
+        if not self.prompt_fields:
+            return [{} for _ in range(len(self))]
+        return [json.loads(text) if text else {} for text in self.prompt_fields]
 
     # -- tensors -----------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:

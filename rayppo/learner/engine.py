@@ -14,11 +14,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
-from rayppo.actors.base import Engine
+from rayppo.actors.base import Engine, model_size
 from rayppo.config import Config, mismatch_limit, role_gpus
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
@@ -90,6 +89,10 @@ class LearnerEngine(Engine):
         # DeepSpeed binds the rank to cuda:LOCAL_RANK: the device Ray gave this actor.
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(self.device.index or 0),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        import deepspeed  # here, not at module level: the driver imports this module only to spawn ranks
+
+        if not use_cuda:
+            _skip_shm_comm_op()
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.collective = TorchCollective(world_size, self.device)
@@ -247,7 +250,16 @@ class LearnerEngine(Engine):
         """Full parameters inside the block: ZeRO-3 gathers its partitions (a collective)."""
         if self.cfg.learner.zero_stage != 3:
             return nullcontext()
+        import deepspeed
+
         return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+    def describe(self) -> str:
+        import deepspeed
+
+        lora = f" + LoRA r={self.cfg.learner.lora_rank}" if self.cfg.learner.lora_rank else ""
+        return (f"DeepSpeed {deepspeed.__version__} ZeRO-{self.cfg.learner.zero_stage}, {self.world_size} rank{'s' if self.world_size > 1 else ''} "
+                f"over {dist.get_backend()}, policy {model_size(self.policy.module)}{lora} + critic, {self.where()} each")
 
 
 def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -258,4 +270,20 @@ def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:
 
 def _zero3_gather(params: list[torch.nn.Parameter]):
     """DeepSpeed ZeRO-3: the full values of ``params`` inside the block, on every rank."""
+    import deepspeed
+
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce op on CPU (~30 s with a
+    C++ compiler on a fresh machine, printed as "deepspeed_shm_comm_op built successfully").
+
+    DeepSpeed 0.19.8 builds it in ``TorchBackend.__init__`` (deepspeed/comm/torch.py,
+    ``build_shm_op``) whenever ``deepspeed.ops.__compatible_ops__`` marks it compatible, and uses
+    it only in ``inference_all_reduce`` (tensor-parallel inference); ZeRO training reduces with
+    torch.distributed (gloo here). ``deepspeed/ops/__init__.py`` caches that dict on first access
+    so that edits to it persist, which is what this relies on."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -25,6 +25,7 @@ from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.config import Config, mismatch_limit
 from rayppo.data.prompts import PromptSampler, load_prompt_set
+from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import (LocalCollective, TruncationRule, local_minibatches, make_experience,
@@ -55,10 +56,14 @@ def generator_seed(seed: int, generator_id: int) -> int:
 
 
 def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
-    """Reward, length and throughput figures of one rollout batch."""
+    """Reward (mean, population std, min, max), length and throughput figures of one rollout batch."""
     lengths = [len(r) for r in rollout.response_ids]
+    mean = sum(rollout.score) / len(rollout)
     return {
-        "reward/mean": sum(rollout.score) / len(rollout),
+        "reward/mean": mean,
+        "reward/std": (sum((s - mean) ** 2 for s in rollout.score) / len(rollout)) ** 0.5,
+        "reward/min": min(rollout.score),
+        "reward/max": max(rollout.score),
         "response/length_mean": sum(lengths) / len(lengths),
         "response/truncated_frac": sum(r == "length" for r in rollout.finish_reason) / len(rollout),
         "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
@@ -90,8 +95,13 @@ class ReferenceTrainer:
         for model in (self.policy, self.critic):
             prepare_for_training(model, cfg.learner.gradient_checkpointing)
         max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
-        texts, ids = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt)
-        self.prompts = PromptSampler(texts, ids, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        prompt_set = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt,
+                                     cfg.data.split)
+        self.prompts = PromptSampler(prompt_set, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
+        held_out = eval_source(cfg)
+        self.eval_prompts = (load_prompt_set(held_out[0], cfg.data.prompt_column, self.tokenizer, max_prompt, held_out[1])
+                             if held_out else None)
+        self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr, weight_decay=cfg.ppo.weight_decay)
         p = cfg.ppo
@@ -127,6 +137,17 @@ class ReferenceTrainer:
         timings = {"time/generate": t1 - t0, "time/reference": t2 - t1, "time/reward": t3 - t2,
                    "time/learn": t4 - t3, "time/sync": 0.0, "time/iteration": t4 - t0}
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
+
+    def evaluate(self) -> dict[str, float]:
+        """The current policy on the held-out prompts (``rayppo/evaluation.py``); {} without them."""
+        if self.eval_prompts is None:
+            return {}
+
+        def score_pass(temperature: float, k: int) -> list[float]:
+            rollout = self.generator.evaluate(self.eval_prompts, temperature, k, iteration_seed(self.cfg.seed, SEED_OFFSET))
+            return self.reward.scores(rollout)
+
+        return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)
 
     def _step(self, policy_loss: torch.Tensor, value_loss: torch.Tensor) -> None:
         """One optimiser step of policy and critic (two models, two optimisers)."""

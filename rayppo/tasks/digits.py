@@ -45,8 +45,31 @@ def reward(prompt: str, response: str) -> float:
     return hits / max(len(tokens), MIN_LENGTH)
 
 
+def held_out(verb: str, digit: str) -> bool:
+    """The held-out (verb, digit) pairs: 2 digits per verb, each digit held out with exactly one
+    verb, so the eval prompts ask for every digit in a wording training never used for it."""
+    return (VERBS.index(verb) * 3 + int(digit)) % 5 == 0
+
+
 def prompts(n: int = 512, seed: int = 0) -> list[str]:
-    """``n`` prompts over every (verb, digit) pair, in a seeded order."""
+    """``n`` training prompts over the 32 (verb, digit) pairs that are not held out, seeded."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < n:
+        verb, digit = rng.choice(VERBS), rng.choice(DIGITS)
+        if not held_out(verb, digit):
+            out.append(make_prompt(verb, digit))
+    return out
+
+
+def eval_prompts() -> list[str]:
+    """The held-out split: the 8 (verb, digit) pairs training never sees, each once."""
+    return [make_prompt(v, d) for v in VERBS for d in DIGITS if held_out(v, d)]
+
+
+def _sft_prompts(n: int, seed: int) -> list[str]:
+    # The warm-up (which makes pi_ref) sees every pair: the held-out pairs test PPO's
+    # generalisation, not whether the format was ever shown.
     rng = random.Random(seed)
     return [make_prompt(rng.choice(VERBS), rng.choice(DIGITS)) for _ in range(n)]
 
@@ -58,7 +81,7 @@ def sft_examples(n: int = 4096, seed: int = 1) -> list[tuple[str, str]]:
     """
     rng = random.Random(seed)
     examples = []
-    for prompt in prompts(n, seed):
+    for prompt in _sft_prompts(n, seed):
         target = target_digit(prompt)
         length = rng.randint(3, MAX_LENGTH)
         digits = [target if rng.random() < SFT_TARGET_RATE else rng.choice(DIGITS) for _ in range(length)]

@@ -1,0 +1,100 @@
+"""Held-out evaluation: the current policy on prompts it never trains on.
+
+Every ``eval.every`` iterations (and after the last) each eval prompt gets one greedy response
+(``eval.greedy``) and ``eval.samples`` sampled ones at the rollout temperature; the reward role
+scores them as it scores rollouts. Nothing here is trained on. The figures:
+
+    eval/reward/mean            mean reward of the greedy responses
+    eval/pass_rate              share of greedy responses with reward >= eval.pass_threshold
+    eval/sampled/reward/mean    mean reward of the sampled responses
+    eval/pass@k                 share of prompts with at least one of k samples passing
+
+Pass rates are reported for verifier rewards only (a reward model's scale has no threshold).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from rayppo.config import Config
+
+GREEDY = 0.0
+"""Temperature of the greedy responses (the generators decode greedily at 0)."""
+SEED_OFFSET = 999_999
+"""Sampling seed of every evaluation: ``iteration_seed(seed, SEED_OFFSET)`` (no training iteration
+reaches it), the same each time so that sampled evaluations compare policies, not draws."""
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What one evaluation asks of the generators (from the ``eval`` config section)."""
+
+    greedy: bool
+    samples: int
+    temperature: float
+    pass_threshold: float
+    verifier: bool
+    """Whether the reward is a verifier function (pass rates are reported)."""
+
+    def passes(self) -> list[tuple[float, int]]:
+        """``(temperature, responses per prompt)`` of each generation pass."""
+        out = [(GREEDY, 1)] if self.greedy else []
+        return out + ([(self.temperature, self.samples)] if self.samples else [])
+
+
+def eval_metrics(plan: EvalPlan, greedy: list[float] | None, sampled: list[list[float]] | None) -> dict[str, float]:
+    """The figures of one evaluation. ``greedy``: ``[P]`` rewards of the greedy responses;
+    ``sampled``: ``[P][k]`` rewards of the sampled ones (None when that pass was not run)."""
+    out: dict[str, float] = {}
+    if greedy:
+        out["eval/reward/mean"] = sum(greedy) / len(greedy)
+        if plan.verifier:
+            out["eval/pass_rate"] = sum(r >= plan.pass_threshold for r in greedy) / len(greedy)
+    if sampled:
+        flat = [r for row in sampled for r in row]
+        out["eval/sampled/reward/mean"] = sum(flat) / len(flat)
+        if plan.verifier:
+            solved = sum(any(r >= plan.pass_threshold for r in row) for row in sampled)
+            out[f"eval/pass@{plan.samples}"] = solved / len(sampled)
+    return out
+
+
+def due(every: int, iteration: int, last: int) -> bool:
+    """Whether to evaluate after ``iteration`` (0-based) of a run of ``last`` iterations."""
+    return every > 0 and ((iteration + 1) % every == 0 or iteration + 1 == last)
+
+
+def eval_source(cfg: "Config") -> tuple[str, str] | None:
+    """``(prompts, split)`` of the held-out set, or None when nothing is evaluated: the
+    configured ``eval.prompts``, else the embedded task's held-out split when training on it."""
+    if cfg.eval.every == 0:
+        return None
+    if cfg.eval.prompts:
+        return cfg.eval.prompts, cfg.eval.split
+    return ("embedded", "test") if cfg.data.prompts == "embedded" else None
+
+
+def eval_plan(cfg: "Config") -> EvalPlan:
+    e = cfg.eval
+    return EvalPlan(e.greedy, e.samples, cfg.rollout.temperature, e.pass_threshold, cfg.reward.function is not None)
+
+
+def run_evaluation(plan: EvalPlan, num_prompts: int,
+                   score_pass: Callable[[float, int], list[float]]) -> dict[str, float]:
+    """Every pass of ``plan``: ``score_pass(temperature, k)`` generates k responses per prompt
+    and returns their ``[P * k]`` rewards, prompt-major. Returns the figures and ``time/eval``."""
+    start = time.perf_counter()
+    greedy: list[float] | None = None
+    sampled: list[list[float]] | None = None
+    for temperature, k in plan.passes():
+        scores = score_pass(temperature, k)
+        if len(scores) != num_prompts * k:
+            raise RuntimeError(f"evaluation got {len(scores)} rewards for {num_prompts} prompts x {k}")
+        if temperature == GREEDY:
+            greedy = scores
+        else:
+            sampled = [scores[i * k:(i + 1) * k] for i in range(num_prompts)]
+    return eval_metrics(plan, greedy, sampled) | {"time/eval": time.perf_counter() - start}

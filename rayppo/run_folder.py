@@ -1,0 +1,43 @@
+"""The run folder (``output.dir``): one run per folder, unless told to replace it.
+
+A second ``rayppo train`` into a folder that holds a run would overwrite its metrics and models
+and mix two runs' TensorBoard events, so it is refused with the three ways on: ``--resume DIR``
+(continue that run), another ``output.dir``, or ``output.overwrite=true`` (delete the first run's
+outputs, and only those: the folder may hold the user's own files).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rayppo.config import Config, ConfigError
+
+RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "placement.json", "plot.png", "tb", "checkpoints", "policy", "critic",
+               "rollouts", "logs", "wandb", "wandb_run_id", "mlflow_run_id")
+"""What a run writes into its folder (what ``output.overwrite`` deletes)."""
+
+_MARKS = ("metrics.jsonl", "checkpoints", "config.yaml")
+"""Files whose presence means the folder holds a run."""
+
+
+def claim_output_dir(cfg: Config) -> Path:
+    """``output.dir``, made ready for a new run; ``ConfigError`` when it holds one already and
+    ``output.overwrite`` is off."""
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: {out} exists and is not a folder")
+    found = [name for name in _MARKS if (out / name).exists()]
+    if found and not cfg.output.overwrite:
+        raise ConfigError(f"output.dir: {out} already holds a run ({', '.join(found)}); continue it with "
+                          f"'rayppo train --resume {out}', choose another output.dir, or replace it with "
+                          "output.overwrite=true")
+    if found:
+        for name in RUN_OUTPUTS:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
