@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--bench", metavar="WORKLOAD", help="run `rayppo bench --workload WORKLOAD` instead of training")
     submit.add_argument("--no-ship-code", action="store_true",
                         help="use the rayppo installed on the cluster instead of shipping this checkout's")
+    submit.add_argument("--working-dir", default=".", metavar="DIR",
+                        help="project folder shipped as the job's working directory: your reward module, prompt "
+                             "files, configs (default: the current directory; .git, venvs, runs/ and what "
+                             ".gitignore/.rayignore exclude stay behind)")
+    submit.add_argument("--no-working-dir", action="store_true", help="ship only job.yaml (and the code)")
     submit.add_argument("--job-id", help="submission id (default: generated)")
     submit.add_argument("--wait", action="store_true", help="follow the logs until the job ends; exit 0 only on success")
     for name, text in (("status", "show a job's status"), ("logs", "print a job's logs"), ("stop", "stop a running job")):
@@ -119,6 +124,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.inputs import check_inputs
     from rayppo.tracking import check_trackers
 
+    console.setup(None, args.verbose)  # warnings of the checks below, before the run folder exists
     resume = None
     if args.resume:
         if args.config:
@@ -223,8 +229,10 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"--env {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
         env[key] = value
+    from pathlib import Path
+
     job_id = jobs.submit(cfg, args.address, env, ship_code=not args.no_ship_code, bench=args.bench,
-                         submission_id=args.job_id)
+                         submission_id=args.job_id, working_dir=None if args.no_working_dir else Path(args.working_dir))
     print(f"submitted {job_id}")
     if not args.wait:
         print(f"follow it with: rayppo logs {job_id} --follow   (status: rayppo status {job_id})")

@@ -27,9 +27,8 @@ _NOISY_LOGGERS = ("ray", "deepspeed", "DeepSpeed", "transformers", "torch", "vll
 """Libraries whose log records belong in driver.log, not in the terminal (unless --verbose)."""
 
 
-def log_path(out_dir: str | Path, role: str, index: int) -> Path:
-    """``output.dir/logs/<role>-<index>.log``: where actor ``index`` of ``role`` writes."""
-    return Path(out_dir).resolve() / LOG_DIR / f"{role}-{index}.log"
+LOG_NAMES = {"generators": "generator", "reference": "reference", "reward": "reward", "learner": "learner"}
+"""Role (as in the config) -> the stem of its actors' log files (``logs/generator-0.log``)."""
 
 
 class _Once(logging.Filter):
@@ -111,10 +110,16 @@ class Console:
                 logging.getLogger(name).setLevel(logging.WARNING)
 
     def actor_log(self, role: str, index: int) -> Path | None:
-        """The log file of actor ``index`` of ``role`` (None when actors print to the terminal)."""
+        """The log file of actor ``index`` of ``role`` (``generators``, ``reference``, ``reward``,
+        ``learner``); None when the actors print to the terminal (``--verbose``, or no run folder)."""
         if self.verbose or self.log_dir is None:
             return None
-        return self.log_dir / f"{role}-{index}.log"
+        return self.log_dir / f"{LOG_NAMES.get(role, role)}-{index}.log"
+
+    def details(self, role: str, index: int) -> str:
+        """`` (details: runs/x/logs/reward-0.log)`` for an error about that actor, or ``""``."""
+        path = self.actor_log(role, index)
+        return f" (details: {path})" if path else ""
 
 
 console = Console()

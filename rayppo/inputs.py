@@ -11,13 +11,16 @@ Only what can be checked exactly is checked here; the loaders still check everyt
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-from rayppo.config import Config
+from rayppo.config import Config, ConfigError
 from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(cfg: Config) -> None:
@@ -31,10 +34,16 @@ def check_inputs(cfg: Config) -> None:
     for name in ("model.reference", "model.critic"):  # they read the policy's token ids
         if folders[name] not in (None, "embedded"):
             check_same_tokenizer(name, Path(folders[name]), policy_dir)
+    if cfg.data.prompts == "embedded" and m.policy != "embedded":
+        check_model_meets_embedded_task(cfg, policy_dir)
     for spec, split in ((cfg.data.prompts, cfg.data.split), (cfg.eval.prompts, cfg.eval.split)):
         if spec is None or spec == "embedded":
             continue
         rows = read_prompt_rows(spec, cfg.data.prompt_column, split)
+        if spec == cfg.data.prompts and len(rows.prompts) < cfg.rollout.batch_size:
+            log.warning("%s holds %d prompts, fewer than rollout.batch_size=%d: each iteration repeats some of them "
+                        "(lower rollout.batch_size to sample each prompt at most once per iteration)",
+                        rows.source, len(rows.prompts), cfg.rollout.batch_size)
         check_chat_template(rows, policy_dir)
         policy_config = configs.get("model.policy") or _read_config("model.policy", policy_dir, must_exist=False)
         positions = cfg.generators.max_model_len or (policy_config or {}).get("max_position_embeddings")
@@ -44,6 +53,27 @@ def check_inputs(cfg: Config) -> None:
         from rayppo.actors.verifier import load_reward_function  # light: no torch
 
         load_reward_function(cfg.reward.function)
+
+
+def check_model_meets_embedded_task(cfg: Config, policy_dir: Path) -> None:
+    """A user's own model with the default data (the embedded "say a digit" task, a toy made for
+    the embedded model): refused when its tokenizer cannot even write the task's prompts (they
+    would train at reward 0 without a word), else a warning that this is probably not meant."""
+    file = policy_dir / "tokenizer.json"
+    if file.is_file():
+        from tokenizers import Tokenizer
+
+        from rayppo.tasks import digits
+
+        tokenizer = Tokenizer.from_file(str(file))
+        unknown = tokenizer.token_to_id(tokenizer.model.unk_token) if hasattr(tokenizer.model, "unk_token") else None
+        prompt = digits.prompts(1)[0]
+        if unknown is not None and unknown in tokenizer.encode(prompt, add_special_tokens=False).ids:
+            raise ConfigError(f"data.prompts: embedded (the built-in digit task) does not suit model.policy="
+                              f"{cfg.model.policy}: its tokenizer turns {prompt!r} into unknown tokens; give your own "
+                              "data.prompts and reward (reward.function, reward.model or reward.url)")
+    log.warning("model.policy is your model but data.prompts is the embedded digit task (made for the embedded model): "
+                "set data.prompts and a reward for your task")
 
 
 def check_model_folder(field: str, folder: str | Path) -> dict[str, Any]:

@@ -298,6 +298,20 @@ def render(cfg: Config, plan: Plan) -> str:
     return "\n".join(out + (["fits"] if not plan.missing else ["does not fit:"] + [f"  {x}" for x in plan.missing]))
 
 
+MAX_OVERSUBSCRIPTION = 4
+"""A local instance nobody sized counts at most this many logical CPUs per core."""
+
+
+def local_cpus(cpus_asked: float) -> float:
+    """Logical CPUs of a local Ray instance nobody sized (``cluster.num_cpus`` unset): the
+    machine's cores, or what the roles reserve (rounded up: Ray starts with whole CPUs) when
+    that is more, up to ``MAX_OVERSUBSCRIPTION`` per core. Ray's CPUs are reservations, not
+    pinned cores: on a 2-core laptop a job whose roles reserve 2.5 runs fine, its generate,
+    score and learn stages taking turns; one reserving 30 is refused with the fixes."""
+    cores = os.cpu_count() or 1
+    return float(max(cores, min(math.ceil(cpus_asked - 1e-9), MAX_OVERSUBSCRIPTION * cores)))
+
+
 def local_resources(cfg: Config, with_memory: bool = True) -> dict[str, float]:
     """This machine as rayppo's local Ray instance sees it: CPUs (``cluster.num_cpus``, else the
     cores or what the roles reserve, rounded up, when that is more), GPUs
@@ -305,8 +319,7 @@ def local_resources(cfg: Config, with_memory: bool = True) -> dict[str, float]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = (len([d for d in visible.split(",") if d.strip()]) if visible is not None
             else len(list(Path("/proc/driver/nvidia/gpus").glob("*"))))
-    asked = math.ceil(requested_resources(cfg).get("CPU", 0.0) - 1e-9)  # a Ray node's CPUs are whole
-    cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, asked)
+    cpus = cfg.cluster.num_cpus or local_cpus(requested_resources(cfg).get("CPU", 0.0))
     out = {"CPU": float(cpus), "GPU": float(gpus)}
     meminfo = Path("/proc/meminfo")
     if with_memory and meminfo.is_file():

@@ -69,9 +69,15 @@ def submitted_id(output: str) -> str:
 
 def test_job_runs_on_the_requested_nodes_and_reward_rises(cluster, tmp_path, capsys):
     out = tmp_path / "job"
+    # The user's own reward module lives in their project folder only: --working-dir ships it.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "my_reward.py").write_text("from rayppo.tasks.digits import reward as digits\n\n"
+                                          "def score(prompt, response):\n    return digits(prompt, response)\n")
     overrides = FAST + ["generators.resources={generator_node: 1}", "learner.num_ranks=2",
-                        "learner.resources={learner_node: 1}", "stop.iterations=12", f"output.dir={out}"]
-    assert main(["submit", "--address", cluster, "--wait", *overrides]) == 0
+                        "learner.resources={learner_node: 1}", "stop.iterations=12", f"output.dir={out}",
+                        "reward.function=my_reward:score"]
+    assert main(["submit", "--address", cluster, "--wait", "--working-dir", str(project), *overrides]) == 0
     job_id = submitted_id(capsys.readouterr().out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in records]

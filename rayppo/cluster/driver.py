@@ -36,7 +36,7 @@ from rayppo.config import (Config, actor_threads, role_gpus, tensor_parallel_siz
                            weight_sync_backend)
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.console import console
+from rayppo.console import LOG_NAMES, console
 from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
 from rayppo.errors import ActorFailedError, LearnerFailedError, brief
 from rayppo.learner.group import LearnerGroup
@@ -291,13 +291,9 @@ class DistributedTrainer:
         self.session.close()
 
 
-LOG_NAMES = {"generators": "generator", "reference": "reference", "reward": "reward", "learner": "learner"}
-"""Role -> the stem of its actors' log files (``logs/generator-0.log``)."""
-
-
 def _log_env(role: str, index: int) -> dict[str, str]:
     """The environment variable that sends an actor's output to its log file (none with --verbose)."""
-    path = console.actor_log(LOG_NAMES[role], index)
+    path = console.actor_log(role, index)
     return {LOG_FILE_ENV: str(path)} if path else {}
 
 
@@ -322,24 +318,19 @@ def wait_ready(groups: dict[str, ActorGroup], timeout_s: float) -> None:
         if not done:
             late = sorted({f"{LOG_NAMES[r]}-{i}" for r, i in pending.values()})
             raise ActorFailedError(f"{', '.join(late)} did not start within cluster.call_timeout_s={timeout_s:g} s"
-                                   f"{_log_hint(*next(iter(pending.values())))}")
+                                   f"{console.details(*next(iter(pending.values())))}")
         role, i = pending.pop(done[0])
         try:
             answers[role].append(get(done[0]))
         except RayActorError as exc:  # an error in __init__ ends Ray's message as "Type: message"
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             why = lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
-            raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{_log_hint(role, i)}") from None
+            raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{console.details(role, i)}") from None
         if len(answers[role]) == len(groups[role]):
             what, seconds = answers[role][0][0], max(s for _, s in answers[role])
             n = len(groups[role])
             label = LOG_NAMES[role] + (f" x{n}" if n > 1 else "")
             console.phase(f"{label:<13} ready in {seconds:5.1f} s: {what}")
-
-
-def _log_hint(role: str, index: int) -> str:
-    path = console.actor_log(LOG_NAMES[role], index)
-    return f" (details: {path})" if path else ""
 
 
 def vllm_settings(cfg: Config) -> VLLMSettings:

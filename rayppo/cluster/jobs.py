@@ -3,11 +3,14 @@
     rayppo submit --address http://head:8265 --config job.yaml generators.num=4 --wait
     rayppo status JOB_ID | rayppo logs JOB_ID --follow | rayppo stop JOB_ID
 
-A submission ships a working directory holding ``job.yaml`` (the resolved config, with
-``cluster.address=auto`` so the job joins the cluster it runs on) and, by default, this
-checkout's ``rayppo`` package (and ``benchmarks/`` for bench jobs), so the cluster runs the
-code you have. The cluster needs the dependencies (torch, vLLM, DeepSpeed, ...) installed, as in
-``deploy/Dockerfile``.
+A submission ships a working directory: a copy of your project folder (``--working-dir``,
+default the current directory: your reward module, prompt files and configs, so that
+``reward.function=my_reward:score`` and relative paths work on the cluster as they do here;
+``.git``, virtual environments, ``runs/`` and whatever ``.gitignore`` / ``.rayignore`` exclude
+stay behind), ``job.yaml`` (the resolved config, with ``cluster.address=auto`` so the job joins
+the cluster it runs on) and, by default, this checkout's ``rayppo`` package (and ``benchmarks/``
+for bench jobs), so the cluster runs the code you have. The job starts in that directory. The
+cluster needs the dependencies (torch, vLLM, DeepSpeed, ...) installed, as in ``deploy/Dockerfile``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from rayppo.cluster.session import ACTOR_ENV
-from rayppo.config import Config, to_dict
+from rayppo.config import Config, ConfigError, to_dict
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -36,23 +39,45 @@ def client(address: str | None) -> JobSubmissionClient:
     return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
 
 
-def _staging_dir(cfg: Config, ship_code: bool, with_benchmarks: bool) -> Path:
+LEFT_BEHIND = (".git", ".venv", ".venv-*", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info",
+               "node_modules")
+"""Never shipped from the working directory (Ray also applies its .gitignore and .rayignore)."""
+
+
+def _copy_working_dir(source: Path, staging: Path, output_dir: str) -> None:
+    """The user's project folder into the job's working directory, without what stays behind."""
+    if not source.is_dir():
+        raise ConfigError(f"--working-dir: {source} is not a folder")
+    output = Path(output_dir).resolve()
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        left = set(shutil.ignore_patterns(*LEFT_BEHIND)(folder, names))
+        return left | {n for n in names if (Path(folder) / n).resolve() == output}
+
+    shutil.copytree(source, staging, ignore=ignore, dirs_exist_ok=True, symlinks=True)
+
+
+def _staging_dir(cfg: Config, ship_code: bool, with_benchmarks: bool, working_dir: Path | None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix="rayppo-job-"))
+    if working_dir is not None:
+        _copy_working_dir(working_dir, staging, cfg.output.dir)
     job = to_dict(cfg)
     job["cluster"]["address"] = "auto"  # the job's driver joins the cluster it was submitted to
     (staging / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     if ship_code:
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-        shutil.copytree(PACKAGE_DIR, staging / "rayppo", ignore=ignore)
+        shutil.copytree(PACKAGE_DIR, staging / "rayppo", ignore=ignore, dirs_exist_ok=True)
         if with_benchmarks:
-            shutil.copytree(PACKAGE_DIR.parent / "benchmarks", staging / "benchmarks", ignore=ignore)
+            shutil.copytree(PACKAGE_DIR.parent / "benchmarks", staging / "benchmarks", ignore=ignore,
+                            dirs_exist_ok=True)
     return staging
 
 
 def submit(cfg: Config, address: str | None, env: dict[str, str], ship_code: bool = True,
-           bench: str | None = None, submission_id: str | None = None) -> str:
-    """Submit ``rayppo train`` (or ``rayppo bench --workload BENCH``) with ``cfg``; returns the job id."""
-    staging = _staging_dir(cfg, ship_code, with_benchmarks=bench is not None)
+           bench: str | None = None, submission_id: str | None = None, working_dir: Path | None = None) -> str:
+    """Submit ``rayppo train`` (or ``rayppo bench --workload BENCH``) with ``cfg``, shipping
+    ``working_dir`` (None: only job.yaml and the code); returns the job id."""
+    staging = _staging_dir(cfg, ship_code, bench is not None, working_dir)
     # With the code shipped, `python -m rayppo.cli` imports it from the job's working directory.
     program = "python -m rayppo.cli" if ship_code else "rayppo"
     if bench:

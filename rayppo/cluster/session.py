@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import ray
 
 from rayppo.console import console
+from rayppo.plan import local_cpus
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +22,6 @@ ACTOR_ENV = {
     # NeMo-RL ships). Costs nothing elsewhere; cluster.actor_env can set it back to 1.
     "NCCL_NVLS_ENABLE": "0",
 }
-
-
-def local_cpus(cpus_asked: float) -> float:
-    """Logical CPUs of a local instance nobody sized: the machine's cores, or what the roles
-    reserve when that is more. Ray's CPUs are reservations, not pinned cores: on a 2-core laptop
-    a job whose roles reserve 2.5 runs fine, its generate, score and learn stages taking turns."""
-    return float(max(os.cpu_count() or 1, math.ceil(cpus_asked)))  # Ray starts with whole CPUs only
 
 
 class RaySession:

@@ -26,6 +26,7 @@ from ray.exceptions import RayActorError
 
 from rayppo.actors.base import Engine
 from rayppo.cluster.group import ActorGroup, get
+from rayppo.console import console
 from rayppo.errors import ActorFailedError, brief
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Supervisor:
 
     def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
         group, role = f.group, f.role
-        self.spend(f"{role} actor {i} {cause}")
+        self.spend(f"{role} actor {i} {cause}", hint=console.details(role, i))
         if hung:
             dump_stacks(*self._where.get((id(group), i), (None, None)))
         start = time.perf_counter()

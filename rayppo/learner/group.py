@@ -20,6 +20,7 @@ from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement
 from rayppo.cluster.supervisor import dump_stacks
 from rayppo.config import Config, actor_threads
+from rayppo.console import console
 from rayppo.data.rollout import Rollout
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
@@ -75,18 +76,18 @@ class LearnerGroup:
                     if r < len(self.where):
                         dump_stacks(*self.where[r])
                 raise LearnerFailedError(f"learner rank {late[0]} did not finish {what} within "
-                                         f"cluster.call_timeout_s={self.timeout_s:g} s")
+                                         f"cluster.call_timeout_s={self.timeout_s:g} s{console.details('learner', late[0])}")
             try:
                 get(ready[0])
             except RayActorError as exc:
                 raise LearnerFailedError(f"learner rank {rank_of[ready[0]]} died during {what} "
-                                         f"({brief(exc)})") from None
+                                         f"({brief(exc)}){console.details('learner', rank_of[ready[0]])}") from None
             except Exception:
                 # A collective failing in a live rank is often the first sign of a dead peer.
                 dead = _dead(pending, rank_of, grace_s=10.0)
                 if dead is None:
                     raise
-                raise LearnerFailedError(f"learner rank {dead} died during {what}") from None
+                raise LearnerFailedError(f"learner rank {dead} died during {what}{console.details('learner', dead)}") from None
         return get(futures)
 
     @contextmanager

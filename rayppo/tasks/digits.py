@@ -46,8 +46,8 @@ def reward(prompt: str, response: str) -> float:
 
 
 def held_out(verb: str, digit: str) -> bool:
-    """The held-out (verb, digit) pairs: 2 digits per verb, each digit held out with exactly one
-    verb, so the eval prompts ask for every digit in a wording training never used for it."""
+    """The held-out (verb, digit) pairs: 2 digits per verb, 8 different digits, so each eval
+    prompt asks for a digit in a wording that training never used for it."""
     return (VERBS.index(verb) * 3 + int(digit)) % 5 == 0
 
 
