@@ -40,15 +40,15 @@ def check_inputs(cfg: Config) -> None:
         if spec is None or spec == "embedded":
             continue
         rows = read_prompt_rows(spec, cfg.data.prompt_column, split)
-        if spec == cfg.data.prompts and len(rows.prompts) < cfg.rollout.batch_size:
-            log.warning("%s holds %d prompts, fewer than rollout.batch_size=%d: each iteration repeats some of them "
-                        "(lower rollout.batch_size to sample each prompt at most once per iteration)",
-                        rows.source, len(rows.prompts), cfg.rollout.batch_size)
         check_chat_template(rows, policy_dir)
         policy_config = configs.get("model.policy") or _read_config("model.policy", policy_dir, must_exist=False)
         positions = cfg.generators.max_model_len or (policy_config or {}).get("max_position_embeddings")
         if positions:
             check_prompt_lengths(rows, policy_dir, positions - cfg.rollout.max_new_tokens)
+        if spec == cfg.data.prompts and len(rows.prompts) < cfg.rollout.batch_size:
+            log.warning("%s holds %d prompts, fewer than rollout.batch_size=%d: each iteration repeats some of them "
+                        "(lower rollout.batch_size to sample each prompt at most once per iteration)",
+                        rows.source, len(rows.prompts), cfg.rollout.batch_size)
     if cfg.reward.function is not None:
         from rayppo.actors.verifier import load_reward_function  # light: no torch
 

@@ -154,6 +154,9 @@ class WandbTracker:
     are logged again at their iteration (W&B keeps both points; its history cannot be cut)."""
 
     def __init__(self, out_dir: Path, project: str, name: str, mode: str, config: dict[str, Any], resume: bool):
+        # wandb advertises its Weave LLM tracing on the terminal when it sees an LLM client
+        # library imported (vLLM brings openai); rayppo does not use Weave.
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
         import wandb
 
         self._wandb = wandb

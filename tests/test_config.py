@@ -35,7 +35,7 @@ def test_yaml_then_overrides(tmp_path):
         ("ppo.kl_estimator=k9", "ppo.kl_estimator"),
         ("rollout.temperature=0", "rollout.temperature"),
         ("ppo.whiten_advantages=maybe", "ppo.whiten_advantages"),
-        ("reward.model=/some/rm", "reward.function"),  # both reward sources set
+        ("reward.url=ftp://host/score", "reward.url"),  # only http(s) scorers
         ("nosuch.field=1", "nosuch"),
         ("ppo=3", "ppo"),
     ],

@@ -18,7 +18,7 @@ from rayppo.cluster.placement import PlacementError, check_capacity
 from rayppo.config import load_config
 from rayppo.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, lora_params, model_dir,
                               param_count, read_shape, zero_bytes)
-from rayppo.plan import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
+from rayppo.plan import MAX_OVERSUBSCRIPTION, accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -167,8 +167,14 @@ def test_local_instance_is_sized_to_the_roles_unless_num_cpus_is_set(monkeypatch
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU
     huge = load_config(None, ["learner.cpus_per_rank=1000", "reference.cpus=0.1"])  # more than any machine's cores
     assert requested_resources(huge)["CPU"] == 2000.85
-    assert local_resources(huge, with_memory=False)["CPU"] == 2001  # Ray's node resources are whole numbers
-    assert preflight(huge) == []
+    cores = os.cpu_count()
+    # Sized to the roles, in whole CPUs (Ray refuses fractions), up to 4 per core: past that, the fixes.
+    assert local_resources(huge, with_memory=False)["CPU"] == MAX_OVERSUBSCRIPTION * cores
+    [line] = preflight(huge)
+    assert "cluster.num_cpus=2001 (" in line
+    moderate = load_config(None, [f"learner.cpus_per_rank={cores}", "reference.cpus=0.1"])  # 2 x cores + 0.85
+    assert local_resources(moderate, with_memory=False)["CPU"] == 2 * cores + 1
+    assert preflight(moderate) == []
     assert local_resources(load_config(), with_memory=False)["CPU"] == max(os.cpu_count(), 2)
     [line] = preflight(load_config(None, MORE_ACTORS + ["cluster.num_cpus=2"]))
     assert line == CPU_2_5 + ("cluster.num_cpus=3 (oversubscribing this machine is fine: the stages of an iteration "

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,10 @@ def test_metrics_logger_rewind_drops_later_records(tmp_path):
     logger = MetricsLogger(tmp_path, make_trackers(cfg, to_dict(cfg), resume=False))
     for it in range(3):
         logger.log(it, {"reward/mean": float(it)})
+    # TensorBoard reads event files in name order, and a name starts with the second it was
+    # created in, then a per-process counter compared as text (".10" before ".9"): a rewind's
+    # new file must start in a later second to be read after the first one, as in a real run.
+    time.sleep(1.05)
     logger.rewind(1)
     logger.log(1, {"reward/mean": 10.0})
     logger.close()
