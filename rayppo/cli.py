@@ -148,6 +148,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
     console.setup(cfg.output.dir, args.verbose)
     console.phase(_headline(cfg, resume))
+    from rayppo.models.paths import embedded_path
+
+    if "embedded" in (cfg.model.policy, cfg.model.reference) and not (embedded_path(cfg.model.cache_dir) /
+                                                                   "config.json").is_file():
+        console.phase(f"building the embedded model in {embedded_path(cfg.model.cache_dir)} (first use only: "
+                      "tokenizer, 2-layer Llama, ~10 s of warm-up training)")
     _quiet_libraries(args.verbose)
     from rayppo.train import run
 
@@ -294,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    finally:
+        if "rayppo.console" in sys.modules:
+            sys.modules["rayppo.console"].console.close()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -180,12 +180,15 @@ class EvalConfig:
     """Split of a ``datasets`` folder for ``eval.prompts``."""
     every: int = 10
     """Evaluate the current policy every N iterations and after the last one; 0 disables.
-    Reported as ``eval/reward/mean`` (and ``eval/pass_rate`` for verifier rewards)."""
-    greedy: bool = True
-    """One greedy (temperature 0) response per eval prompt: ``eval/reward/mean``."""
-    samples: int = 0
-    """Sampled responses per eval prompt at ``rollout.temperature`` besides the greedy one:
-    ``eval/sampled/reward/mean`` and, for verifier rewards, ``eval/pass@k`` with k = samples."""
+    Reported as ``eval/reward/mean`` (and ``eval/pass_rate``, ``eval/pass@k`` for verifier
+    rewards) in metrics.jsonl, TensorBoard, the trackers and the plot."""
+    samples: int = 4
+    """Responses per eval prompt sampled at ``rollout.temperature``, as in training (so
+    ``eval/reward/mean`` compares with ``reward/mean``); ``eval/pass@k`` counts a prompt solved
+    when any of its k = samples responses passes. 0: greedy responses only."""
+    greedy: bool = False
+    """Also one greedy (temperature 0) response per eval prompt: ``eval/greedy/reward/mean`` and
+    ``eval/greedy/pass_rate`` (the headline figures when ``samples`` is 0)."""
     pass_threshold: float = 1.0
     """A response passes when its reward is at least this (``eval/pass_rate``, ``eval/pass@k``)."""
 

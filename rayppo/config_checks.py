@@ -88,8 +88,8 @@ def _validate_outputs(cfg: Config) -> None:
     e, o = cfg.eval, cfg.output
     _require(e.every >= 0, "eval.every", "must be >= 0 (0 disables evaluation)", e.every)
     _require(e.samples >= 0, "eval.samples", "must be >= 0", e.samples)
-    _require(e.greedy or e.samples > 0 or e.every == 0, "eval.greedy",
-             "evaluation needs greedy responses or eval.samples > 0 (or eval.every=0 to turn it off)", e.greedy)
+    _require(e.greedy or e.samples > 0 or e.every == 0, "eval.samples",
+             "evaluation needs eval.samples > 0 or eval.greedy=true (or eval.every=0 to turn it off)", e.samples)
     _require(o.samples_every >= 0, "output.samples_every", "must be >= 0", o.samples_every)
     _require(o.samples_shown >= 1, "output.samples_shown", "must be >= 1", o.samples_shown)
     _require(o.wandb_mode in ("online", "offline", "disabled"), "output.wandb_mode",

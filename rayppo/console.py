@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, Iterator, TextIO
 
 LOG_DIR = "logs"
 """Folder of the run's log files, under ``output.dir``."""
@@ -108,6 +109,28 @@ class Console:
         if not verbose:
             for name in _NOISY_LOGGERS:
                 logging.getLogger(name).setLevel(logging.WARNING)
+
+    @contextmanager
+    def waiting(self, what: str, total: int) -> Iterator[Callable[[], None]]:
+        """A transient counter (``starting 5 actors: 2/5 [00:12]``) while something slow happens;
+        yields the function that counts one more done. Gone from the screen afterwards."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=what, bar_format="{desc}: {n}/{total} ready [{elapsed}]", leave=False,
+                   file=self.out, disable=not self.out.isatty())
+        try:
+            yield bar.update
+        finally:
+            bar.close()
+
+    def close(self) -> None:
+        """Back to the state of a fresh process (a later run in this process sets up its own)."""
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if getattr(handler, "_rayppo", False):
+                root.removeHandler(handler)
+                handler.close()
+        self.log_dir, self.verbose = None, False
 
     def actor_log(self, role: str, index: int) -> Path | None:
         """The log file of actor ``index`` of ``role`` (``generators``, ``reference``, ``reward``,

@@ -1,13 +1,15 @@
 """Held-out evaluation: the current policy on prompts it never trains on.
 
-Every ``eval.every`` iterations (and after the last) each eval prompt gets one greedy response
-(``eval.greedy``) and ``eval.samples`` sampled ones at the rollout temperature; the reward role
-scores them as it scores rollouts. Nothing here is trained on. The figures:
+Every ``eval.every`` iterations (and after the last) each eval prompt gets ``eval.samples``
+responses sampled at the rollout temperature (as in training, so the held-out reward compares
+with the training reward) and, with ``eval.greedy``, one greedy response; the reward role scores
+them as it scores rollouts. Nothing here is trained on. The figures:
 
-    eval/reward/mean            mean reward of the greedy responses
-    eval/pass_rate              share of greedy responses with reward >= eval.pass_threshold
-    eval/sampled/reward/mean    mean reward of the sampled responses
-    eval/pass@k                 share of prompts with at least one of k samples passing
+    eval/reward/mean           mean reward of the sampled responses
+    eval/pass_rate             share of them with reward >= eval.pass_threshold
+    eval/pass@k                share of prompts with at least one of their k samples passing
+    eval/greedy/reward/mean    the same for the greedy responses (eval/greedy/pass_rate);
+                               with eval.samples = 0 they are also the headline eval/reward/mean
 
 Pass rates are reported for verifier rewards only (a reward model's scale has no threshold).
 """
@@ -50,15 +52,20 @@ def eval_metrics(plan: EvalPlan, greedy: list[float] | None, sampled: list[list[
     ``sampled``: ``[P][k]`` rewards of the sampled ones (None when that pass was not run)."""
     out: dict[str, float] = {}
     if greedy:
-        out["eval/reward/mean"] = sum(greedy) / len(greedy)
+        out["eval/greedy/reward/mean"] = sum(greedy) / len(greedy)
         if plan.verifier:
-            out["eval/pass_rate"] = sum(r >= plan.pass_threshold for r in greedy) / len(greedy)
+            out["eval/greedy/pass_rate"] = sum(r >= plan.pass_threshold for r in greedy) / len(greedy)
     if sampled:
         flat = [r for row in sampled for r in row]
-        out["eval/sampled/reward/mean"] = sum(flat) / len(flat)
+        out["eval/reward/mean"] = sum(flat) / len(flat)
         if plan.verifier:
-            solved = sum(any(r >= plan.pass_threshold for r in row) for row in sampled)
-            out[f"eval/pass@{plan.samples}"] = solved / len(sampled)
+            out["eval/pass_rate"] = sum(r >= plan.pass_threshold for r in flat) / len(flat)
+            out[f"eval/pass@{plan.samples}"] = sum(any(r >= plan.pass_threshold for r in row)
+                                                   for row in sampled) / len(sampled)
+    elif greedy:  # greedy only: its figures are the headline ones
+        out["eval/reward/mean"] = out["eval/greedy/reward/mean"]
+        if plan.verifier:
+            out["eval/pass_rate"] = out["eval/greedy/pass_rate"]
     return out
 
 

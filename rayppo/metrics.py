@@ -161,7 +161,7 @@ def _prefix_within(text: str, width: int) -> str:
 def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget: float | None = None) -> None:
     """Reward and KL(pi || pi_ref) per iteration, side by side. The reward panel shades the
     batch's min..max and mean ± std where the records have them, and adds the evaluations
-    (``eval/reward/mean``, ``eval/sampled/reward/mean``) at the iterations that have them."""
+    (``eval/reward/mean``, ``eval/greedy/reward/mean``) at the iterations that have them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,8 +197,8 @@ def _reward_panel(ax, records: list[dict[str, float]], its: list[int]) -> None:
         ax.fill_between(its, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                         color="tab:blue", alpha=0.25, linewidth=0, label="mean ± std")
     ax.plot(its, mean, marker=".", color="tab:blue", label="batch mean")
-    for key, label, color in (("eval/reward/mean", "eval (greedy)", "tab:green"),
-                              ("eval/sampled/reward/mean", "eval (sampled)", "tab:orange")):
+    for key, label, color in (("eval/reward/mean", "held-out", "tab:green"),
+                              ("eval/greedy/reward/mean", "held-out (greedy)", "tab:orange")):
         evals = [(r["iteration"], r[key]) for r in records if key in r]
         if evals:
             ax.plot(*zip(*evals), marker="o", color=color, label=label)

@@ -340,7 +340,7 @@ def _records(with_spread: bool, with_eval: bool) -> list[dict[str, float]]:
         if with_spread:
             r |= {"reward/std": 0.05, "reward/min": 0.0, "reward/max": 0.1 * it + 0.2}
         if with_eval and it % 2 == 1:
-            r |= {"eval/reward/mean": 0.1 * it + 0.05, "eval/sampled/reward/mean": 0.1 * it - 0.05}
+            r |= {"eval/reward/mean": 0.1 * it + 0.05, "eval/greedy/reward/mean": 0.1 * it - 0.05}
         records.append(r)
     return records
 
@@ -365,8 +365,8 @@ def test_reward_panel_draws_bands_and_eval_series():
     records = _records(with_spread=True, with_eval=True)
     _reward_panel(ax, records, [r["iteration"] for r in records])
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines["eval (greedy)"].get_xdata()) == [1, 3, 5]  # records without eval keys skipped
-    assert list(lines["eval (sampled)"].get_ydata()) == pytest.approx([0.05, 0.25, 0.45])
+    assert list(lines["held-out"].get_xdata()) == [1, 3, 5]  # records without eval keys skipped
+    assert list(lines["held-out (greedy)"].get_ydata()) == pytest.approx([0.05, 0.25, 0.45])
     assert list(lines["batch mean"].get_xdata()) == list(range(6))
     assert {c.get_label() for c in ax.collections} == {"batch min..max", "mean ± std"}
     plt.close(fig)

@@ -62,7 +62,7 @@ def test_choosing_a_reward_model_or_url_replaces_the_default_function():
 
 
 def test_eval_and_tracking_fields_are_checked():
-    with pytest.raises(ConfigError, match="eval.greedy"):
+    with pytest.raises(ConfigError, match="eval.samples"):
         load_config(None, ["eval.greedy=false", "eval.samples=0"])
     with pytest.raises(ConfigError, match="output.wandb_mode"):
         load_config(None, ["output.wandb_mode=sometimes"])
@@ -127,10 +127,13 @@ def test_eval_metrics_greedy_sampled_and_pass_at_k():
     plan = EvalPlan(greedy=True, samples=2, temperature=1.0, pass_threshold=1.0, verifier=True)
     assert plan.passes() == [(0.0, 1), (1.0, 2)]
     got = eval_metrics(plan, [1.0, 0.5, 0.0, 1.0], [[0.0, 1.0], [0.2, 0.4], [1.0, 1.0], [0.0, 0.0]])
-    assert got == {"eval/reward/mean": 0.625, "eval/pass_rate": 0.5,
-                   "eval/sampled/reward/mean": pytest.approx(3.6 / 8), "eval/pass@2": 0.5}
-    no_verifier = EvalPlan(True, 0, 1.0, 1.0, verifier=False)
-    assert eval_metrics(no_verifier, [2.0, -1.0], None) == {"eval/reward/mean": 0.5}
+    assert got == {"eval/greedy/reward/mean": 0.625, "eval/greedy/pass_rate": 0.5,
+                   "eval/reward/mean": pytest.approx(3.6 / 8), "eval/pass_rate": 3 / 8, "eval/pass@2": 0.5}
+    greedy_only = EvalPlan(True, 0, 1.0, 1.0, verifier=True)
+    assert eval_metrics(greedy_only, [1.0, 0.0], None) == {
+        "eval/greedy/reward/mean": 0.5, "eval/greedy/pass_rate": 0.5, "eval/reward/mean": 0.5, "eval/pass_rate": 0.5}
+    no_verifier = EvalPlan(False, 1, 1.0, 1.0, verifier=False)
+    assert eval_metrics(no_verifier, None, [[2.0], [-1.0]]) == {"eval/reward/mean": 0.5}
 
 
 def test_run_evaluation_regroups_prompt_major_scores():

@@ -139,9 +139,9 @@ class Engine:
 
     def describe(self) -> str:
         """``engine, device, threads, model``: overridden by each role."""
-        return f"{type(self).__name__}, {self.where()}"
+        return f"{type(self).__name__}, {self.device_info()}"
 
-    def where(self) -> str:
+    def device_info(self) -> str:
         """``cpu, 2 threads`` or ``cuda:0 (NVIDIA H200)``."""
         if self.device.type == "cuda":
             return f"{self.device} ({torch.cuda.get_device_name(self.device)})"

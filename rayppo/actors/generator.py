@@ -416,7 +416,7 @@ class GeneratorEngine(Engine):
             engine = f"vLLM {vllm.__version__}" + (f", tensor parallel {tp}" if tp > 1 else "")
         else:
             engine = f"transformers generate, {model_size(self.backend.model)}"
-        return f"{engine}, {self.where()}"
+        return f"{engine}, {self.device_info()}"
 
     def warmup(self) -> float:
         """One short generation: an engine's first call allocates and warms its kernels, which

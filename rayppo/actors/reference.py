@@ -28,7 +28,7 @@ class ReferenceEngine(Engine):
         self.batch_size = batch_size
 
     def describe(self) -> str:
-        return f"transformers, {model_size(self.model)}, {self.where()}"
+        return f"transformers, {model_size(self.model)}, {self.device_info()}"
 
     @torch.no_grad()
     def ref_logprobs(self, rollout: Rollout) -> list[list[float]]:

@@ -100,7 +100,7 @@ class RewardEngine(Engine):
             return f"verifier {self.name} in a child process (reward.timeout_s={self.timeout_s:g})"
         if self.http:
             return f"HTTP endpoint {self.http.url}"
-        return f"reward model {self.name}, {model_size(self.model)}, {self.where()}"
+        return f"reward model {self.name}, {model_size(self.model)}, {self.device_info()}"
 
     def scores(self, rollout: Rollout) -> list[float]:
         """``[B]`` r_phi(x, y); raises ``RewardError`` naming the prompt on failure or non-finite."""

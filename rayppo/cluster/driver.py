@@ -80,6 +80,7 @@ class DistributedTrainer:
             self._spawn_roles()
             wait_ready({"generators": self.generators, "reference": self.reference, "reward": self.rewards,
                         "learner": self.learner.ranks}, cfg.cluster.call_timeout_s)
+            self.learner.locate()
             console.phase("warming up the generators (their first call allocates)")
             self.generators.get(self.generators.call_all(GeneratorEngine.warmup))
             out = Path(cfg.output.dir)
@@ -313,24 +314,32 @@ def wait_ready(groups: dict[str, ActorGroup], timeout_s: float) -> None:
     pending = {ref: (role, i) for role, group in groups.items() for i, ref in enumerate(group.call_all(Engine.ready))}
     answers: dict[str, list[tuple[str, float]]] = {role: [] for role in groups}
     deadline = time.monotonic() + timeout_s
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not done:
-            late = sorted({f"{LOG_NAMES[r]}-{i}" for r, i in pending.values()})
-            raise ActorFailedError(f"{', '.join(late)} did not start within cluster.call_timeout_s={timeout_s:g} s"
-                                   f"{console.details(*next(iter(pending.values())))}")
-        role, i = pending.pop(done[0])
-        try:
-            answers[role].append(get(done[0]))
-        except RayActorError as exc:  # an error in __init__ ends Ray's message as "Type: message"
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            why = lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
-            raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{console.details(role, i)}") from None
-        if len(answers[role]) == len(groups[role]):
-            what, seconds = answers[role][0][0], max(s for _, s in answers[role])
-            n = len(groups[role])
-            label = LOG_NAMES[role] + (f" x{n}" if n > 1 else "")
-            console.phase(f"{label:<13} ready in {seconds:5.1f} s: {what}")
+    with console.waiting(f"starting {len(pending)} actors", len(pending)) as progress:
+        while pending:
+            _next_ready(pending, answers, groups, deadline, timeout_s)
+            progress()
+
+
+def _next_ready(pending: dict[Any, tuple[str, int]], answers: dict[str, list[tuple[str, float]]],
+                groups: dict[str, ActorGroup], deadline: float, timeout_s: float) -> None:
+    """Wait for the next actor to answer ``ready``; print its role's line when it was the last."""
+    done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+    if not done:
+        late = sorted({f"{LOG_NAMES[r]}-{i}" for r, i in pending.values()})
+        raise ActorFailedError(f"{', '.join(late)} did not start within cluster.call_timeout_s={timeout_s:g} s"
+                               f"{console.details(*next(iter(pending.values())))}")
+    role, i = pending.pop(done[0])
+    try:
+        answers[role].append(get(done[0]))
+    except RayActorError as exc:  # an error in __init__ ends Ray's message as "Type: message"
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
+        raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{console.details(role, i)}") from None
+    if len(answers[role]) == len(groups[role]):
+        what, seconds = answers[role][0][0], max(s for _, s in answers[role])
+        n = len(groups[role])
+        label = LOG_NAMES[role] + (f" x{n}" if n > 1 else "")
+        console.phase(f"{label:<13} ready in {seconds:5.1f} s: {what}")
 
 
 def vllm_settings(cfg: Config) -> VLLMSettings:

@@ -259,7 +259,7 @@ class LearnerEngine(Engine):
 
         lora = f" + LoRA r={self.cfg.learner.lora_rank}" if self.cfg.learner.lora_rank else ""
         return (f"DeepSpeed {deepspeed.__version__} ZeRO-{self.cfg.learner.zero_stage}, {self.world_size} rank{'s' if self.world_size > 1 else ''} "
-                f"over {dist.get_backend()}, policy {model_size(self.policy.module)}{lora} + critic, {self.where()} each")
+                f"over {dist.get_backend()}, policy {model_size(self.policy.module)}{lora} + critic, {self.device_info()} each")
 
 
 def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:

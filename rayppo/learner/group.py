@@ -54,12 +54,18 @@ class LearnerGroup:
             self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
         self.rank0_host = addr
+        self.where: list[tuple[int, str]] = []  # (pid, node address) per rank, once ``locate`` has run
+
+    def locate(self) -> None:
+        """Ask every rank for its process and node, right after they have started (the driver
+        asks once the roles are ready; asked of a hung rank it would never answer)."""
         self.where = [] if self.ranks.local else self.ranks.get(self.ranks.call_all(Engine.process_id))
 
     def rebuild(self) -> None:
         """Kill every rank and start the group again from the initial models (same placement)."""
         self.ranks.kill()
         self._start()
+        self.locate()
 
     def _gather(self, futures: list[Any], what: str) -> list[Any]:
         """Every rank's result; ``LearnerFailedError`` as soon as a rank dies, or when some rank
