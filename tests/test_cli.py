@@ -22,6 +22,14 @@ def test_train_writes_every_output(tmp_path, small_overrides, capsys):
     assert policy.config.model_type == "llama"
     assert (out / "critic" / "value_head.safetensors").is_file()
     assert "completed: 2 iterations" in capsys.readouterr().out
+    # The embedded task's held-out split is evaluated after the last iteration.
+    assert "eval/reward/mean" not in records[0] and 0.0 <= records[1]["eval/reward/mean"] <= 1.0
+    assert (out / "logs" / "driver.log").is_file()
+    # One run per folder: a second start into it is refused, naming the ways on.
+    assert main(["train", "--no-progress", *small_overrides]) == 2
+    assert f"--resume {out}" in capsys.readouterr().err
+    assert main(["train", "--no-progress", *small_overrides, "output.overwrite=true", "stop.iterations=1"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # replaced, not appended to
 
 
 def test_kl_budget_stops_early(tmp_path, small_overrides, capsys):

@@ -374,3 +374,25 @@ def test_reward_panel_draws_bands_and_eval_series():
     _reward_panel(ax, _records(False, False), list(range(6)))
     assert [line.get_label() for line in ax.get_lines()] == ["batch mean"] and not ax.collections
     plt.close(fig)
+
+
+def test_a_training_run_logs_to_wandb_and_mlflow(tmp_path, small_overrides, monkeypatch):
+    """``rayppo train`` with both trackers on (W&B offline, MLflow in a local folder): the
+    run's metrics reach them at every iteration."""
+    from mlflow.tracking import MlflowClient
+
+    from rayppo.cli import main
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--no-progress", *small_overrides, "output.wandb_project=ux", "output.wandb_mode=offline",
+                 f"output.mlflow_uri={tmp_path / 'mlruns'}"]) == 0
+    rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    client = MlflowClient(mlflow_tracking_uri(str(tmp_path / "mlruns")))
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    history = client.get_metric_history(run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(i, pytest.approx(r)) for i, r in enumerate(rewards)]
+    assert client.get_run(run_id).data.params["trainer"] == "reference"
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    logged = [r for r in _wandb_records(run_dir) if r.WhichOneof("record_type") == "history"]
+    assert len(logged) >= len(rewards)

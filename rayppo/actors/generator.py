@@ -202,6 +202,13 @@ class _VLLMBackend:
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         # On the CPU backend model.load_weights fails after weight repacking; reload_weights
         # runs the engine's own loader over the new tensors.
+        # vLLM logs "RotaryEmbedding: Failed to load weights" at every such reload; it is harmless.
+        # vLLM 0.32's layerwise reload (model_executor/model_loader/reload/layerwise.py,
+        # finalize_layerwise_processing) warns for a layer that has tensors but received none, and
+        # then puts its own tensors back. RotaryEmbedding's only tensor is ``cos_sin_cache``, a
+        # non-persistent buffer computed from the config (rotary_embedding/base.py), which no
+        # checkpoint holds: it is restored unchanged. (The weight fingerprints checked after
+        # every sync, checks.verify_sync, cover every real weight.)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
