@@ -139,10 +139,18 @@ class Console:
             return None
         return self.log_dir / f"{LOG_NAMES.get(role, role)}-{index}.log"
 
+    @staticmethod
+    def shown(path: Path) -> str:
+        """``path`` as a user would type it here: relative when under the current directory."""
+        try:
+            return str(path.relative_to(Path.cwd()))
+        except ValueError:
+            return str(path)
+
     def details(self, role: str, index: int) -> str:
         """`` (details: runs/x/logs/reward-0.log)`` for an error about that actor, or ``""``."""
         path = self.actor_log(role, index)
-        return f" (details: {path})" if path else ""
+        return f" (details: {self.shown(path)})" if path else ""
 
 
 console = Console()

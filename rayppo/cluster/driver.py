@@ -76,7 +76,8 @@ class DistributedTrainer:
                                   verbose=console.actor_log("driver", 0) is None).__enter__()
         try:
             self.placements = reserve(cfg)
-            console.phase(f"starting {_actor_count(cfg)}" + (f" (their output: {console.log_dir}/)" if console.log_dir else ""))
+            console.phase(f"starting {_actor_count(cfg)}" + (f" (their output: {console.shown(console.log_dir)}/)"
+                                                             if console.log_dir else ""))
             self._spawn_roles()
             wait_ready({"generators": self.generators, "reference": self.reference, "reward": self.rewards,
                         "learner": self.learner.ranks}, cfg.cluster.call_timeout_s)
