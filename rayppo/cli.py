@@ -42,6 +42,26 @@ def _address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray dashboard address (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
 
 
+def _submit_parser(sub: argparse._SubParsersAction) -> None:
+    submit = sub.add_parser(
+        "submit", help="submit a training (or benchmark) job to a Ray cluster (Ray Jobs API)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+    )
+    _address(submit)
+    submit.add_argument("--config", metavar="FILE", help="YAML config file")
+    submit.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job")
+    submit.add_argument("--bench", metavar="WORKLOAD", help="run `rayppo bench --workload WORKLOAD` instead of training")
+    submit.add_argument("--no-ship-code", action="store_true",
+                        help="use the rayppo installed on the cluster instead of shipping this checkout's")
+    submit.add_argument("--working-dir", default=".", metavar="DIR",
+                        help="project folder shipped as the job's working directory: your reward module, prompt "
+                             "files, configs (default: the current directory; .git, venvs, runs/ and what "
+                             ".gitignore/.rayignore exclude stay behind)")
+    submit.add_argument("--no-working-dir", action="store_true", help="ship only job.yaml (and the code)")
+    submit.add_argument("--job-id", help="submission id (default: generated)")
+    submit.add_argument("--wait", action="store_true", help="follow the logs until the job ends; exit 0 only on success")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rayppo", description="PPO for language models on the token-level MDP.",
@@ -89,23 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                        help="scaling sweep, e.g. --sweep generators.num=1,2 learner.num_ranks=1,2")
     bench.add_argument("--skip-alone", action="store_true", help="do not measure the stages alone")
-    submit = sub.add_parser(
-        "submit", help="submit a training (or benchmark) job to a Ray cluster (Ray Jobs API)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-    )
-    _address(submit)
-    submit.add_argument("--config", metavar="FILE", help="YAML config file")
-    submit.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job")
-    submit.add_argument("--bench", metavar="WORKLOAD", help="run `rayppo bench --workload WORKLOAD` instead of training")
-    submit.add_argument("--no-ship-code", action="store_true",
-                        help="use the rayppo installed on the cluster instead of shipping this checkout's")
-    submit.add_argument("--working-dir", default=".", metavar="DIR",
-                        help="project folder shipped as the job's working directory: your reward module, prompt "
-                             "files, configs (default: the current directory; .git, venvs, runs/ and what "
-                             ".gitignore/.rayignore exclude stay behind)")
-    submit.add_argument("--no-working-dir", action="store_true", help="ship only job.yaml (and the code)")
-    submit.add_argument("--job-id", help="submission id (default: generated)")
-    submit.add_argument("--wait", action="store_true", help="follow the logs until the job ends; exit 0 only on success")
+    _submit_parser(sub)
     for name, text in (("status", "show a job's status"), ("logs", "print a job's logs"), ("stop", "stop a running job")):
         job = sub.add_parser(name, help=text)
         job.add_argument("job_id", metavar="JOB")
