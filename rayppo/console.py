@@ -144,7 +144,7 @@ class Console:
         """``path`` as a user would type it here: relative when under the current directory."""
         try:
             return str(path.relative_to(Path.cwd()))
-        except ValueError:
+        except (ValueError, OSError):  # elsewhere; or no current directory (a Ray job's, once it joined)
             return str(path)
 
     def details(self, role: str, index: int) -> str:
