@@ -174,14 +174,7 @@ def compute_gae(
     """
     batch, length = rewards.shape
     mask_f = mask.to(values.dtype)
-    if bootstrap is None:
-        bootstrap = torch.zeros(batch, dtype=values.dtype, device=values.device)
-    # Shift left by one: column t holds V(S_t) and whether y_{t+1} is a real token.
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
-    next_valid = torch.cat([mask_f[:, 1:], torch.zeros_like(mask_f[:, :1])], dim=1)
-    # After the last valid token the next value is the bootstrap (0 on EOS, V(S_T) if cut).
-    next_values = next_valid * next_values + (1 - next_valid) * bootstrap.to(values.dtype)[:, None]
-    deltas = (rewards + gamma * next_values - values) * mask_f
+    deltas, next_valid = _td_errors(rewards, values, mask_f, gamma, bootstrap)
     advantages = torch.zeros_like(values)
     running = torch.zeros(batch, dtype=values.dtype, device=values.device)
     for t in reversed(range(length)):
@@ -189,6 +182,61 @@ def compute_gae(
         advantages[:, t] = running
     returns = (advantages + values) * mask_f
     return advantages, returns
+
+
+def _td_errors(rewards: torch.Tensor, values: torch.Tensor, mask_f: torch.Tensor, gamma: float,
+               bootstrap: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(delta, next_valid)``, both ``[B, T]``: delta_t = r_t + gamma V_{t+1} - V_t (0 on padding),
+    V_{t+1} being the bootstrap after the last valid token; next_valid_t = whether y_{t+1} is real."""
+    if bootstrap is None:
+        bootstrap = torch.zeros(values.shape[0], dtype=values.dtype, device=values.device)
+    # Shift left by one: column t holds V(S_t) and whether y_{t+1} is a real token.
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    next_valid = torch.cat([mask_f[:, 1:], torch.zeros_like(mask_f[:, :1])], dim=1)
+    # After the last valid token the next value is the bootstrap (0 on EOS, V(S_T) if cut).
+    next_values = next_valid * next_values + (1 - next_valid) * bootstrap.to(values.dtype)[:, None]
+    return (rewards + gamma * next_values - values) * mask_f, next_valid
+
+
+def compute_offpolicy_targets(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    log_ratio: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+    bootstrap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and value targets of rows sampled by a stale behaviour policy mu, both
+    ``[B, T]`` and 0 on padding (design.md, "Off-policy corrections").
+
+    ``log_ratio[b, t] = log pi_prox(y_t) - log mu(y_t)``, q_t = exp(log_ratio), and delta_t as in
+    ``compute_gae``. Backwards over t:
+
+    - value target (V-trace with lambda, Espeholt et al. 2018):
+      v_t - V_t = min(rho_bar, q_t) delta_t + gamma lam min(c_bar, q_t) (v_{t+1} - V_{t+1}),
+      v_{T+1} = V_{T+1}. The token's own ratio weighs its TD error, so v estimates V^{pi_prox}.
+    - advantage (Retrace-style trace): A_t = delta_t + gamma lam min(c_bar, q_{t+1}) A_{t+1}; the
+      token's own sampling is corrected in the policy loss (``decoupled_policy_loss``'s w_t).
+
+    With log_ratio = 0 both are ``compute_gae``'s (advantages, returns) exactly.
+    """
+    batch, length = rewards.shape
+    mask_f = mask.to(values.dtype)
+    deltas, next_valid = _td_errors(rewards, values, mask_f, gamma, bootstrap)
+    q = torch.exp(log_ratio.to(values.dtype)) * mask_f
+    rho, trace = torch.clamp(q, max=rho_bar), torch.clamp(q, max=c_bar)
+    next_trace = torch.cat([trace[:, 1:], torch.zeros_like(trace[:, :1])], dim=1)  # min(c_bar, q_{t+1})
+    advantages, target_gap = torch.zeros_like(values), torch.zeros_like(values)
+    run_a = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    run_v = torch.zeros_like(run_a)
+    for t in reversed(range(length)):
+        run_a = deltas[:, t] + gamma * lam * next_valid[:, t] * next_trace[:, t] * run_a
+        run_v = rho[:, t] * deltas[:, t] + gamma * lam * trace[:, t] * next_valid[:, t] * run_v
+        advantages[:, t], target_gap[:, t] = run_a, run_v
+    return advantages * mask_f, (target_gap + values) * mask_f
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -260,6 +308,36 @@ def policy_loss(
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
+    return loss, stats
+
+
+def decoupled_policy_loss(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    is_clip: float = 2.0,
+    agg: LossAgg = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO loss for rows sampled by a stale behaviour policy mu (design.md,
+    "Off-policy corrections"): the trust region is around pi_prox, the learner's weights at the
+    start of the update, and each token is reweighted by the truncated importance ratio
+    w_t = min(pi_prox / mu, is_clip):
+
+        L = -agg(w_t * min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)),  rho_t = pi_theta / pi_prox
+
+    With ``prox_logprobs == behaviour_logprobs`` (w = 1) it is ``policy_loss(logprobs,
+    prox_logprobs, ...)`` exactly. Stats: ``policy_loss``'s plus ``is_weight_mean`` and
+    ``is_clipfrac`` (share of valid tokens whose weight was truncated)."""
+    with torch.no_grad():
+        raw = torch.exp((prox_logprobs - behaviour_logprobs).to(torch.float32)).to(advantages.dtype)
+        weights = torch.clamp(raw, max=is_clip)
+    loss, stats = policy_loss(logprobs, prox_logprobs, weights * advantages, mask, clip_eps, agg)
+    with torch.no_grad():
+        stats |= {"is_weight_mean": masked_mean(weights, mask),
+                  "is_clipfrac": masked_mean((raw > is_clip).to(advantages.dtype), mask)}
     return loss, stats
 
 
