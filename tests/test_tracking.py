@@ -97,12 +97,26 @@ def _wandb_records(run_dir: Path) -> list:
             pos += block - pos % block
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         chunks += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a whole record
             records.append(pb.Record.FromString(chunks))
             chunks = b""
     return records
+
+
+def _complete_wandb_records(run_dir: Path, deadline_s: float = 60.0) -> list:
+    """The run's records once its ``exit`` record is on disk. wandb's service process buffers
+    the file and writes it as the run finishes, which can land just after ``finish()`` returns
+    on a loaded machine (CI once read a file holding only its header)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        records = _wandb_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
 
 
 def _history_value(item):
@@ -114,7 +128,7 @@ def _wandb_run(out: Path) -> tuple[dict, dict, list[dict]]:
     """(run record fields, config, history rows) of the newest offline run folder (wandb links it
     as ``latest-run``; a resumed run gets a folder of its own)."""
     run_dir = (out / "wandb" / "latest-run").resolve()
-    records = _wandb_records(run_dir)
+    records = _complete_wandb_records(run_dir)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {c.key: json.loads(c.value_json) for c in run.config.update}
     rows = [{i.key or "/".join(i.nested_key): _history_value(i) for i in r.history.item}
