@@ -127,6 +127,13 @@ class RolloutConfig:
     missing_eos_penalty: float = 0.0
     """``truncation=terminal`` only: subtracted from the score of every cut response (a push
     towards ending with EOS); 0 disables."""
+    max_staleness: int = 0
+    """k: how many policy versions a row may lag behind the learner that trains on it. 0: the
+    synchronous iteration (generate, score, learn, sync in lock-step). k >= 1: the asynchronous
+    pipeline: generators sample the next batches with the newest weights they hold while the
+    learner trains, scoring runs as its own stage, and the learner corrects for the lag
+    (``ppo.is_clip``, ``ppo.value_targets``); a row older than k versions is dropped and
+    counted (``async/dropped_rows``). Distributed trainer, weights through the object store."""
 
 
 @dataclass
@@ -169,6 +176,19 @@ class PPOConfig:
     """Whiten advantages over the whole rollout batch before the update."""
     loss_agg: str = "token-mean"
     """Policy-loss aggregation: ``token-mean`` or ``seq-mean-token-mean``."""
+    is_clip: float = 2.0
+    """Asynchronous mode: cap of the truncated importance weight w_t = min(pi_prox / mu, is_clip)
+    on the decoupled policy loss (mu: the generator's policy that sampled the row, pi_prox: the
+    learner's at the start of the update; the clip applies to pi_theta / pi_prox)."""
+    value_targets: str = "vtrace"
+    """Asynchronous mode: ``vtrace`` computes value targets and advantages with per-token
+    truncated importance weights (rho_t = min(vtrace_rho_clip, pi_prox / mu), c_t = min(vtrace_c_clip,
+    pi_prox / mu)) so the critic estimates V of the current policy; ``gae``: plain GAE, which on
+    stale rows estimates V of the behaviour policy. Identical when no row is stale."""
+    vtrace_rho_clip: float = 1.0
+    """rho-bar of ``value_targets=vtrace``: truncates the current token's weight in the value target."""
+    vtrace_c_clip: float = 1.0
+    """c-bar of ``value_targets=vtrace``: truncates the trace (how far later tokens' errors reach back)."""
 
 
 @dataclass
@@ -383,7 +403,8 @@ class LearnerConfig:
     gloo when neither has GPUs), ``object_store`` (rank 0 puts them once in Ray's object store,
     every generator reads them), ``ipc`` (colocated mode on GPUs: each learner rank's GPU hands
     CUDA-IPC handles to the generator on the same GPU, no copy), or ``auto`` (ipc when colocated
-    on GPUs, broadcast between whole GPUs, else object store)."""
+    on GPUs, broadcast between whole GPUs, else object store; always object store when
+    ``rollout.max_staleness`` > 0, which updates one generator at a time)."""
 
 
 @dataclass
@@ -452,7 +473,9 @@ def weight_sync_backend(cfg: Config) -> str | None:
     on_gpus = learner_gpus > 0 and gen_gpus > 0
     # NCCL cannot put two ranks of one group on one GPU: auto broadcasts only between whole GPUs.
     whole_gpus = learner_gpus >= 1 and gen_gpus >= 1 and not cfg.cluster.colocate_all
-    if mode == "object_store" or (mode == "auto" and not (on_gpus and whole_gpus and g.backend == "vllm")):
+    # The asynchronous pipeline updates one generator at a time, between its batches.
+    broadcast_fits = on_gpus and whole_gpus and g.backend == "vllm" and cfg.rollout.max_staleness == 0
+    if mode == "object_store" or (mode == "auto" and not broadcast_fits):
         return None
     return "nccl" if on_gpus else "gloo"
 

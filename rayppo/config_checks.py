@@ -16,6 +16,22 @@ def _require(ok: bool, name: str, message: str, value: Any) -> None:
         raise ConfigError(f"{name}: {message}, got {value!r}")
 
 
+def _check_async(cfg: Config) -> None:
+    """``rollout.max_staleness``: what the asynchronous pipeline needs."""
+    k = cfg.rollout.max_staleness
+    _require(k >= 0, "rollout.max_staleness", "must be >= 0", k)
+    if k == 0:
+        return
+    _require(cfg.trainer == "distributed", "rollout.max_staleness",
+             "needs trainer=distributed (the reference trainer is synchronous; use 0)", k)
+    _require(not cfg.cluster.colocate_all, "rollout.max_staleness",
+             "cannot overlap generation and learning with cluster.colocate_all=true (they take turns on one "
+             "device); use 0", k)
+    _require(weight_sync_backend(cfg) is None, "rollout.max_staleness",
+             "updates each generator between its own batches, which needs learner.weight_sync=object_store "
+             f"(a broadcast stops every generator at once); got learner.weight_sync={cfg.learner.weight_sync}", k)
+
+
 def validate(cfg: Config) -> Config:
     """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field.
 
@@ -62,6 +78,14 @@ def validate(cfg: Config) -> Config:
         "must be token-mean or seq-mean-token-mean",
         p.loss_agg,
     )
+    _require(p.is_clip >= 1, "ppo.is_clip", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)",
+             p.is_clip)
+    _require(p.value_targets in ("gae", "vtrace"), "ppo.value_targets", "must be gae or vtrace", p.value_targets)
+    _require(p.vtrace_rho_clip > 0, "ppo.vtrace_rho_clip", "must be > 0", p.vtrace_rho_clip)
+    _require(0 < p.vtrace_c_clip <= p.vtrace_rho_clip, "ppo.vtrace_c_clip",
+             f"must be in (0, ppo.vtrace_rho_clip={p.vtrace_rho_clip:g}] (V-trace needs c-bar <= rho-bar)",
+             p.vtrace_c_clip)
+    _check_async(cfg)
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
