@@ -97,9 +97,9 @@ def workload_config(workload: Workload, policy: Path, reward_model: Path, extra:
 # ------------------------------------------------------------------------------- measurement
 def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str, float]], dict[str, int], Any]:
     """W warm-up + M measured iterations of the distributed system; also peak memory per role."""
-    from rayppo.cluster.driver import DistributedTrainer
+    from rayppo.cluster.pipeline import distributed_trainer
 
-    trainer = DistributedTrainer(cfg)
+    trainer = distributed_trainer(cfg)
     try:
         for i in range(warmup):
             trainer.iteration()
@@ -328,6 +328,9 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")},
         "idle_s": {"generators": _mmm([p["generator_idle_s"] for p in per_iteration]),
                    "learners": _mmm([p["learner_idle_s"] for p in per_iteration])},
+        # Shares of the iteration each role waited (the asynchronous pipeline's goal: both small).
+        "idle_share": {"generators": statistics.median(p["generator_idle_s"] / p["iteration_s"] for p in per_iteration),
+                       "learners": statistics.median(p["learner_idle_s"] / p["iteration_s"] for p in per_iteration)},
         "weight_sync": weight_sync_backend(cfg) or "object_store",
         "sync_bytes": col["sync/bytes"][-1],
         "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
@@ -367,6 +370,8 @@ def print_table(s: dict[str, Any]) -> None:
         print(row(stage, v))
     print(row("generators idle", s["idle_s"]["generators"]))
     print(row("learners idle", s["idle_s"]["learners"]))
+    print(f"  idle share           generators {100 * s['idle_share']['generators']:.0f}%, "
+          f"learners {100 * s['idle_share']['learners']:.0f}% of the iteration")
     print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}   per stage: "
           + ", ".join(f"{k} {v:,.0f}" for k, v in s["stage_tokens_per_s"].items()))
     print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
@@ -384,6 +389,15 @@ def print_table(s: dict[str, Any]) -> None:
               f"(iteration {s['trl_iteration_s']['median']:.3f} s, of which gc.collect {s['trl_gc_s']:.3f} s)")
         print(f"  rayppo / TRL         {s['ratio_vs_trl']:.2f}x as shipped, "
               f"{s['ratio_vs_trl_without_gc']:.2f}x against TRL without its gc.collect calls")
+
+
+def print_sweep(points: list[dict[str, Any]]) -> None:
+    """One line per sweep point: tokens/s, speed-up over the first point, idle shares."""
+    print(f"\n  {'point':<36}{'tokens/s':>10}{'speed-up':>10}{'gen idle':>10}{'learn idle':>11}")
+    for p in points:
+        label = " ".join(f"{k}={v}" for k, v in p["point"].items())
+        print(f"  {label:<36}{p['end_to_end_tokens_per_s']:>10,.0f}{p['speedup_vs_first']:>9.2f}x"
+              f"{100 * p['idle_share']['generators']:>9.0f}%{100 * p['idle_share']['learners']:>10.0f}%")
 
 
 def plot_stages(s: dict[str, Any], path: Path) -> None:
@@ -456,9 +470,14 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
             points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None,
                                                        plan_estimate(cfg, rollout))})
             print_table(points[-1])
+        for p in points:  # side by side, one run: each point against the first
+            p["speedup_vs_first"] = p["end_to_end_tokens_per_s"] / points[0]["end_to_end_tokens_per_s"]
         (out / "sweep.json").write_text("\n".join(json.dumps(p) for p in points) + "\n")
+        summary = {"workload": w.name, "points": points}
+        (out / "bench.json").write_text(json.dumps(summary, indent=1))
         plot_sweep(points, out / "sweep.png")
-        return {"workload": w.name, "points": points}
+        print_sweep(points)
+        return summary
     cfg = workload_config(w, policy, reward_model, overrides)
     print(f"rayppo bench {w.name}: {w.description}", file=sys.stderr)
     records, memory, rollout = run_rayppo(cfg, warmup, iterations)

@@ -162,10 +162,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.train import run
 
     if cfg.trainer == "reference":
-        from rayppo.learner.reference_trainer import ReferenceTrainer as Trainer
+        from rayppo.learner.reference_trainer import ReferenceTrainer
+
+        trainer = ReferenceTrainer(cfg)
     else:
-        from rayppo.cluster.driver import DistributedTrainer as Trainer
-    result = run(cfg, Trainer(cfg), progress=not args.no_progress, resume=resume)
+        from rayppo.cluster.pipeline import distributed_trainer
+
+        trainer = distributed_trainer(cfg)
+    result = run(cfg, trainer, progress=not args.no_progress, resume=resume)
     print(result.summary())
     return 130 if result.stop_reason == "interrupted" else 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -43,6 +44,8 @@ class Fanout:
     args: Sequence[tuple]
     refresh: Callable[[int], None] | None = None
     """Brings a replacement actor i up to date before its share runs again."""
+    actors: Sequence[int] | None = None
+    """The actors that ``args`` go to, in order; None: actor i gets ``args[i]``."""
     results: list[Any] = field(default_factory=list)
     seconds: float = 0.0
     """When the last result arrived, from the start of ``Supervisor.run``."""
@@ -54,6 +57,7 @@ class Supervisor:
     def __init__(self, max_restarts: int, timeout_s: float):
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self.restarts = 0
+        self._lock = threading.Lock()
         self._where: dict[tuple[int, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
 
     def watch(self, group: ActorGroup) -> None:
@@ -67,34 +71,45 @@ class Supervisor:
         """``method`` on actor i with ``args[i]``; every result, in order; failed shares redone."""
         return self.run([Fanout(group, role, method, args, refresh)])[0]
 
+    def call_one(self, group: ActorGroup, role: str, i: int, method: Callable[..., Any], args: tuple,
+                 refresh: Callable[[int], None] | None = None) -> Any:
+        """``method`` on actor ``i`` alone (the asynchronous pipeline drives each generator on its
+        own); replaced and redone like a share of ``call``."""
+        return self.run([Fanout(group, role, method, [args], refresh, actors=[i])])[0][0]
+
     def run(self, fanouts: list["Fanout"]) -> list[list[Any]]:
         """Several fan-outs at once (e.g. reference and reward scoring); each one's results, and
         ``Fanout.seconds`` set to when its last result arrived."""
         start = time.perf_counter()
         pending: dict[Any, tuple[Fanout, int]] = {}
         for f in fanouts:
-            f.results = f.group.call(f.method, f.args) if f.group.local else [None] * len(f.args)
-            if not f.group.local:
-                pending |= {f.group.call_at(i, f.method, a): (f, i) for i, a in enumerate(f.args)}
+            f.results = [None] * len(f.args)
+            for pos, (i, a) in enumerate(zip(_actors(f), f.args)):
+                if f.group.local:
+                    f.results[pos] = f.group.call_at(i, f.method, a)
+                else:
+                    pending[f.group.call_at(i, f.method, a)] = (f, pos)
         deadline = time.monotonic() + self.timeout_s
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:  # past the deadline: every call still running counts as hung
-                for future, (f, i) in list(pending.items()):
+                for future, (f, pos) in list(pending.items()):
+                    i = _actors(f)[pos]
                     self._replace(f, i, f"did not answer {f.method.__name__} within cluster.call_timeout_s="
                                         f"{self.timeout_s:g} s", hung=True)
                     del pending[future]
-                    pending[f.group.call_at(i, f.method, f.args[i])] = (f, i)
+                    pending[f.group.call_at(i, f.method, f.args[pos])] = (f, pos)
                 deadline = time.monotonic() + self.timeout_s
                 continue
-            f, i = pending.pop(ready[0])
+            f, pos = pending.pop(ready[0])
+            i = _actors(f)[pos]
             try:
-                f.results[i] = get(ready[0])
+                f.results[pos] = get(ready[0])
             except RayActorError as exc:
                 if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
                     raise  # another actor's death reached this call (an argument it produced)
                 self._replace(f, i, f"died ({brief(exc)})")
-                pending[f.group.call_at(i, f.method, f.args[i])] = (f, i)
+                pending[f.group.call_at(i, f.method, f.args[pos])] = (f, pos)
                 continue
             if not any(g is f for g, _ in pending.values()):
                 f.seconds = time.perf_counter() - start
@@ -102,9 +117,10 @@ class Supervisor:
 
     def spend(self, failure: str, error: type[ActorFailedError] = ActorFailedError, hint: str = "") -> None:
         """Count one restart for ``failure``; past the budget raise ``error`` saying so."""
-        if self.restarts >= self.max_restarts:
-            raise error(f"{failure}; cluster.max_actor_restarts={self.max_restarts} restarts are spent{hint}")
-        self.restarts += 1
+        with self._lock:  # the asynchronous pipeline's stages call from their own threads
+            if self.restarts >= self.max_restarts:
+                raise error(f"{failure}; cluster.max_actor_restarts={self.max_restarts} restarts are spent{hint}")
+            self.restarts += 1
 
     def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
         group, role = f.group, f.role
@@ -118,6 +134,11 @@ class Supervisor:
             f.refresh(i)
         log.warning("%s actor %d %s: replaced in %.1f s (restart %d of cluster.max_actor_restarts=%d); redoing its "
                     "share", role, i, cause, time.perf_counter() - start, self.restarts, self.max_restarts)
+
+
+def _actors(f: Fanout) -> list[int]:
+    """The actor index of each of ``f.args``."""
+    return list(range(len(f.args))) if f.actors is None else list(f.actors)
 
 
 def dump_stacks(pid: int | None, host: str | None) -> None:

@@ -1,0 +1,358 @@
+"""The asynchronous pipeline (``rollout.max_staleness = k >= 1``): generation overlaps learning.
+
+    generator g   (a thread each)    its share of batch b, with the newest weights it holds; it
+                                     waits until b <= learner version + k and loads newer weights
+                                     between its batches (no global stop)
+    scoring       (one thread)       log pi_ref and r_phi of each complete batch, in order
+    scored queue  (at most k + 1)    batches waiting for the learner
+    learner       (caller's thread)  batch v at version v: rows older than k versions dropped and
+                                     counted, decoupled PPO with V-trace targets (the learner's
+                                     ``rayppo/learner/experience.py``), then version v + 1 published
+
+Batch b is trained when the learner holds version b, so a row sampled with version w is b - w
+versions stale: at most k by the waiting rule, and recorded per row (``policy_version``). Every
+learner call stays on the caller's thread, since ranks must receive collective calls in one
+order; the stage threads call only their own actors (a replaced generator takes the published
+weights, not a new gather). A stage thread's error stops the run from the caller's thread.
+
+Checkpoints record the learner (as in the synchronous trainer) and the prompt sampler's position
+*before the next batch to train*; the batches in flight are not saved. After ``--resume`` (or a
+learner restart) they are drawn again from the same prompts and sampled with the restored
+weights, so nothing is lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.cluster.driver import DistributedTrainer
+from rayppo.cluster.group import get, split_evenly
+from rayppo.config import Config
+from rayppo.data.prompts import PromptBatch
+from rayppo.data.rollout import Rollout
+from rayppo.errors import LearnerFailedError
+from rayppo.guard import check_weights
+from rayppo.learner.reference_trainer import iteration_seed, rollout_stats
+
+POLL_S = 0.2
+"""How often a waiting thread looks at the stop flag and the stages' errors."""
+
+
+def drop_stale(rollout: Rollout, version: int, max_staleness: int) -> tuple[Rollout, int]:
+    """``(rows at most max_staleness versions behind version, rows dropped)``."""
+    keep = [i for i, v in enumerate(rollout.policy_version) if version - v <= max_staleness]
+    return (rollout, 0) if len(keep) == len(rollout) else (rollout.select(keep), len(rollout) - len(keep))
+
+
+def staleness_stats(rollout: Rollout, version: int) -> dict[str, float]:
+    """``async/staleness_mean|max``: versions between each row's sampler and the learner."""
+    lags = [version - v for v in rollout.policy_version] or [0]
+    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+
+
+class BusyClock:
+    """When one worker (a generator, the scorers) was busy: ``busy(a, b)``, seconds within [a, b]."""
+
+    def __init__(self) -> None:
+        self._intervals: list[tuple[float, float]] = []
+        self._since: float | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._since is not None:
+                self._intervals.append((self._since, time.perf_counter()))
+            self._since = None
+
+    def busy(self, a: float, b: float) -> float:
+        """Busy seconds in [a, b] (a task still running counts up to b); forgets what ended before a."""
+        with self._lock:
+            self._intervals = [(s, e) for s, e in self._intervals if e > a]
+            running = [(self._since, b)] if self._since is not None else []
+            return sum(max(0.0, min(e, b) - max(s, a)) for s, e in self._intervals + running)
+
+
+@dataclass
+class Published:
+    """The newest policy the learner has put in the object store."""
+
+    version: int
+    payload: Any = None
+    """ObjectRef of rank 0's ``WeightsPayload``; None for the initial weights every generator builds."""
+    prints: dict[str, Any] | None = None
+    """Rank 0's fingerprints of those weights (the weight check after each generator's load)."""
+
+
+@dataclass
+class Batch:
+    """One iteration's prompts and the generators' parts of its rollout."""
+
+    prompts: PromptBatch
+    parts: list[Rollout | None]
+
+
+@dataclass
+class Stages:
+    """One start of the pipeline. A restart makes a new one, so threads of a stopped start only
+    ever write into their own."""
+
+    first: int
+    """The first batch (= the learner's version when it started)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    batches: dict[int, Batch] = field(default_factory=dict)
+    prompt_states: dict[int, dict[str, int]] = field(default_factory=dict)
+    """The sampler's position before each batch was drawn (what a checkpoint records)."""
+    to_score: "queue.Queue[int]" = field(default_factory=queue.Queue)
+    scored: queue.Queue = field(default_factory=queue.Queue)
+    error: BaseException | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class _Stopped(Exception):
+    """Raised inside a stage thread when its start of the pipeline was stopped."""
+
+
+class PipelinedTrainer(DistributedTrainer):
+    """The distributed trainer with generation, scoring and learning overlapped (module docstring)."""
+
+    def __init__(self, cfg: Config):
+        self.k = cfg.rollout.max_staleness
+        self._cond = threading.Condition()
+        self._stages = Stages(first=0)  # before super().__init__, which asks for driver_state()
+        super().__init__(cfg)
+        try:
+            self.version = 0
+            self._published = Published(0)
+            self._held = [0] * len(self.generators)  # every generator built the initial weights
+            self._clocks = [BusyClock() for _ in range(len(self.generators))]
+            self._scoring_clock = BusyClock()
+            self._start_stages()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------------------- the learner
+    def iteration(self) -> dict[str, float]:
+        """Train on batch v (v = the learner's version) once it is scored; publish v + 1."""
+        it, clock, t0 = self.iteration_count, time.perf_counter, self._last_return
+        index, rollout, score_times, depth = self._next_scored()
+        assert index == it, f"pipeline delivered batch {index} for iteration {it}"
+        t_data = clock()
+        staleness = staleness_stats(rollout, self.version)
+        rollout, dropped = drop_stale(rollout, self.version, self.k)
+        kl_coef = self.kl_ctl.value
+        with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
+            stats = self.learner.train(rollout, kl_coef, it)
+            t_learn = clock()
+            self._publish(int(stats["policy/version"]))
+        t_end = clock()
+        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+        self.iteration_count, self.version, self.last_rollout = it + 1, int(stats["policy/version"]), rollout
+        with self._cond:
+            self._stages.batches.pop(it, None)
+            self._stages.prompt_states.pop(it, None)
+        self._last_return = t_end
+        wall = t_end - t0
+        generate = sum(c.busy(t0, t_end) for c in self._clocks) / len(self._clocks)
+        timings = {"time/generate": generate, **score_times, "time/score": self._scoring_clock.busy(t0, t_end),
+                   "time/wait_for_data": t_data - t0, "time/learn": t_learn - t_data, "time/sync": t_end - t_learn,
+                   "time/sync_verify": 0.0, "time/iteration": wall, "sync/bytes": float(self._payload_bytes()),
+                   "sync/verified": float(self.cfg.checks.verify_sync),
+                   "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - (t_learn - t_data) / wall,
+                   "async/dropped_rows": float(dropped), "async/queue_depth": float(depth),
+                   "faults/actor_restarts": float(self.supervisor.restarts),
+                   "faults/learner_restarts": float(self.learner_restarts)}
+        return {**stats, **rollout_stats(rollout, wall), **timings, **staleness, "kl_coef": kl_coef}
+
+    def _next_scored(self) -> tuple[int, Rollout, dict[str, float], int]:
+        """The next scored batch and how many more wait behind it; raises a stage's error."""
+        stages = self._stages
+        while True:
+            with self.learner.failures():  # rank 0's death can surface in a generator loading its weights
+                if stages.error is not None:
+                    raise stages.error
+            try:
+                index, rollout, times = stages.scored.get(timeout=POLL_S)
+                return index, rollout, times, stages.scored.qsize()
+            except queue.Empty:
+                continue
+
+    def _publish(self, version: int) -> None:
+        """Rank 0's weights of ``version`` into the object store; waiting generators may go on."""
+        payload = self.learner.policy_weights()
+        prints = self.learner.sent_fingerprints() if self.cfg.checks.verify_sync else None
+        get(payload)  # rank 0 has put them: a generator's load will not wait on the learner
+        with self._cond:
+            self._published = Published(version, payload, prints)
+            self._cond.notify_all()
+
+    def _payload_bytes(self) -> int:
+        """Bytes of one copy of the weights times the generators (as ``sync/bytes`` counts them)."""
+        payload = self._published.payload
+        return get(payload).nbytes * len(self.generators) if payload is not None else 0
+
+    # ------------------------------------------------------------------------------ the stages
+    def _start_stages(self) -> None:
+        self._stages = stages = Stages(first=self.iteration_count)
+        stages.scored = queue.Queue(maxsize=self.k + 1)
+        workers = [threading.Thread(target=self._guarded, args=(stages, self._generate_loop, g), daemon=True,
+                                    name=f"rayppo-generator-{g}") for g in range(len(self.generators))]
+        workers.append(threading.Thread(target=self._guarded, args=(stages, self._score_loop), daemon=True,
+                                        name="rayppo-scoring"))
+        stages.threads = workers
+        self._last_return = time.perf_counter()
+        for thread in workers:
+            thread.start()
+
+    def _stop_stages(self) -> None:
+        """Stop the stage threads and wait for them (each finishes at most the call it is in)."""
+        stages = self._stages
+        with self._cond:
+            stages.stop.set()
+            self._cond.notify_all()
+        for thread in stages.threads:
+            thread.join()
+
+    def _guarded(self, stages: Stages, loop, *args: Any) -> None:
+        """Run a stage loop; its first error (while running) is raised on the caller's thread."""
+        try:
+            loop(stages, *args)
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            if not stages.stop.is_set() and stages.error is None:
+                stages.error = exc
+
+    def _generate_loop(self, stages: Stages, g: int) -> None:
+        """Generator g: its share of batches first, first + 1, ... within the staleness window."""
+        b, seed = stages.first, self.cfg.seed
+        while True:
+            published = self._wait_for_window(stages, b)
+            batch = self._batch(stages, b)
+            self._clocks[g].start()
+            try:
+                if published.version > self._held[g]:
+                    self._load(g, published)
+                rows = split_evenly(len(batch.prompts.ids), len(self.generators))[g]
+                part = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate,
+                                                (batch.prompts.select(rows), iteration_seed(seed, b) + 7919 * g),
+                                                refresh=self._refresh)
+            finally:
+                self._clocks[g].stop()
+            with self._cond:
+                batch.parts[g] = part
+                if all(p is not None for p in batch.parts):
+                    stages.to_score.put(b)
+            b += 1
+
+    def _wait_for_window(self, stages: Stages, b: int) -> Published:
+        """Block until batch b may be sampled (b <= published version + k); the newest weights."""
+        with self._cond:
+            while b > self._published.version + self.k:
+                if stages.stop.is_set():
+                    raise _Stopped
+                self._cond.wait(POLL_S)
+            if stages.stop.is_set():
+                raise _Stopped
+            return self._published
+
+    def _batch(self, stages: Stages, b: int) -> Batch:
+        """Batch b's prompts, drawn (in order) by the first generator to reach it."""
+        with self._cond:
+            if stages.stop.is_set():  # a restart is about to move the sampler: draw nothing more
+                raise _Stopped
+            if b not in stages.batches:
+                stages.prompt_states[b] = self.prompts.state_dict()
+                stages.batches[b] = Batch(self.prompts.next_batch(), [None] * len(self.generators))
+            return stages.batches[b]
+
+    def _load(self, g: int, published: Published) -> None:
+        """Generator g takes the published weights, then (``checks.verify_sync``) proves it holds them."""
+        version = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.load_weights,
+                                           (published.payload,), refresh=self._refresh)
+        if version != published.version:
+            raise RuntimeError(f"generator {g} reports policy version {version} after loading {published.version}")
+        if published.prints is not None:
+            held = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.weight_fingerprints, ())
+            if held is not None:
+                check_weights(published.prints, held, g, version)
+        self._held[g] = version
+
+    def _refresh(self, i: int) -> None:
+        """A replacement generator i takes the published weights (its own build is version 0)."""
+        published = self._published
+        self._held[i] = 0
+        if published.payload is not None:
+            self._held[i] = get(self.generators.call_at(i, GeneratorEngine.load_weights, (published.payload,)))
+
+    def _score_loop(self, stages: Stages) -> None:
+        """Score each complete batch (reference and reward at the same time), in order."""
+        while True:
+            try:
+                b = stages.to_score.get(timeout=POLL_S)
+            except queue.Empty:
+                if stages.stop.is_set():
+                    raise _Stopped
+                continue
+            self._scoring_clock.start()
+            try:
+                rollout, times = self.score(Rollout.concat(stages.batches[b].parts))
+            finally:
+                self._scoring_clock.stop()
+            while True:  # the queue is bounded: wait for the learner
+                try:
+                    stages.scored.put((b, rollout, times), timeout=POLL_S)
+                    break
+                except queue.Full:
+                    if stages.stop.is_set():
+                        raise _Stopped
+
+    # --------------------------------------------------------------- checkpoints and failures
+    def driver_state(self) -> dict[str, Any]:
+        """As the synchronous trainer's, with the sampler's position before the next batch to
+        train (batches in flight are drawn again on resume)."""
+        with self._cond:
+            prompts = self._stages.prompt_states.get(self.iteration_count) or self.prompts.state_dict()
+        return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": dict(prompts)}
+
+    def restore(self, path: Path | None, state: dict[str, Any]) -> None:
+        """Stop the stages, load the checkpoint, publish its weights and start again from it: every
+        generator loads them (and is checked) before its first batch."""
+        self._stop_stages()
+        version = self.learner.load_checkpoint(str(path)) if path is not None else 0
+        self.iteration_count, self.version = state["iteration"], version
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.prompts.load_state_dict(state["prompts"])
+        self._publish(version)
+        self._held = [-1] * len(self.generators)
+        self._start_stages()
+
+    def recover(self, failure: LearnerFailedError) -> int:
+        self._stop_stages()  # before the learner goes: no stage may read its weights meanwhile
+        return super().recover(failure)
+
+    def close(self) -> None:
+        stages = getattr(self, "_stages", None)
+        if stages is not None:
+            stages.stop.set()  # the threads end with the actors' errors or at their next check
+        super().close()
+
+
+def trainer_class(cfg: Config) -> type[DistributedTrainer]:
+    """The synchronous trainer (``rollout.max_staleness`` = 0, unchanged), else the pipelined one."""
+    return PipelinedTrainer if cfg.rollout.max_staleness > 0 else DistributedTrainer
+
+
+def distributed_trainer(cfg: Config) -> DistributedTrainer:
+    """A started trainer of ``trainer_class(cfg)``."""
+    return trainer_class(cfg)(cfg)
