@@ -1,0 +1,367 @@
+"""The learner's side of asynchronous mode (design.md, "Off-policy corrections"), in this process.
+
+Real models (the embedded tiny Llama as policy and critic) and real tensors; rollouts are built
+by hand so that the behaviour log-probs mu can be set exactly: equal to the learner's own
+recomputation (mu = pi_prox), or shifted on chosen tokens (a stale behaviour policy). No Ray,
+no DeepSpeed: ``make_experience`` + ``ppo_update`` with a torch AdamW step, as the reference
+trainer runs them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import pytest
+import torch
+
+from rayppo.config import PPOConfig
+from rayppo.data.rollout import Rollout
+from rayppo.guard import LogprobMismatchError, MismatchGuard
+from rayppo.learner import ppo
+from rayppo.learner.experience import (Experience, LocalCollective, Minibatch, ProximalPolicy, check_staleness,
+                                      local_minibatches, make_experience, minibatch_plan, ppo_update,
+                                      proximal_logprobs, same_version_mismatch)
+from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
+from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
+
+TEMPERATURE = 0.8  # not 1, so a pass that forgot the temperature would not match the sampler's
+KL_COEF = 0.1
+LENGTHS = [5, 2, 7, 4, 6, 3]  # ragged responses: padding in every batch
+
+
+@pytest.fixture(scope="module")
+def models(embedded_dir):
+    """(policy, critic) in train mode, dropout off, as the learner holds them; tests copy them."""
+    policy = prepare_for_training(load_causal_lm(embedded_dir), gradient_checkpointing=False)
+    critic = prepare_for_training(Critic.from_pretrained(embedded_dir), gradient_checkpointing=False)
+    return policy, critic
+
+
+def _copies(models) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return copy.deepcopy(models[0]), copy.deepcopy(models[1])
+
+
+def _rollout(tokenizer, versions: list[int], seed: int = 0) -> Rollout:
+    """Rows with random prompts and responses: even rows end with EOS (``stop``), odd rows are cut
+    (``length``, bootstrapped); log-probs are filled in by ``_set_logprobs``."""
+    g = torch.Generator().manual_seed(seed)
+    n, vocab = len(versions), len(tokenizer)
+    prompts = [torch.randint(4, vocab, (3 + i % 3,), generator=g).tolist() for i in range(n)]
+    responses = [torch.randint(4, vocab, (LENGTHS[i % 6],), generator=g).tolist() for i in range(n)]
+    for i in range(0, n, 2):
+        responses[i][-1] = tokenizer.eos_token_id
+    reasons = ["stop" if i % 2 == 0 else "length" for i in range(n)]
+    rollout = Rollout(prompts, responses, [[0.0] * len(r) for r in responses], reasons, [""] * n, [""] * n,
+                      list(versions), [i % 2 for i in range(n)])
+    rollout.score = torch.randn(n, generator=g).tolist()
+    return rollout
+
+
+def _learner_logprobs(policy, rollout: Rollout, pad_id: int, chunks: int) -> torch.Tensor:
+    """[B, T] the learner's recomputation, by the same pass (and chunking) ``make_experience`` runs."""
+    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
+    return proximal_logprobs(ProximalPolicy(policy, TEMPERATURE, 0), batch, chunks)
+
+
+def _set_logprobs(rollout: Rollout, mu: torch.Tensor, ref_shift: float = 0.3) -> None:
+    """The generator's (behaviour) log-probs := ``mu`` row by row; ref = mu - ref_shift (KL != 0)."""
+    rollout.logprobs = [mu[i, : len(r)].tolist() for i, r in enumerate(rollout.response_ids)]
+    rollout.ref_logprobs = [[x - ref_shift for x in row] for row in rollout.logprobs]
+
+
+def _stepper(policy, critic):
+    """Backward + AdamW step of policy and critic, as the reference trainer's ``_step``."""
+    popt, copt = torch.optim.AdamW(policy.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
+
+    def step(policy_objective: torch.Tensor, value_objective: torch.Tensor) -> None:
+        popt.zero_grad(set_to_none=True)
+        copt.zero_grad(set_to_none=True)
+        (policy_objective + value_objective).backward()
+        popt.step()
+        copt.step()
+
+    return step
+
+
+def _minibatches(exp: Experience, cfg: PPOConfig) -> list[Minibatch]:
+    plan = minibatch_plan(exp.batch.mask.shape[0], cfg.epochs, cfg.minibatches, seed=3)
+    return local_minibatches(plan, 0, exp.batch.mask, LocalCollective())
+
+
+def _params(*modules: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for m in modules for p in m.parameters()]
+
+
+def _forward_counter(module: torch.nn.Module) -> list[int]:
+    """A list whose one element counts ``module``'s forward passes from now on."""
+    count = [0]
+    module.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+def _train(models, rollout, pad_id, cfg, max_staleness, version=0, guard=None):
+    """One ``make_experience`` + ``ppo_update`` on copies of ``models``; returns
+    (experience, stats, policy, critic, policy forwards during make_experience)."""
+    policy, critic = _copies(models)
+    forwards = _forward_counter(policy)
+    exp, stats = make_experience(rollout, critic, pad_id, KL_COEF, cfg, max_staleness=max_staleness,
+                                 proximal=ProximalPolicy(policy, TEMPERATURE, version))
+    prox_forwards = forwards[0]
+    stats |= ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
+                        guard=guard)
+    return exp, stats, policy, critic, prox_forwards
+
+
+# ------------------------------------------------------------------------------------------
+# (a) k = 0: exactly the synchronous iteration
+# ------------------------------------------------------------------------------------------
+def _hand_written_sync_update(policy, critic, rollout: Rollout, pad_id: int, cfg: PPOConfig, minibatches):
+    """Today's synchronous iteration, written out with the functions of ppo.py: KL and ratios
+    against the generator's log-probs, GAE, whitening, the clipped loss per minibatch."""
+    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
+    mask, old_logprobs, ref_logprobs = batch.mask, rollout.tensor("logprobs"), rollout.tensor("ref_logprobs")
+    with torch.no_grad():
+        values, last_values = critic_forward(critic, batch)
+    returned, bootstrap = ppo.truncation_targets(torch.tensor(rollout.score), last_values, rollout.truncated(),
+                                                 "bootstrap")
+    rewards = ppo.shape_rewards(returned, old_logprobs, ref_logprobs, mask, KL_COEF, cfg.kl_estimator)
+    advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
+    advantages = ppo.masked_whiten(advantages, mask)
+    step, first_gap = _stepper(policy, critic), None
+    for mb in minibatches:
+        part, rows = batch.rows(mb.rows), mb.rows
+        logprobs, entropy = policy_forward(policy, part, TEMPERATURE, with_entropy=True, entropy_grad=False)
+        pg_loss, _ = ppo.policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.mask, cfg.clip_eps)
+        new_values, _ = critic_forward(critic, part)
+        vf_loss = ppo.value_loss(new_values, values[rows], returns[rows], part.mask, cfg.value_clip)
+        if first_gap is None:
+            first_gap = (logprobs.detach() - old_logprobs[rows]).abs() * part.mask
+        step(mb.token_share * pg_loss - mb.token_share * cfg.entropy_coef * ppo.masked_mean(entropy, part.mask),
+             mb.token_share * cfg.vf_coef * vf_loss)
+    return rewards, advantages, returns, first_gap
+
+
+def test_synchronous_path_is_todays_iteration_bit_for_bit(models, tokenizer):
+    """max_staleness = 0, even with a proximal policy at hand: no log pi_prox pass, KL and ratios
+    against the generator's log-probs, GAE, the first minibatch's mismatch: the same parameters,
+    to the bit, as the iteration written out by hand."""
+    cfg = PPOConfig(epochs=2, minibatches=2)
+    rollout = _rollout(tokenizer, versions=[0] * 6)
+    # A behaviour policy slightly off the learner, so that ratios and KL are not trivially 1 and 0.
+    mu = _learner_logprobs(models[0], rollout, tokenizer.pad_token_id, 1)
+    _set_logprobs(rollout, mu - 0.05 * torch.rand(mu.shape, generator=torch.Generator().manual_seed(1)))
+    exp, stats, policy, critic, prox_forwards = _train(models, rollout, tokenizer.pad_token_id, cfg, max_staleness=0)
+    assert prox_forwards == 0 and exp.prox_logprobs is None and exp.same_version is None
+    assert not any(k.startswith("offpolicy/") for k in stats) and "logprob_mismatch/rows" not in stats
+
+    hand_policy, hand_critic = _copies(models)
+    rewards, advantages, returns, first_gap = _hand_written_sync_update(
+        hand_policy, hand_critic, rollout, tokenizer.pad_token_id, cfg, _minibatches(exp, cfg))
+    assert torch.equal(exp.rewards, rewards) and torch.equal(exp.advantages, advantages)
+    assert torch.equal(exp.returns, returns)
+    assert all(torch.equal(a, b) for a, b in zip(_params(policy, critic), _params(hand_policy, hand_critic)))
+    assert not all(torch.equal(a, b) for a, b in zip(_params(policy), _params(models[0])))  # it did train
+    assert stats["logprob_mismatch/max"] == float(first_gap.max())
+
+
+# ------------------------------------------------------------------------------------------
+# (b) asynchronous mode with no stale row and mu = pi_prox: the synchronous update
+# ------------------------------------------------------------------------------------------
+def test_async_update_with_fresh_rows_and_mu_equal_to_prox_is_the_synchronous_update(models, tokenizer):
+    """Every row of the learner's version and mu = the learner's recomputation (the same pass, so
+    the same floats): log pi_prox - log mu = 0 exactly, hence w = exp(0) = 1 and q = 1 exactly.
+    Multiplying by 1.0 is exact in fp32, V-trace with q = 1 runs GAE's operations on the same
+    numbers (tests/test_offpolicy.py), and the KL term reads equal tensors: the update is the
+    synchronous one to the bit, so the parameters are compared with torch.equal, no tolerance."""
+    cfg = PPOConfig(epochs=2, minibatches=2)
+    rollout = _rollout(tokenizer, versions=[4] * 6)
+    _set_logprobs(rollout, _learner_logprobs(models[0], rollout, tokenizer.pad_token_id, cfg.minibatches))
+    sync_exp, sync_stats, sync_policy, sync_critic, _ = _train(models, rollout, tokenizer.pad_token_id, cfg, 0)
+    exp, stats, policy, critic, prox_forwards = _train(models, rollout, tokenizer.pad_token_id, cfg, 1, version=4)
+    assert prox_forwards == cfg.minibatches  # log pi_prox computed once, in ppo.minibatches chunks
+    assert torch.equal(exp.advantages, sync_exp.advantages) and torch.equal(exp.returns, sync_exp.returns)
+    assert torch.equal(exp.rewards, sync_exp.rewards)
+    assert all(torch.equal(a, b) for a, b in zip(_params(policy, critic), _params(sync_policy, sync_critic)))
+    for key in ("policy/clipfrac", "policy/approx_kl", "policy/loss", "value/loss", "kl/ref_mean"):
+        assert stats[key] == sync_stats[key], key
+    assert stats["policy/is_weight_mean"] == 1.0 and stats["policy/is_clipfrac"] == 0.0
+    assert stats["offpolicy/is_ratio_mean"] == 1.0 and stats["offpolicy/is_ratio_max"] == 1.0
+    assert stats["logprob_mismatch/max"] == 0.0 and stats["logprob_mismatch/rows"] == 6
+
+
+# ------------------------------------------------------------------------------------------
+# (c) stale rows: V-trace targets, the KL of pi_prox, truncated importance weights
+# ------------------------------------------------------------------------------------------
+def _stale_behaviour(prox: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
+    """mu on stale rows: log pi_prox + 0.5 on even tokens (q = e^-0.5 < 1: V-trace cuts the trace)
+    and - 1.0 on odd tokens (q = e > is_clip = 2: the loss's weight is truncated to 2)."""
+    odd = torch.arange(prox.shape[1]) % 2 == 1
+    shift = torch.where(odd, -1.0, 0.5)[None, :] * stale[:, None]
+    return prox + shift
+
+
+@pytest.mark.parametrize("value_targets", ["vtrace", "gae"])
+def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, tokenizer, value_targets):
+    # One minibatch: the pi_prox pass is one forward over the batch, and the loss's weights are
+    # those of every token at the start (w does not depend on theta).
+    cfg = PPOConfig(epochs=1, minibatches=1, whiten_advantages=False, value_targets=value_targets)
+    versions = [3, 2, 3, 1, 2, 3]
+    rollout = _rollout(tokenizer, versions)
+    prox = _learner_logprobs(models[0], rollout, tokenizer.pad_token_id, cfg.minibatches)
+    stale = torch.tensor([v != 3 for v in versions], dtype=torch.float32)
+    _set_logprobs(rollout, _stale_behaviour(prox, stale))
+    policy, critic = _copies(models)
+    exp, stats = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=2,
+                                 proximal=ProximalPolicy(policy, TEMPERATURE, 3))
+    batch, mask = exp.batch, exp.batch.mask
+    assert torch.equal(exp.prox_logprobs, policy_forward(policy, batch, TEMPERATURE)[0])  # the learner's weights
+    assert exp.same_version.tolist() == [True, False, True, False, False, True]
+
+    _, last_values = critic_forward(critic, batch)
+    returned, bootstrap = ppo.truncation_targets(exp.scores, last_values, rollout.truncated(), "bootstrap")
+    rewards = ppo.shape_rewards(returned, exp.prox_logprobs, exp.ref_logprobs, mask, KL_COEF)
+    assert torch.equal(exp.rewards, rewards)  # the KL term of pi_prox ...
+    assert not torch.equal(rewards, ppo.shape_rewards(returned, exp.old_logprobs, exp.ref_logprobs, mask, KL_COEF))
+    log_ratio = (exp.prox_logprobs - exp.old_logprobs) * mask
+    vtrace = ppo.compute_offpolicy_targets(rewards, exp.old_values, mask, log_ratio, cfg.gamma, cfg.lam,
+                                           cfg.vtrace_rho_clip, cfg.vtrace_c_clip, bootstrap)
+    gae = ppo.compute_gae(rewards, exp.old_values, mask, cfg.gamma, cfg.lam, bootstrap)
+    expected, other = (vtrace, gae) if value_targets == "vtrace" else (gae, vtrace)
+    assert torch.equal(exp.advantages, expected[0]) and torch.equal(exp.returns, expected[1])
+    assert not torch.allclose(exp.returns, other[1])  # ... and the two kinds of target really differ here
+    # kl/ref_mean is pi_prox's k1 KL per response; two float64 roundings (x B, / B) in _global_means.
+    kl_prox = ppo.masked_sum_per_row(exp.prox_logprobs - exp.ref_logprobs, mask).mean()
+    assert stats["kl/ref_mean"] == pytest.approx(float(kl_prox), rel=2 * 2**-53, abs=0)
+    assert stats["offpolicy/is_ratio_max"] == float(torch.exp(log_ratio).max())  # e, on an odd stale token
+
+    mb = _minibatches(exp, cfg)
+    stats |= ppo_update(policy, critic, exp, mb, cfg, TEMPERATURE, _stepper(policy, critic))
+    rows = mb[0].rows  # the loss saw the rows in this order; the same order gives the same float sums
+    weights = torch.clamp(torch.exp(exp.prox_logprobs - exp.old_logprobs), max=cfg.is_clip)
+    assert stats["policy/is_weight_mean"] == float(ppo.masked_mean(weights[rows], mask[rows]))
+    assert stats["policy/is_weight_mean"] != 1.0
+    odd_stale = float(((torch.arange(mask.shape[1]) % 2 == 1)[None, :] * stale[:, None] * mask).sum())
+    # One fp32 rounding of count / tokens, then exact conversion to float64.
+    assert stats["policy/is_clipfrac"] == pytest.approx(odd_stale / float(mask.sum()), rel=2**-24, abs=0)
+
+
+# ------------------------------------------------------------------------------------------
+# (d) logprob_mismatch and the guard: rows of the learner's own version only
+# ------------------------------------------------------------------------------------------
+def _mixed_rollout(tokenizer, models, cfg, versions, learner_version):
+    """Rows of the learner's version sampled with mu = pi_prox exactly; stale rows 3 nats off."""
+    rollout = _rollout(tokenizer, versions, seed=5)
+    prox = _learner_logprobs(models[0], rollout, tokenizer.pad_token_id, cfg.minibatches)
+    stale = torch.tensor([v != learner_version for v in versions], dtype=torch.float32)
+    _set_logprobs(rollout, prox - 3.0 * stale[:, None])
+    return rollout
+
+
+def test_mismatch_compares_only_rows_of_the_learners_version(models, tokenizer):
+    cfg = PPOConfig(epochs=1, minibatches=2)
+    guard = MismatchGuard(limit=1e-3, iteration=7)
+    rollout = _mixed_rollout(tokenizer, models, cfg, versions=[5, 4, 5, 4, 4, 5], learner_version=5)
+    exp, stats, policy, *_ = _train(models, rollout, tokenizer.pad_token_id, cfg, 1, version=5, guard=guard)
+    # The stale rows are 3 nats off and neither trip the guard nor enter the figures.
+    assert stats["logprob_mismatch/max"] == 0.0 and stats["logprob_mismatch/mean"] == 0.0
+    assert stats["logprob_mismatch/rows"] == 3
+
+    # No row of the learner's version: nothing compared, NaN figures, no verdict.
+    stale_only = _mixed_rollout(tokenizer, models, cfg, versions=[4] * 6, learner_version=5)
+    _, stats, *_ = _train(models, stale_only, tokenizer.pad_token_id, cfg, 1, version=5, guard=guard)
+    assert math.isnan(stats["logprob_mismatch/max"]) and math.isnan(stats["logprob_mismatch/mean"])
+    assert stats["logprob_mismatch/rows"] == 0
+
+    # A row of the learner's version 0.01 nats off on one token: the guard stops the update
+    # before the first step, naming that row's generator.
+    rollout.logprobs[2][1] += 0.01
+    policy, critic = _copies(models)
+    before = _params(policy, critic)
+    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=1,
+                             proximal=ProximalPolicy(policy, TEMPERATURE, 5))
+    with pytest.raises(LogprobMismatchError, match=r"iteration 7: logprob_mismatch/max = 0\.01 .* on generator 0"):
+        ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
+                   guard=guard)
+    assert all(torch.equal(a, b) for a, b in zip(_params(policy, critic), before))
+
+
+class ThreadCollective:
+    """``world_size`` ranks as threads of this process: every rank contributes its tensor, then
+    reads the reduction of all (a barrier on each side), as an all-reduce does."""
+
+    def __init__(self, world_size: int, rank: int, board: dict, barrier: threading.Barrier):
+        self.world_size, self.rank, self.board, self.barrier = world_size, rank, board, barrier
+
+    def _reduce(self, x: torch.Tensor, op) -> torch.Tensor:
+        self.board[self.rank] = x.detach().clone()
+        self.barrier.wait()
+        out = op(torch.stack([self.board[r] for r in range(self.world_size)]))
+        self.barrier.wait()  # nobody overwrites the board before every rank has read it
+        return out
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, lambda s: s.sum(dim=0))
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, lambda s: s.amax(dim=0))
+
+
+def test_mismatch_is_global_over_ranks_when_a_rank_compares_no_row(models, tokenizer):
+    """Rank 0 holds only stale rows, rank 1 the learner's-version rows (a few 1e-4 off): the
+    figures over the two ranks are those of one process holding every row."""
+    cfg = PPOConfig(epochs=1, minibatches=2)
+    rollout = _mixed_rollout(tokenizer, models, cfg, versions=[4, 4, 4, 5, 4, 5], learner_version=5)
+    rollout.logprobs[3][0] -= 1e-4
+    rollout.logprobs[5][2] += 2e-4
+    policy, critic = _copies(models)
+    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=1,
+                             proximal=ProximalPolicy(policy, TEMPERATURE, 5))
+    guard = MismatchGuard(limit=1e-3, iteration=0)
+    whole = same_version_mismatch(exp, LocalCollective(), guard)
+    shards, results, barrier, board = [torch.arange(0, 3), torch.arange(3, 6)], {}, threading.Barrier(2), {}
+
+    def rank(r: int) -> None:
+        results[r] = same_version_mismatch(exp.rows(shards[r]), ThreadCollective(2, r, board, barrier), guard)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results[0] == results[1]
+    assert results[0]["logprob_mismatch/rows"] == whole["logprob_mismatch/rows"] == 2
+    assert results[0]["logprob_mismatch/max"] == whole["logprob_mismatch/max"] > 0
+    # Sums in float64 of a few float32 gaps: adding rank 0's exact 0 changes no bit.
+    assert results[0]["logprob_mismatch/mean"] == whole["logprob_mismatch/mean"] > 0
+
+
+# ------------------------------------------------------------------------------------------
+# The pi_prox pass and the learner's version rule
+# ------------------------------------------------------------------------------------------
+def test_proximal_pass_runs_one_forward_per_chunk_even_on_a_short_shard(models, tokenizer):
+    """Under ZeRO-3 a forward pass is a collective: a rank with fewer rows than chunks must still
+    run as many passes as every other rank; the placeholder passes change no result."""
+    rollout = _rollout(tokenizer, versions=[0] * 3)
+    policy = copy.deepcopy(models[0])
+    batch: PackedBatch = pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id)
+    forwards = _forward_counter(policy)
+    five = proximal_logprobs(ProximalPolicy(policy, TEMPERATURE, 0), batch, chunks=5)
+    assert forwards[0] == 5
+    # With 3 or 5 chunks each row is alone in its pass: the same floats.
+    assert torch.equal(five, proximal_logprobs(ProximalPolicy(policy, TEMPERATURE, 0), batch, chunks=3))
+    assert torch.equal(five * (1 - batch.mask), torch.zeros_like(five)) and not five.requires_grad
+
+
+def test_check_staleness_accepts_exactly_the_window_of_max_staleness():
+    check_staleness([3, 3], learner_version=3, max_staleness=0)
+    with pytest.raises(RuntimeError, match=r"stale rollout: generated by policy version\(s\) \[2\], learner is at "
+                                           r"version 3"):
+        check_staleness([3, 2], learner_version=3, max_staleness=0)
+    check_staleness([5, 4, 3], learner_version=5, max_staleness=2)
+    with pytest.raises(RuntimeError, match=r"accepts rows of versions 3\.\.5 \(rollout.max_staleness=2\); this "
+                                           r"rollout has rows of version\(s\) \[1, 2\] older than"):
+        check_staleness([5, 2, 1, 3], learner_version=5, max_staleness=2)
+    with pytest.raises(RuntimeError, match=r"version\(s\) \[6\] newer than the learner"):
+        check_staleness([6, 5], learner_version=5, max_staleness=2)
