@@ -5,16 +5,21 @@ staleness bound, and a checkpoint + resume that redraws the batches that were in
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pyarrow.parquet as pq
 import pytest
 
+from rayppo.actors.base import Engine
 from rayppo.cluster import pipeline
 from rayppo.cluster.driver import DistributedTrainer
+from rayppo.cluster.group import get
 from rayppo.cluster.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats, trainer_class
 from rayppo.checkpoint import resume_config
 from rayppo.config import load_config
 from rayppo.data.rollout import Rollout
+from rayppo.guard import WeightSyncError
 from rayppo.train import run
 
 
@@ -100,3 +105,45 @@ def test_pipeline_overlaps_with_staleness_one_and_resumes_from_the_batch_after_t
     assert records[3]["async/staleness_max"] == 0.0  # sampled with the restored weights
     table = pq.read_table(out / "rollouts" / "iter_00003.parquet").to_pydict()
     assert table["prompt_text"] == expected[3] and set(table["policy_version"]) == {3}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("local_ray")
+def test_a_killed_generator_is_replaced_with_the_published_weights_and_no_prompt_is_lost(tmp_path):
+    cfg = load_config(None, ["rollout.max_staleness=1", "rollout.batch_size=16", "learner.num_ranks=1",
+                             "generators.num=2", "generators.cpus_per_worker=0.25", "eval.every=0",
+                             f"output.dir={tmp_path}"])
+    expected = _prompt_batches(cfg, 4)
+    trainer = PipelinedTrainer(cfg)
+    try:
+        records = [trainer.iteration()]
+        pid, _ = get(trainer.generators.call_at(1, Engine.process_id, ()))
+        os.kill(pid, signal.SIGKILL)  # mid-pipeline: it is sampling batch 2 or waiting to
+        for it in range(1, 4):
+            records.append(trainer.iteration())
+            assert trainer.last_rollout.prompt_text == expected[it]  # its share redone, in order
+            assert set(trainer.last_rollout.generator_id) == {0, 1}
+    finally:
+        trainer.close()
+    assert records[-1]["faults/actor_restarts"] == 1
+    # The replacement took the published weights: still at most one version behind, and checked.
+    assert all(r["async/staleness_max"] <= 1 and r["async/dropped_rows"] == 0 for r in records)
+    assert all(r["sync/verified"] == 1.0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("local_ray")
+def test_the_weight_check_runs_after_each_generators_own_sync(tmp_path):
+    """A generator that skips one tensor of its update stops the run: the guard's weight check
+    runs after every load, between that generator's batches, as after a synchronous sync."""
+    cfg = load_config(None, ["rollout.max_staleness=1", "rollout.batch_size=16", "learner.num_ranks=1",
+                             "checks.sync_fault=skip_tensor", "eval.every=0", f"output.dir={tmp_path}"])
+    trainer = PipelinedTrainer(cfg)
+    try:
+        with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1: generator 0 does not hold the "
+                                                  r"weights the learner sent: model.layers.0.mlp.down_proj.weight"):
+            for _ in range(4):
+                trainer.iteration()
+        assert trainer.iteration_count == 2  # batch 2 is the first sampled after loading version 1
+    finally:
+        trainer.close()

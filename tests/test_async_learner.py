@@ -20,9 +20,9 @@ from rayppo.config import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner import ppo
-from rayppo.learner.experience import (Experience, LocalCollective, Minibatch, ProximalPolicy, check_staleness,
-                                      local_minibatches, make_experience, minibatch_plan, ppo_update,
-                                      proximal_logprobs, same_version_mismatch)
+from rayppo.learner.experience import (Experience, LocalCollective, ProximalPolicy, check_staleness, make_experience,
+                                      proximal_logprobs)
+from rayppo.learner.update import Minibatch, local_minibatches, minibatch_plan, ppo_update, same_version_mismatch
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 

@@ -169,3 +169,14 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
     assert set(summary["plan_ratio"]) == {"generators", "reference", "reward", "learner"}
     assert all(0.75 <= ratio <= 1.25 for ratio in summary["plan_ratio"].values()), summary["plan_ratio"]
     assert (out / "stages.png").stat().st_size > 1000
+
+
+def test_time_to_reward_is_the_first_moving_mean_at_the_target():
+    path = BENCH.parent / "async_learning.py"
+    spec = importlib.util.spec_from_file_location("rayppo_async_learning_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rewards = [0.3, 0.9, 0.9, 0.8, 0.9, 0.95]  # moving means of 3: -, -, 0.70, 0.867, 0.867, 0.883
+    records = [{"iteration": i, "time/iteration": 2.0, "reward/mean": r} for i, r in enumerate(rewards)]
+    assert module.time_to_target(records, target=0.85, window=3) == (8.0, 4)
+    assert module.time_to_target(records, target=0.99, window=3) == (None, None)

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.exceptions import RayActorError
@@ -183,21 +183,30 @@ class DistributedTrainer:
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """Split the prompts across the generators; each samples with its own seed. A generator
-        that dies or hangs is replaced, given the current weights, and samples its share again."""
-        parts = split_evenly(len(prompts.ids), len(self.generators))
-        args = [(prompts.select(r), seed + 7919 * i) for i, r in enumerate(parts)]
-        rollout = Rollout.concat(self.supervisor.call(self.generators, "generators", GeneratorEngine.generate, args,
-                                                      refresh=self.weight_sync.refresh))
+        """Split the prompts across the generators; each samples with its own seed."""
+        rollout = self._sample(GeneratorEngine.generate, prompts, seed)
         self.schedule.stage("generate")
         return rollout
+
+    def _sample(self, method: Callable[..., Rollout], prompts: PromptBatch, seed: int, *options: Any) -> Rollout:
+        """``method`` (generate or evaluate) on every generator with its share of the prompts,
+        ``options`` and its own seed (last). A generator that dies or hangs is replaced, given the
+        current weights, and samples its share again."""
+        parts = split_evenly(len(prompts.ids), len(self.generators))
+        args = [(prompts.select(r), *options, seed + 7919 * i) for i, r in enumerate(parts)]
+        return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
+                                                   refresh=self.weight_sync.refresh))
+
+    def _reward_pass(self, rollout: Rollout) -> Fanout:
+        """r_phi of ``rollout``'s rows, split across the reward actors."""
+        rows = split_evenly(len(rollout), len(self.rewards))
+        return Fanout(self.rewards, "reward", RewardEngine.scores, [(rollout.select(r),) for r in rows])
 
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors."""
         ref_rows = split_evenly(len(rollout), len(self.reference))
-        reward_rows = split_evenly(len(rollout), len(self.rewards))
         passes = [Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs, [(rollout.select(r),) for r in ref_rows]),
-                  Fanout(self.rewards, "reward", RewardEngine.scores, [(rollout.select(r),) for r in reward_rows])]
+                  self._reward_pass(rollout)]
         ref_parts, reward_parts = self.supervisor.run(passes)  # at the same time; failed shares redone
         self.schedule.stage("score")
         rollout.ref_logprobs = [x for part in ref_parts for x in part]
@@ -212,13 +221,8 @@ class DistributedTrainer:
         prompts, seed = self.eval_prompts, iteration_seed(self.cfg.seed, SEED_OFFSET)
 
         def score_pass(temperature: float, k: int) -> list[float]:
-            parts = split_evenly(len(prompts), len(self.generators))
-            args = [(prompts.select(r), temperature, k, seed + 7919 * i) for i, r in enumerate(parts)]
-            rollout = Rollout.concat(self.supervisor.call(self.generators, "generators", GeneratorEngine.evaluate,
-                                                          args, refresh=self.weight_sync.refresh))
-            rows = split_evenly(len(rollout), len(self.rewards))
-            (scores,) = self.supervisor.run([Fanout(self.rewards, "reward", RewardEngine.scores,
-                                                    [(rollout.select(r),) for r in rows])])
+            rollout = self._sample(GeneratorEngine.evaluate, prompts, seed, temperature, k)
+            (scores,) = self.supervisor.run([self._reward_pass(rollout)])
             return [x for part in scores for x in part]
 
         return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
@@ -301,10 +305,9 @@ def _log_env(role: str, index: int) -> dict[str, str]:
 
 def _actor_count(cfg: Config) -> str:
     """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
-    counts = {"generator": cfg.generators.num, "reference": cfg.reference.num, "reward": cfg.reward.num,
-              "learner rank": cfg.learner.num_ranks}
-    parts = [f"{n} {name}{'s' if n != 1 and name != 'reference' and name != 'reward' else ''}"
-             for name, n in counts.items()]
+    counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): cfg.reference.num,
+              ("reward", "reward"): cfg.reward.num, ("learner rank", "learner ranks"): cfg.learner.num_ranks}
+    parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items()]
     return f"{sum(counts.values())} actors: {', '.join(parts)}"
 
 

@@ -7,7 +7,7 @@
     scored queue  (at most k + 1)    batches waiting for the learner
     learner       (caller's thread)  batch v at version v: rows older than k versions dropped and
                                      counted, decoupled PPO with V-trace targets (the learner's
-                                     ``rayppo/learner/experience.py``), then version v + 1 published
+                                     ``rayppo/learner/experience.py``, ``update.py``), then v + 1 published
 
 Batch b is trained when the learner holds version b, so a row sampled with version w is b - w
 versions stale: at most k by the waiting rule, and recorded per row (``policy_version``). Every
@@ -129,6 +129,7 @@ class PipelinedTrainer(DistributedTrainer):
         self.k = cfg.rollout.max_staleness
         self._cond = threading.Condition()
         self._stages = Stages(first=0)  # before super().__init__, which asks for driver_state()
+        self._payload_nbytes: int | None = None
         super().__init__(cfg)
         try:
             self.version = 0
@@ -136,6 +137,7 @@ class PipelinedTrainer(DistributedTrainer):
             self._held = [0] * len(self.generators)  # every generator built the initial weights
             self._clocks = [BusyClock() for _ in range(len(self.generators))]
             self._scoring_clock = BusyClock()
+            self._unverified = False
             self._start_stages()
         except BaseException:
             self.close()
@@ -167,7 +169,7 @@ class PipelinedTrainer(DistributedTrainer):
         timings = {"time/generate": generate, **score_times, "time/score": self._scoring_clock.busy(t0, t_end),
                    "time/wait_for_data": t_data - t0, "time/learn": t_learn - t_data, "time/sync": t_end - t_learn,
                    "time/sync_verify": 0.0, "time/iteration": wall, "sync/bytes": float(self._payload_bytes()),
-                   "sync/verified": float(self.cfg.checks.verify_sync),
+                   "sync/verified": self._verified(),
                    "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - (t_learn - t_data) / wall,
                    "async/dropped_rows": float(dropped), "async/queue_depth": float(depth),
                    "faults/actor_restarts": float(self.supervisor.restarts),
@@ -191,15 +193,22 @@ class PipelinedTrainer(DistributedTrainer):
         """Rank 0's weights of ``version`` into the object store; waiting generators may go on."""
         payload = self.learner.policy_weights()
         prints = self.learner.sent_fingerprints() if self.cfg.checks.verify_sync else None
-        get(payload)  # rank 0 has put them: a generator's load will not wait on the learner
+        if self._payload_nbytes is None:  # the size never changes: read the payload once
+            self._payload_nbytes = get(payload).nbytes
         with self._cond:
             self._published = Published(version, payload, prints)
             self._cond.notify_all()
 
+    def _verified(self) -> float:
+        """``sync/verified``: 1.0 when every generator's loads were checked (a failed check stops
+        the run), NaN when some generator cannot be fingerprinted, 0.0 with the check off."""
+        if not self.cfg.checks.verify_sync:
+            return 0.0
+        return float("nan") if self._unverified else 1.0
+
     def _payload_bytes(self) -> int:
         """Bytes of one copy of the weights times the generators (as ``sync/bytes`` counts them)."""
-        payload = self._published.payload
-        return get(payload).nbytes * len(self.generators) if payload is not None else 0
+        return (self._payload_nbytes or 0) * len(self.generators)
 
     # ------------------------------------------------------------------------------ the stages
     def _start_stages(self) -> None:
@@ -284,7 +293,9 @@ class PipelinedTrainer(DistributedTrainer):
             raise RuntimeError(f"generator {g} reports policy version {version} after loading {published.version}")
         if published.prints is not None:
             held = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.weight_fingerprints, ())
-            if held is not None:
+            if held is None:  # tensor-parallel vLLM cannot be fingerprinted yet: sync/verified = NaN
+                self._unverified = True
+            else:
                 check_weights(published.prints, held, g, version)
         self._held[g] = version
 

@@ -2,7 +2,7 @@
 
 ``LearnerEngine`` is a plain class (the learner group wraps it in a Ray actor at spawn time).
 Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a contiguous shard
-of every rollout, and runs ``make_experience`` + ``ppo_update`` from ``experience.py`` with
+of every rollout, and runs ``make_experience`` (``experience.py``) + ``ppo_update`` (``update.py``) with
 DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
 """
 
@@ -21,8 +21,8 @@ from rayppo.actors.base import Engine, model_size
 from rayppo.config import Config, mismatch_limit, role_gpus
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
-from rayppo.learner.experience import (ProximalPolicy, TruncationRule, check_staleness, local_minibatches,
-                                      make_experience, minibatch_plan, ppo_update)
+from rayppo.learner.experience import ProximalPolicy, TruncationRule, check_staleness, make_experience
+from rayppo.learner.update import local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                        param_specs)

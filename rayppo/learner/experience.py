@@ -1,13 +1,13 @@
-"""The learner's half of an iteration: rollout -> experience -> clipped PPO updates.
+"""The learner's half of an iteration, first part: a scored rollout -> the tensors PPO needs.
 
-``make_experience`` turns a scored rollout into the tensors PPO needs (values, shaped rewards,
-GAE advantages and returns, whitened advantages); ``ppo_update`` runs M epochs x minibatches of
-the clipped policy and value losses. Both call only the functions of ``rayppo.learner.ppo``.
+``make_experience`` computes values, shaped rewards, advantages and returns, and whitens the
+advantages over the global batch, calling only the functions of ``rayppo.learner.ppo``; the PPO
+epochs that follow are ``rayppo.learner.update``.
 
 Asynchronous mode (``rollout.max_staleness`` = k > 0, design.md "Off-policy corrections"): rows
 may come from a behaviour policy mu up to k versions older than the learner. ``make_experience``
 then recomputes log pi_prox once with the learner's weights at the start of the update, shapes
-the reward's KL term with it, and computes V-trace targets; ``ppo_update`` uses the decoupled
+the reward's KL term with it, and computes V-trace targets; the update uses the decoupled
 policy loss and measures ``logprob_mismatch`` only on the rows sampled by the learner's version.
 With k = 0 both run exactly the synchronous iteration.
 
@@ -19,16 +19,14 @@ with N ranks the update is the one a single process would make.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from rayppo.config import PPOConfig, RolloutConfig
 from rayppo.data.rollout import Rollout
-from rayppo.guard import MismatchGuard
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -278,158 +276,3 @@ def _offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Co
     # Ratios are > 0 and padding is 0, so the plain max is the max over valid tokens.
     stats["offpolicy/is_ratio_max"] = float(collective.max(ratio.max().double()))
     return stats
-
-
-# ------------------------------------------------------------------------------------------
-# Minibatches
-# ------------------------------------------------------------------------------------------
-@dataclass
-class Minibatch:
-    """This rank's part of one global minibatch."""
-
-    rows: torch.Tensor
-    """Local row indices into this rank's experience."""
-    token_share: float
-    """N x (this rank's valid tokens) / (the minibatch's tokens): rescales a local token mean
-    so that the ranks' averaged gradients are the gradient of the global token mean."""
-    row_share: float
-    """The same for rows (used by the ``seq-mean-token-mean`` aggregation)."""
-
-
-def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> list[list[torch.Tensor]]:
-    """Global row indices of every minibatch of every epoch: a fresh seeded shuffle per epoch.
-
-    The plan depends only on the batch, never on the rank count.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    return [list(torch.randperm(n_rows, generator=generator).chunk(minibatches)) for _ in range(epochs)]
-
-
-def local_minibatches(
-    plan: list[list[torch.Tensor]], offset: int, mask: torch.Tensor, collective: Collective
-) -> list[Minibatch]:
-    """This rank's part of each planned minibatch; it owns global rows [offset, offset + B_r).
-
-    A rank that owns none of a minibatch's rows still joins its gradient all-reduce: it runs
-    one row with share 0.
-    """
-    n_local = mask.shape[0]
-    parts = []
-    for rows in (r for epoch in plan for r in epoch):
-        mine = rows[(rows >= offset) & (rows < offset + n_local)] - offset
-        parts.append(mine)
-    local = torch.tensor([[float(mask[m].sum()), float(len(m))] for m in parts], dtype=torch.float64)
-    total = collective.sum(local.clone())
-    w = collective.world_size
-    out = []
-    for mine, (tokens, rows), (all_tokens, all_rows) in zip(parts, local.tolist(), total.tolist()):
-        if len(mine) == 0:
-            out.append(Minibatch(torch.zeros(1, dtype=torch.long), 0.0, 0.0))
-        else:
-            out.append(Minibatch(mine, w * tokens / max(all_tokens, 1.0), w * rows / all_rows))
-    return out
-
-
-def minibatch_loss(
-    policy: torch.nn.Module,
-    critic: torch.nn.Module,
-    exp: Experience,
-    mb: Minibatch,
-    cfg: PPOConfig,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """``(policy objective, value objective, stats, gap)`` of this rank's part of a minibatch;
-    ``gap`` [b, T] is |log pi - log pi_old| per token (0 on padding), the sync check of the
-    synchronous iteration. With ``exp.prox_logprobs`` (asynchronous mode) the policy loss is the
-    decoupled one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip)."""
-    part = exp.rows(mb.rows)
-    mask = part.batch.mask
-    logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
-                                       entropy_grad=cfg.entropy_coef != 0)
-    if part.prox_logprobs is None:
-        pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
-                                            cfg.loss_agg)
-    else:
-        pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
-                                                      mask, cfg.clip_eps, cfg.is_clip, cfg.loss_agg)
-    entropy_mean = ppo.masked_mean(entropy, mask)
-    values, _ = critic_forward(critic, part.batch)
-    vf_loss = ppo.value_loss(values, part.old_values, part.returns, mask, cfg.value_clip)
-    gap = (logprobs.detach() - part.old_logprobs).abs() * mask
-    stats = {f"policy/{k}": v for k, v in pg_stats.items()}
-    stats |= {"policy/loss": pg_loss.detach(), "value/loss": vf_loss.detach(), "entropy": entropy_mean.detach()}
-    # seq-mean-token-mean weighs rows, not tokens.
-    pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
-    policy_objective = pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean
-    return policy_objective, mb.token_share * cfg.vf_coef * vf_loss, stats, gap
-
-
-StepFn = Callable[[torch.Tensor, torch.Tensor], None]
-"""Backward + optimiser step for (policy objective, value objective): torch or DeepSpeed."""
-
-
-def ppo_update(
-    policy: torch.nn.Module,
-    critic: torch.nn.Module,
-    exp: Experience,
-    minibatches: list[Minibatch],
-    cfg: PPOConfig,
-    temperature: float,
-    step: StepFn,
-    collective: Collective = LocalCollective(),
-    guard: MismatchGuard | None = None,
-) -> dict[str, float]:
-    """M epochs x minibatches of clipped PPO + value loss; returns stats averaged over ranks.
-
-    The first minibatch runs before any weight change, so its log-probs against the
-    generator's old log-probs are the sync check ``logprob_mismatch``; ``guard`` stops the
-    update there, before the first step, when the check fails. In asynchronous mode
-    (``exp.prox_logprobs`` set) the check is ``same_version_mismatch``'s instead, also before
-    the first step.
-    """
-    weighted: dict[str, torch.Tensor] = {}
-    first: dict[str, torch.Tensor] = {}
-    asynchronous = exp.prox_logprobs is not None
-    mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
-    for mb in minibatches:
-        policy_objective, value_objective, stats, gap = minibatch_loss(policy, critic, exp, mb, cfg, temperature)
-        if not first and not asynchronous:
-            mask = exp.batch.mask[mb.rows]
-            first = {"mean": ppo.masked_mean(gap, mask) * mb.token_share, "max": gap.max()}
-            if guard is not None:
-                guard.check(gap, exp.generator_ids[mb.rows], collective)
-        step(policy_objective, value_objective)
-        for key, value in stats.items():
-            weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share
-    keys = list(weighted)
-    first_mean = [first["mean"].double()] if first else []
-    summed = collective.sum(torch.stack([weighted[k] for k in keys] + first_mean))
-    denominator = collective.world_size * len(minibatches)
-    out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
-    if asynchronous:
-        return out | mismatch
-    out["logprob_mismatch/mean"] = float(summed[-1] / collective.world_size)
-    out["logprob_mismatch/max"] = float(collective.max(first["max"].double().clone()))
-    return out
-
-
-def same_version_mismatch(exp: Experience, collective: Collective, guard: MismatchGuard | None) -> dict[str, float]:
-    """``logprob_mismatch/mean|max|rows`` of asynchronous mode, checked by ``guard``.
-
-    mu = pi_prox only on the rows sampled by the learner's own version (``exp.same_version``):
-    there |log mu - log pi_prox| is rounding, elsewhere it is staleness (``async/staleness_*``
-    measures that), so the other rows enter with gap 0 and never trip the guard. Call before the
-    first optimiser step. Collective: every rank calls it, with or without such rows. Mean and max
-    are over the compared tokens of all ranks (NaN when no rank compared any); rows is their count.
-    """
-    mask = exp.batch.mask * exp.same_version[:, None].to(exp.batch.mask.dtype)
-    gap = (exp.prox_logprobs - exp.old_logprobs).abs() * mask
-    if guard is not None:
-        guard.check(gap, exp.generator_ids, collective)
-    local = torch.stack([mask.double().sum(), gap.double().sum(), exp.same_version.double().sum()])
-    tokens, gap_sum, rows = collective.sum(local).tolist()
-    # gap >= 0 and is 0 off the compared tokens, so a rank that compared none adds a harmless 0.
-    worst = float(collective.max(gap.max().double()))
-    return {"logprob_mismatch/mean": gap_sum / tokens if tokens else math.nan,
-            "logprob_mismatch/max": worst if tokens else math.nan,
-            "logprob_mismatch/rows": rows}

@@ -28,8 +28,8 @@ from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
-from rayppo.learner.experience import (LocalCollective, TruncationRule, local_minibatches, make_experience,
-                                      minibatch_plan, ppo_update)
+from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
+from rayppo.learner.update import local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 
