@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ def run_one(name: str, overrides: list[str], out: Path) -> dict[str, Any]:
     from rayppo.metrics import read_metrics
     from rayppo.train import run
 
-    folder = out / name.replace(" ", "").replace(",", "_").replace("(", "").replace(")", "").replace("=", "")
+    folder = out / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")  # "k=1, V-trace" -> k-1-v-trace
     cfg = load_config(None, overrides + [f"output.dir={folder}", "output.overwrite=true", "output.save_model=false",
                                          "output.checkpoint_every=0", "eval.every=0", "output.samples_every=0"])
     print(f"{name}: {' '.join(overrides)}", file=sys.stderr)

@@ -46,6 +46,8 @@ def test_summary_ratios(bench):
     assert s["ratio_vs_trl"] == pytest.approx(2048 / 1.5 / 1000)
     assert s["ratio_vs_trl_without_gc"] == pytest.approx(2048 / 1.5 / 2000)
     assert s["idle_s"]["generators"]["max"] == pytest.approx(1.0)
+    # Medians of idle / iteration: generators 0.5, 0.5, 0.53; learners 0.7, 0.7, 0.67.
+    assert s["idle_share"] == pytest.approx({"generators": 0.5, "learners": 0.7})
 
 
 def test_sweep_points(bench):

@@ -114,6 +114,7 @@ class Stages:
     """The sampler's position before each batch was drawn (what a checkpoint records)."""
     to_score: "queue.Queue[int]" = field(default_factory=queue.Queue)
     scored: queue.Queue = field(default_factory=queue.Queue)
+    """(batch, scored rollout, scoring seconds), bounded to k + 1 batches."""
     error: BaseException | None = None
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -132,7 +133,6 @@ class PipelinedTrainer(DistributedTrainer):
         self._payload_nbytes: int | None = None
         super().__init__(cfg)
         try:
-            self.version = 0
             self._published = Published(0)
             self._held = [0] * len(self.generators)  # every generator built the initial weights
             self._clocks = [BusyClock() for _ in range(len(self.generators))]
@@ -150,8 +150,9 @@ class PipelinedTrainer(DistributedTrainer):
         index, rollout, score_times, depth = self._next_scored()
         assert index == it, f"pipeline delivered batch {index} for iteration {it}"
         t_data = clock()
-        staleness = staleness_stats(rollout, self.version)
-        rollout, dropped = drop_stale(rollout, self.version, self.k)
+        version = self._published.version  # the learner's: it publishes after every update
+        staleness = staleness_stats(rollout, version)
+        rollout, dropped = drop_stale(rollout, version, self.k)
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
             stats = self.learner.train(rollout, kl_coef, it)
@@ -159,7 +160,7 @@ class PipelinedTrainer(DistributedTrainer):
             self._publish(int(stats["policy/version"]))
         t_end = clock()
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
-        self.iteration_count, self.version, self.last_rollout = it + 1, int(stats["policy/version"]), rollout
+        self.iteration_count, self.last_rollout = it + 1, rollout
         with self._cond:
             self._stages.batches.pop(it, None)
             self._stages.prompt_states.pop(it, None)
@@ -168,6 +169,7 @@ class PipelinedTrainer(DistributedTrainer):
         generate = sum(c.busy(t0, t_end) for c in self._clocks) / len(self._clocks)
         timings = {"time/generate": generate, **score_times, "time/score": self._scoring_clock.busy(t0, t_end),
                    "time/wait_for_data": t_data - t0, "time/learn": t_learn - t_data, "time/sync": t_end - t_learn,
+                   # Each generator checks its own loads, inside its busy time (time/generate).
                    "time/sync_verify": 0.0, "time/iteration": wall, "sync/bytes": float(self._payload_bytes()),
                    "sync/verified": self._verified(),
                    "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - (t_learn - t_data) / wall,
@@ -212,8 +214,7 @@ class PipelinedTrainer(DistributedTrainer):
 
     # ------------------------------------------------------------------------------ the stages
     def _start_stages(self) -> None:
-        self._stages = stages = Stages(first=self.iteration_count)
-        stages.scored = queue.Queue(maxsize=self.k + 1)
+        self._stages = stages = Stages(first=self.iteration_count, scored=queue.Queue(maxsize=self.k + 1))
         workers = [threading.Thread(target=self._guarded, args=(stages, self._generate_loop, g), daemon=True,
                                     name=f"rayppo-generator-{g}") for g in range(len(self.generators))]
         workers.append(threading.Thread(target=self._guarded, args=(stages, self._score_loop), daemon=True,
@@ -341,7 +342,7 @@ class PipelinedTrainer(DistributedTrainer):
         generator loads them (and is checked) before its first batch."""
         self._stop_stages()
         version = self.learner.load_checkpoint(str(path)) if path is not None else 0
-        self.iteration_count, self.version = state["iteration"], version
+        self.iteration_count = state["iteration"]
         self.kl_ctl.value = float(state["kl_coef"])
         self.prompts.load_state_dict(state["prompts"])
         self._publish(version)

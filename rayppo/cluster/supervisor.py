@@ -46,6 +46,10 @@ class Fanout:
     """Brings a replacement actor i up to date before its share runs again."""
     actors: Sequence[int] | None = None
     """The actors that ``args`` go to, in order; None: actor i gets ``args[i]``."""
+
+    def actor_at(self, pos: int) -> int:
+        """The actor that ``args[pos]`` goes to."""
+        return pos if self.actors is None else self.actors[pos]
     results: list[Any] = field(default_factory=list)
     seconds: float = 0.0
     """When the last result arrived, from the start of ``Supervisor.run``."""
@@ -84,7 +88,8 @@ class Supervisor:
         pending: dict[Any, tuple[Fanout, int]] = {}
         for f in fanouts:
             f.results = [None] * len(f.args)
-            for pos, (i, a) in enumerate(zip(_actors(f), f.args)):
+            for pos, a in enumerate(f.args):
+                i = f.actor_at(pos)
                 if f.group.local:
                     f.results[pos] = f.group.call_at(i, f.method, a)
                 else:
@@ -94,7 +99,7 @@ class Supervisor:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:  # past the deadline: every call still running counts as hung
                 for future, (f, pos) in list(pending.items()):
-                    i = _actors(f)[pos]
+                    i = f.actor_at(pos)
                     self._replace(f, i, f"did not answer {f.method.__name__} within cluster.call_timeout_s="
                                         f"{self.timeout_s:g} s", hung=True)
                     del pending[future]
@@ -102,7 +107,7 @@ class Supervisor:
                 deadline = time.monotonic() + self.timeout_s
                 continue
             f, pos = pending.pop(ready[0])
-            i = _actors(f)[pos]
+            i = f.actor_at(pos)
             try:
                 f.results[pos] = get(ready[0])
             except RayActorError as exc:
@@ -134,11 +139,6 @@ class Supervisor:
             f.refresh(i)
         log.warning("%s actor %d %s: replaced in %.1f s (restart %d of cluster.max_actor_restarts=%d); redoing its "
                     "share", role, i, cause, time.perf_counter() - start, self.restarts, self.max_restarts)
-
-
-def _actors(f: Fanout) -> list[int]:
-    """The actor index of each of ``f.args``."""
-    return list(range(len(f.args))) if f.actors is None else list(f.actors)
 
 
 def dump_stacks(pid: int | None, host: str | None) -> None:
