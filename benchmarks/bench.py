@@ -113,6 +113,33 @@ def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str
         trainer.close()
 
 
+def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
+    """The learner stage's useful FLOPs for this rollout (``rayppo.flops``) and, measured here and
+    now, the GFLOP/s of one matmul of the size the learner runs most: a minibatch's tokens through
+    the MLP's up projection, in the model's dtype, on the learner's threads (the actors are gone)."""
+    from rayppo.flops import Sequences, learn_flops
+    from rayppo.footprint import read_shape
+
+    policy = read_shape(cfg.model.policy)
+    critic = read_shape(cfg.model.critic or cfg.model.policy)
+    seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
+                    sum(len(r) for r in rollout.response_ids))
+    flops = learn_flops(policy, critic, seq, cfg.ppo.epochs, proximal=cfg.rollout.max_staleness > 0)
+    lr = cfg.learner
+    threads, before = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank), torch.get_num_threads()
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    a = torch.randn(sum(seq.lengths) // cfg.ppo.minibatches, policy.hidden).to(dtype)
+    b = torch.randn(policy.hidden, policy.intermediate).to(dtype)
+    torch.set_num_threads(threads)
+    try:
+        a @ b  # warm-up
+        seconds = min(_timed(torch.mm, a, b)[0] for _ in range(5))
+    finally:
+        torch.set_num_threads(before)
+    return {"learn_gflop": flops / 1e9, "matmul_gflop_per_s": 2 * a.shape[0] * a.shape[1] * b.shape[1] / seconds / 1e9,
+            "matmul_shape": [a.shape[0], a.shape[1], b.shape[1]], "matmul_threads": threads}
+
+
 def plan_estimate(cfg: Config, rollout) -> dict[str, int]:
     """``rayppo plan``'s peak-RSS estimate per role, for the longest prompt actually sampled."""
     from rayppo.footprint import estimate_roles
@@ -292,6 +319,8 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
             "lr": cfg.ppo.lr, "kl_coef": cfg.ppo.kl_coef, "warmup": warmup, "iterations": iterations,
             # TRL's PPOConfig turns gradient checkpointing on by default; run both sides alike.
             "gradient_checkpointing": cfg.learner.gradient_checkpointing,
+            # bf16 workloads: TRL trains fp32 weights under bf16 autocast, its frozen models in bf16.
+            "bf16": cfg.model.dtype == "bfloat16",
             "output_dir": str(out_dir / "trl_output")}
     (out_dir / "trl_spec.json").write_text(json.dumps(spec))
     subprocess.run([str(python), str(HERE / "trl_ppo.py"), "--spec", str(out_dir / "trl_spec.json"),
@@ -306,7 +335,7 @@ def _mmm(values: list[float]) -> dict[str, float]:
 
 def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: dict[str, int],
               alone: dict[str, float] | None, trl: list[dict[str, float]] | None,
-              estimate: dict[str, int] | None = None) -> dict[str, Any]:
+              estimate: dict[str, int] | None = None, arithmetic: dict[str, float] | None = None) -> dict[str, Any]:
     """The figures of one benchmark run (bench.json)."""
     tokens = cfg.rollout.batch_size * cfg.rollout.max_new_tokens  # fixed lengths
     col = {k: [r[k] for r in records] for k in records[0]}
@@ -343,6 +372,10 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
     if estimate:  # the pre-flight plan against what was measured, per role
         out["plan_estimate_bytes"] = estimate
         out["plan_ratio"] = {role: estimate[role] / memory[role] for role in memory if role in estimate}
+    if arithmetic:  # the learner's achieved rate against a matmul's, both on the learner's threads
+        achieved = arithmetic["learn_gflop"] / statistics.median(col["time/learn"])
+        out |= arithmetic | {"learn_gflop_per_s": achieved,
+                             "learn_efficiency": achieved / arithmetic["matmul_gflop_per_s"]}
     if alone:
         limit = alone["generate"] + max(alone["reference"], alone["reward"]) + alone["learn"]
         out["stages_alone_s"] = alone
@@ -380,6 +413,10 @@ def print_table(s: dict[str, Any]) -> None:
     if "plan_ratio" in s:
         print("  rayppo plan's guess  " + ", ".join(f"{k} {s['plan_estimate_bytes'][k] / 2**30:.2f} GiB ({r:.2f}x)"
                                                    for k, r in s["plan_ratio"].items()))
+    if "learn_efficiency" in s:
+        print(f"  learner arithmetic   {s['learn_gflop']:,.0f} GFLOP in {s['stage_s']['learn']['median']:.1f} s = "
+              f"{s['learn_gflop_per_s']:.0f} GFLOP/s; a {' x '.join(map(str, s['matmul_shape']))} matmul "
+              f"{s['matmul_gflop_per_s']:.0f} GFLOP/s -> learn_efficiency {s['learn_efficiency']:.2f}")
     if "overhead_ratio" in s:
         alone = s["stages_alone_s"]
         print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
@@ -468,7 +505,7 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
             print(f"sweep point {point}", file=sys.stderr)
             records, memory, rollout = run_rayppo(cfg, warmup, iterations)
             points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None,
-                                                       plan_estimate(cfg, rollout))})
+                                                       plan_estimate(cfg, rollout), learn_arithmetic(cfg, rollout))})
             print_table(points[-1])
         for p in points:  # side by side, one run: each point against the first
             p["speedup_vs_first"] = p["end_to_end_tokens_per_s"] / points[0]["end_to_end_tokens_per_s"]
@@ -481,9 +518,10 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     cfg = workload_config(w, policy, reward_model, overrides)
     print(f"rayppo bench {w.name}: {w.description}", file=sys.stderr)
     records, memory, rollout = run_rayppo(cfg, warmup, iterations)
+    arithmetic = learn_arithmetic(cfg, rollout)
     alone = None if skip_alone else stages_alone(cfg, rollout)
     trl = run_trl(cfg, rollout, warmup, iterations, out) if compare == "trl" else None
-    summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout))
+    summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout), arithmetic)
     (out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot_stages(summary, out / "stages.png")
     print_table(summary)

@@ -58,9 +58,13 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
     tokenizer.padding_side = "left"
+    # bf16 (the small-bf16 workload): the trained models keep fp32 weights and run under bf16
+    # autocast (TrainingArguments.bf16, accelerate's mixed precision); the frozen ones are bf16.
+    bf16 = bool(spec.get("bf16", False))
+    frozen_dtype = torch.bfloat16 if bf16 else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=frozen_dtype)
+    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=frozen_dtype)
     value = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=torch.float32)
     ids = tokenizer(spec["prompts"])["input_ids"]
     dataset = Dataset.from_dict({"input_ids": ids})
@@ -68,7 +72,7 @@ def main() -> None:
     iterations = spec["warmup"] + spec["iterations"]
     config = PPOConfig(
         output_dir=spec["output_dir"], report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, fp16=False, seed=0, disable_tqdm=True,
+        bf16=bf16, fp16=False, seed=0, disable_tqdm=True,
         per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
         local_rollout_forward_batch_size=spec["batch_size"],
         num_ppo_epochs=spec["epochs"], num_mini_batches=spec["minibatches"],

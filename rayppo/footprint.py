@@ -2,12 +2,13 @@
 
 json + math only (no torch, no Ray), so ``rayppo plan`` answers at once. Per actor:
 
-- learner rank: ZeRO-sharded states (``zero_bytes``) + activations + 3 full-vocabulary fp32
-  tensors (log-softmax output, its gradient, the logits' gradient) + one gathered module (ZeRO-3)
+- learner rank: ZeRO-sharded states (``zero_bytes``) + one model's activations (the policy's
+  backward runs before the critic's forward) + one chunk of logits (``head_bytes``) + one
+  gathered module (ZeRO-3)
   + on rank 0 a host copy of the policy and its object-store copy (object-store sync);
 - generator: vLLM on GPU takes ``gpu_memory_utilization`` x device memory; on CPU engine +
   weights / tp + ``kv_cache_gib`` + one layer of its profile run; ``hf``: weights + KV cache + logits;
-- reference: weights + max(3 logits tensors of 64 rows, one layer's activations);
+- reference: weights + max(one chunk of logits, one layer's activations);
 - reward: the reward model's weights + one layer's activations (nothing for a function or URL).
 
 Activations are per token per layer ``6h + 3 q + 2 kv + 4 i`` elements (``layer_elements``).
@@ -61,6 +62,9 @@ the build machines): ~400 MB with lazy module loading (pytorch/pytorch#109888). 
 torch.cuda.mem_get_info(); print((t - f) / 2**20)"`` on an idle GPU."""
 VLLM_CPU_BATCHED_TOKENS = 4096
 """vLLM's ``max_num_batched_tokens`` on CPU (``vllm/engine/arg_utils.py``, 0.32): its profile run."""
+LOGIT_CHUNK_ELEMENTS = 1 << 23
+"""``rayppo.models.vocab_head.CHUNK_ELEMENTS``, repeated so the estimate never imports torch (a
+test keeps the two equal): the log-prob passes hold one chunk of this many logits at a time."""
 REFERENCE_BATCH = 64
 """Rows per reference forward (the driver's ``ReferenceEngine`` batch size)."""
 
@@ -263,6 +267,12 @@ def _finish(on_gpu: bool, base: dict[str, float], gpu_resident: dict[str, float]
     return Estimate("cpu", {**base, **gpu_resident, **transient, **host_extra})
 
 
+def head_bytes(tokens: int, vocab: int) -> float:
+    """The vocabulary projection's transient memory for ``tokens`` response tokens: three fp32
+    tensors of one chunk (logits, probabilities, their gradient; ``vocab_head``)."""
+    return 3 * min(tokens, max(1, LOGIT_CHUNK_ELEMENTS // vocab)) * vocab * 4
+
+
 def _heap(nbytes: float, on_gpu: bool) -> float:
     return nbytes if on_gpu else nbytes * CPU_HEAP_RETENTION
 
@@ -281,8 +291,8 @@ def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
     offloaded = ({"optimizer"} | ({"params"} if stage == 3 else set())) if lr.offload and stage >= 1 else set()
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
     rows = math.ceil(cfg.rollout.batch_size / cfg.ppo.minibatches / n)
-    acts = sum(activation_bytes(s, rows * length, p, lr.gradient_checkpointing) for s in (m.policy, m.critic))
-    transient = {"activations": _heap(acts, gpu), "logits": 3 * rows * length * m.policy.vocab * 4}
+    acts = max(activation_bytes(s, rows * length, p, lr.gradient_checkpointing) for s in (m.policy, m.critic))
+    transient = {"activations": _heap(acts, gpu), "logits": head_bytes(rows * cfg.rollout.max_new_tokens, m.policy.vocab)}
     experience = _heap(math.ceil(cfg.rollout.batch_size / n) * length * layer_elements(m.critic) * p, gpu)
     if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
         transient = {"experience pass": experience}
@@ -321,18 +331,19 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
                        {"profile-run layer": _heap(profile, False)}, sync)
     rows = math.ceil(cfg.rollout.batch_size / g.num)
     kv = rows * length * s.layers * 2 * s.kv_heads * s.head_dim * p
-    forward = max(3 * rows * length * s.vocab * 4, _heap(rows * length * layer_elements(s) * p, gpu))
+    forward = max(head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab), _heap(rows * length * layer_elements(s) * p, gpu))
     return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": weights},
                    {"KV cache": kv, "log-prob forward": forward}, sync)
 
 
 def reference_estimate(cfg: Config, m: Inputs) -> Estimate:
-    """One reference actor: weights + a 64-row forward (logits, /temperature, log-softmax)."""
+    """One reference actor: weights + a 64-row forward (one layer, or one chunk of logits)."""
     p, s, gpu = 2 if cfg.model.dtype == "bfloat16" else 4, m.reference, role_gpus(cfg, "reference") > 0
     rows = min(REFERENCE_BATCH, math.ceil(cfg.rollout.batch_size / cfg.reference.num))
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
-    logits, layer = 3 * rows * length * s.vocab * 4, _heap(rows * length * layer_elements(s) * p, gpu)
-    forward = {"logits x3": logits} if logits >= layer else {"one layer's activations": layer}
+    logits = head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab)
+    layer = _heap(rows * length * layer_elements(s) * p, gpu)
+    forward = {"logits chunk x3": logits} if logits >= layer else {"one layer's activations": layer}
     runtime = {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}
     return _finish(gpu, runtime, {"weights": param_count(s) * p}, forward, {})
 

@@ -22,7 +22,7 @@ from rayppo.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner import ppo
 from rayppo.learner.experience import (Experience, LocalCollective, ProximalPolicy, check_staleness, make_experience,
                                       proximal_logprobs)
-from rayppo.learner.update import Minibatch, local_minibatches, minibatch_plan, ppo_update, same_version_mismatch
+from rayppo.learner.update import Minibatch, Steps, local_minibatches, minibatch_plan, ppo_update, same_version_mismatch
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -75,14 +75,13 @@ def _stepper(policy, critic):
     """Backward + AdamW step of policy and critic, as the reference trainer's ``_step``."""
     popt, copt = torch.optim.AdamW(policy.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
 
-    def step(policy_objective: torch.Tensor, value_objective: torch.Tensor) -> None:
-        popt.zero_grad(set_to_none=True)
-        copt.zero_grad(set_to_none=True)
-        (policy_objective + value_objective).backward()
+    def step() -> None:
         popt.step()
         copt.step()
+        popt.zero_grad(set_to_none=True)
+        copt.zero_grad(set_to_none=True)
 
-    return step
+    return Steps(torch.Tensor.backward, torch.Tensor.backward, step)
 
 
 def _minibatches(exp: Experience, cfg: PPOConfig) -> list[Minibatch]:
@@ -134,12 +133,13 @@ def _hand_written_sync_update(policy, critic, rollout: Rollout, pad_id: int, cfg
         part, rows = batch.rows(mb.rows), mb.rows
         logprobs, entropy = policy_forward(policy, part, TEMPERATURE, with_entropy=True, entropy_grad=False)
         pg_loss, _ = ppo.policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.mask, cfg.clip_eps)
-        new_values, _ = critic_forward(critic, part)
-        vf_loss = ppo.value_loss(new_values, values[rows], returns[rows], part.mask, cfg.value_clip)
         if first_gap is None:
             first_gap = (logprobs.detach() - old_logprobs[rows]).abs() * part.mask
-        step(mb.token_share * pg_loss - mb.token_share * cfg.entropy_coef * ppo.masked_mean(entropy, part.mask),
-             mb.token_share * cfg.vf_coef * vf_loss)
+        (mb.token_share * pg_loss - mb.token_share * cfg.entropy_coef * ppo.masked_mean(entropy, part.mask)).backward()
+        new_values, _ = critic_forward(critic, part)
+        vf_loss = ppo.value_loss(new_values, values[rows], returns[rows], part.mask, cfg.value_clip)
+        (mb.token_share * cfg.vf_coef * vf_loss).backward()
+        step.step()
     return rewards, advantages, returns, first_gap
 
 

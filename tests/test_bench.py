@@ -36,7 +36,10 @@ def test_summary_ratios(bench):
     records = [record(1.0, 0.5, 0.3, 0.05), record(2.0, 1.0, 0.6, 0.1), record(1.5, 0.7, 0.5, 0.15)]
     alone = {"generate": 0.6, "reference": 0.1, "reward": 0.2, "learn": 0.4}
     trl = [{"wall_s": 2.048, "gc_s": 1.024}] * 3
-    s = bench.summarize("tiny", cfg, records, {"learner": 1}, alone, trl)
+    arithmetic = {"learn_gflop": 100.0, "matmul_gflop_per_s": 250.0, "matmul_shape": [8, 4, 2], "matmul_threads": 2}
+    s = bench.summarize("tiny", cfg, records, {"learner": 1}, alone, trl, arithmetic=arithmetic)
+    assert s["learn_gflop_per_s"] == pytest.approx(100 / 0.5)  # the median learn stage
+    assert s["learn_efficiency"] == pytest.approx(100 / 0.5 / 250)
     assert s["end_to_end_tokens_per_s"] == pytest.approx(2048 / 1.5)
     assert s["overhead_ratio"] == pytest.approx(1.5 / (0.6 + 0.2 + 0.4))  # reference and reward overlap
     assert s["sync_share"] == pytest.approx(0.05)
@@ -60,7 +63,10 @@ def test_sweep_points(bench):
 
 def test_workloads_file_defines_the_required_presets(bench):
     workloads = bench.load_workloads()
-    assert {"tiny", "small", "gpu-0.5b", "gpu-1.5b"} <= set(workloads)
+    assert {"tiny", "small", "small-bf16", "gpu-0.5b", "gpu-1.5b"} <= set(workloads)
+    # small-bf16 is small in another dtype: the same model shape and workload
+    assert workloads["small-bf16"].model == workloads["small"].model
+    assert workloads["small-bf16"].config == {**workloads["small"].config, "model.dtype": "bfloat16"}
     assert workloads["tiny"].config["rollout.batch_size"] == 64 and workloads["tiny"].config["rollout.max_new_tokens"] == 32
     assert workloads["small"].config["rollout.batch_size"] == 256 and workloads["small"].config["rollout.max_new_tokens"] == 128
     for w in workloads.values():  # every preset's overrides are valid config
@@ -163,8 +169,10 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
     assert main(["bench", "--workload", "tiny", "--warmup", "1", "--iters", "2", "--output", str(out),
                  "generators.enforce_eager=true"]) == 0
     summary = json.loads((out / "bench.json").read_text())
-    for key in ("workload", "end_to_end_tokens_per_s", "overhead_ratio", "sync_share", "stage_s", "peak_memory_bytes"):
+    for key in ("workload", "end_to_end_tokens_per_s", "overhead_ratio", "sync_share", "stage_s", "peak_memory_bytes",
+                "learn_efficiency"):
         assert key in summary, key
+    assert summary["learn_gflop"] > 0 and summary["matmul_gflop_per_s"] > 0
     assert summary["workload"] == "tiny" and len(summary["per_iteration"]) == 2
     assert summary["end_to_end_tokens_per_s"] > 0 and summary["overhead_ratio"] > 0.5
     # rayppo plan's peak-memory estimate is within 25% of the measured peak RSS of every role

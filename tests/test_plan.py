@@ -224,7 +224,7 @@ def test_cpu_shortage_on_a_cluster_says_add_nodes_or_shrink(capsys):
      "--resources '{\"learner_node\": N}'), or fewer actors: learner.num_ranks=1, or no actor asking for it: "
      "learner.resources={}"),
     ([], '{"CPU": 8, "memory": 4e9}',
-     "memory: need 4.2 GiB of RSS in total, cluster has 3.7 GiB (the generators take the most). Fix: fewer actors: "
+     "memory: need 4.1 GiB of RSS in total, cluster has 3.7 GiB (the generators take the most). Fix: fewer actors: "
      "learner.num_ranks=1"),
 ])
 def test_shortfalls_exit_2_with_one_line_and_fixes_that_fit(capsys, overrides, resources, expected):
@@ -235,7 +235,7 @@ def test_shortfalls_exit_2_with_one_line_and_fixes_that_fit(capsys, overrides, r
 
 def test_rss_no_config_can_fix_says_so(capsys):
     assert missing_lines(capsys, ["cluster.address=auto", "--cluster-resources", '{"CPU": 8, "memory": 1e9}']) == [
-        "memory: need 4.2 GiB of RSS in total, cluster has 0.9 GiB (the generators take the most). Fix: nodes with "
+        "memory: need 4.1 GiB of RSS in total, cluster has 0.9 GiB (the generators take the most). Fix: nodes with "
         "more memory"]
 
 

@@ -22,7 +22,7 @@ from rayppo.config import Config, mismatch_limit, role_gpus
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import ProximalPolicy, TruncationRule, check_staleness, make_experience
-from rayppo.learner.update import local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Steps, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                        param_specs)
@@ -134,16 +134,14 @@ class LearnerEngine(Engine):
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
         minibatches = local_minibatches(plan, offset, exp.batch.mask.cpu(), self.collective)
         guard = MismatchGuard(mismatch_limit(self.cfg.checks, self.cfg.model.dtype), iteration)
-        stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._step, self.collective,
+        stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
                             guard)
         self.version += 1
         return stats | {"policy/version": float(self.version)}
 
-    def _step(self, policy_objective: torch.Tensor, value_objective: torch.Tensor) -> None:
-        self.policy.backward(policy_objective)
-        self.critic.backward(value_objective)
-        self.policy.step()
-        self.critic.step()
+    def _steps(self) -> Steps:
+        """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
+        return Steps(self.policy.backward, self.critic.backward, lambda: (self.policy.step(), self.critic.step()))
 
     def _full_policy(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` of the policy, one module gathered at a time (ZeRO-3), LoRA

@@ -29,7 +29,7 @@ from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluatio
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
-from rayppo.learner.update import local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Steps, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 
@@ -104,6 +104,7 @@ class ReferenceTrainer:
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr, weight_decay=cfg.ppo.weight_decay)
+        self._steps = Steps(torch.Tensor.backward, torch.Tensor.backward, self._step)
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
@@ -127,7 +128,7 @@ class ReferenceTrainer:
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
         minibatches = local_minibatches(plan, 0, exp.batch.mask.cpu(), LocalCollective())
         guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
-        stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._step,
+        stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,
                             guard=guard)
         self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
         t4 = clock()
@@ -149,16 +150,15 @@ class ReferenceTrainer:
 
         return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)
 
-    def _step(self, policy_loss: torch.Tensor, value_loss: torch.Tensor) -> None:
+    def _step(self) -> None:
         """One optimiser step of policy and critic (two models, two optimisers)."""
-        self.policy_opt.zero_grad(set_to_none=True)
-        self.critic_opt.zero_grad(set_to_none=True)
-        (policy_loss + value_loss).backward()
         if self.cfg.ppo.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.ppo.max_grad_norm)
             torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.ppo.max_grad_norm)
         self.policy_opt.step()
         self.critic_opt.step()
+        self.policy_opt.zero_grad(set_to_none=True)
+        self.critic_opt.zero_grad(set_to_none=True)
 
     def save(self, out_dir: str | Path) -> None:
         """The final policy (Hugging Face format, with tokenizer) and critic."""

@@ -71,19 +71,13 @@ def local_minibatches(
     return out
 
 
-def minibatch_loss(
-    policy: torch.nn.Module,
-    critic: torch.nn.Module,
-    exp: Experience,
-    mb: Minibatch,
-    cfg: PPOConfig,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """``(policy objective, value objective, stats, gap)`` of this rank's part of a minibatch;
-    ``gap`` [b, T] is |log pi - log pi_old| per token (0 on padding), the sync check of the
-    synchronous iteration. With ``exp.prox_logprobs`` (asynchronous mode) the policy loss is the
-    decoupled one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip)."""
-    part = exp.rows(mb.rows)
+def policy_objective(
+    policy: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, temperature: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """``(objective, stats, gap)`` of the policy on this rank's part of a minibatch; ``gap``
+    [b, T] is |log pi - log pi_old| per token (0 on padding), the sync check of the synchronous
+    iteration. With ``part.prox_logprobs`` (asynchronous mode) the policy loss is the decoupled
+    one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip)."""
     mask = part.batch.mask
     logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
                                        entropy_grad=cfg.entropy_coef != 0)
@@ -94,19 +88,35 @@ def minibatch_loss(
         pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
                                                       mask, cfg.clip_eps, cfg.is_clip, cfg.loss_agg)
     entropy_mean = ppo.masked_mean(entropy, mask)
-    values, _ = critic_forward(critic, part.batch)
-    vf_loss = ppo.value_loss(values, part.old_values, part.returns, mask, cfg.value_clip)
     gap = (logprobs.detach() - part.old_logprobs).abs() * mask
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
-    stats |= {"policy/loss": pg_loss.detach(), "value/loss": vf_loss.detach(), "entropy": entropy_mean.detach()}
+    stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
     # seq-mean-token-mean weighs rows, not tokens.
     pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
-    policy_objective = pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean
-    return policy_objective, mb.token_share * cfg.vf_coef * vf_loss, stats, gap
+    return pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean, stats, gap
 
 
-StepFn = Callable[[torch.Tensor, torch.Tensor], None]
-"""Backward + optimiser step for (policy objective, value objective): torch or DeepSpeed."""
+def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(objective, stats)`` of the critic on this rank's part of a minibatch."""
+    values, _ = critic_forward(critic, part.batch)
+    vf_loss = ppo.value_loss(values, part.old_values, part.returns, part.batch.mask, cfg.value_clip)
+    return mb.token_share * cfg.vf_coef * vf_loss, {"value/loss": vf_loss.detach()}
+
+
+@dataclass
+class Steps:
+    """How policy and critic learn from a minibatch: torch optimisers or DeepSpeed engines.
+
+    The policy's backward runs before the critic's forward, so the two models' activations are
+    never alive at once (the peak is one model's, not both)."""
+
+    policy_backward: Callable[[torch.Tensor], None]
+    """Gradients of the policy objective (accumulated until ``step``)."""
+    critic_backward: Callable[[torch.Tensor], None]
+    """Gradients of the value objective."""
+    step: Callable[[], None]
+    """One optimiser step of both models (gradient clipping included), then zeroed gradients."""
 
 
 def ppo_update(
@@ -116,7 +126,7 @@ def ppo_update(
     minibatches: list[Minibatch],
     cfg: PPOConfig,
     temperature: float,
-    step: StepFn,
+    steps: Steps,
     collective: Collective = LocalCollective(),
     guard: MismatchGuard | None = None,
 ) -> dict[str, float]:
@@ -133,13 +143,17 @@ def ppo_update(
     asynchronous = exp.prox_logprobs is not None
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
     for mb in minibatches:
-        policy_objective, value_objective, stats, gap = minibatch_loss(policy, critic, exp, mb, cfg, temperature)
+        part = exp.rows(mb.rows)
+        objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature)
         if not first and not asynchronous:
-            mask = exp.batch.mask[mb.rows]
-            first = {"mean": ppo.masked_mean(gap, mask) * mb.token_share, "max": gap.max()}
+            first = {"mean": ppo.masked_mean(gap, part.batch.mask) * mb.token_share, "max": gap.max()}
             if guard is not None:
-                guard.check(gap, exp.generator_ids[mb.rows], collective)
-        step(policy_objective, value_objective)
+                guard.check(gap, part.generator_ids, collective)
+        steps.policy_backward(objective)
+        objective, value_stats = value_objective(critic, part, mb, cfg)
+        steps.critic_backward(objective)
+        steps.step()
+        stats |= value_stats
         for key, value in stats.items():
             weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share
     keys = list(weighted)

@@ -11,11 +11,13 @@ at column ``P - 1 + len``: its value is the bootstrap for truncated responses.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from rayppo.learner.ppo import entropy_from_logits, logprobs_from_logits
+from rayppo.models.vocab_head import token_logprobs
 
 
 @dataclass
@@ -99,7 +101,60 @@ def policy_forward(
     applied, so these match the old log-probs a generator reports. Padding positions are 0.
     ``entropy_grad=False`` computes the entropy as a statistic only: no autograd graph through a
     softmax over the whole vocabulary (with a zero entropy bonus that backward is pure cost).
+
+    The model runs without its vocabulary projection; ``vocab_head.token_logprobs`` projects only
+    the valid response positions, a chunk of tokens at a time, so no ``[B, T, V]`` tensor exists.
+    ``model`` may be a transformers causal LM, or one wrapped by PEFT or DeepSpeed (whose forward
+    is still the one called, so its hooks run). Models whose logits are more than ``h W^T``
+    (soft-capping, scaling) take the full-logits path.
     """
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings()
+    if head is None or not _plain_logits(lm):
+        return _full_logits_forward(model, batch, temperature, with_entropy, entropy_grad)
+    captured: list[torch.Tensor] = []
+    handle = lm.get_decoder().register_forward_hook(lambda _m, _args, out: captured.append(_last_hidden(out)))
+    try:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+              use_cache=False, logits_to_keep=_NO_POSITIONS.to(batch.input_ids.device))
+    finally:
+        handle.remove()
+    valid = batch.mask.bool()
+    hidden = captured[-1][:, _response_slice(batch)][valid]  # [N, H]: the valid response positions
+    logprobs, entropy = token_logprobs(hidden, head, batch.response_ids[valid], temperature, with_entropy,
+                                       entropy_grad)
+    zeros = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=batch.mask.device)
+    return zeros.masked_scatter(valid, logprobs), None if entropy is None else zeros.masked_scatter(valid, entropy)
+
+
+_NO_POSITIONS = torch.zeros(0, dtype=torch.long)
+"""``logits_to_keep`` that keeps no position: the causal LM's own projection does no work."""
+
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config fields of transformers models whose logits are not just ``h W^T`` (Gemma 2/3, Cohere,
+Granite, ...): for those the model computes its own logits."""
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DeepSpeed's engine (``.module``) and PEFT's wrapper."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def _plain_logits(lm: torch.nn.Module) -> bool:
+    config = getattr(lm, "config", None)
+    return all(getattr(config, name, None) in (None, 1.0) for name in _LOGIT_TRANSFORMS) and \
+        "logits_to_keep" in inspect.signature(lm.forward).parameters
+
+
+def _last_hidden(output) -> torch.Tensor:  # noqa: ANN001 - a transformers ModelOutput or a tuple
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _full_logits_forward(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``policy_forward`` through the model's own ``[B, P + T, V]`` logits."""
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,

@@ -1,0 +1,193 @@
+"""Log-probs and entropy of chosen tokens without materialising the full-vocabulary logits.
+
+The last layer of a language model maps N hidden states ``h [N, H]`` to logits ``z = h W^T / T``
+``[N, V]``. Materialised whole, with its log-softmax, softmax and their gradients, that is
+several ``N x V x 4``-byte tensors: 1 GiB per tensor for 32k tokens of an 8k vocabulary, tens of
+GiB for a 150k vocabulary and long responses, and on a CPU the memory traffic costs more time
+than the matmul. Here the projection runs over chunks of ``chunk`` tokens; each chunk's logits
+live only while the chunk's three numbers per token are taken from them:
+
+    lse_n = logsumexp_v z_nv                      (the log-partition)
+    log pi(y_n) = z_{n, y_n} - lse_n              (the chosen token's log-prob)
+    H_n = lse_n - sum_v p_nv z_nv,  p = exp(z - lse)   (the entropy)
+
+The backward pass recomputes each chunk's logits from ``h``, ``W`` and the saved ``lse``:
+
+    d log pi(y_n) / d z_nv = [v = y_n] - p_nv
+    d H_n / d z_nv         = -p_nv (z_nv - lse_n + H_n)        (= -p (log p + H))
+
+then ``dz`` (divided by T) goes through the projection: ``dh = dz W``, ``dW += dz^T h``.
+The same idea as Liger-Kernel's fused linear cross-entropy (a Triton kernel, so GPU only); this
+one is plain torch and runs on both stacks.
+
+Two paths, the same numbers: ``_FusedLinearLogSoftmax`` when the head's weight is a plain tensor
+(torch, ZeRO-0/1/2); per-chunk activation checkpointing through the head *module* when it is not
+(ZeRO-3 gathers a partitioned weight in the module's forward hooks, LoRA on the head adds its
+own terms), which still never holds more than one chunk's logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+
+CHUNK_ELEMENTS = 1 << 23
+"""Logits per chunk (8M: 32 MiB in fp32): 1024 tokens of an 8k vocabulary, 55 of a 152k one.
+Large enough for a full-speed matmul, small enough for a cache-friendly pass over the chunk."""
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk for a vocabulary of ``vocab_size`` (at least 1)."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[n, V]`` logits of one chunk in fp32 (fp64 for fp64 inputs), divided by the sampling
+    temperature."""
+    z = hidden @ weight.t()
+    z = z.to(_stats_dtype(z.dtype))
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(lse [n], log pi(y) [n], H [n] or None)`` of one chunk's fp32 logits ``z [n, V]``.
+
+    With ``y = z - max z`` and ``e = exp(y)``, ``s = sum e``: lse = max z + log s and
+    H = log s - sum(e y) / s (the same H as above, in one pass over e)."""
+    chosen = z.gather(1, targets.unsqueeze(1)).squeeze(1)
+    if not with_entropy:
+        lse = torch.logsumexp(z, dim=-1)
+        return lse, chosen - lse, None
+    top = z.amax(dim=-1, keepdim=True)
+    y = z - top
+    e = torch.exp(y)
+    s = e.sum(dim=-1)
+    lse = top.squeeze(1) + torch.log(s)
+    return lse, chosen - lse, torch.log(s) - torch.linalg.vecdot(e, y) / s
+
+
+class _FusedLinearLogSoftmax(torch.autograd.Function):
+    """``(log pi(y) [N], H [N] or empty)`` of ``z = (h W^T) / T`` (in fp32 at least), chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int, with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = hidden.shape[0], _stats_dtype(hidden.dtype)
+        logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        for s in range(0, n, chunk):
+            z = _logits(hidden[s:s + chunk], weight, temperature)
+            lse[s:s + chunk], logprobs[s:s + chunk], h = _chunk_stats(z, targets[s:s + chunk], with_entropy)
+            if with_entropy:
+                entropy[s:s + chunk] = h
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        if not ctx.entropy_grad:
+            grad_entropy = None
+        if grad_logprobs is None and grad_entropy is None:  # neither output reached the loss
+            return None, None, None, None, None, None, None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # Summed over chunks in fp32 (a bf16 weight's per-chunk products are bf16, as in one matmul).
+        grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            z = _logits(h, weight, t)
+            p = z.sub(lse[s:s + chunk].unsqueeze(1)).exp_()
+            shift = None if grad_entropy is None else entropy[s:s + chunk] - lse[s:s + chunk]  # H - lse
+            dz = _logits_grad(p, z, targets[s:s + chunk], shift, _part(grad_logprobs, s, chunk),
+                              _part(grad_entropy, s, chunk))
+            dz = (dz if t == 1.0 else dz.div_(t)).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s:s + chunk] = dz @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(dz.t(), h) if dz.dtype == grad_weight.dtype else grad_weight.add_(dz.t() @ h)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _part(x: torch.Tensor | None, start: int, chunk: int) -> torch.Tensor | None:
+    return None if x is None else x[start:start + chunk].unsqueeze(1)
+
+
+def _logits_grad(p: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, shift: torch.Tensor | None,
+                 grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> torch.Tensor:
+    """``dL/dz [n, V]`` from ``dL/dlog pi(y)`` and ``dL/dH`` ([n, 1] each, either may be None);
+    ``shift`` [n] is H - lse. Overwrites ``p``."""
+    if grad_entropy is None:  # ([v = y] - p) g
+        dz = p.mul_(-grad_logprobs)
+    else:  # -p (z - lse + H) g_H, plus the same term for the log-prob
+        dz = p.mul_(-(z + shift.unsqueeze(1)) * grad_entropy - (0 if grad_logprobs is None else grad_logprobs))
+    if grad_logprobs is not None:
+        dz.scatter_add_(1, targets.unsqueeze(1), grad_logprobs)
+    return dz
+
+
+def _checkpointed_chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    z = head(hidden)
+    _, logprobs, entropy = _chunk_stats(z.to(_stats_dtype(z.dtype)) / temperature, targets, with_entropy)
+    return logprobs, entropy if entropy is not None else logprobs.new_empty(0)
+
+
+def plain_weight(head: torch.nn.Module) -> torch.Tensor | None:
+    """The head's ``[V, H]`` weight when it is a bias-free ``nn.Linear`` whose weight is all here
+    (not a ZeRO-3 partition, no adapter); ``None`` otherwise."""
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    weight = head.weight
+    if hasattr(weight, "ds_id") or weight.shape != (head.out_features, head.in_features):
+        return None
+    return weight
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log pi(y_n) [N], H_n [N] or None)`` for hidden states ``[N, H]`` and targets ``[N]``.
+
+    Equals ``log_softmax(head(hidden).float() / T)`` (fp64 stays fp64) gathered at the targets (and the entropy of
+    that softmax) to fp32 rounding, gradients included, but never holds more than ``chunk``
+    tokens' logits (default ``chunk_tokens(V)``). ``entropy_grad=False`` returns the entropy as a
+    statistic (no gradient flows through it, and its backward costs nothing).
+    """
+    chunk = chunk or chunk_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
+    targets = targets.long()
+    weight = plain_weight(head)
+    if weight is not None:
+        logprobs, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, targets, temperature, chunk, with_entropy,
+                                                         entropy_grad)
+        return logprobs, entropy if with_entropy else None
+    parts = []
+    for s in range(0, hidden.shape[0], chunk):
+        args = (head, hidden[s:s + chunk], targets[s:s + chunk], temperature, with_entropy)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            parts.append(torch.utils.checkpoint.checkpoint(_checkpointed_chunk, *args, use_reentrant=False))
+        else:
+            parts.append(_checkpointed_chunk(*args))
+    logprobs = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0, dtype=_stats_dtype(hidden.dtype))
+    if not with_entropy:
+        return logprobs, None
+    entropy = torch.cat([p[1] for p in parts]) if parts else logprobs.new_zeros(0)
+    return logprobs, entropy if entropy_grad else entropy.detach()
