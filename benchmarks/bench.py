@@ -186,18 +186,18 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
                "learn": lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)}
     prompts = PromptBatch(rollout.prompt_text, rollout.prompt_ids)
     out: dict[str, float] = {}
-    torch.set_num_threads(threads["gen"])
-    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype, 0, cfg.seed, vllm_settings(cfg))
-    generator.generate(prompts, 0)
-    out["generate"], _ = _timed(generator.generate, prompts, 1)
-    del generator
+    # The generator goes last: vLLM's CPU worker pins this process's threads and from then on
+    # ignores torch.set_num_threads, which gave the reference and reward passes (1 thread each in
+    # the run) the generator's 2 threads here and halved their "alone" times.
     torch.set_num_threads(cfg.reference.num * actor_threads(cfg.reference.threads, cfg.reference.cpus))
     reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype)
     reference.ref_logprobs(rollout)
     out["reference"], _ = _timed(reference.ref_logprobs, rollout)
+    torch.set_num_threads(cfg.reward.num * actor_threads(cfg.reward.threads, cfg.reward.cpus))
     reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype)
     reward.scores(rollout)
     out["reward"], _ = _timed(reward.scores, rollout)
+    del reference, reward
     torch.set_num_threads(threads["learn"])
     # The recorded rollout was sampled by the measured run's later policy, not by this fresh
     # learner's weights: only the update's time counts here, so the mismatch limit is lifted.
@@ -207,6 +207,11 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     learner.train(rollout, cfg.ppo.kl_coef, 0)
     rollout.policy_version = [1] * len(rollout)
     out["learn"], _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
+    del learner
+    torch.set_num_threads(threads["gen"])
+    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype, 0, cfg.seed, vllm_settings(cfg))
+    generator.generate(prompts, 0)
+    out["generate"], _ = _timed(generator.generate, prompts, 1)
     return out
 
 

@@ -22,7 +22,8 @@ from rayppo.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner import ppo
 from rayppo.learner.experience import (Experience, LocalCollective, ProximalPolicy, check_staleness, make_experience,
                                       proximal_logprobs)
-from rayppo.learner.update import Minibatch, Steps, local_minibatches, minibatch_plan, ppo_update, same_version_mismatch
+from rayppo.learner.update import (Minibatch, Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update,
+                                  same_version_mismatch)
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -365,3 +366,50 @@ def test_check_staleness_accepts_exactly_the_window_of_max_staleness():
         check_staleness([5, 2, 1, 3], learner_version=5, max_staleness=2)
     with pytest.raises(RuntimeError, match=r"version\(s\) \[6\] newer than the learner"):
         check_staleness([6, 5], learner_version=5, max_staleness=2)
+
+
+# ------------------------------------------------------------------------------------------
+# (f) no wasted pass: the first minibatch's value forward is the experience pass's
+# ------------------------------------------------------------------------------------------
+def _rows_counter(module: torch.nn.Module) -> list[int]:
+    """A list whose one element counts the rows ``module``'s forward passes see from now on."""
+    count = [0]
+    module.register_forward_hook(lambda _m, args, _out: count.__setitem__(0, count[0] + args[0].shape[0]))
+    return count
+
+
+def test_first_minibatch_reuses_the_experience_value_pass(models, tokenizer):
+    """With ``first_rows`` the critic sees B rows for the experience and B - b for the update
+    (b = the first minibatch's rows), not 2B; and the update is the same one, in fp64 (rounding
+    ~1e-16 relative, so 1e-9 leaves room only for rounding): values, every parameter after it."""
+    cfg = PPOConfig(epochs=2, minibatches=3)
+    rollout = _rollout(tokenizer, versions=[0] * 6)
+    policy, critic = (m.double() for m in _copies(models))
+    _set_logprobs(rollout, _learner_logprobs(policy, rollout, tokenizer.pad_token_id, 1).float())
+    results = {}
+    for reuse in (False, True):
+        p, c = copy.deepcopy(policy), copy.deepcopy(critic)
+        plan = minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)
+        rows = _rows_counter(c)
+        first = first_local_rows(plan, 0, 6) if reuse else None
+        exp, _ = make_experience(rollout, c, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=first)
+        assert (exp.first_values is not None) == reuse
+        experience_rows = rows[0]
+        ppo_update(p, c, exp, local_minibatches(plan, 0, exp.batch.mask, LocalCollective()), cfg, TEMPERATURE,
+                   _stepper(p, c))
+        results[reuse] = (exp.old_values, _params(p, c), experience_rows, rows[0] - experience_rows)
+    first_size = len(minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)[0][0])
+    assert results[False][2] == results[True][2] == 6
+    assert results[False][3] == 2 * 6 and results[True][3] == 2 * 6 - first_size
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-9, atol=1e-12)
+    for a, b in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_a_rank_without_first_minibatch_rows_still_runs_one_placeholder_row():
+    """Under ZeRO-3 every rank must run the kept forward: a rank owning none of the first
+    minibatch's rows keeps its row 0 (share 0), as ``local_minibatches`` does."""
+    plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
+    assert first_local_rows(plan, 0, 2).tolist() == [0, 1]
+    assert first_local_rows(plan, 2, 2).tolist() == [0]
+    assert local_minibatches(plan, 2, torch.ones(2, 3), LocalCollective())[0].rows.tolist() == [0]

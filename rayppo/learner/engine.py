@@ -22,7 +22,7 @@ from rayppo.config import Config, mismatch_limit, role_gpus
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import ProximalPolicy, TruncationRule, check_staleness, make_experience
-from rayppo.learner.update import Steps, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                        param_specs)
@@ -129,9 +129,10 @@ class LearnerEngine(Engine):
         check_staleness(shard.policy_version, self.version, r.max_staleness)
         # pi_prox: these weights, before this update's first step (used only when max_staleness > 0).
         proximal = ProximalPolicy(self.policy, r.temperature, self.version)
-        exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p, TruncationRule.of(r),
-                                     self.collective, self.device, r.max_staleness, proximal)
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
+        exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p, TruncationRule.of(r),
+                                     self.collective, self.device, r.max_staleness, proximal,
+                                     first_local_rows(plan, offset, len(shard)))
         minibatches = local_minibatches(plan, offset, exp.batch.mask.cpu(), self.collective)
         guard = MismatchGuard(mismatch_limit(self.cfg.checks, self.cfg.model.dtype), iteration)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,

@@ -97,8 +97,13 @@ class Experience:
     same_version: torch.Tensor | None = None
     """[B] bool: the row was sampled by pi_prox's version, so mu = pi_prox and their log-probs
     must agree up to rounding (the rows ``logprob_mismatch`` compares). Asynchronous mode only."""
+    first_values: torch.Tensor | None = None
+    """[b, T] V(S_{t-1}) of the first minibatch's rows (``make_experience(first_rows=...)``), in
+    that order, with the autograd graph of the critic's experience pass: the critic's weights
+    have not moved yet, so this *is* that minibatch's value forward (``ppo_update`` reuses it)."""
 
     def rows(self, index: torch.Tensor) -> "Experience":
+        """The sub-experience of the given rows (without ``first_values``)."""
         tensors = (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,
                    self.advantages, self.returns, self.scores, self.generator_ids, self.prox_logprobs,
                    self.same_version)
@@ -196,6 +201,28 @@ def _targets(
                                          cfg.vtrace_c_clip, bootstrap)
 
 
+def _critic_values(critic: torch.nn.Module, batch: PackedBatch, first_rows: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(values [B, T], last_values [B], first_values [b, T] or None)`` of the experience pass.
+
+    With ``first_rows`` the other rows go first without gradient, then those rows with it (the
+    last forward before that graph's backward, as DeepSpeed expects); the graph is kept in
+    ``first_values`` so the first minibatch needs no value forward of its own."""
+    if first_rows is None:
+        values, last_values = critic_forward(critic, batch)
+        return values, last_values, None
+    rest = torch.ones(batch.mask.shape[0], dtype=torch.bool, device=batch.mask.device)
+    rest[first_rows] = False
+    others = critic_forward(critic, batch.rows(rest)) if rest.any() else None
+    with torch.enable_grad():
+        first_values, first_last = critic_forward(critic, batch.rows(first_rows))
+    values, last_values = first_values.new_zeros(batch.mask.shape), first_last.new_zeros(batch.mask.shape[0])
+    if others is not None:
+        values[rest], last_values[rest] = others
+    values[first_rows], last_values[first_rows] = first_values.detach(), first_last.detach()
+    return values, last_values, first_values
+
+
 @torch.no_grad()
 def make_experience(
     rollout: Rollout,
@@ -208,13 +235,15 @@ def make_experience(
     device: torch.device | str = "cpu",
     max_staleness: int = 0,
     proximal: ProximalPolicy | None = None,
+    first_rows: torch.Tensor | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
     ``max_staleness`` = k > 0 is asynchronous mode: ``proximal`` (required then) gives log pi_prox,
     the policy being improved, which the reward's KL term uses instead of mu's; the targets are
     ``ppo.compute_offpolicy_targets``'s under ``value_targets=vtrace``. With k = 0 ``proximal`` is
-    not used.
+    not used. ``first_rows``: this rank's rows of the first minibatch (``update.first_local_rows``),
+    whose critic forward is kept for the update (``Experience.first_values``).
     """
     batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id).to(device)
     mask = batch.mask
@@ -222,7 +251,7 @@ def make_experience(
     ref_logprobs = rollout.tensor("ref_logprobs").to(device)
     scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
     prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal)
-    values, last_values = critic_forward(critic, batch)
+    values, last_values, first_values = _critic_values(critic, batch, first_rows)
     # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
     returned_scores, bootstrap = ppo.truncation_targets(
         scores, last_values, rollout.truncated().to(device), truncation.mode, truncation.missing_eos_penalty)
@@ -239,7 +268,7 @@ def make_experience(
         stats |= _offpolicy_stats(log_ratio, mask, collective)
     generator_ids = torch.tensor(rollout.generator_id or [0] * len(rollout), dtype=torch.long)
     exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores, generator_ids,
-                     prox_logprobs, same_version)
+                     prox_logprobs, same_version, first_values)
     return exp, stats
 
 

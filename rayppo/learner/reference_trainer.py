@@ -29,7 +29,7 @@ from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluatio
 from rayppo.data.rollout import Rollout
 from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
-from rayppo.learner.update import Steps, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 
@@ -123,9 +123,10 @@ class ReferenceTrainer:
         rollout.score = self.reward.scores(rollout)
         t3 = clock()
         kl_coef = self.kl_ctl.value
-        exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
-                                     TruncationRule.of(cfg.rollout), device=self.device)
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
+        exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
+                                     TruncationRule.of(cfg.rollout), device=self.device,
+                                     first_rows=first_local_rows(plan, 0, len(rollout)))
         minibatches = local_minibatches(plan, 0, exp.batch.mask.cpu(), LocalCollective())
         guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,

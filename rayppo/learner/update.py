@@ -46,6 +46,21 @@ def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> lis
     return [list(torch.randperm(n_rows, generator=generator).chunk(minibatches)) for _ in range(epochs)]
 
 
+def _local_rows(rows: torch.Tensor, offset: int, n_local: int) -> torch.Tensor:
+    """The rows among global ``rows`` that this rank owns ([offset, offset + n_local)), local."""
+    return rows[(rows >= offset) & (rows < offset + n_local)] - offset
+
+
+PLACEHOLDER_ROW = torch.zeros(1, dtype=torch.long)
+"""What a rank runs for a minibatch it owns no row of: its row 0, with share 0."""
+
+
+def first_local_rows(plan: list[list[torch.Tensor]], offset: int, n_local: int) -> torch.Tensor:
+    """This rank's local rows of the first minibatch (``local_minibatches(...)[0].rows``)."""
+    mine = _local_rows(plan[0][0], offset, n_local)
+    return mine if len(mine) else PLACEHOLDER_ROW
+
+
 def local_minibatches(
     plan: list[list[torch.Tensor]], offset: int, mask: torch.Tensor, collective: Collective
 ) -> list[Minibatch]:
@@ -57,15 +72,14 @@ def local_minibatches(
     n_local = mask.shape[0]
     parts = []
     for rows in (r for epoch in plan for r in epoch):
-        mine = rows[(rows >= offset) & (rows < offset + n_local)] - offset
-        parts.append(mine)
+        parts.append(_local_rows(rows, offset, n_local))
     local = torch.tensor([[float(mask[m].sum()), float(len(m))] for m in parts], dtype=torch.float64)
     total = collective.sum(local.clone())
     w = collective.world_size
     out = []
     for mine, (tokens, rows), (all_tokens, all_rows) in zip(parts, local.tolist(), total.tolist()):
         if len(mine) == 0:
-            out.append(Minibatch(torch.zeros(1, dtype=torch.long), 0.0, 0.0))
+            out.append(Minibatch(PLACEHOLDER_ROW, 0.0, 0.0))
         else:
             out.append(Minibatch(mine, w * tokens / max(all_tokens, 1.0), w * rows / all_rows))
     return out
@@ -96,10 +110,12 @@ def policy_objective(
     return pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean, stats, gap
 
 
-def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(objective, stats)`` of the critic on this rank's part of a minibatch."""
-    values, _ = critic_forward(critic, part.batch)
+def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig,
+                    values: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(objective, stats)`` of the critic on this rank's part of a minibatch; ``values`` [b, T]
+    is its forward when already done (the experience pass's, ``Experience.first_values``)."""
+    if values is None:
+        values, _ = critic_forward(critic, part.batch)
     vf_loss = ppo.value_loss(values, part.old_values, part.returns, part.batch.mask, cfg.value_clip)
     return mb.token_share * cfg.vf_coef * vf_loss, {"value/loss": vf_loss.detach()}
 
@@ -142,18 +158,20 @@ def ppo_update(
     first: dict[str, torch.Tensor] = {}
     asynchronous = exp.prox_logprobs is not None
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
-    for mb in minibatches:
+    for i, mb in enumerate(minibatches):
         part = exp.rows(mb.rows)
+        # The first minibatch's value forward is the experience pass's (kept graph): its backward
+        # goes first, which frees that graph before the policy's forward.
+        kept = exp.first_values if i == 0 else None
+        value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
         objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature)
         if not first and not asynchronous:
             first = {"mean": ppo.masked_mean(gap, part.batch.mask) * mb.token_share, "max": gap.max()}
             if guard is not None:
                 guard.check(gap, part.generator_ids, collective)
         steps.policy_backward(objective)
-        objective, value_stats = value_objective(critic, part, mb, cfg)
-        steps.critic_backward(objective)
+        stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
         steps.step()
-        stats |= value_stats
         for key, value in stats.items():
             weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share
     keys = list(weighted)
@@ -166,6 +184,13 @@ def ppo_update(
     out["logprob_mismatch/mean"] = float(summed[-1] / collective.world_size)
     out["logprob_mismatch/max"] = float(collective.max(first["max"].double().clone()))
     return out
+
+
+def _critic_backward(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, steps: Steps,
+                     values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    objective, stats = value_objective(critic, part, mb, cfg, values)
+    steps.critic_backward(objective)
+    return stats
 
 
 def same_version_mismatch(exp: Experience, collective: Collective, guard: MismatchGuard | None) -> dict[str, float]:
