@@ -126,18 +126,25 @@ def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
                     sum(len(r) for r in rollout.response_ids))
     flops = learn_flops(policy, critic, seq, cfg.ppo.epochs, proximal=cfg.rollout.max_staleness > 0)
     lr = cfg.learner
-    threads, before = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank), torch.get_num_threads()
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    a = torch.randn(sum(seq.lengths) // cfg.ppo.minibatches, policy.hidden).to(dtype)
-    b = torch.randn(policy.hidden, policy.intermediate).to(dtype)
+    threads = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)
+    shape = [sum(seq.lengths) // cfg.ppo.minibatches, policy.hidden, policy.intermediate]
+    return {"learn_gflop": flops / 1e9, "matmul_gflop_per_s": matmul_gflop_per_s(*shape, cfg.model.dtype, threads),
+            "matmul_shape": shape, "matmul_threads": threads}
+
+
+def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats: int = 15) -> float:
+    """GFLOP/s of an ``[m, k] x [k, n]`` matmul on ``threads`` torch threads: the median of
+    ``repeats`` timed calls after a warm-up (a minimum would catch the CPU's best moment)."""
+    before = torch.get_num_threads()
+    a = torch.randn(m, k).to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    b = torch.randn(k, n).to(a.dtype)
     torch.set_num_threads(threads)
     try:
-        a @ b  # warm-up
-        seconds = min(_timed(torch.mm, a, b)[0] for _ in range(5))
+        a @ b
+        seconds = statistics.median(_timed(torch.mm, a, b)[0] for _ in range(repeats))
     finally:
         torch.set_num_threads(before)
-    return {"learn_gflop": flops / 1e9, "matmul_gflop_per_s": 2 * a.shape[0] * a.shape[1] * b.shape[1] / seconds / 1e9,
-            "matmul_shape": [a.shape[0], a.shape[1], b.shape[1]], "matmul_threads": threads}
+    return 2 * m * k * n / seconds / 1e9
 
 
 def plan_estimate(cfg: Config, rollout) -> dict[str, int]:

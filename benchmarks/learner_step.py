@@ -1,0 +1,107 @@
+"""The learner stage alone: one PPO update of a workload's shape, timed part by part.
+
+    python benchmarks/learner_step.py --workload small [section.field=value ...]
+
+One learner rank in this process (DeepSpeed, the workload's dtype and ZeRO stage, ``--threads``
+torch threads), on a rollout
+of the workload's shape with random tokens (prompts of 4-11 tokens, responses of the full
+``rollout.max_new_tokens``). A first update warms up; the second is measured: its time, split
+into the experience pass (critic values, GAE), the policy's and the critic's forward and backward
+passes and the optimiser steps; its useful GFLOP/s (``rayppo.flops``) against a matmul of the size
+the learner runs most, on the same threads (``learn_efficiency``); and the process's peak RSS.
+Prints one JSON line. Use it to measure a change to the learner before the whole ``rayppo bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import _timed, load_workloads, matmul_gflop_per_s, prepare_models, workload_config  # noqa: E402
+
+from rayppo.data.rollout import Rollout  # noqa: E402
+from rayppo.flops import Sequences, learn_flops  # noqa: E402
+from rayppo.footprint import read_shape  # noqa: E402
+
+
+def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0) -> Rollout:
+    """``batch_size`` rows of random prompt (4-11 tokens) and response tokens; log-probs set."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(batch_size)]
+    responses = [torch.randint(3, vocab, (response_tokens,), generator=g).tolist() for _ in range(batch_size)]
+    logprobs = [[-9.0] * response_tokens for _ in range(batch_size)]
+    n = batch_size
+    return Rollout(prompts, responses, logprobs, ["length"] * n, [""] * n, [""] * n, [0] * n, [0] * n,
+                   [row[:] for row in logprobs], torch.rand(n, generator=g).tolist())
+
+
+def _timing_hooks(parts: dict[str, float]) -> None:
+    """Accumulate the seconds of each part of ``LearnerEngine.train`` into ``parts``."""
+    import rayppo.learner.engine as engine
+    import rayppo.learner.update as update
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[name] += time.perf_counter() - start
+        return wrapper
+
+    update.policy_objective = timed("policy forward", update.policy_objective)
+    update.value_objective = timed("critic forward", update.value_objective)
+    engine.make_experience = timed("experience pass", engine.make_experience)
+    steps = engine.LearnerEngine._steps
+    engine.LearnerEngine._steps = lambda self: update.Steps(
+        *(timed(name, fn) for name, fn in zip(("policy backward", "critic backward", "optimiser steps"),
+                                              vars(steps(self)).values())))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="small")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("overrides", nargs="*", help="section.field=value config overrides")
+    args = parser.parse_args()
+    from rayppo.learner.group import LearnerGroup
+
+    w = load_workloads()[args.workload]
+    policy, reward_model = prepare_models(w)
+    cfg = workload_config(w, policy, reward_model, ["learner.num_ranks=1"] + args.overrides)
+    cfg.checks.max_logprob_mismatch = float("inf")  # random tokens: only the time counts
+    torch.set_num_threads(args.threads)
+    shape = read_shape(policy)
+    rollout = random_rollout(cfg.rollout.batch_size, cfg.rollout.max_new_tokens, shape.vocab)
+    parts: dict[str, float] = collections.defaultdict(float)
+    _timing_hooks(parts)
+    learner = LearnerGroup(cfg, placement=None)
+    learner.train(rollout, cfg.ppo.kl_coef, 0)
+    parts.clear()
+    rollout.policy_version = [1] * len(rollout)
+    seconds, _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
+    seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
+                    sum(len(r) for r in rollout.response_ids))
+    flops = learn_flops(shape, read_shape(cfg.model.critic or policy), seq, cfg.ppo.epochs)
+    matmul = matmul_gflop_per_s(sum(seq.lengths) // cfg.ppo.minibatches, shape.hidden, shape.intermediate,
+                                cfg.model.dtype, args.threads)
+    print(json.dumps({"workload": w.name, "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
+                      "parts_s": {k: round(v, 2) for k, v in parts.items()}, "learn_gflop": round(flops / 1e9),
+                      "learn_gflop_per_s": round(flops / seconds / 1e9, 1), "matmul_gflop_per_s": round(matmul, 1),
+                      "learn_efficiency": round(flops / seconds / 1e9 / matmul, 3),
+                      "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+
+
+if __name__ == "__main__":
+    main()
