@@ -124,7 +124,7 @@ def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
     critic = read_shape(cfg.model.critic or cfg.model.policy)
     seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
                     sum(len(r) for r in rollout.response_ids))
-    flops = learn_flops(policy, critic, seq, cfg.ppo.epochs, proximal=cfg.rollout.max_staleness > 0)
+    flops = learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=cfg.rollout.max_staleness > 0)
     lr = cfg.learner
     threads = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)
     shape = [sum(seq.lengths) // cfg.ppo.minibatches, policy.hidden, policy.intermediate]

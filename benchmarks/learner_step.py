@@ -93,7 +93,7 @@ def main() -> None:
     seconds, _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
     seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
                     sum(len(r) for r in rollout.response_ids))
-    flops = learn_flops(shape, read_shape(cfg.model.critic or policy), seq, cfg.ppo.epochs)
+    flops = learn_flops(shape, read_shape(cfg.model.critic or policy), seq, cfg.ppo.epochs, cfg.ppo.minibatches)
     matmul = matmul_gflop_per_s(sum(seq.lengths) // cfg.ppo.minibatches, shape.hidden, shape.intermediate,
                                 cfg.model.dtype, args.threads)
     print(json.dumps({"workload": w.name, "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),

@@ -268,9 +268,10 @@ def _finish(on_gpu: bool, base: dict[str, float], gpu_resident: dict[str, float]
 
 
 def head_bytes(tokens: int, vocab: int) -> float:
-    """The vocabulary projection's transient memory for ``tokens`` response tokens: three fp32
-    tensors of one chunk (logits, probabilities, their gradient; ``vocab_head``)."""
-    return 3 * min(tokens, max(1, LOGIT_CHUNK_ELEMENTS // vocab)) * vocab * 4
+    """The vocabulary projection's transient memory for ``tokens`` response tokens: five fp32
+    tensors of one chunk at the most (``vocab_head``'s backward: logits, probabilities turned
+    into their gradient in place, and the entropy term's temporaries)."""
+    return 5 * min(tokens, max(1, LOGIT_CHUNK_ELEMENTS // vocab)) * vocab * 4
 
 
 def _heap(nbytes: float, on_gpu: bool) -> float:
@@ -343,7 +344,7 @@ def reference_estimate(cfg: Config, m: Inputs) -> Estimate:
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
     logits = head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab)
     layer = _heap(rows * length * layer_elements(s) * p, gpu)
-    forward = {"logits chunk x3": logits} if logits >= layer else {"one layer's activations": layer}
+    forward = {"logits chunk x5": logits} if logits >= layer else {"one layer's activations": layer}
     runtime = {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}
     return _finish(gpu, runtime, {"weights": param_count(s) * p}, forward, {})
 

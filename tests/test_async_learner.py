@@ -413,3 +413,20 @@ def test_a_rank_without_first_minibatch_rows_still_runs_one_placeholder_row():
     assert first_local_rows(plan, 0, 2).tolist() == [0, 1]
     assert first_local_rows(plan, 2, 2).tolist() == [0]
     assert local_minibatches(plan, 2, torch.ones(2, 3), LocalCollective())[0].rows.tolist() == [0]
+
+
+def test_every_rank_runs_both_value_passes_even_when_all_its_rows_are_first(models, tokenizer):
+    """Under ZeRO-3 a forward is a collective: a rank whose rows are all in the first minibatch
+    still runs the other pass (a placeholder row, discarded), and its values are the one pass's."""
+    cfg = PPOConfig(epochs=1, minibatches=1)
+    rollout = _rollout(tokenizer, versions=[0] * 4)
+    _set_logprobs(rollout, torch.zeros(4, max(LENGTHS)))
+    critic = _copies(models)[1]
+    calls = _forward_counter(critic)
+    everything = torch.tensor([2, 0, 3, 1])
+    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=everything)
+    assert calls[0] == 2
+    with torch.no_grad():
+        values, _ = critic_forward(critic, exp.batch.rows(everything))
+    torch.testing.assert_close(exp.first_values.detach(), values)
+    torch.testing.assert_close(exp.old_values[everything], values)

@@ -31,16 +31,20 @@ def test_backbone_flops_match_torchs_counter(tmp_path):
 
 def test_learn_flops_count_the_head_on_response_tokens_only(tmp_path):
     """The vocabulary projection is counted for response tokens only; an epoch adds one policy
-    and one critic forward + backward; pi_prox (asynchronous mode) adds one policy forward."""
+    and one critic forward + backward; pi_prox (asynchronous mode) adds one policy forward; the
+    first minibatch's value forward (the experience pass's) counts once."""
     config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     s = read_shape(tmp_path)
     with_responses, no_responses = Sequences([20, 20], 8), Sequences([20, 20], 0)
     head = 2 * s.hidden * s.vocab * 8
-    assert learn_flops(s, s, with_responses, 1) - learn_flops(s, s, no_responses, 1) == 3 * head
+    assert learn_flops(s, s, with_responses, 1, 4) - learn_flops(s, s, no_responses, 1, 4) == 3 * head
     backbone, value_head = backbone_forward_flops(s, with_responses), 2 * s.hidden * 40
-    assert learn_flops(s, s, with_responses, 1) == (backbone + value_head) + 3 * (backbone + head + backbone + value_head)
-    assert learn_flops(s, s, with_responses, 2) - learn_flops(s, s, with_responses, 1) == \
+    critic = backbone + value_head
+    assert learn_flops(s, s, with_responses, 1, 4) == critic + 3 * (backbone + head + critic) - critic / 4
+    assert learn_flops(s, s, with_responses, 2, 4) - learn_flops(s, s, with_responses, 1, 4) == \
         3 * (2 * backbone + head + value_head)
-    assert learn_flops(s, s, with_responses, 1, proximal=True) - learn_flops(s, s, with_responses, 1) == backbone + head
+    assert learn_flops(s, s, with_responses, 1, 2) - learn_flops(s, s, with_responses, 1, 4) == -critic / 4
+    assert learn_flops(s, s, with_responses, 1, 4, proximal=True) - learn_flops(s, s, with_responses, 1, 4) == \
+        backbone + head

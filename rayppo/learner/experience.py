@@ -213,11 +213,13 @@ def _critic_values(critic: torch.nn.Module, batch: PackedBatch, first_rows: torc
         return values, last_values, None
     rest = torch.ones(batch.mask.shape[0], dtype=torch.bool, device=batch.mask.device)
     rest[first_rows] = False
-    others = critic_forward(critic, batch.rows(rest)) if rest.any() else None
+    # Two passes on every rank (under ZeRO-3 a forward is a collective): a rank whose rows are all
+    # in the first minibatch runs a placeholder row and discards it.
+    others = critic_forward(critic, batch.rows(rest if rest.any() else slice(0, 1)))
     with torch.enable_grad():
         first_values, first_last = critic_forward(critic, batch.rows(first_rows))
     values, last_values = first_values.new_zeros(batch.mask.shape), first_last.new_zeros(batch.mask.shape[0])
-    if others is not None:
+    if rest.any():
         values[rest], last_values[rest] = others
     values[first_rows], last_values[first_rows] = first_values.detach(), first_last.detach()
     return values, last_values, first_values

@@ -105,8 +105,8 @@ def policy_forward(
     The model runs without its vocabulary projection; ``vocab_head.token_logprobs`` projects only
     the valid response positions, a chunk of tokens at a time, so no ``[B, T, V]`` tensor exists.
     ``model`` may be a transformers causal LM, or one wrapped by PEFT or DeepSpeed (whose forward
-    is still the one called, so its hooks run). Models whose logits are more than ``h W^T``
-    (soft-capping, scaling) take the full-logits path.
+    is still the one called, so its hooks run). Model types not known to compute their logits as
+    exactly ``h W^T`` (``PLAIN_HEAD_MODELS``) take the full-logits path.
     """
     lm = _causal_lm(model)
     head = lm.get_output_embeddings()
@@ -130,9 +130,11 @@ def policy_forward(
 _NO_POSITIONS = torch.zeros(0, dtype=torch.long)
 """``logits_to_keep`` that keeps no position: the causal LM's own projection does no work."""
 
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-"""Config fields of transformers models whose logits are not just ``h W^T`` (Gemma 2/3, Cohere,
-Granite, ...): for those the model computes its own logits."""
+PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                               "gemma", "olmo2"})
+"""transformers model types whose logits are exactly ``lm_head(h)`` (read in transformers 5.19's
+``modeling_<type>.py``): these take the chunked path. Others (soft-capping in Gemma 2/3, scaling
+in Cohere/Granite/Falcon-H1, trimmed or masked vocabularies, ...) compute their own logits."""
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -143,7 +145,7 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def _plain_logits(lm: torch.nn.Module) -> bool:
     config = getattr(lm, "config", None)
-    return all(getattr(config, name, None) in (None, 1.0) for name in _LOGIT_TRANSFORMS) and \
+    return getattr(config, "model_type", None) in PLAIN_HEAD_MODELS and \
         "logits_to_keep" in inspect.signature(lm.forward).parameters
 
 

@@ -21,9 +21,10 @@ The same idea as Liger-Kernel's fused linear cross-entropy (a Triton kernel, so 
 one is plain torch and runs on both stacks.
 
 Two paths, the same numbers: ``_FusedLinearLogSoftmax`` when the head's weight is a plain tensor
-(torch, ZeRO-0/1/2); per-chunk activation checkpointing through the head *module* when it is not
-(ZeRO-3 gathers a partitioned weight in the module's forward hooks, LoRA on the head adds its
-own terms), which still never holds more than one chunk's logits.
+(torch, ZeRO-0/1/2); activation checkpointing through the head *module* when it is not (LoRA on
+the head adds its own terms, per chunk; under ZeRO-3 the module's hooks gather the partitioned
+weight, a collective, so there the head is called once per pass on every rank: the pass's
+response-token logits exist for that call only and are never kept for backward).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _logits_grad(p: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, shift:
     ``shift`` [n] is H - lse. Overwrites ``p``."""
     if grad_entropy is None:  # ([v = y] - p) g
         dz = p.mul_(-grad_logprobs)
-    else:  # -p (z - lse + H) g_H, plus the same term for the log-prob
+    else:  # -p (z - lse + H) g_H - p g  (the [v = y] g part is added below)
         dz = p.mul_(-(z + shift.unsqueeze(1)) * grad_entropy - (0 if grad_logprobs is None else grad_logprobs))
     if grad_logprobs is not None:
         dz.scatter_add_(1, targets.unsqueeze(1), grad_logprobs)
@@ -179,15 +180,21 @@ def token_logprobs(
         logprobs, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, targets, temperature, chunk, with_entropy,
                                                          entropy_grad)
         return logprobs, entropy if with_entropy else None
+    n = hidden.shape[0]
+    if any(hasattr(p, "ds_id") for p in head.parameters()):
+        # ZeRO-3: every call of the head gathers its weight, a collective, so every rank must make
+        # the same calls whatever its token count: one per pass (its logits are transient, never
+        # kept for backward, which recomputes them in one call too).
+        chunk = max(n, 1)
     parts = []
-    for s in range(0, hidden.shape[0], chunk):
+    for s in range(0, max(n, 1), chunk):  # at least one call, so that an empty pass still joins
         args = (head, hidden[s:s + chunk], targets[s:s + chunk], temperature, with_entropy)
         if torch.is_grad_enabled() and hidden.requires_grad:
             parts.append(torch.utils.checkpoint.checkpoint(_checkpointed_chunk, *args, use_reentrant=False))
         else:
             parts.append(_checkpointed_chunk(*args))
-    logprobs = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0, dtype=_stats_dtype(hidden.dtype))
+    logprobs = torch.cat([p[0] for p in parts])
     if not with_entropy:
         return logprobs, None
-    entropy = torch.cat([p[1] for p in parts]) if parts else logprobs.new_zeros(0)
+    entropy = torch.cat([p[1] for p in parts])
     return logprobs, entropy if entropy_grad else entropy.detach()
