@@ -183,25 +183,45 @@ def test_footprint_knows_the_chunk_size():
     assert LOGIT_CHUNK_ELEMENTS == vocab_head.CHUNK_ELEMENTS
 
 
-def test_zero3_engine_takes_the_module_path_with_the_same_numbers(embedded_dir, tokenizer, small_chunks):
-    """Under ZeRO-3 the head's weight is a partition: the chunks go through the head module
-    (DeepSpeed gathers it in its hooks). A real in-process DeepSpeed ZeRO-3 engine: the same
-    log-probs as its own full-logits forward, and a backward through it that reaches the head."""
-    from deepspeed.utils import safe_get_full_grad
+ZERO3_CHILD = """
+import json, sys
+import torch
+from deepspeed.utils import safe_get_full_grad
+from rayppo.config import load_config
+from rayppo.learner.group import LearnerGroup
+from rayppo.models.sequences import _full_logits_forward, pack, policy_forward
+from rayppo.models.vocab_head import plain_weight
 
-    from rayppo.config import load_config
-    from rayppo.learner.group import LearnerGroup
+batch = pack(*json.loads(sys.argv[1]), int(sys.argv[2]))
+learner = LearnerGroup(load_config(None, ["learner.num_ranks=1", "learner.zero_stage=3"]), placement=None)
+engine = learner.ranks.actors[0].policy
+lm_head = engine.module.get_output_embeddings()
+logprobs, _ = policy_forward(engine, batch, 0.7)
+with torch.no_grad():
+    full, _ = _full_logits_forward(engine, batch, 0.7, False, True)
+engine.backward(-(logprobs * batch.mask).sum())
+print(json.dumps({"plain": plain_weight(lm_head) is not None, "gap": (logprobs.detach() - full).abs().max().item(),
+                  "head_grad": safe_get_full_grad(lm_head.weight).abs().sum().item()}))
+"""
 
-    learner = LearnerGroup(load_config(None, ["learner.num_ranks=1", "learner.zero_stage=3"]), placement=None)
-    engine = learner.ranks.actors[0].policy
-    lm_head = engine.module.get_output_embeddings()
-    assert plain_weight(lm_head) is None
-    small_chunks(engine.module.config.vocab_size)
-    batch = _ragged(tokenizer, engine.module.config.vocab_size)
-    logprobs, _ = policy_forward(engine, batch, 0.7)
-    with torch.no_grad():
-        full, _ = _full_logits_forward(engine, batch, 0.7, False, True)
+
+def test_zero3_engine_takes_the_module_path_with_the_same_numbers(embedded_dir, tokenizer):
+    """Under ZeRO-3 the head's weight is a partition: the pass goes through the head module
+    (DeepSpeed gathers it in its hooks). A real DeepSpeed ZeRO-3 engine: the same log-probs as
+    its own full-logits forward, and a backward through it that reaches the head. In a fresh
+    process: DeepSpeed keeps torch.distributed groups per process, which an earlier in-process
+    engine of the test session (vLLM's, DeepSpeed's) may have torn down."""
+    import json
+    import subprocess
+    import sys
+
+    batch = _ragged(tokenizer, len(tokenizer))
+    rows = [[row[m.bool()].tolist() for row, m in zip(ids, mask)] for ids, mask in
+            ((batch.input_ids[:, :batch.prompt_width], batch.attention_mask[:, :batch.prompt_width]),
+             (batch.response_ids, batch.mask))]
+    out = subprocess.run([sys.executable, "-c", ZERO3_CHILD, json.dumps(rows), str(tokenizer.pad_token_id)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
     lp_bound, _ = _bounds(load_causal_lm(embedded_dir).eval(), batch, 0.7)
-    assert (logprobs.detach() - full).abs().max().item() <= lp_bound
-    engine.backward(-(logprobs * batch.mask).sum())
-    assert safe_get_full_grad(lm_head.weight).abs().sum() > 0
+    assert not result["plain"] and result["gap"] <= lp_bound and result["head_grad"] > 0
