@@ -293,7 +293,10 @@ class PipelinedTrainer(DistributedTrainer):
         if version != published.version:
             raise RuntimeError(f"generator {g} reports policy version {version} after loading {published.version}")
         if published.prints is not None:
-            held = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.weight_fingerprints, ())
+            # A generator replaced during this call takes the published weights first (``_refresh``):
+            # a fresh engine has loaded nothing, so it would fingerprint nothing.
+            held = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.weight_fingerprints, (),
+                                            refresh=self._refresh)
             if held is None:  # tensor-parallel vLLM cannot be fingerprinted yet: sync/verified = NaN
                 self._unverified = True
             else:
