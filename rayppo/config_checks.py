@@ -185,6 +185,17 @@ def _validate_weight_sync(cfg: Config) -> None:
                  "cannot join two processes sharing one GPU; use object_store, or ipc when colocated)", mode)
 
 
+def _check_cores(cfg: Config, name: str, cores: list[int] | None) -> None:
+    """``<role>.cores``: a non-empty list of distinct core numbers, for the distributed system's actors."""
+    if cores is None:
+        return
+    _require(len(cores) > 0 and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cores),
+             name, "must be a non-empty list of CPU core numbers (>= 0), e.g. [0, 1], or null", cores)
+    _require(len(set(cores)) == len(cores), name, "lists a core twice", cores)
+    _require(cfg.trainer == "distributed", name, "pins the distributed system's actors; trainer=reference runs "
+             "in this process (use taskset), unset it", cores)
+
+
 def _validate_system(cfg: Config) -> Config:
     """Cross-field checks of the distributed system's sections."""
     r = cfg.rollout
@@ -207,9 +218,9 @@ def _validate_system(cfg: Config) -> Config:
     _validate_weight_sync(cfg)
     _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
-    for name, threads in (("generators", g.threads), ("reference", cfg.reference.threads),
-                          ("reward", cfg.reward.threads), ("learner", lr_.threads)):
-        _require(threads is None or threads >= 1, f"{name}.threads", "must be >= 1 or null", threads)
+    for name, role in (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
+        _require(role.threads is None or role.threads >= 1, f"{name}.threads", "must be >= 1 or null", role.threads)
+        _check_cores(cfg, f"{name}.cores", role.cores)
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
     _require(cfg.cluster.max_actor_restarts >= 0, "cluster.max_actor_restarts", "must be >= 0",
              cfg.cluster.max_actor_restarts)

@@ -19,6 +19,9 @@ from rayppo.errors import RayppoError
 
 LOG_FILE_ENV = "RAYPPO_LOG_FILE"
 """Set in an actor's environment by the driver: the file its stdout and stderr go to."""
+CORES_ENV = "RAYPPO_CPU_CORES"
+"""Set in an actor's environment by the driver from ``<role>.cores``: ``"0,1"``, the CPU cores
+its process is pinned to."""
 
 if os.environ.get(LOG_FILE_ENV):
     # First thing in the actor's process (this module is imported before any engine is built):
@@ -81,6 +84,25 @@ def _ray_gpu_ids() -> list[str]:
     return [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
 
 
+def pin_to_cores(cores: list[int], field: str) -> None:
+    """Pin every thread of this process to ``cores`` (Linux); threads and processes it starts
+    later (OpenMP pools, vLLM's engine core) inherit the mask.
+
+    Every thread, not only the caller: ``sched_setaffinity(0, ...)`` sets the calling thread's
+    mask alone, and Ray's and torch's threads already exist when an engine is built."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise RayppoError(f"{field}: pinning to CPU cores needs Linux (sched_setaffinity); unset it")
+    allowed = os.sched_getaffinity(0)
+    if not set(cores) <= allowed:
+        raise RayppoError(f"{field}: core(s) {sorted(set(cores) - allowed)} are not available to this process on "
+                          f"this node (it may use {sorted(allowed)})")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended since the listing
+            pass
+
+
 class Engine:
     """Base of the role engines (generator, reference, reward, learner rank)."""
 
@@ -88,7 +110,8 @@ class Engine:
     """Where this engine's model and batches live (``init_device``)."""
 
     def init_device(self, gpus: float, role: str, make_current: bool = True) -> torch.device:
-        """Select this engine's device from the GPUs Ray gave it (``engine_device``).
+        """Select this engine's device from the GPUs Ray gave it (``engine_device``), and pin
+        its process to the CPU cores of ``<role>.cores`` where set (``pin_to_cores``).
 
         ``make_current=False`` is for engines whose library places its own workers (vLLM, whose
         workers take ``cuda:<local rank>`` of what they see): no device is made current here,
@@ -97,6 +120,8 @@ class Engine:
         if gpus and not make_current and _ray_does_not_mask() and _ray_gpu_ids():
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(_ray_gpu_ids())
             os.environ.pop("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+        if os.environ.get(CORES_ENV):
+            pin_to_cores([int(c) for c in os.environ[CORES_ENV].split(",")], f"{role}.cores")
         self.device = engine_device(gpus, role)
         if self.device.type == "cuda" and make_current:
             torch.cuda.set_device(self.device)

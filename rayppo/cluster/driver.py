@@ -21,7 +21,7 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import RayActorError
 
-from rayppo.actors.base import LOG_FILE_ENV, Engine
+from rayppo.actors.base import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
@@ -106,6 +106,8 @@ class DistributedTrainer:
             env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads[role]),
                    "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib))),
                    **({"RAYPPO_CACHE": m.cache_dir} if m.cache_dir else {}), **cfg.cluster.actor_env}
+            if getattr(cfg, role).cores:  # cfg.generators, .reference, .reward, .learner
+                env[CORES_ENV] = ",".join(map(str, getattr(cfg, role).cores))
             if role == "generators" and g.tensor_parallel_layout == "across_nodes":
                 # vLLM's ray executor: worker r in bundle r of the generator's own group.
                 env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, range(tensor_parallel_size(g))))
