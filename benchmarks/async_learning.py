@@ -1,13 +1,16 @@
 """Time to reward, synchronous vs asynchronous: the default task trained to ``stop.iterations``
 with ``rollout.max_staleness`` = 0, 1, 2 (V-trace targets, and plain GAE to show what V-trace buys).
 
-    python benchmarks/async_learning.py --out runs/async-learning [--iterations 40] [KEY=VALUE ...]
+    python benchmarks/async_learning.py --out runs/async-learning [--iterations 40] [--seeds 0 1 2]
+        [--only NAME ...] [KEY=VALUE ...]
 
 Each run is a whole ``rayppo train`` (real Ray, vLLM, DeepSpeed), one after another in this
-process, with one core for the generator and one for the learner (``generators.threads=1
-learner.threads=1 learner.num_ranks=1``), as roles on separate GPUs would have. Writes
-``DIR/async_learning.json`` (per run: seconds and iterations to reach the target reward, final
-reward) and ``DIR/async_learning.png`` (reward against wall-clock seconds); prints a table.
+process, with one core for the generator and one for the learner, as roles on separate GPUs
+would have: one thread each, the learner's rank pinned to the second core and the generator,
+reference and reward actors to the first (``<role>.cores``). Writes ``DIR/async_learning.json``
+(per run and seed: seconds and iterations to reach the target reward, final reward, the curve)
+and ``DIR/async_learning.png`` (reward against wall-clock seconds, first seed); prints a table
+with the mean over the seeds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ RUNS = {
 }
 DISAGGREGATED = ["generators.threads=1", "learner.threads=1", "learner.num_ranks=1", "learner.cpus_per_rank=1",
                  "generators.cpus_per_worker=1"]
+
+
+def pinned_cores() -> list[str]:
+    """The learner on this process's second core, the other roles on its first (none on one core)."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return []
+    return [f"learner.cores=[{cores[1]}]"] + [f"{role}.cores=[{cores[0]}]" for role in ("generators", "reference",
+                                                                                        "reward")]
 TARGET = 0.85
 """The reward the synchronous default reaches within 40 iterations (README, quick start)."""
 WINDOW = 3
@@ -47,20 +61,20 @@ def time_to_target(records: list[dict[str, float]], target: float = TARGET, wind
     return None, None
 
 
-def run_one(name: str, overrides: list[str], out: Path) -> dict[str, Any]:
+def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
     from rayppo.cluster.pipeline import distributed_trainer
     from rayppo.config import load_config
     from rayppo.metrics import read_metrics
     from rayppo.train import run
 
-    folder = out / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")  # "k=1, V-trace" -> k-1-v-trace
-    cfg = load_config(None, overrides + [f"output.dir={folder}", "output.overwrite=true", "output.save_model=false",
+    folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"  # k-1-v-trace-seed0
+    cfg = load_config(None, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true", "output.save_model=false",
                                          "output.checkpoint_every=0", "eval.every=0", "output.samples_every=0"])
-    print(f"{name}: {' '.join(overrides)}", file=sys.stderr)
+    print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
     run(cfg, distributed_trainer(cfg), progress=False)
     records = read_metrics(folder / "metrics.jsonl")
     seconds, iterations = time_to_target(records)
-    return {"name": name, "overrides": overrides, "seconds_to_target": seconds, "iterations_to_target": iterations,
+    return {"name": name, "seed": seed, "overrides": overrides, "seconds_to_target": seconds, "iterations_to_target": iterations,
             "total_seconds": sum(r["time/iteration"] for r in records),
             "final_reward": sum(r["reward/mean"] for r in records[-5:]) / len(records[-5:]),
             "staleness_mean": sum(r.get("async/staleness_mean", 0.0) for r in records) / len(records),
@@ -68,13 +82,15 @@ def run_one(name: str, overrides: list[str], out: Path) -> dict[str, Any]:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Reward against the iterations' wall clock, one line per run of the first seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
+    first = min(r["seed"] for r in results)
+    for r in (r for r in results if r["seed"] == first):
         elapsed, xs, ys = 0.0, [], []
         for _, seconds, reward in r["curve"]:
             elapsed += seconds
@@ -82,7 +98,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             ys.append(reward)
         ax.plot(xs, ys, label=r["name"], linestyle="-" if "GAE" not in r["name"] else "--")
     ax.axhline(TARGET, color="grey", linewidth=0.8)
-    ax.set(title="reward against wall-clock time (default task)", xlabel="seconds (iterations only)",
+    ax.set(title=f"reward against wall-clock time (default task, seed {first})", xlabel="seconds (iterations only)",
            ylabel="reward/mean")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -90,27 +106,47 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run name: each seed's seconds to the target (None: never), their mean over the seeds
+    that reached it, how many did, mean iterations to it and mean seconds per iteration."""
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in results):
+        runs = [r for r in results if r["name"] == name]
+        reached = [r for r in runs if r["seconds_to_target"] is not None]
+        mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+        rows.append({"name": name, "seconds": [r["seconds_to_target"] for r in runs], "reached": len(reached),
+                     "runs": len(runs), "mean_seconds": mean([r["seconds_to_target"] for r in reached]),
+                     "mean_iterations": mean([r["iterations_to_target"] for r in reached]),
+                     "seconds_per_iteration": mean([r["total_seconds"] / len(r["curve"]) for r in runs])})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/async-learning", help="output folder")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per run (stop.iterations)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; every run is repeated per seed")
     parser.add_argument("--only", nargs="*", default=None, help="run only these names of RUNS")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, run_overrides in RUNS.items():
-        if args.only is None or name in args.only:
-            results.append(run_one(name, DISAGGREGATED + [f"stop.iterations={args.iterations}"] + args.overrides
-                                   + run_overrides, out))
-            (out / "async_learning.json").write_text(json.dumps(results, indent=1))
+    for seed in args.seeds:  # seeds outermost: a slow spell of the machine hits every run alike
+        for name, run_overrides in RUNS.items():
+            if args.only is None or name in args.only:
+                results.append(run_one(name, DISAGGREGATED + pinned_cores() + [f"stop.iterations={args.iterations}"]
+                                       + args.overrides + run_overrides, out, seed))
+                (out / "async_learning.json").write_text(json.dumps(
+                    {"summary": summary(results), "runs": results}, indent=1))
     plot(results, out / "async_learning.png")
-    print(f"\n{'run':<16}{'s to ' + str(TARGET):>10}{'its':>6}{'total s':>10}{'final':>8}{'staleness':>11}")
-    for r in results:
-        s = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "never"
-        print(f"{r['name']:<16}{s:>10}{r['iterations_to_target'] or '-':>6}{r['total_seconds']:>10.1f}"
-              f"{r['final_reward']:>8.3f}{r['staleness_mean']:>11.2f}")
+    print(f"\n{'run':<16}{'reached':>9}{'mean s to ' + str(TARGET):>16}{'its':>7}{'s / it':>8}  seconds per seed")
+    for row in summary(results):
+        s = f"{row['mean_seconds']:.1f}" if row["mean_seconds"] is not None else "never"
+        its = f"{row['mean_iterations']:.1f}" if row["mean_iterations"] is not None else "-"
+        seeds = ", ".join("never" if x is None else f"{x:.1f}" for x in row["seconds"])
+        print(f"{row['name']:<16}{row['reached']:>5}/{row['runs']:<3}{s:>16}{its:>7}{row['seconds_per_iteration']:>8.3f}"
+              f"  {seeds}")
 
 
 if __name__ == "__main__":

@@ -345,6 +345,18 @@ def _mmm(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def _overlap_bound(col: dict[str, list[float]]) -> dict[str, Any]:
+    """What overlapping the stages (``rollout.max_staleness`` >= 1) can buy at best, from this
+    run's stage times, when every role has its own device: the iteration shrinks to its busiest
+    role's seconds. ``overlap_bound`` is that speed-up; ``idle_floor`` each role's idle share
+    then (a role faster than the busiest one waits for it however the work is scheduled)."""
+    busy = {s: statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")}
+    busiest = max(busy, key=busy.get)
+    return {"overlap_bound": statistics.median(col["time/iteration"]) / busy[busiest], "busiest_stage": busiest,
+            "idle_floor": {"generators": 1 - busy["generate"] / busy[busiest],
+                           "learners": 1 - busy["learn"] / busy[busiest]}}
+
+
 def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: dict[str, int],
               alone: dict[str, float] | None, trl: list[dict[str, float]] | None,
               estimate: dict[str, int] | None = None, arithmetic: dict[str, float] | None = None) -> dict[str, Any]:
@@ -372,6 +384,7 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         # Shares of the iteration each role waited (the asynchronous pipeline's goal: both small).
         "idle_share": {"generators": statistics.median(p["generator_idle_s"] / p["iteration_s"] for p in per_iteration),
                        "learners": statistics.median(p["learner_idle_s"] / p["iteration_s"] for p in per_iteration)},
+        **_overlap_bound(col),
         "weight_sync": weight_sync_backend(cfg) or "object_store",
         "sync_bytes": col["sync/bytes"][-1],
         "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
@@ -417,6 +430,9 @@ def print_table(s: dict[str, Any]) -> None:
     print(row("learners idle", s["idle_s"]["learners"]))
     print(f"  idle share           generators {100 * s['idle_share']['generators']:.0f}%, "
           f"learners {100 * s['idle_share']['learners']:.0f}% of the iteration")
+    print(f"  overlap bound        {s['overlap_bound']:.2f}x: every role on its own device, the iteration "
+          f"could shrink to its busiest stage ({s['busiest_stage']}); idle shares then at least generators "
+          f"{100 * s['idle_floor']['generators']:.0f}%, learners {100 * s['idle_floor']['learners']:.0f}%")
     print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}   per stage: "
           + ", ".join(f"{k} {v:,.0f}" for k, v in s["stage_tokens_per_s"].items()))
     print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "

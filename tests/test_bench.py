@@ -51,6 +51,10 @@ def test_summary_ratios(bench):
     assert s["idle_s"]["generators"]["max"] == pytest.approx(1.0)
     # Medians of idle / iteration: generators 0.5, 0.5, 0.53; learners 0.7, 0.7, 0.67.
     assert s["idle_share"] == pytest.approx({"generators": 0.5, "learners": 0.7})
+    # Overlapped, the iteration (median 1.5 s) shrinks at best to its busiest stage, generate
+    # (median 0.7 s); the learner (median 0.5 s) then still waits 2/7 of the time.
+    assert s["busiest_stage"] == "generate" and s["overlap_bound"] == pytest.approx(1.5 / 0.7)
+    assert s["idle_floor"] == pytest.approx({"generators": 0.0, "learners": 1 - 0.5 / 0.7})
 
 
 def test_sweep_points(bench):
@@ -181,12 +185,33 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
     assert (out / "stages.png").stat().st_size > 1000
 
 
-def test_time_to_reward_is_the_first_moving_mean_at_the_target():
-    path = BENCH.parent / "async_learning.py"
-    spec = importlib.util.spec_from_file_location("rayppo_async_learning_test", path)
+def _load_benchmark(name: str):
+    """A script of ``benchmarks/`` as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"rayppo_{name[:-3]}_test", BENCH.parent / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_time_to_reward_is_the_first_moving_mean_at_the_target():
+    module = _load_benchmark("async_learning.py")
     rewards = [0.3, 0.9, 0.9, 0.8, 0.9, 0.95]  # moving means of 3: -, -, 0.70, 0.867, 0.867, 0.883
     records = [{"iteration": i, "time/iteration": 2.0, "reward/mean": r} for i, r in enumerate(rewards)]
     assert module.time_to_target(records, target=0.85, window=3) == (8.0, 4)
     assert module.time_to_target(records, target=0.99, window=3) == (None, None)
+
+
+
+def test_time_to_reward_summary_averages_the_seeds_that_reached_it_and_counts_the_rest():
+    module = _load_benchmark("async_learning.py")
+    curve = [(i, 0.5, 0.9) for i in range(4)]  # four iterations of 0.5 s
+    runs = [{"name": "sync", "seed": 0, "seconds_to_target": 3.0, "iterations_to_target": 6, "total_seconds": 2.0,
+             "curve": curve},
+            {"name": "sync", "seed": 1, "seconds_to_target": None, "iterations_to_target": None, "total_seconds": 4.0,
+             "curve": curve},
+            {"name": "sync", "seed": 2, "seconds_to_target": 5.0, "iterations_to_target": 10, "total_seconds": 2.0,
+             "curve": curve}]
+    [row] = module.summary(runs)
+    assert row["seconds"] == [3.0, None, 5.0] and (row["reached"], row["runs"]) == (2, 3)
+    assert row["mean_seconds"] == 4.0 and row["mean_iterations"] == 8.0
+    assert row["seconds_per_iteration"] == (0.5 + 1.0 + 0.5) / 3
