@@ -9,8 +9,8 @@ process, with one core for the generator and one for the learner, as roles on se
 would have: one thread each, the learner's rank pinned to the second core and the generator,
 reference and reward actors to the first (``<role>.cores``). Writes ``DIR/async_learning.json``
 (per run and seed: seconds and iterations to reach the target reward, final reward, the curve)
-and ``DIR/async_learning.png`` (reward against wall-clock seconds, first seed); prints a table
-with the mean over the seeds.
+and ``DIR/async_learning.png`` (reward against wall-clock seconds, mean over the seeds); prints a
+table with the mean over the seeds.
 """
 
 from __future__ import annotations
@@ -81,25 +81,39 @@ def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, 
             "curve": [(r["iteration"], r["time/iteration"], r["reward/mean"]) for r in records]}
 
 
+def mean_curve(runs: list[dict[str, Any]]) -> tuple[list[float], list[float], list[float]]:
+    """``(seconds, reward, spread)`` per iteration over the seeds of one run: the mean of the
+    cumulative iteration seconds, the mean ``reward/mean`` and its standard deviation."""
+    import statistics
+
+    length = min(len(r["curve"]) for r in runs)
+    elapsed = [[0.0] for _ in runs]
+    for k, r in enumerate(runs):
+        for _, seconds, _ in r["curve"][:length]:
+            elapsed[k].append(elapsed[k][-1] + seconds)
+    xs = [statistics.fmean(e[i + 1] for e in elapsed) for i in range(length)]
+    rewards = [[r["curve"][i][2] for r in runs] for i in range(length)]
+    return xs, [statistics.fmean(v) for v in rewards], [statistics.pstdev(v) for v in rewards]
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Reward against the iterations' wall clock, one line per run of the first seed."""
+    """Reward against the iterations' wall clock, one line per run: the mean over the seeds,
+    shaded one standard deviation either side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    first = min(r["seed"] for r in results)
-    for r in (r for r in results if r["seed"] == first):
-        elapsed, xs, ys = 0.0, [], []
-        for _, seconds, reward in r["curve"]:
-            elapsed += seconds
-            xs.append(elapsed)
-            ys.append(reward)
-        ax.plot(xs, ys, label=r["name"], linestyle="-" if "GAE" not in r["name"] else "--")
+    seeds = sorted({r["seed"] for r in results})
+    for name in dict.fromkeys(r["name"] for r in results):
+        xs, ys, spread = mean_curve([r for r in results if r["name"] == name])
+        line, = ax.plot(xs, ys, label=name, linestyle="-" if "GAE" not in name else "--")
+        ax.fill_between(xs, [y - d for y, d in zip(ys, spread)], [y + d for y, d in zip(ys, spread)],
+                        color=line.get_color(), alpha=0.12, linewidth=0)
     ax.axhline(TARGET, color="grey", linewidth=0.8)
-    ax.set(title=f"reward against wall-clock time (default task, seed {first})", xlabel="seconds (iterations only)",
-           ylabel="reward/mean")
+    ax.set(title=f"reward against wall-clock time (default task, mean of {len(seeds)} seed(s))",
+           xlabel="seconds (iterations only)", ylabel="reward/mean")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -126,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/async-learning", help="output folder")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per run (stop.iterations)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; every run is repeated per seed")
-    parser.add_argument("--only", nargs="*", default=None, help="run only these names of RUNS")
+    parser.add_argument("--only", nargs="+", default=None, choices=list(RUNS), metavar="NAME",
+                        help=f"run only these runs (of: {'; '.join(RUNS)}); put KEY=VALUE overrides before it")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
     args = parser.parse_args(argv)
     out = Path(args.out)

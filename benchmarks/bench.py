@@ -125,11 +125,14 @@ def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
     seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
                     sum(len(r) for r in rollout.response_ids))
     flops = learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=cfg.rollout.max_staleness > 0)
+    # Asynchronous mode's learner also recomputes log pi_prox (one policy forward per row).
+    proximal_ratio = (learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=True)
+                      / learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=False))
     lr = cfg.learner
     threads = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)
     shape = [sum(seq.lengths) // cfg.ppo.minibatches, policy.hidden, policy.intermediate]
     return {"learn_gflop": flops / 1e9, "matmul_gflop_per_s": matmul_gflop_per_s(*shape, cfg.model.dtype, threads),
-            "matmul_shape": shape, "matmul_threads": threads}
+            "matmul_shape": shape, "matmul_threads": threads, "proximal_flops_ratio": proximal_ratio}
 
 
 def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats: int = 15) -> float:
@@ -345,12 +348,15 @@ def _mmm(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def _overlap_bound(col: dict[str, list[float]]) -> dict[str, Any]:
+def _overlap_bound(col: dict[str, list[float]], learn_factor: float = 1.0) -> dict[str, Any]:
     """What overlapping the stages (``rollout.max_staleness`` >= 1) can buy at best, from this
     run's stage times, when every role has its own device: the iteration shrinks to its busiest
     role's seconds. ``overlap_bound`` is that speed-up; ``idle_floor`` each role's idle share
-    then (a role faster than the busiest one waits for it however the work is scheduled)."""
+    then (a role faster than the busiest one waits for it however the work is scheduled).
+    ``learn_factor`` scales the learner's seconds: measured synchronously, by the pi_prox pass
+    that asynchronous mode adds (``proximal_flops_ratio``)."""
     busy = {s: statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")}
+    busy["learn"] *= learn_factor
     busiest = max(busy, key=busy.get)
     return {"overlap_bound": statistics.median(col["time/iteration"]) / busy[busiest], "busiest_stage": busiest,
             "idle_floor": {"generators": 1 - busy["generate"] / busy[busiest],
@@ -384,7 +390,8 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         # Shares of the iteration each role waited (the asynchronous pipeline's goal: both small).
         "idle_share": {"generators": statistics.median(p["generator_idle_s"] / p["iteration_s"] for p in per_iteration),
                        "learners": statistics.median(p["learner_idle_s"] / p["iteration_s"] for p in per_iteration)},
-        **_overlap_bound(col),
+        **_overlap_bound(col, (arithmetic or {}).get("proximal_flops_ratio", 1.0) if cfg.rollout.max_staleness == 0
+                         else 1.0),
         "weight_sync": weight_sync_backend(cfg) or "object_store",
         "sync_bytes": col["sync/bytes"][-1],
         "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
@@ -538,7 +545,7 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
         for p in points:  # side by side, one run: each point against the first
             p["speedup_vs_first"] = p["end_to_end_tokens_per_s"] / points[0]["end_to_end_tokens_per_s"]
         (out / "sweep.json").write_text("\n".join(json.dumps(p) for p in points) + "\n")
-        summary = {"workload": w.name, "points": points}
+        summary = {"workload": w.name, "overrides": overrides, "points": points}
         (out / "bench.json").write_text(json.dumps(summary, indent=1))
         plot_sweep(points, out / "sweep.png")
         print_sweep(points)

@@ -94,8 +94,8 @@ def read_driver_state(path: Path) -> dict[str, Any]:
 
 # Fields a resumed run may change: none of them changes the math of the iterations to come.
 RESUMABLE_SECTIONS = ("stop.", "output.", "cluster.")
-RESUMABLE_FIELDS = ("cpus", "cpus_per_worker", "cpus_per_rank", "threads", "resources", "gpus", "gpus_per_worker",
-                    "gpus_per_rank", "placement_timeout_s")
+RESUMABLE_FIELDS = ("cpus", "cpus_per_worker", "cpus_per_rank", "threads", "cores", "resources", "gpus",
+                    "gpus_per_worker", "gpus_per_rank", "placement_timeout_s")
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]):

@@ -186,14 +186,21 @@ class PPOConfig:
     on the decoupled policy loss (mu: the generator's policy that sampled the row, pi_prox: the
     learner's at the start of the update; the clip applies to pi_theta / pi_prox)."""
     value_targets: str = "vtrace"
-    """Asynchronous mode: ``vtrace`` computes value targets and advantages with per-token
-    truncated importance weights (rho_t = min(vtrace_rho_clip, pi_prox / mu), c_t = min(vtrace_c_clip,
+    """Asynchronous mode: ``vtrace`` computes the critic's targets with per-token truncated
+    importance weights (rho_t = min(vtrace_rho_clip, pi_prox / mu), c_t = min(vtrace_c_clip,
     pi_prox / mu)) so the critic estimates V of the current policy; ``gae``: plain GAE, which on
     stale rows estimates V of the behaviour policy. Identical when no row is stale."""
     vtrace_rho_clip: float = 1.0
     """rho-bar of ``value_targets=vtrace``: truncates the current token's weight in the value target."""
     vtrace_c_clip: float = 1.0
     """c-bar of ``value_targets=vtrace``: truncates the trace (how far later tokens' errors reach back)."""
+    offpolicy_advantages: str = "gae"
+    """Asynchronous mode with ``value_targets=vtrace``: the policy's advantages. ``gae``: GAE of
+    the V-trace-trained critic's TD errors along the sampled tokens (the loss's weight w_t
+    corrects the current token's sampling, later tokens are not reweighted); ``retrace``:
+    A_t = delta_t + gamma lam min(vtrace_c_clip, q_{t+1}) A_{t+1}, design.md's recursion.
+    ``gae`` reached the default task's reward in fewer iterations at k = 1 and 2 (README,
+    "Asynchronous training"): the traces cut the end-of-response reward's way back."""
 
 
 @dataclass

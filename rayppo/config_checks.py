@@ -81,6 +81,8 @@ def validate(cfg: Config) -> Config:
     _require(p.is_clip >= 1, "ppo.is_clip", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)",
              p.is_clip)
     _require(p.value_targets in ("gae", "vtrace"), "ppo.value_targets", "must be gae or vtrace", p.value_targets)
+    _require(p.offpolicy_advantages in ("gae", "retrace"), "ppo.offpolicy_advantages", "must be gae or retrace",
+             p.offpolicy_advantages)
     _require(p.vtrace_rho_clip > 0, "ppo.vtrace_rho_clip", "must be > 0", p.vtrace_rho_clip)
     _require(0 < p.vtrace_c_clip <= p.vtrace_rho_clip, "ppo.vtrace_c_clip",
              f"must be in (0, ppo.vtrace_rho_clip={p.vtrace_rho_clip:g}] (V-trace needs c-bar <= rho-bar)",

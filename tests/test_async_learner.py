@@ -203,11 +203,12 @@ def _stale_behaviour(prox: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
     return prox + shift
 
 
-@pytest.mark.parametrize("value_targets", ["vtrace", "gae"])
-def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, tokenizer, value_targets):
+@pytest.mark.parametrize("value_targets, advantages", [("vtrace", "gae"), ("vtrace", "retrace"), ("gae", "gae")])
+def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, tokenizer, value_targets, advantages):
     # One minibatch: the pi_prox pass is one forward over the batch, and the loss's weights are
     # those of every token at the start (w does not depend on theta).
-    cfg = PPOConfig(epochs=1, minibatches=1, whiten_advantages=False, value_targets=value_targets)
+    cfg = PPOConfig(epochs=1, minibatches=1, whiten_advantages=False, value_targets=value_targets,
+                    offpolicy_advantages=advantages)
     versions = [3, 2, 3, 1, 2, 3]
     rollout = _rollout(tokenizer, versions)
     prox = _learner_logprobs(models[0], rollout, tokenizer.pad_token_id, cfg.minibatches)
@@ -230,8 +231,11 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
                                            cfg.vtrace_rho_clip, cfg.vtrace_c_clip, bootstrap)
     gae = ppo.compute_gae(rewards, exp.old_values, mask, cfg.gamma, cfg.lam, bootstrap)
     expected, other = (vtrace, gae) if value_targets == "vtrace" else (gae, vtrace)
-    assert torch.equal(exp.advantages, expected[0]) and torch.equal(exp.returns, expected[1])
+    assert torch.equal(exp.returns, expected[1])
     assert not torch.allclose(exp.returns, other[1])  # ... and the two kinds of target really differ here
+    # V-trace's critic targets with GAE's or the Retrace-style advantages (which differ here too).
+    assert torch.equal(exp.advantages, vtrace[0] if (value_targets, advantages) == ("vtrace", "retrace") else gae[0])
+    assert not torch.allclose(vtrace[0], gae[0])
     # kl/ref_mean is pi_prox's k1 KL per response; two float64 roundings (x B, / B) in _global_means.
     kl_prox = ppo.masked_sum_per_row(exp.prox_logprobs - exp.ref_logprobs, mask).mean()
     assert stats["kl/ref_mean"] == pytest.approx(float(kl_prox), rel=2 * 2**-53, abs=0)

@@ -55,6 +55,11 @@ def test_summary_ratios(bench):
     # (median 0.7 s); the learner (median 0.5 s) then still waits 2/7 of the time.
     assert s["busiest_stage"] == "generate" and s["overlap_bound"] == pytest.approx(1.5 / 0.7)
     assert s["idle_floor"] == pytest.approx({"generators": 0.0, "learners": 1 - 0.5 / 0.7})
+    # Measured synchronously, the bound counts the pi_prox pass asynchronous mode adds to the learner.
+    s = bench.summarize("tiny", cfg, records, {"learner": 1}, None, None,
+                        arithmetic=arithmetic | {"proximal_flops_ratio": 1.6})
+    assert s["busiest_stage"] == "learn" and s["overlap_bound"] == pytest.approx(1.5 / 0.8)
+    assert s["idle_floor"] == pytest.approx({"generators": 1 - 0.7 / 0.8, "learners": 0.0})
 
 
 def test_sweep_points(bench):
@@ -215,3 +220,12 @@ def test_time_to_reward_summary_averages_the_seeds_that_reached_it_and_counts_th
     assert row["seconds"] == [3.0, None, 5.0] and (row["reached"], row["runs"]) == (2, 3)
     assert row["mean_seconds"] == 4.0 and row["mean_iterations"] == 8.0
     assert row["seconds_per_iteration"] == (0.5 + 1.0 + 0.5) / 3
+
+
+
+def test_mean_curve_averages_the_seeds_per_iteration_up_to_the_shortest_run():
+    module = _load_benchmark("async_learning.py")
+    runs = [{"curve": [(0, 1.0, 0.2), (1, 1.0, 0.4)]}, {"curve": [(0, 3.0, 0.4), (1, 1.0, 0.8), (2, 1.0, 0.9)]}]
+    xs, ys, spread = module.mean_curve(runs)
+    assert xs == [2.0, 3.0]  # cumulative seconds (1, 2) and (3, 4), averaged
+    assert ys == pytest.approx([0.3, 0.6]) and spread == pytest.approx([0.1, 0.2])

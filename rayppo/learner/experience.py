@@ -192,13 +192,16 @@ def _targets(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig,
     log_ratio: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` [B, T]: GAE, or the V-trace / Retrace-style targets of
-    ``ppo.compute_offpolicy_targets`` when ``log_ratio`` = log pi_prox - log mu is given
-    (asynchronous mode) and ``cfg.value_targets`` is ``vtrace``."""
+    """``(advantages, returns)`` [B, T]: GAE; or, when ``log_ratio`` = log pi_prox - log mu is
+    given (asynchronous mode) and ``cfg.value_targets`` is ``vtrace``, the V-trace returns of
+    ``ppo.compute_offpolicy_targets`` with its Retrace-style advantages
+    (``offpolicy_advantages=retrace``) or GAE's (``gae``, over the same values)."""
+    gae = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     if log_ratio is None or cfg.value_targets == "gae":
-        return ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
-    return ppo.compute_offpolicy_targets(rewards, values, mask, log_ratio, cfg.gamma, cfg.lam, cfg.vtrace_rho_clip,
-                                         cfg.vtrace_c_clip, bootstrap)
+        return gae
+    advantages, returns = ppo.compute_offpolicy_targets(rewards, values, mask, log_ratio, cfg.gamma, cfg.lam,
+                                                        cfg.vtrace_rho_clip, cfg.vtrace_c_clip, bootstrap)
+    return (gae[0] if cfg.offpolicy_advantages == "gae" else advantages), returns
 
 
 def _critic_values(critic: torch.nn.Module, batch: PackedBatch, first_rows: torch.Tensor | None
