@@ -1,5 +1,6 @@
 """Time to reward, synchronous vs asynchronous: the default task trained to ``stop.iterations``
-with ``rollout.max_staleness`` = 0, 1, 2 (V-trace targets, and plain GAE to show what V-trace buys).
+with ``rollout.max_staleness`` = 0, 1, 2 (V-trace targets; plain GAE to show what V-trace buys;
+the Retrace-style advantages of ``ppo.offpolicy_advantages=retrace`` against the default GAE ones).
 
     python benchmarks/async_learning.py --out runs/async-learning [--iterations 40] [--seeds 0 1 2]
         [--only NAME ...] [KEY=VALUE ...]
@@ -26,6 +27,7 @@ RUNS = {
     "sync (k=0)": ["rollout.max_staleness=0"],
     "k=1, V-trace": ["rollout.max_staleness=1", "ppo.value_targets=vtrace"],
     "k=2, V-trace": ["rollout.max_staleness=2", "ppo.value_targets=vtrace"],
+    "k=1, V-trace + Retrace": ["rollout.max_staleness=1", "ppo.value_targets=vtrace", "ppo.offpolicy_advantages=retrace"],
     "k=1, GAE": ["rollout.max_staleness=1", "ppo.value_targets=gae"],
     "k=2, GAE": ["rollout.max_staleness=2", "ppo.value_targets=gae"],
 }
