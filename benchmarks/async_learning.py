@@ -122,6 +122,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per run name: each seed's seconds to the target (None: never), their mean over the seeds
     that reached it, how many did, mean iterations to it and mean seconds per iteration."""
@@ -129,11 +133,10 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for name in dict.fromkeys(r["name"] for r in results):
         runs = [r for r in results if r["name"] == name]
         reached = [r for r in runs if r["seconds_to_target"] is not None]
-        mean = (lambda xs: sum(xs) / len(xs) if xs else None)
         rows.append({"name": name, "seconds": [r["seconds_to_target"] for r in runs], "reached": len(reached),
-                     "runs": len(runs), "mean_seconds": mean([r["seconds_to_target"] for r in reached]),
-                     "mean_iterations": mean([r["iterations_to_target"] for r in reached]),
-                     "seconds_per_iteration": mean([r["total_seconds"] / len(r["curve"]) for r in runs])})
+                     "runs": len(runs), "mean_seconds": _mean([r["seconds_to_target"] for r in reached]),
+                     "mean_iterations": _mean([r["iterations_to_target"] for r in reached]),
+                     "seconds_per_iteration": _mean([r["total_seconds"] / len(r["curve"]) for r in runs])})
     return rows
 
 
@@ -157,12 +160,12 @@ def main(argv: list[str] | None = None) -> None:
                 (out / "async_learning.json").write_text(json.dumps(
                     {"summary": summary(results), "runs": results}, indent=1))
     plot(results, out / "async_learning.png")
-    print(f"\n{'run':<16}{'reached':>9}{'mean s to ' + str(TARGET):>16}{'its':>7}{'s / it':>8}  seconds per seed")
+    print(f"\n{'run':<24}{'reached':>9}{'mean s to ' + str(TARGET):>16}{'its':>7}{'s / it':>8}  seconds per seed")
     for row in summary(results):
         s = f"{row['mean_seconds']:.1f}" if row["mean_seconds"] is not None else "never"
         its = f"{row['mean_iterations']:.1f}" if row["mean_iterations"] is not None else "-"
         seeds = ", ".join("never" if x is None else f"{x:.1f}" for x in row["seconds"])
-        print(f"{row['name']:<16}{row['reached']:>5}/{row['runs']:<3}{s:>16}{its:>7}{row['seconds_per_iteration']:>8.3f}"
+        print(f"{row['name']:<24}{row['reached']:>5}/{row['runs']:<3}{s:>16}{its:>7}{row['seconds_per_iteration']:>8.3f}"
               f"  {seeds}")
 
 

@@ -196,12 +196,13 @@ def _targets(
     given (asynchronous mode) and ``cfg.value_targets`` is ``vtrace``, the V-trace returns of
     ``ppo.compute_offpolicy_targets`` with its Retrace-style advantages
     (``offpolicy_advantages=retrace``) or GAE's (``gae``, over the same values)."""
-    gae = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     if log_ratio is None or cfg.value_targets == "gae":
-        return gae
+        return ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     advantages, returns = ppo.compute_offpolicy_targets(rewards, values, mask, log_ratio, cfg.gamma, cfg.lam,
                                                         cfg.vtrace_rho_clip, cfg.vtrace_c_clip, bootstrap)
-    return (gae[0] if cfg.offpolicy_advantages == "gae" else advantages), returns
+    if cfg.offpolicy_advantages == "gae":
+        advantages, _ = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
+    return advantages, returns
 
 
 def _critic_values(critic: torch.nn.Module, batch: PackedBatch, first_rows: torch.Tensor | None
