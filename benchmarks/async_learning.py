@@ -64,10 +64,10 @@ def time_to_target(records: list[dict[str, float]], target: float = TARGET, wind
 
 
 def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
-    from rayppo.cluster.pipeline import distributed_trainer
-    from rayppo.config import load_config
-    from rayppo.metrics import read_metrics
+    from rayppo.config.load import load_config
+    from rayppo.run.metrics import read_metrics
     from rayppo.train import run
+    from rayppo.trainers.pipeline import distributed_trainer
 
     folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"  # k-1-v-trace-seed0
     cfg = load_config(None, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true", "output.save_model=false",

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 import yaml
 
-from rayppo.config import Config, actor_threads, load_config, to_dict, weight_sync_backend
+from rayppo.config.derived import actor_threads, weight_sync_backend
+from rayppo.config.load import load_config
+from rayppo.config.schema import Config, to_dict
 from rayppo.errors import RayppoError
 from rayppo.models.paths import cache_root
 
@@ -97,7 +99,7 @@ def workload_config(workload: Workload, policy: Path, reward_model: Path, extra:
 # ------------------------------------------------------------------------------- measurement
 def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str, float]], dict[str, int], Any]:
     """W warm-up + M measured iterations of the distributed system; also peak memory per role."""
-    from rayppo.cluster.pipeline import distributed_trainer
+    from rayppo.trainers.pipeline import distributed_trainer
 
     trainer = distributed_trainer(cfg)
     try:
@@ -114,11 +116,11 @@ def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str
 
 
 def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
-    """The learner stage's useful FLOPs for this rollout (``rayppo.flops``) and, measured here and
+    """The learner stage's useful FLOPs for this rollout (``rayppo.plan.flops``) and, measured here and
     now, the GFLOP/s of one matmul of the size the learner runs most: a minibatch's tokens through
     the MLP's up projection, in the model's dtype, on the learner's threads (the actors are gone)."""
-    from rayppo.flops import Sequences, learn_flops
-    from rayppo.footprint import read_shape
+    from rayppo.plan.flops import Sequences, learn_flops
+    from rayppo.plan.footprint import read_shape
 
     policy = read_shape(cfg.model.policy)
     critic = read_shape(cfg.model.critic or cfg.model.policy)
@@ -152,7 +154,7 @@ def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats
 
 def plan_estimate(cfg: Config, rollout) -> dict[str, int]:
     """``rayppo plan``'s peak-RSS estimate per role, for the longest prompt actually sampled."""
-    from rayppo.footprint import estimate_roles
+    from rayppo.plan.footprint import estimate_roles
 
     longest = max(len(p) for p in rollout.prompt_ids)
     return {role: int(e.rss) for role, e in estimate_roles(cfg, prompt_tokens=longest).items()}
@@ -184,12 +186,12 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     Each engine runs one warm-up call first, as it did in the measured run.
     """
     from rayppo.actors.generator import GeneratorEngine
-    from rayppo.cluster.driver import vllm_settings
     from rayppo.actors.reference import ReferenceEngine
     from rayppo.actors.reward import RewardEngine
+    from rayppo.cluster.learner_group import LearnerGroup
     from rayppo.data.prompts import PromptBatch
-    from rayppo.learner.group import LearnerGroup
-    from rayppo.learner.reference_trainer import sampling_settings
+    from rayppo.trainers.distributed import vllm_settings
+    from rayppo.trainers.iteration import sampling_settings
 
     g, m, lr = cfg.generators, cfg.model, cfg.learner
     threads = {"gen": g.num * actor_threads(g.threads, g.cpus_per_worker),

@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.utils import logging as hf_logging
-
 # benchmarks/ is this script's directory, hence first on sys.path when it runs as a file.
 from bench import Workload, load_workloads, prepare_models
-from rayppo.config import load_config, mismatch_limit
-from rayppo.learner.reference_trainer import ReferenceTrainer
+from transformers.utils import logging as hf_logging
+
+from rayppo.config.derived import mismatch_limit
+from rayppo.config.load import load_config
+from rayppo.trainers.inprocess import ReferenceTrainer
 
 STAGES = ("generate", "reference", "reward", "learn")
 SHAPES: dict[str, dict[str, Any]] = {

@@ -7,7 +7,7 @@ torch threads), on a rollout
 of the workload's shape with random tokens (prompts of 4-11 tokens, responses of the full
 ``rollout.max_new_tokens``). A first update warms up; the second is measured: its time, split
 into the experience pass (critic values, GAE), the policy's and the critic's forward and backward
-passes and the optimiser steps; its useful GFLOP/s (``rayppo.flops``) against a matmul of the size
+passes and the optimiser steps; its useful GFLOP/s (``rayppo.plan.flops``) against a matmul of the size
 the learner runs most, on the same threads (``learn_efficiency``); and the process's peak RSS.
 Prints one JSON line. Use it to measure a change to the learner before the whole ``rayppo bench``.
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _timed, load_workloads, matmul_gflop_per_s, prepare_models, workload_config  # noqa: E402
 
 from rayppo.data.rollout import Rollout  # noqa: E402
-from rayppo.flops import Sequences, learn_flops  # noqa: E402
-from rayppo.footprint import read_shape  # noqa: E402
+from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
+from rayppo.plan.footprint import read_shape  # noqa: E402
 
 
 def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0) -> Rollout:
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     parser.add_argument("overrides", nargs="*", help="section.field=value config overrides")
     args = parser.parse_args()
-    from rayppo.learner.group import LearnerGroup
+    from rayppo.cluster.learner_group import LearnerGroup
 
     w = load_workloads()[args.workload]
     policy, reward_model = prepare_models(w)

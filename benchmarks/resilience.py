@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import load_workloads, prepare_models, workload_config  # noqa: E402
 
-from rayppo.actors.base import Engine  # noqa: E402
-from rayppo.checkpoint import write_checkpoint  # noqa: E402
-from rayppo.cluster.driver import DistributedTrainer  # noqa: E402
 from rayppo.cluster.group import get  # noqa: E402
+from rayppo.engine import Engine  # noqa: E402
 from rayppo.errors import LearnerFailedError  # noqa: E402
+from rayppo.run.checkpoint import write_checkpoint  # noqa: E402
+from rayppo.trainers.distributed import DistributedTrainer  # noqa: E402
 
 
 def _folder_bytes(path: Path) -> int:

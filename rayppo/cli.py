@@ -122,18 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rayppo.config import ConfigError, load_config
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError
     from rayppo.console import console
     from rayppo.errors import RayppoError
-    from rayppo.inputs import check_inputs
-    from rayppo.tracking import check_trackers
+    from rayppo.plan.inputs import check_inputs
+    from rayppo.run.tracking import check_trackers
 
     console.setup(None, args.verbose)  # warnings of the checks below, before the run folder exists
     resume = None
     if args.resume:
         if args.config:
             raise ConfigError("--resume takes the run's own config; use overrides, not --config")
-        from rayppo.checkpoint import resume_config
+        from rayppo.run.checkpoint import resume_config
 
         cfg, resume = resume_config(args.resume, overrides)
     else:
@@ -141,13 +142,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_inputs(cfg)  # models, prompts, reward function: before anything heavy is imported
     check_trackers(cfg)
     if cfg.trainer == "distributed":
-        from rayppo.plan import preflight
+        from rayppo.plan.fit import preflight
 
         missing = preflight(cfg)  # before any process starts; 'rayppo plan' shows memory too
         if missing:
             raise RayppoError("this job does not fit: " + "; ".join(missing))
     if resume is None:
-        from rayppo.run_folder import claim_output_dir
+        from rayppo.run.folder import claim_output_dir
 
         claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
     console.setup(cfg.output.dir, args.verbose)
@@ -162,11 +163,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.train import run
 
     if cfg.trainer == "reference":
-        from rayppo.learner.reference_trainer import ReferenceTrainer
+        from rayppo.trainers.inprocess import ReferenceTrainer
 
         trainer = ReferenceTrainer(cfg)
     else:
-        from rayppo.cluster.pipeline import distributed_trainer
+        from rayppo.trainers.pipeline import distributed_trainer
 
         trainer = distributed_trainer(cfg)
     result = run(cfg, trainer, progress=not args.no_progress, resume=resume)
@@ -204,8 +205,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     """Print the plan; exit 0 when the job fits, 2 with one line per missing thing."""
     import json
 
-    from rayppo import plan
-    from rayppo.config import load_config
+    from rayppo.config.load import load_config
+    from rayppo.plan import fit as plan
 
     cfg = load_config(args.config, overrides)
     available, source = plan.cluster_resources(cfg, args.address, args.cluster_resources)
@@ -234,7 +235,8 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.cluster import jobs
-    from rayppo.config import ConfigError, load_config
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError
 
     cfg = load_config(args.config, overrides)  # checked here, before anything reaches the cluster
     env = {}
@@ -269,7 +271,7 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from rayppo.config import Config, field_docs, to_dict
+    from rayppo.config.schema import Config, field_docs, to_dict
 
     if args.yaml:
         import yaml

@@ -19,15 +19,16 @@ from typing import Any, Iterator, Protocol
 import yaml
 from tqdm import tqdm
 
-from rayppo.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
-from rayppo.config import Config, to_dict
+from rayppo.config.schema import Config, to_dict
+from rayppo.console import console
 from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError
-from rayppo.guard import CorrectnessError
-from rayppo.console import console
-from rayppo.evaluation import due
-from rayppo.metrics import MetricsLogger, format_samples, pick_samples, plot_metrics, read_metrics
-from rayppo.tracking import make_trackers
+from rayppo.learner.guard import CorrectnessError
+from rayppo.run.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
+from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
+from rayppo.run.samples import format_samples, pick_samples
+from rayppo.run.tracking import make_trackers
+from rayppo.trainers.evaluation import due
 
 
 class Trainer(Protocol):

@@ -11,16 +11,16 @@ import signal
 import pyarrow.parquet as pq
 import pytest
 
-from rayppo.actors.base import Engine
 from rayppo.cluster import pipeline
-from rayppo.cluster.driver import DistributedTrainer
 from rayppo.cluster.group import get
-from rayppo.cluster.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats, trainer_class
-from rayppo.checkpoint import resume_config
-from rayppo.config import load_config
+from rayppo.config.load import load_config
 from rayppo.data.rollout import Rollout
-from rayppo.guard import WeightSyncError
+from rayppo.engine import Engine
+from rayppo.learner.guard import WeightSyncError
+from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
+from rayppo.trainers.distributed import DistributedTrainer
+from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats, trainer_class
 
 
 def _rollout(versions: list[int]) -> Rollout:

@@ -16,14 +16,14 @@ import threading
 import pytest
 import torch
 
-from rayppo.config import PPOConfig
+from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
-from rayppo.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner import ppo
 from rayppo.learner.experience import (Experience, LocalCollective, ProximalPolicy, check_staleness, make_experience,
-                                      proximal_logprobs)
+                                       proximal_logprobs)
+from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner.update import (Minibatch, Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update,
-                                  same_version_mismatch)
+                                   same_version_mismatch)
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 

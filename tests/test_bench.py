@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rayppo.cli import main
-from rayppo.config import load_config
+from rayppo.config.load import load_config
 from rayppo.errors import RayppoError
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"

@@ -14,11 +14,11 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings
 from rayppo.actors.reward import RewardEngine
-from rayppo.config import load_config
+from rayppo.config.load import load_config
 from rayppo.data.prompts import PromptBatch, PromptDataError, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.inputs import check_inputs
 from rayppo.models.loading import load_reward_model, load_tokenizer
+from rayppo.plan.inputs import check_inputs
 
 POLICY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
                    "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import rayppo.models.vocab_head as vocab_head
-from rayppo.footprint import LOGIT_CHUNK_ELEMENTS
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import _full_logits_forward, pack, policy_forward
 from rayppo.models.vocab_head import plain_weight, token_logprobs
+from rayppo.plan.footprint import LOGIT_CHUNK_ELEMENTS
 
 U32, U_BF16 = 2.0**-24, 2.0**-8
 
@@ -187,8 +187,8 @@ ZERO3_CHILD = """
 import json, sys
 import torch
 from deepspeed.utils import safe_get_full_grad
-from rayppo.config import load_config
-from rayppo.learner.group import LearnerGroup
+from rayppo.config.load import load_config
+from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.models.sequences import _full_logits_forward, pack, policy_forward
 from rayppo.models.vocab_head import plain_weight
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from rayppo.config import (Config, ConfigError, field_docs, load_config, vllm_memory_utilization,
-                           weight_sync_backend)
+from rayppo.config.derived import vllm_memory_utilization, weight_sync_backend
+from rayppo.config.load import load_config
+from rayppo.config.schema import Config, ConfigError, field_docs
 
 
 def test_defaults_are_valid_and_every_field_is_documented():

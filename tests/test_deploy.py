@@ -22,7 +22,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from rayppo.cli import _collect_overrides, build_parser
-from rayppo.config import load_config
+from rayppo.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

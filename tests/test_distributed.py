@@ -12,14 +12,14 @@ from transformers import AutoModelForCausalLM
 from rayppo.actors.generator import EmptyResponseError
 from rayppo.actors.reward import RewardError
 from rayppo.cli import main
-from rayppo.cluster.driver import DistributedTrainer
 from rayppo.cluster.group import get
 from rayppo.cluster.placement import PlacementError
-from rayppo.config import load_config
-from rayppo.guard import WeightSyncError
-from rayppo.learner.reference_trainer import ReferenceTrainer
+from rayppo.config.load import load_config
+from rayppo.learner.guard import WeightSyncError
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import unpack_weights
+from rayppo.trainers.distributed import DistributedTrainer
+from rayppo.trainers.inprocess import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 

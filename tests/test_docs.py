@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from rayppo.config import field_docs
+from rayppo.config.schema import field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 

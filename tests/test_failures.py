@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from rayppo.actors.base import Engine
-from rayppo.cluster.driver import DistributedTrainer
 from rayppo.cluster.group import get
-from rayppo.config import load_config
-from rayppo.checkpoint import latest_checkpoint
+from rayppo.config.load import load_config
+from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, LearnerFailedError
+from rayppo.run.checkpoint import latest_checkpoint
 from rayppo.train import run
+from rayppo.trainers.distributed import DistributedTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 

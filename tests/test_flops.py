@@ -1,11 +1,11 @@
-"""``rayppo.flops`` against torch's own FLOP counter on a real forward pass."""
+"""``rayppo.plan.flops`` against torch's own FLOP counter on a real forward pass."""
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rayppo.flops import Sequences, backbone_forward_flops, learn_flops
-from rayppo.footprint import read_shape
+from rayppo.plan.flops import Sequences, backbone_forward_flops, learn_flops
+from rayppo.plan.footprint import read_shape
 
 
 def test_backbone_flops_match_torchs_counter(tmp_path):

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from rayppo.config import load_config, weight_sync_backend
+from rayppo.config.derived import weight_sync_backend
+from rayppo.config.load import load_config
 
 OPTED_IN = os.environ.get("RAYPPO_GPU_TESTS") == "1"
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
@@ -32,7 +33,7 @@ def local_ray():
 
 
 def _run(overrides: list[str], n: int) -> list[dict[str, float]]:
-    from rayppo.cluster.driver import DistributedTrainer
+    from rayppo.trainers.distributed import DistributedTrainer
 
     trainer = DistributedTrainer(load_config(None, overrides))
     try:
@@ -70,8 +71,8 @@ def test_nccl_broadcast_sync_end_to_end():
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 def test_every_role_given_a_gpu_share_runs_on_it():
     """Reference, reward model and the hf generator place their models on the GPU Ray gave them."""
-    from rayppo.actors.base import Engine
-    from rayppo.cluster.driver import DistributedTrainer
+    from rayppo.engine import Engine
+    from rayppo.trainers.distributed import DistributedTrainer
 
     overrides = BASE + ["generators.backend=hf", "learner.gpus_per_rank=0.4", "generators.gpus_per_worker=0.4",
                         "reference.gpus=0.1", "reward.gpus=0.1"]
@@ -88,7 +89,7 @@ def test_every_role_given_a_gpu_share_runs_on_it():
 def test_colocated_run_sleeps_vllm_and_syncs_by_cuda_ipc():
     """cluster.colocate_all on one GPU: vLLM sleeps while the learner trains and takes the new
     weights as CUDA-IPC handles from the learner rank on its GPU."""
-    from rayppo.cluster.driver import DistributedTrainer
+    from rayppo.trainers.distributed import DistributedTrainer
 
     overrides = BASE + ["cluster.colocate_all=true", "learner.gpus_per_rank=1"]
     assert weight_sync_backend(load_config(None, overrides)) == "ipc"
@@ -106,7 +107,7 @@ def test_colocated_run_sleeps_vllm_and_syncs_by_cuda_ipc():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for tensor parallelism")
 def test_tensor_parallel_generator_on_one_node_with_the_mp_executor():
     """generators.gpus_per_worker=2: the actor holds both GPUs, vLLM's mp executor uses them."""
-    from rayppo.cluster.driver import DistributedTrainer
+    from rayppo.trainers.distributed import DistributedTrainer
 
     overrides = [o for o in BASE if "gpu_memory" not in o] + ["generators.gpus_per_worker=2",
                                                               "learner.weight_sync=object_store"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rayppo.actors.base import DeviceError, engine_device
 from rayppo.cluster.placement import plan_groups, role_specs, total_demand
-from rayppo.config import load_config
+from rayppo.config.load import load_config
+from rayppo.engine import DeviceError, engine_device
 from rayppo.learner.full_weights import full_tensors
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -41,7 +41,7 @@ def test_every_engine_takes_its_device_from_its_gpus(embedded_dir, reward_model_
     from rayppo.actors.generator import GeneratorEngine, SamplingSettings
     from rayppo.actors.reference import ReferenceEngine
     from rayppo.actors.reward import RewardEngine
-    from rayppo.learner.group import LearnerGroup
+    from rayppo.cluster.learner_group import LearnerGroup
 
     with pytest.raises(DeviceError, match="^reference: given 1 GPU"):
         ReferenceEngine(str(embedded_dir), gpus=1.0)
@@ -126,7 +126,7 @@ def test_zero3_sync_gathers_one_module_at_a_time(embedded_dir):
     """While rank 0 streams the policy for a sync, at most one module's parameters are gathered."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from rayppo.learner.group import LearnerGroup
+    from rayppo.cluster.learner_group import LearnerGroup
 
     learner = LearnerGroup(load_config(None, ["learner.num_ranks=1", "learner.zero_stage=3"]), placement=None)
     engine = learner.ranks.actors[0]
@@ -151,12 +151,12 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
     against a TP=1 engine with the same seed: the same tokens, and log-probs equal to fp32
     rounding (a row-parallel layer sums two partial products instead of one)."""
     from rayppo.actors.generator import GeneratorEngine
-    from rayppo.cluster.driver import vllm_settings
     from rayppo.cluster.group import ActorGroup
     from rayppo.cluster.placement import release, reserve
     from rayppo.cluster.session import ACTOR_ENV
     from rayppo.data.prompts import PromptBatch
-    from rayppo.learner.reference_trainer import sampling_settings
+    from rayppo.trainers.distributed import vllm_settings
+    from rayppo.trainers.iteration import sampling_settings
 
     texts = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 4
     prompts = PromptBatch(texts, [tokenizer(t)["input_ids"] for t in texts])
@@ -187,7 +187,7 @@ def test_colocated_schedule_frees_the_gpu_for_the_learner(local_ray, tmp_path):
     """cluster.colocate_all on CPU: generators start (and are ready) before the other roles, and
     each iteration puts them to sleep before scoring and learning and wakes them for the sync.
     vLLM refuses sleep mode on CPU, so each sleep/wake is recorded as skipped."""
-    from rayppo.cluster.driver import DistributedTrainer
+    from rayppo.trainers.distributed import DistributedTrainer
 
     trainer = DistributedTrainer(load_config(None, ["cluster.colocate_all=true", "learner.num_ranks=1",
                                                     "rollout.batch_size=16", f"output.dir={tmp_path}"]))
@@ -224,7 +224,7 @@ def test_ipc_sync_shares_live_parameters_or_one_gathered_tensor_at_a_time(embedd
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
     import rayppo.learner.engine as engine_module
-    from rayppo.learner.group import LearnerGroup
+    from rayppo.cluster.learner_group import LearnerGroup
     from rayppo.learner.weight_sync import ipc_chunk
 
     monkeypatch.setattr(engine_module, "ipc_chunk", functools.partial(ipc_chunk, export=_fake_export))

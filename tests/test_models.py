@@ -6,7 +6,7 @@ import torch
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, split_response
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, RewardError
-from rayppo.config import ConfigError
+from rayppo.config.schema import ConfigError
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import Critic, load_causal_lm, load_reward_model, load_tokenizer

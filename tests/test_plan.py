@@ -15,10 +15,11 @@ import pytest
 
 from rayppo.cli import main
 from rayppo.cluster.placement import PlacementError, check_capacity
-from rayppo.config import load_config
-from rayppo.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, lora_params, model_dir,
-                              param_count, read_shape, zero_bytes)
-from rayppo.plan import MAX_OVERSUBSCRIPTION, accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
+from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION
+from rayppo.config.load import load_config
+from rayppo.plan.fit import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
+from rayppo.plan.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, lora_params, model_dir,
+                                   param_count, read_shape, zero_bytes)
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -279,7 +280,7 @@ def test_default_plan_answers_fast_without_torch():
     out = subprocess.run([str(rayppo), "plan"], capture_output=True, text=True)
     print(f"rayppo plan: {time.perf_counter() - start:.2f} s")  # measured, not asserted (shared machines)
     assert out.returncode == 0 and out.stdout.rstrip().endswith("fits"), out.stderr
-    probe = ("import sys; from rayppo.config import load_config; from rayppo.footprint import estimate_roles; "
+    probe = ("import sys; from rayppo.config.load import load_config; from rayppo.plan.footprint import estimate_roles; "
              "estimate_roles(load_config()); print(sorted({'torch', 'transformers', 'ray'} & set(sys.modules)))")
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "[]"

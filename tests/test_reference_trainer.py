@@ -2,8 +2,8 @@
 
 import torch
 
-from rayppo.config import load_config
-from rayppo.learner.reference_trainer import ReferenceTrainer
+from rayppo.config.load import load_config
+from rayppo.trainers.inprocess import ReferenceTrainer
 
 
 def test_one_iteration_reports_design_metrics_and_changes_the_policy(small_overrides):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rayppo.checkpoint import CheckpointError, latest_checkpoint, resume_config
 from rayppo.cli import main
-from rayppo.config import ConfigError
+from rayppo.config.schema import ConfigError
+from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, resume_config
 
 # Statistics compared between the resumed and the uninterrupted run (issue: 1e-6 relative).
 STATS = ("reward/mean", "policy/loss", "value/loss", "kl/ref_mean", "policy/clipfrac", "policy/approx_kl",

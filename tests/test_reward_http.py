@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rayppo.actors.reward import HttpEndpoint, RewardEngine, RewardError
-from rayppo.config import ConfigError, load_config
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError
 from rayppo.data.rollout import Rollout
 from rayppo.tasks import digits
 

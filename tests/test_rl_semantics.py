@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, stop_token_ids
-from rayppo.config import ConfigError, PPOConfig, load_config, mismatch_limit
+from rayppo.config.derived import mismatch_limit
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
-from rayppo.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
 from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
+from rayppo.learner.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
 from rayppo.learner.ppo import kl_penalty, truncation_targets
-from rayppo.models.fingerprint import probes, sent_prints, held_prints, split_rows
+from rayppo.models.fingerprint import held_prints, probes, sent_prints, split_rows
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import critic_forward, pack
 from rayppo.models.weights import SyncFault

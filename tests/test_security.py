@@ -8,13 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from rayppo.inputs import check_inputs
-from rayppo.config import load_config
+from rayppo.config.load import load_config
+from rayppo.plan.inputs import check_inputs
 
 # The head: a local Ray instance started exactly as `rayppo train` starts it (RaySession), with
 # the user's environment (no RAY_AUTH_MODE), holding on until told to stop.

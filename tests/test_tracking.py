@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from rayppo.config import load_config, to_dict
-from rayppo.metrics import (MetricsLogger, Sample, _reward_panel, format_samples, pick_samples, plot_metrics,
-                            read_metrics)
-from rayppo.tracking import check_trackers, make_trackers, mlflow_key, mlflow_tracking_uri
+from rayppo.config.load import load_config
+from rayppo.config.schema import to_dict
+from rayppo.run.metrics import MetricsLogger, _reward_panel, plot_metrics, read_metrics
+from rayppo.run.samples import Sample, format_samples, pick_samples
+from rayppo.run.tracking import check_trackers, make_trackers, mlflow_key, mlflow_tracking_uri
 
 SAMPLES = [Sample("say 7 :", "7 7 3 7", 0.75), Sample("say 2 :", "2 | 2\n2", 1.0)]
 
@@ -245,8 +246,9 @@ if hidden:
         sys.exit("not hidden")
     except ModuleNotFoundError:
         pass
-from rayppo.config import ConfigError, load_config
-from rayppo.tracking import check_trackers
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError
+from rayppo.run.tracking import check_trackers
 
 try:
     check_trackers(load_config(None, sys.argv[2:]))
@@ -337,7 +339,7 @@ def test_format_samples_fits_the_width():
 
 def test_rollout_stats_reward_spread():
     from rayppo.data.rollout import Rollout
-    from rayppo.learner.reference_trainer import rollout_stats
+    from rayppo.trainers.iteration import rollout_stats
 
     rollout = Rollout(prompt_ids=[[1]] * 4, response_ids=[[2, 3]] * 4, logprobs=[[0.0, 0.0]] * 4,
                       finish_reason=["stop"] * 4, prompt_text=["p"] * 4, response_text=["r"] * 4,

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rayppo.config import ConfigError, load_config
-from rayppo.evaluation import EvalPlan, due, eval_metrics, eval_source, run_evaluation
-from rayppo.run_folder import claim_output_dir
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError
+from rayppo.run.folder import claim_output_dir
 from rayppo.tasks import digits
+from rayppo.trainers.evaluation import EvalPlan, due, eval_metrics, eval_source, run_evaluation
 
 PYTHON = sys.executable
 
@@ -159,10 +160,10 @@ def test_eval_schedule_and_source():
 
 # ------------------------------------------------------------------------------- logs
 def test_an_actor_process_writes_its_output_to_its_log_file(tmp_path):
-    """rayppo.actors.base redirects file descriptors 1 and 2 when RAYPPO_LOG_FILE is set, so
+    """rayppo.engine redirects file descriptors 1 and 2 when RAYPPO_LOG_FILE is set, so
     what C++ code and child processes print lands there too, not on the terminal."""
     log = tmp_path / "logs" / "generator-0.log"
-    code = ("import os, sys; import rayppo.actors.base; print('from python'); sys.stdout.flush(); "
+    code = ("import os, sys; import rayppo.engine; print('from python'); sys.stdout.flush(); "
             "os.system('echo from a child process'); os.write(2, b'from fd 2\\n')")
     result = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "RAYPPO_LOG_FILE": str(log)})
@@ -171,7 +172,7 @@ def test_an_actor_process_writes_its_output_to_its_log_file(tmp_path):
 
 
 def test_local_instance_is_sized_to_the_roles_up_to_four_cpus_per_core():
-    from rayppo.plan import MAX_OVERSUBSCRIPTION, local_cpus
+    from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION, local_cpus
 
     cores = os.cpu_count() or 1
     assert local_cpus(0.5) == cores
@@ -196,7 +197,7 @@ def _model_folder(folder: Path, words: list[str]) -> Path:
 
 
 def test_own_model_whose_tokenizer_cannot_write_the_embedded_task_is_refused(tmp_path):
-    from rayppo.inputs import check_inputs
+    from rayppo.plan.inputs import check_inputs
 
     folder = _model_folder(tmp_path / "mine", ["hello", "world"])
     with pytest.raises(ConfigError, match=r"data.prompts: embedded .* unknown tokens; give your own data.prompts"):
@@ -204,19 +205,19 @@ def test_own_model_whose_tokenizer_cannot_write_the_embedded_task_is_refused(tmp
 
 
 def test_own_model_with_the_embedded_task_gets_a_warning(tmp_path, caplog):
-    from rayppo.inputs import check_inputs
+    from rayppo.plan.inputs import check_inputs
 
     folder = _model_folder(tmp_path / "mine", [*digits.VERBS, *digits.DIGITS, ":"])
-    with caplog.at_level("WARNING", logger="rayppo.inputs"):
+    with caplog.at_level("WARNING", logger="rayppo.plan.inputs"):
         check_inputs(load_config(None, [f"model.policy={folder}"]))
     assert "embedded digit task" in caplog.text
 
 
 def test_a_prompt_file_smaller_than_the_batch_gets_a_warning(tmp_path, caplog):
-    from rayppo.inputs import check_inputs
+    from rayppo.plan.inputs import check_inputs
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(f'{{"prompt": "say {d} :"}}\n' for d in range(5)))
-    with caplog.at_level("WARNING", logger="rayppo.inputs"):
+    with caplog.at_level("WARNING", logger="rayppo.plan.inputs"):
         check_inputs(load_config(None, [f"data.prompts={path}", "rollout.batch_size=8", "ppo.minibatches=1"]))
     assert "holds 5 prompts, fewer than rollout.batch_size=8" in caplog.text

@@ -15,7 +15,7 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.data.prompts import PromptBatch
-from rayppo.guard import WeightSyncError, check_weights
+from rayppo.learner.guard import WeightSyncError, check_weights
 from rayppo.learner.weight_sync import (SyncEndpoint, WeightSender, free_port, open_sync_group, param_specs,
                                         receive_stream)
 from rayppo.models.fingerprint import sent_prints

@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import GenerationConfig
 
-from rayppo.actors.base import Engine, model_size
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
 from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints, matrix_shape, probe_rows, probes, split_rows

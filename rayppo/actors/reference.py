@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rayppo.actors.base import Engine, model_size
 from rayppo.data.rollout import Rollout
+from rayppo.engine import Engine, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
 

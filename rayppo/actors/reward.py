@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from rayppo.actors.base import Engine, model_size
 from rayppo.actors.verifier import VerifierProcess, VerifierTimeout, load_reward_function
 from rayppo.data.rollout import Rollout
+from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
 
 

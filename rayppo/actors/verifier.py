@@ -34,7 +34,7 @@ def load_reward_function(spec: str) -> Callable[..., float]:
     its console script, rayppo's ``sys.path[0]`` is the virtual environment's ``bin`` folder, and
     a ``my_rewards.py`` next to the user's config would otherwise not be found.
     """
-    from rayppo.config import ConfigError
+    from rayppo.config.schema import ConfigError
 
     module_name, sep, attr = spec.partition(":")
     if not (sep and module_name and attr):

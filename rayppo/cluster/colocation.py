@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 
-from rayppo.actors.base import Engine
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup
+from rayppo.engine import Engine
 
 log = logging.getLogger(__name__)
 

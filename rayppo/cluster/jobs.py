@@ -27,7 +27,7 @@ import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from rayppo.cluster.session import ACTOR_ENV
-from rayppo.config import Config, ConfigError, to_dict
+from rayppo.config.schema import Config, ConfigError, to_dict
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]

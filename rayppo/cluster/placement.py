@@ -6,13 +6,15 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
     from ray.util.placement_group import PlacementGroup
 
-from rayppo.config import Config, ConfigError, role_gpus, tensor_parallel_size
+from rayppo.config.derived import role_gpus, tensor_parallel_size
+from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError
 
 COUNT_FIELDS = {"generators": "generators.num", "reference": "reference.num", "reward": "reward.num",
@@ -177,7 +179,7 @@ def requested_resources(cfg: Config) -> dict[str, float]:
 def changed(cfg: Config, changes: dict[str, Any]) -> Config | None:
     """A copy of ``cfg`` with ``changes`` (``section.field`` -> value), or None when the config's
     checks refuse it: a suggested fix has to load."""
-    from rayppo.config_checks import validate  # it builds on rayppo.config, as load_config imports it
+    from rayppo.config.checks import validate  # it builds on rayppo.config, as load_config imports it
 
     new = copy.deepcopy(cfg)
     for dotted, value in changes.items():
@@ -394,3 +396,30 @@ def placement_report(placements: dict[str, Placement]) -> dict[str, Any]:
     for role, p in placements.items():
         roles[role] = [placement_group_table(g)["bundles_to_node_id"][i] for g, i in zip(p.groups, p.bundles)]
     return {"roles": roles, "nodes": nodes}
+
+
+MAX_OVERSUBSCRIPTION = 4
+"""A local instance nobody sized counts at most this many logical CPUs per core."""
+
+
+def local_cpus(cpus_asked: float) -> float:
+    """Logical CPUs of a local Ray instance nobody sized (``cluster.num_cpus`` unset): the
+    machine's cores, or what the roles reserve (rounded up: Ray starts with whole CPUs) when
+    that is more, up to ``MAX_OVERSUBSCRIPTION`` per core. Ray's CPUs are reservations, not
+    pinned cores: on a 2-core laptop a job whose roles reserve 2.5 runs fine, its generate,
+    score and learn stages taking turns; one reserving 30 is refused with the fixes."""
+    cores = os.cpu_count() or 1
+    return float(max(cores, min(math.ceil(cpus_asked - 1e-9), MAX_OVERSUBSCRIPTION * cores)))
+
+
+
+def running_cluster_resources(address: str) -> dict[str, float]:
+    """The resources of the Ray cluster at ``address``: joined for the question, then left
+    (Ray is imported only here, so ``rayppo plan`` without an address never loads it)."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        return dict(ray.cluster_resources())
+    finally:
+        ray.shutdown()

@@ -7,8 +7,8 @@ import os
 
 import ray
 
+from rayppo.cluster.placement import local_cpus
 from rayppo.console import console
-from rayppo.plan import local_cpus
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ call runs again, so no prompt is lost or scored twice. Replacements are counted
 (``faults/actor_restarts``) and bounded by ``cluster.max_actor_restarts`` over the run.
 
 A hung actor's threads are dumped to its own log first (``faulthandler`` on SIGUSR1, set up in
-every role's process by ``rayppo.actors.base``) when it runs on this node.
+every role's process by ``rayppo.engine``) when it runs on this node.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import RayActorError
 
-from rayppo.actors.base import Engine
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.console import console
+from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, brief
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,12 @@ import warnings
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get
+from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.supervisor import Supervisor
+from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
+from rayppo.config.schema import Config
 from rayppo.errors import ActorFailedError
-from rayppo.config import Config, tensor_parallel_size, weight_sync_backend
-from rayppo.guard import check_weights
-from rayppo.learner.group import LearnerGroup
+from rayppo.learner.guard import check_weights
 from rayppo.learner.weight_sync import SyncEndpoint
 
 

@@ -7,7 +7,7 @@ columns ("fields", e.g. ``answer`` or ``tests``) travel with it to the reward.
 
 Every problem is reported with the file, the row (1-based, as an editor shows it) and the
 field, before any training starts, so a bad file never costs a half-finished run. This module
-imports neither torch nor transformers (``rayppo.inputs`` reads prompts before they load), and
+imports neither torch nor transformers (``rayppo.plan.inputs`` reads prompts before they load), and
 never imports ``datasets``: its folders are Arrow IPC streams that pyarrow reads directly.
 """
 

@@ -17,15 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayppo.actors.base import Engine, model_size
-from rayppo.config import Config, mismatch_limit, role_gpus
+from rayppo.config.derived import mismatch_limit, role_gpus
+from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
-from rayppo.guard import MismatchGuard
+from rayppo.engine import Engine, model_size
 from rayppo.learner.experience import ProximalPolicy, TruncationRule, check_staleness, make_experience
-from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.full_weights import full_tensors
+from rayppo.learner.guard import MismatchGuard
+from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
-                                       param_specs)
+                                        param_specs)
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.weights import WeightsPayload, pack_weights

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from rayppo.config import PPOConfig, RolloutConfig
+from rayppo.config.schema import PPOConfig, RolloutConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward

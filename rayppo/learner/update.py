@@ -17,10 +17,10 @@ from typing import Callable
 
 import torch
 
-from rayppo.config import PPOConfig
-from rayppo.guard import MismatchGuard
+from rayppo.config.schema import PPOConfig
 from rayppo.learner import ppo
 from rayppo.learner.experience import Collective, Experience, LocalCollective
+from rayppo.learner.guard import MismatchGuard
 from rayppo.models.sequences import critic_forward, policy_forward
 
 

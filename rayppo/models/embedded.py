@@ -59,7 +59,7 @@ def tiny_llama_config(vocab_size: int, tokenizer: PreTrainedTokenizerFast, **ove
 
 def build_embedded_model(out_dir: Path, seed: int = 0, sft: bool = True, progress: bool = True) -> Path:
     """Build tokenizer + random-init Llama, warm it up on the task format, save to ``out_dir``."""
-    from rayppo.learner.sft import sft_train
+    from rayppo.models.sft import sft_train
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(digits.corpus())

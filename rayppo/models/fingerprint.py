@@ -1,7 +1,7 @@
 """Weight fingerprints: a cheap per-tensor checksum that survives fusion, padding and repacking.
 
 After a weight sync, learner rank 0 fingerprints every tensor it sent and each generator
-fingerprints what it actually holds; the correctness guard (``rayppo/guard.py``) compares them.
+fingerprints what it actually holds; the correctness guard (``rayppo/learner/guard.py``) compares them.
 
 A tensor is viewed as a matrix ``W [N, K]`` (the last dimension is K; a 1-D tensor of length N is a
 column, K = 1) and multiplied by two fixed probe vectors, ``1`` and a seeded ±1 vector ``s``:

@@ -2,7 +2,7 @@
 
 Everything loads from a local Hugging Face folder with ``trust_remote_code=False`` and
 ``use_safetensors=True``: a model folder is data, and data never runs code here (no custom model
-code, no pickled weights; ``rayppo.inputs`` says so in one line before anything loads).
+code, no pickled weights; ``rayppo.plan.inputs`` says so in one line before anything loads).
 """
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedTokenizerBase,
-)
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer, PreTrainedTokenizerBase)
 from transformers.utils import logging as hf_logging
 
 from rayppo.errors import ModelFolderError

@@ -6,7 +6,7 @@ Biases, MLflow.
     tracker.log_samples(iteration, [Sample(prompt, response, reward), ...])
     tracker.close()
 
-Each backend is a plain class behind the ``Tracker`` protocol; ``rayppo.metrics.MetricsLogger``
+Each backend is a plain class behind the ``Tracker`` protocol; ``rayppo.run.metrics.MetricsLogger``
 fans every record out to them. wandb and mlflow are imported only when configured, and
 ``check_trackers`` tells a missing package apart before anything heavy is imported.
 
@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence
 
-from rayppo.config import Config, ConfigError
+from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError, brief
 
 if TYPE_CHECKING:
-    from rayppo.metrics import Sample
+    from rayppo.run.samples import Sample
 
 INSTALL_HINT = "(pip install 'rayppo[track]')"
 WANDB_ID_FILE, MLFLOW_ID_FILE = "wandb_run_id", "mlflow_run_id"

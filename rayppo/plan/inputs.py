@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rayppo.config import Config, ConfigError
+from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path

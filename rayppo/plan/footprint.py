@@ -26,7 +26,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayppo.config import Config, role_gpus, tensor_parallel_size, vllm_memory_utilization, weight_sync_backend
+from rayppo.config.derived import role_gpus, tensor_parallel_size, vllm_memory_utilization, weight_sync_backend
+from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 
 MiB, GiB = 2**20, 2**30

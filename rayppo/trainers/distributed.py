@@ -18,32 +18,31 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import ray
-from ray.exceptions import RayActorError
-
-from rayppo.actors.base import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.colocation import DeviceSchedule
-from rayppo.cluster.supervisor import Fanout, Supervisor
+from rayppo.cluster.group import ActorGroup, split_evenly
+from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve, role_specs
 from rayppo.cluster.session import ACTOR_ENV, RaySession
+from rayppo.cluster.startup import wait_ready
+from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.checkpoint import CheckpointError, latest_checkpoint, read_driver_state
-from rayppo.config import (Config, actor_threads, role_gpus, tensor_parallel_size, vllm_memory_utilization,
-                           weight_sync_backend)
+from rayppo.config.derived import (actor_threads, role_gpus, tensor_parallel_size, vllm_memory_utilization,
+                                   weight_sync_backend)
+from rayppo.config.schema import Config
+from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.console import LOG_NAMES, console
-from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.errors import ActorFailedError, LearnerFailedError, brief
-from rayppo.learner.group import LearnerGroup
-from rayppo.learner.reference_trainer import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
-                                             sampling_settings)
+from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
+from rayppo.errors import LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault
+from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state
+from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
+from rayppo.trainers.iteration import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
+                                       sampling_settings)
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +216,7 @@ class DistributedTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts, split across the generators and scored by
-        the reward actors (``rayppo/evaluation.py``); {} without held-out prompts."""
+        the reward actors (``rayppo/trainers/evaluation.py``); {} without held-out prompts."""
         if self.eval_prompts is None:
             return {}
         prompts, seed = self.eval_prompts, iteration_seed(self.cfg.seed, SEED_OFFSET)
@@ -311,41 +310,6 @@ def _actor_count(cfg: Config) -> str:
               ("reward", "reward"): cfg.reward.num, ("learner rank", "learner ranks"): cfg.learner.num_ranks}
     parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items()]
     return f"{sum(counts.values())} actors: {', '.join(parts)}"
-
-
-def wait_ready(groups: dict[str, ActorGroup], timeout_s: float) -> None:
-    """Wait until every actor answers ``Engine.ready``; one line per role as its last actor
-    does (what it holds, the slowest actor's start-up seconds). An actor that fails while
-    starting raises its own error, with the log file that holds the details."""
-    pending = {ref: (role, i) for role, group in groups.items() for i, ref in enumerate(group.call_all(Engine.ready))}
-    answers: dict[str, list[tuple[str, float]]] = {role: [] for role in groups}
-    deadline = time.monotonic() + timeout_s
-    with console.waiting(f"starting {len(pending)} actors", len(pending)) as progress:
-        while pending:
-            _next_ready(pending, answers, groups, deadline, timeout_s)
-            progress()
-
-
-def _next_ready(pending: dict[Any, tuple[str, int]], answers: dict[str, list[tuple[str, float]]],
-                groups: dict[str, ActorGroup], deadline: float, timeout_s: float) -> None:
-    """Wait for the next actor to answer ``ready``; print its role's line when it was the last."""
-    done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-    if not done:
-        late = sorted({f"{LOG_NAMES[r]}-{i}" for r, i in pending.values()})
-        raise ActorFailedError(f"{', '.join(late)} did not start within cluster.call_timeout_s={timeout_s:g} s"
-                               f"{console.details(*next(iter(pending.values())))}")
-    role, i = pending.pop(done[0])
-    try:
-        answers[role].append(get(done[0]))
-    except RayActorError as exc:  # an error in __init__ ends Ray's message as "Type: message"
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        why = lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
-        raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{console.details(role, i)}") from None
-    if len(answers[role]) == len(groups[role]):
-        what, seconds = answers[role][0][0], max(s for _, s in answers[role])
-        n = len(groups[role])
-        label = LOG_NAMES[role] + (f" x{n}" if n > 1 else "")
-        console.phase(f"{label:<13} ready in {seconds:5.1f} s: {what}")
 
 
 def vllm_settings(cfg: Config) -> VLLMSettings:

@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from rayppo.actors.generator import GeneratorEngine
-from rayppo.cluster.driver import DistributedTrainer
 from rayppo.cluster.group import get, split_evenly
-from rayppo.config import Config
+from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.errors import LearnerFailedError
-from rayppo.guard import check_weights
-from rayppo.learner.reference_trainer import iteration_seed, rollout_stats
+from rayppo.learner.guard import check_weights
+from rayppo.trainers.distributed import DistributedTrainer
+from rayppo.trainers.iteration import iteration_seed, rollout_stats
 
 POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the stages' errors."""

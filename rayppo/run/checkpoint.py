@@ -103,7 +103,8 @@ def resume_config(run_dir: str | Path, overrides: list[str]):
 
     Overrides may change resources, stopping and output options; anything else (the algorithm,
     the models, the data, the seed) would make the resumed run a different run: refused, named."""
-    from rayppo.config import ConfigError, field_docs, load_config
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError, field_docs
 
     run_dir = Path(run_dir)
     saved = run_dir / "config.yaml"
@@ -125,7 +126,7 @@ def _resumable(name: str) -> bool:
 
 
 def _flat(cfg) -> dict[str, Any]:
-    from rayppo.config import to_dict
+    from rayppo.config.schema import to_dict
 
     out: dict[str, Any] = {}
 

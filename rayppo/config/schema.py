@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from rayppo.errors import RayppoError
 
@@ -245,13 +240,6 @@ class ChecksConfig:
     """Testing only: the (Hugging Face) tensor name ``sync_fault`` hits."""
 
 
-def mismatch_limit(checks: "ChecksConfig", dtype: str) -> float:
-    """``checks.max_logprob_mismatch``, or the default of ``model.dtype``."""
-    if checks.max_logprob_mismatch is not None:
-        return checks.max_logprob_mismatch
-    return 1e-3 if dtype == "float32" else 0.1
-
-
 @dataclass
 class StopConfig:
     iterations: int = 40
@@ -301,11 +289,6 @@ class OutputConfig:
     folder (``pip install mlflow-skinny``)."""
     run_name: str | None = None
     """Run name in W&B and MLflow; default: the last part of ``dir``."""
-
-
-def actor_threads(threads: int | None, cpus: float) -> int:
-    """torch threads of an actor: the configured number, else its CPU share (at least 1)."""
-    return threads or max(1, int(cpus))
 
 
 @dataclass
@@ -443,205 +426,6 @@ class Config:
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-
-
-COLOCATED_SHARES = {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.1}
-"""Ray's accounting of one GPU in colocated mode (``cluster.colocate_all``): the roles share it
-in time (vLLM sleeps while the learner trains), so the fractions only let Ray place four actors
-on one GPU; they sum to 1."""
-
-
-def tensor_parallel_size(g: GeneratorConfig) -> int:
-    """vLLM workers per generator: ``generators.tensor_parallel_size``, else its whole GPUs."""
-    return g.tensor_parallel_size or max(1, int(g.gpus_per_worker))
-
-
-def role_gpus(cfg: Config, role: str) -> float:
-    """GPUs (or a share of one) that Ray gives each actor of ``role``
-    (generators, reference, reward, learner)."""
-    if cfg.cluster.colocate_all:
-        if role == "reward" and cfg.reward.model is None:
-            return 0.0  # a verifier function or an endpoint needs no GPU (nor a CUDA context)
-        return COLOCATED_SHARES[role] if cfg.learner.gpus_per_rank else 0.0
-    return {"generators": cfg.generators.gpus_per_worker, "reference": cfg.reference.gpus,
-            "reward": cfg.reward.gpus, "learner": cfg.learner.gpus_per_rank}[role]
-
-
-def vllm_memory_utilization(cfg: Config) -> float:
-    """vLLM's ``gpu_memory_utilization``: the configured value, else 0.85 of the generator's share
-    of each GPU (vLLM sizes itself against the whole device, so a 0.4 share must not take 0.85),
-    or 0.4 in colocated mode (the learner's weights and optimizer states stay resident)."""
-    g = cfg.generators
-    if g.gpu_memory_utilization is not None:
-        return g.gpu_memory_utilization
-    if cfg.cluster.colocate_all:
-        return 0.4
-    return round(0.85 * min(1.0, g.gpus_per_worker or 1.0), 4)
-
-
-def weight_sync_backend(cfg: Config) -> str | None:
-    """``ipc``, ``nccl`` or ``gloo`` when weights go straight to the generators' workers, None when
-    they go through the object store (``learner.weight_sync``)."""
-    g, mode = cfg.generators, cfg.learner.weight_sync
-    gen_gpus, learner_gpus = role_gpus(cfg, "generators"), cfg.learner.gpus_per_rank
-    if cfg.cluster.colocate_all and learner_gpus and g.backend == "vllm" and mode in ("auto", "ipc"):
-        return "ipc"  # learner rank and generator on one GPU: hand over CUDA-IPC handles
-    on_gpus = learner_gpus > 0 and gen_gpus > 0
-    # NCCL cannot put two ranks of one group on one GPU: auto broadcasts only between whole GPUs.
-    whole_gpus = learner_gpus >= 1 and gen_gpus >= 1 and not cfg.cluster.colocate_all
-    # The asynchronous pipeline updates one generator at a time, between its batches.
-    broadcast_fits = on_gpus and whole_gpus and g.backend == "vllm" and cfg.rollout.max_staleness == 0
-    if mode == "object_store" or (mode == "auto" and not broadcast_fits):
-        return None
-    return "nccl" if on_gpus else "gloo"
-
-
-# ------------------------------------------------------------------------------------------
-# Loading: YAML + dotted overrides into the dataclass tree
-# ------------------------------------------------------------------------------------------
-def _convert(value: Any, hint: Any, name: str) -> Any:
-    """Convert a YAML/CLI value to the field's annotated type, or raise naming the field."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], name)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint in (int, float):
-        kind = "an integer" if hint is int else "a number"
-        if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{name}: expected {kind}, got {value!r}")
-        try:
-            return hint(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{name}: expected a string, got {value!r}")
-        return str(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
-        return dict(value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{name}: expected a list, got {value!r}")
-        return list(value)
-    return value
-
-
-def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
-    """Set the fields of dataclass ``obj`` from a (nested) mapping, rejecting unknown keys."""
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"{name}: unknown {'section' if not prefix else 'field'} ({_suggest(str(key), names, prefix)})")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{name}: expected a mapping of fields, got {value!r}")
-            _apply(current, value, f"{name}.")
-        else:
-            setattr(obj, key, _convert(value, hints[key], name))
-
-
-def _suggest(key: str, names: set[str], prefix: str) -> str:
-    """``did you mean ppo.clip_eps?`` for a near miss, else the names there are."""
-    import difflib
-
-    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
-    if close:
-        return f"did you mean {prefix}{close[0]}?"
-    return f"known: {', '.join(sorted(names))}"
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """``"ppo.clip_eps=0.1"`` -> ``{"ppo": {"clip_eps": 0.1}}`` (the value is parsed as YAML)."""
-    if "=" not in text:
-        raise ConfigError(f"{text}: an override must look like section.field=value")
-    key, raw = text.split("=", 1)
-    key = key.strip().lstrip("-")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    nested: dict[str, Any] = {}
-    node = nested
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return nested
-
-
-INPUT_PATHS = ("model.policy", "model.reference", "model.critic", "model.cache_dir", "data.prompts", "eval.prompts",
-               "reward.model")
-"""Fields naming files or folders to read. Set in a ``--config`` file, a relative one is relative
-to that file's folder (the file and its data travel together); on the command line, to the
-current directory. ``output.dir`` is always relative to the current directory."""
-
-
-def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:
-    """Rewrite the relative ``INPUT_PATHS`` of a YAML mapping as seen from the current
-    directory (kept relative, so a submitted job's working directory still works)."""
-    import os
-
-    for name in INPUT_PATHS:
-        section, key = name.split(".")
-        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
-        if isinstance(value, str) and value and value != "embedded" and not Path(value).is_absolute():
-            data[section][key] = os.path.relpath(folder / value)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                paths_relative_to_file: bool = True) -> Config:
-    """Build the config: defaults, then the YAML file, then the dotted overrides; then validate.
-    ``paths_relative_to_file=False``: the file's paths are relative to the current directory
-    (a run's own saved config.yaml, written with them so)."""
-    cfg = Config()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--config: {path} is not valid YAML{_yaml_where(exc)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config: {path} must hold a mapping of sections")
-        if paths_relative_to_file:
-            _paths_relative_to(data, path.parent)
-        _apply(cfg, data, "")
-    chosen: set[str] = set()
-    for text in overrides or []:
-        override = parse_override(text)
-        chosen |= {f"{section}.{key}" for section, fields in override.items() if isinstance(fields, dict)
-                   for key in fields}
-        _apply(cfg, override, "")
-    if path is not None and isinstance(data.get("reward"), dict):
-        chosen |= {f"reward.{key}" for key in data["reward"]}
-    if "reward.function" not in chosen and (cfg.reward.model or cfg.reward.url):
-        cfg.reward.function = None  # choosing a reward model or an endpoint replaces the default verifier
-    from rayppo.config_checks import validate  # the checks module builds on this one
-
-    return validate(cfg)
-
-
-def _yaml_where(exc: yaml.YAMLError) -> str:
-    """`` (line 3, column 1: expected ',' or ']')``: PyYAML's several-line message in one line."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or ""
-    if mark is None:
-        return f": {' '.join(str(exc).split())}"
-    return f" (line {mark.line + 1}, column {mark.column + 1}: {problem})"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

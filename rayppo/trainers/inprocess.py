@@ -20,54 +20,19 @@ from pathlib import Path
 
 import torch
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings
+from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.config import Config, mismatch_limit
+from rayppo.config.derived import mismatch_limit
+from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
-from rayppo.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
 from rayppo.data.rollout import Rollout
-from rayppo.guard import MismatchGuard
 from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
+from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
-from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
-
-
-def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
-    """beta: fixed, or adapted towards ``target`` nats per response."""
-    return AdaptiveKLController(kl_coef, target, horizon) if adaptive else FixedKLController(kl_coef)
-
-
-def sampling_settings(cfg: Config) -> SamplingSettings:
-    r = cfg.rollout
-    return SamplingSettings(r.max_new_tokens, r.temperature, r.ignore_eos)
-
-
-def iteration_seed(seed: int, iteration: int) -> int:
-    """The sampling seed of an iteration (shared by every trainer, so runs are comparable)."""
-    return seed * 1_000_003 + iteration
-
-
-def generator_seed(seed: int, generator_id: int) -> int:
-    """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
-    seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""
-    return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31
-
-
-def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
-    """Reward (mean, population std, min, max), length and throughput figures of one rollout batch."""
-    lengths = [len(r) for r in rollout.response_ids]
-    mean = sum(rollout.score) / len(rollout)
-    return {
-        "reward/mean": mean,
-        "reward/std": (sum((s - mean) ** 2 for s in rollout.score) / len(rollout)) ** 0.5,
-        "reward/min": min(rollout.score),
-        "reward/max": max(rollout.score),
-        "response/length_mean": sum(lengths) / len(lengths),
-        "response/truncated_frac": sum(r == "length" for r in rollout.finish_reason) / len(rollout),
-        "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
-    }
+from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
+from rayppo.trainers.iteration import iteration_seed, make_kl_controller, rollout_stats, sampling_settings
 
 
 class ReferenceTrainer:
@@ -141,7 +106,7 @@ class ReferenceTrainer:
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
 
     def evaluate(self) -> dict[str, float]:
-        """The current policy on the held-out prompts (``rayppo/evaluation.py``); {} without them."""
+        """The current policy on the held-out prompts (``rayppo/trainers/evaluation.py``); {} without them."""
         if self.eval_prompts is None:
             return {}
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from rayppo.config import Config
+    from rayppo.config.schema import Config
 
 GREEDY = 0.0
 """Temperature of the greedy responses (the generators decode greedily at 0)."""

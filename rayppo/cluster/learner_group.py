@@ -15,13 +15,14 @@ from typing import Any, Iterator
 import ray
 from ray.exceptions import RayActorError
 
-from rayppo.actors.base import Engine
 from rayppo.cluster.group import ActorGroup, get, split_evenly
 from rayppo.cluster.placement import Placement
 from rayppo.cluster.supervisor import dump_stacks
-from rayppo.config import Config, actor_threads
+from rayppo.config.derived import actor_threads
+from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.rollout import Rollout
+from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
 from rayppo.learner.weight_sync import SyncEndpoint, free_port

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from rayppo.config import SYNC_FAULTS, Config, ConfigError, role_gpus, tensor_parallel_size, weight_sync_backend
+from rayppo.config.derived import role_gpus, tensor_parallel_size, weight_sync_backend
+from rayppo.config.schema import SYNC_FAULTS, Config, ConfigError
 
 
 def _require(ok: bool, name: str, message: str, value: Any) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayppo.footprint import ModelShape, _linears
+from rayppo.plan.footprint import ModelShape, _linears
 
 
 @dataclass

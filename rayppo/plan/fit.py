@@ -1,6 +1,6 @@
 """``rayppo plan``: will a job fit? Per role: actors, CPUs/GPUs, placement group, peak memory.
 
-The memory per actor comes from ``rayppo.footprint`` (json + math), the placement groups and
+The memory per actor comes from ``rayppo.plan.footprint`` (json + math), the placement groups and
 what they reserve (``requested_resources``) from ``rayppo.cluster.placement`` (pure: Ray is
 imported only where groups are made). The fit check compares that demand with the cluster's
 resources, each GPU's memory with the device's (actors sharing a GPU add up; in colocated mode
@@ -13,16 +13,16 @@ knows before anything starts (``preflight``).
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayppo.cluster.placement import (changed, fewer_actors, override_text, plan_groups, requested_resources,
-                                      role_specs, shortage_lines)
-from rayppo.config import Config, ConfigError, role_gpus, tensor_parallel_size, vllm_memory_utilization
-from rayppo.footprint import GiB, MiB, Estimate, Inputs, estimates, inputs, param_count
+from rayppo.cluster.placement import (changed, fewer_actors, local_cpus, override_text, plan_groups,
+                                      requested_resources, role_specs, running_cluster_resources, shortage_lines)
+from rayppo.config.derived import role_gpus, tensor_parallel_size, vllm_memory_utilization
+from rayppo.config.schema import Config, ConfigError
+from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs, param_count
 
 ROLES = ("generators", "reference", "reward", "learner")
 ACCELERATOR_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "L40S": 48, "L4": 24,
@@ -298,20 +298,6 @@ def render(cfg: Config, plan: Plan) -> str:
     return "\n".join(out + (["fits"] if not plan.missing else ["does not fit:"] + [f"  {x}" for x in plan.missing]))
 
 
-MAX_OVERSUBSCRIPTION = 4
-"""A local instance nobody sized counts at most this many logical CPUs per core."""
-
-
-def local_cpus(cpus_asked: float) -> float:
-    """Logical CPUs of a local Ray instance nobody sized (``cluster.num_cpus`` unset): the
-    machine's cores, or what the roles reserve (rounded up: Ray starts with whole CPUs) when
-    that is more, up to ``MAX_OVERSUBSCRIPTION`` per core. Ray's CPUs are reservations, not
-    pinned cores: on a 2-core laptop a job whose roles reserve 2.5 runs fine, its generate,
-    score and learn stages taking turns; one reserving 30 is refused with the fixes."""
-    cores = os.cpu_count() or 1
-    return float(max(cores, min(math.ceil(cpus_asked - 1e-9), MAX_OVERSUBSCRIPTION * cores)))
-
-
 def local_resources(cfg: Config, with_memory: bool = True) -> dict[str, float]:
     """This machine as rayppo's local Ray instance sees it: CPUs (``cluster.num_cpus``, else the
     cores or what the roles reserve, rounded up, when that is more), GPUs
@@ -347,13 +333,7 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
     address = address or cfg.cluster.address
     if not address:
         return local_resources(cfg), THIS_MACHINE
-    import ray
-
-    ray.init(address=address, log_to_driver=False)
-    try:
-        return dict(ray.cluster_resources()), f"Ray cluster {address}"
-    finally:
-        ray.shutdown()
+    return running_cluster_resources(address), f"Ray cluster {address}"
 
 
 def preflight(cfg: Config) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rayppo.config import Config, ConfigError
+from rayppo.config.schema import Config, ConfigError
 
 RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "placement.json", "plot.png", "tb", "checkpoints", "policy", "critic",
                "rollouts", "logs", "wandb", "wandb_run_id", "mlflow_run_id")

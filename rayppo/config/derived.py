@@ -1,0 +1,70 @@
+"""What the config implies: GPUs per actor, vLLM workers and memory share, the weight-sync path,
+thread counts and the log-prob mismatch limit. Pure functions of the dataclass tree."""
+
+from __future__ import annotations
+
+from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig
+
+
+def mismatch_limit(checks: "ChecksConfig", dtype: str) -> float:
+    """``checks.max_logprob_mismatch``, or the default of ``model.dtype``."""
+    if checks.max_logprob_mismatch is not None:
+        return checks.max_logprob_mismatch
+    return 1e-3 if dtype == "float32" else 0.1
+
+
+def actor_threads(threads: int | None, cpus: float) -> int:
+    """torch threads of an actor: the configured number, else its CPU share (at least 1)."""
+    return threads or max(1, int(cpus))
+
+
+COLOCATED_SHARES = {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.1}
+"""Ray's accounting of one GPU in colocated mode (``cluster.colocate_all``): the roles share it
+in time (vLLM sleeps while the learner trains), so the fractions only let Ray place four actors
+on one GPU; they sum to 1."""
+
+
+def tensor_parallel_size(g: GeneratorConfig) -> int:
+    """vLLM workers per generator: ``generators.tensor_parallel_size``, else its whole GPUs."""
+    return g.tensor_parallel_size or max(1, int(g.gpus_per_worker))
+
+
+def role_gpus(cfg: Config, role: str) -> float:
+    """GPUs (or a share of one) that Ray gives each actor of ``role``
+    (generators, reference, reward, learner)."""
+    if cfg.cluster.colocate_all:
+        if role == "reward" and cfg.reward.model is None:
+            return 0.0  # a verifier function or an endpoint needs no GPU (nor a CUDA context)
+        return COLOCATED_SHARES[role] if cfg.learner.gpus_per_rank else 0.0
+    return {"generators": cfg.generators.gpus_per_worker, "reference": cfg.reference.gpus,
+            "reward": cfg.reward.gpus, "learner": cfg.learner.gpus_per_rank}[role]
+
+
+def vllm_memory_utilization(cfg: Config) -> float:
+    """vLLM's ``gpu_memory_utilization``: the configured value, else 0.85 of the generator's share
+    of each GPU (vLLM sizes itself against the whole device, so a 0.4 share must not take 0.85),
+    or 0.4 in colocated mode (the learner's weights and optimizer states stay resident)."""
+    g = cfg.generators
+    if g.gpu_memory_utilization is not None:
+        return g.gpu_memory_utilization
+    if cfg.cluster.colocate_all:
+        return 0.4
+    return round(0.85 * min(1.0, g.gpus_per_worker or 1.0), 4)
+
+
+def weight_sync_backend(cfg: Config) -> str | None:
+    """``ipc``, ``nccl`` or ``gloo`` when weights go straight to the generators' workers, None when
+    they go through the object store (``learner.weight_sync``)."""
+    g, mode = cfg.generators, cfg.learner.weight_sync
+    gen_gpus, learner_gpus = role_gpus(cfg, "generators"), cfg.learner.gpus_per_rank
+    if cfg.cluster.colocate_all and learner_gpus and g.backend == "vllm" and mode in ("auto", "ipc"):
+        return "ipc"  # learner rank and generator on one GPU: hand over CUDA-IPC handles
+    on_gpus = learner_gpus > 0 and gen_gpus > 0
+    # NCCL cannot put two ranks of one group on one GPU: auto broadcasts only between whole GPUs.
+    whole_gpus = learner_gpus >= 1 and gen_gpus >= 1 and not cfg.cluster.colocate_all
+    # The asynchronous pipeline updates one generator at a time, between its batches.
+    broadcast_fits = on_gpus and whole_gpus and g.backend == "vllm" and cfg.rollout.max_staleness == 0
+    if mode == "object_store" or (mode == "auto" and not broadcast_fits):
+        return None
+    return "nccl" if on_gpus else "gloo"
+

@@ -1,0 +1,46 @@
+"""What every trainer's iteration shares: the KL controller, the sampling settings, the seeds
+of iterations and generators, and the rollout figures of the metrics line."""
+
+from __future__ import annotations
+
+from rayppo.actors.generator import SamplingSettings
+from rayppo.config.schema import Config
+from rayppo.data.rollout import Rollout
+from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
+
+
+def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
+    """beta: fixed, or adapted towards ``target`` nats per response."""
+    return AdaptiveKLController(kl_coef, target, horizon) if adaptive else FixedKLController(kl_coef)
+
+
+def sampling_settings(cfg: Config) -> SamplingSettings:
+    r = cfg.rollout
+    return SamplingSettings(r.max_new_tokens, r.temperature, r.ignore_eos)
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """The sampling seed of an iteration (shared by every trainer, so runs are comparable)."""
+    return seed * 1_000_003 + iteration
+
+
+def generator_seed(seed: int, generator_id: int) -> int:
+    """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
+    seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""
+    return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31
+
+
+def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
+    """Reward (mean, population std, min, max), length and throughput figures of one rollout batch."""
+    lengths = [len(r) for r in rollout.response_ids]
+    mean = sum(rollout.score) / len(rollout)
+    return {
+        "reward/mean": mean,
+        "reward/std": (sum((s - mean) ** 2 for s in rollout.score) / len(rollout)) ** 0.5,
+        "reward/min": min(rollout.score),
+        "reward/max": max(rollout.score),
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/truncated_frac": sum(r == "length" for r in rollout.finish_reason) / len(rollout),
+        "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+    }
+

@@ -1,0 +1,174 @@
+"""The package's layering holds: imports run top-down, no module imports itself in a circle, and
+Ray, vLLM and DeepSpeed stay in the modules that spawn, call or wrap them.
+
+Read from the source (ast), every import counted wherever it sits (a function-local import is a
+dependency too); a name under ``if TYPE_CHECKING:`` counts for the layering but not for circles,
+since it is never executed."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rayppo"
+
+LAYERS: list[tuple[str, ...]] = [
+    ("rayppo.cli",),                                    # the commands
+    ("rayppo.train",),                                  # the run loop: progress, metrics, checkpoints
+    ("rayppo.trainers", "rayppo.plan"),                 # the iterations; the checks before a run
+    ("rayppo.cluster",),                                # Ray plumbing
+    ("rayppo.actors",),                                 # the roles' engines
+    ("rayppo.learner", "rayppo.run"),                   # DeepSpeed learner; what a run writes
+    ("rayppo.config",),                                 # the dataclass tree, its checks and loading
+    ("rayppo.engine", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
+    ("rayppo.tasks",),                                  # built-in tasks and their reward functions
+    ("rayppo.console", "rayppo.errors"),                # the ground floor
+    ("rayppo.learner.ppo", "rayppo.models.vocab_head"), # pure tensor math: importable from anywhere
+]
+"""Top first. A module may import one of a lower layer, or one of its own package."""
+
+THIRD_PARTY = {
+    "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.engine"),
+    "vllm": ("rayppo.actors.generator", "rayppo.actors.weight_receiver"),
+    "deepspeed": ("rayppo.learner.engine",),
+}
+"""Who may import them: Ray where actors are spawned or called, in the engine base (an actor asks
+Ray for its own GPUs and node); vLLM in the generator engine and its weight-transfer plugin, DeepSpeed in the learner
+engine."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, child.end_lineno + 1))
+    return lines
+
+
+def _imports(path: Path, modules: set[str]) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, executed)`` for every import in the file."""
+    tree = ast.parse(path.read_text())
+    typing_only = _type_checking_lines(tree)
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from rayppo.learner import ppo`` imports the module rayppo.learner.ppo
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+            names = subs or [node.module]
+        found += [(name, node.lineno, node.lineno not in typing_only) for name in names]
+    return found
+
+
+def _layer(module: str) -> tuple[int, str]:
+    """(layer index, the package prefix it matched) by the longest matching prefix."""
+    best = max(((i, p) for i, layer in enumerate(LAYERS) for p in layer if module == p or module.startswith(p + ".")),
+               key=lambda ip: len(ip[1]), default=None)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_every_module_has_a_layer():
+    for module in _modules():
+        if module != "rayppo":
+            _layer(module)
+
+
+def _back_arrows(module: str, path: Path, modules: set[str]) -> list[str]:
+    """The imports of ``module`` (source at ``path``) that run against the layering."""
+    mine, pkg = _layer(module)[0], _package(module)
+    return [f"{path.name}:{line} imports {name}" for name, line, _ in _imports(path, modules)
+            if name in modules and name != "rayppo" and not (_layer(name)[0] > mine or _package(name) == pkg)]
+
+
+def test_imports_run_top_down():
+    modules = _modules()
+    wrong = [arrow for m, p in modules.items() if m != "rayppo" for arrow in _back_arrows(m, p, set(modules))]
+    assert wrong == [], "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _circles(graph: dict[str, list[str]]) -> list[str]:
+    """Every circle a depth-first walk of ``graph`` (module -> modules it imports) meets."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in graph.get(m, []):
+            if state.get(n) == 1:
+                circles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+    return circles
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {m: sorted({n for n, _, run in _imports(p, set(modules)) if run and n in modules and n != m})
+             for m, p in modules.items()}
+    assert _circles(graph) == [], "import circles:\n" + "\n".join(_circles(graph))
+
+
+def test_ray_vllm_and_deepspeed_stay_where_they_belong():
+    modules = _modules()
+    wrong = []
+    for module, path in modules.items():
+        for name, line, _ in _imports(path, set(modules)):
+            top = name.split(".")[0]
+            allowed = THIRD_PARTY.get(top)
+            if allowed and not any(module == a or module.startswith(a + ".") for a in allowed):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_pure_math_imports_only_torch():
+    for module in LAYERS[-1]:
+        path = _modules()[module]
+        tops = {name.split(".")[0] for name, _, _ in _imports(path, set())}
+        assert tops <= {"torch", "__future__", "math", "dataclasses", "typing"}, (module, tops)
+
+
+def test_the_root_holds_entry_points_and_the_ground_floor_only():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "cli.py", "console.py", "engine.py", "errors.py", "train.py"], loose
+    assert all((PACKAGE / d / "__init__.py").read_text().strip() == "" for d in
+               ("actors", "cluster", "config", "data", "learner", "models", "plan", "run", "tasks", "trainers"))
+
+
+def test_the_checks_catch_a_back_arrow_and_a_circle(tmp_path):
+    """The checker itself: a learner module importing the cluster, and a math module importing
+    the config, are reported; importing down is not."""
+    modules = set(_modules())
+    bad = tmp_path / "update.py"
+    bad.write_text("from rayppo.cluster.group import ActorGroup\nfrom rayppo.learner import ppo\n"
+                   "from rayppo.config.schema import PPOConfig\n")
+    assert _back_arrows("rayppo.learner.update", bad, modules) == ["update.py:1 imports rayppo.cluster.group"]
+    assert _back_arrows("rayppo.learner.ppo", bad, modules) == [
+        "update.py:1 imports rayppo.cluster.group", "update.py:3 imports rayppo.config.schema"]
+    graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
+    assert _circles(graph) == ["a -> b -> c -> a"]
+    assert _circles({"a": ["b"], "b": []}) == []
