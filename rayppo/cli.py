@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "logs":
             job.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     config = sub.add_parser("config", help="print every config field with its default and meaning")
-    config.add_argument("--yaml", action="store_true", help="print the defaults as a YAML file instead")
+    shape = config.add_mutually_exclusive_group()
+    shape.add_argument("--yaml", action="store_true", help="print the defaults as a YAML file instead")
+    shape.add_argument("--markdown", action="store_true",
+                       help="print the reference page of the docs (docs/config.md) instead")
     return parser
 
 
@@ -277,6 +280,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         import yaml
 
         print(yaml.safe_dump(to_dict(Config()), sort_keys=False), end="")
+        return 0
+    if args.markdown:
+        from rayppo.config.reference import reference_markdown
+
+        print(reference_markdown(), end="")
         return 0
     for name, default, doc in field_docs():
         print(f"{name} = {default}\n    {doc}")

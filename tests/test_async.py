@@ -11,7 +11,6 @@ import signal
 import pyarrow.parquet as pq
 import pytest
 
-from rayppo.cluster import pipeline
 from rayppo.cluster.group import get
 from rayppo.config.load import load_config
 from rayppo.data.rollout import Rollout
@@ -19,6 +18,7 @@ from rayppo.engine import Engine
 from rayppo.learner.guard import WeightSyncError
 from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
+from rayppo.trainers import pipeline
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats, trainer_class
 

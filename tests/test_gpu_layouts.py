@@ -3,7 +3,6 @@ the bounded ZeRO-3 gather, and the colocated schedule. What needs CUDA is in tes
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -44,7 +44,7 @@ class RaySession:
             return self
         quiet = {"log_to_driver": self.verbose, "logging_level": logging.INFO if self.verbose else logging.WARNING}
         if not self.verbose:
-            # Ray announces its default token authentication at every local start (the README's
+            # Ray announces its default token authentication at every local start (the docs'
             # security section says what it means); not a warning about this job.
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         if self.address:

@@ -2,9 +2,10 @@
 
     rayppo train --config job.yaml ppo.clip_eps=0.1 rollout.batch_size=128
 
-Every field has a docstring (the string under it), which ``rayppo config`` prints and the README's
-config reference is generated from. ``load_config`` parses, converts types and runs the
-cross-field checks; every error names the field it is about.
+Every field has a docstring (the string under it), which ``rayppo config`` prints and the docs'
+config reference is generated from (``reference.py``). ``load.py`` parses, converts types and runs
+the cross-field checks of ``checks.py``; ``derived.py`` holds what the fields imply. Every error
+names the field it is about.
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ class PPOConfig:
     the V-trace-trained critic's TD errors along the sampled tokens (the loss's weight w_t
     corrects the current token's sampling, later tokens are not reweighted); ``retrace``:
     A_t = delta_t + gamma lam min(vtrace_c_clip, q_{t+1}) A_{t+1}, design.md's recursion.
-    ``gae`` reached the default task's reward in fewer iterations at k = 1 and 2 (README,
-    "Asynchronous training"): the traces cut the end-of-response reward's way back."""
+    ``gae`` reached the default task's reward in fewer iterations at k = 1 and 2 (docs/async.md,
+    "Which k"): the traces cut the end-of-response reward's way back."""
 
 
 @dataclass
