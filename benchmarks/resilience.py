@@ -47,7 +47,7 @@ def measure(workload_name: str, out: Path) -> dict[str, float]:
         trainer.iteration()  # warm-up: compiled kernels, caches
         clean = trainer.iteration()["time/iteration"]
         start = time.perf_counter()
-        folder = write_checkpoint(out / workload_name, trainer.iteration_count, trainer, keep=1)
+        folder = write_checkpoint(out / workload_name, trainer, keep=1)
         result = {"checkpoint_write_s": time.perf_counter() - start, "checkpoint_bytes": _folder_bytes(folder),
                   "iteration_s": clean}
         os.kill(get(trainer.generators.call_at(0, Engine.process_id, ()))[0], signal.SIGKILL)

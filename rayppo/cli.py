@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 PLAN_EPILOG = """Estimates each role's peak memory per actor from the models' config.json (no model is
 loaded) and checks CPUs, GPUs, per-GPU memory and total RSS against the cluster: exit 0 when it
@@ -128,10 +130,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.config.load import load_config
     from rayppo.config.schema import ConfigError
     from rayppo.console import console
-    from rayppo.errors import RayppoError
+    from rayppo.errors import RayppoError, raise_preempted
     from rayppo.plan.inputs import check_inputs
     from rayppo.run.tracking import check_trackers
 
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_preempted)  # start-up stops cleanly; the loop has its own rule
     console.setup(None, args.verbose)  # warnings of the checks below, before the run folder exists
     resume = None
     if args.resume:
@@ -175,7 +179,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         trainer = distributed_trainer(cfg)
     result = run(cfg, trainer, progress=not args.no_progress, resume=resume)
     print(result.summary())
-    return 130 if result.stop_reason == "interrupted" else 0
+    return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as shells report
 
 
 def _headline(cfg, resume) -> str:
@@ -293,7 +297,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success; 2 with one line ``rayppo: error: ...`` naming the problem for every
-    bad input (``RayppoError``), with no traceback; 130 on a Ctrl-C that stops the run at once."""
+    bad input (``RayppoError``), with no traceback; 130 after a Ctrl-C, 143 after a SIGTERM."""
     from rayppo.errors import RayppoError  # nothing heavy: errors are caught before any import below
 
     parser = build_parser()
@@ -310,9 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     except RayppoError as exc:
         print(f"rayppo: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("rayppo: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from rayppo.errors import Preempted
+
+        preempted = isinstance(exc, Preempted)
+        print(f"rayppo: {'terminated (SIGTERM)' if preempted else 'interrupted'}", file=sys.stderr)
+        return 143 if preempted else 130
     except BrokenPipeError:  # `rayppo config | head`: the reader has gone, nothing to say
         import os
 

@@ -16,8 +16,18 @@ class ModelFolderError(RayppoError, FileNotFoundError):
     """A model folder that is missing, is not a model, or cannot be used; names field and path."""
 
 
+class Preempted(KeyboardInterrupt):
+    """SIGTERM before the training loop started (its own handler takes over from there):
+    ``rayppo train`` closes what it started and exits 143, as a terminated program does."""
+
+
+def raise_preempted(signum, frame) -> None:
+    """A SIGTERM handler: unwind as on Ctrl-C, so that every ``finally`` and ``close`` runs."""
+    raise Preempted
+
+
 class ActorFailedError(RayppoError, RuntimeError):
-    """An actor failed more often than ``cluster.max_actor_restarts`` allows, or could not be
+    """An actor failed more often than ``cluster.max_actor_restarts`` allows within its window, or could not be
     brought up to date after a restart; the message names role, actor and cause."""
 
 

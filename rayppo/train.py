@@ -6,6 +6,7 @@ The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``
 
 from __future__ import annotations
 
+import _thread
 import shutil
 import signal
 import sys
@@ -24,7 +25,7 @@ from rayppo.console import console
 from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError
 from rayppo.learner.guard import CorrectnessError
-from rayppo.run.checkpoint import checkpoint_root, read_driver_state, write_checkpoint
+from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state, write_checkpoint
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.samples import format_samples, pick_samples
 from rayppo.run.tracking import make_trackers
@@ -56,7 +57,8 @@ class TrainResult:
     iterations: int
     """Iterations completed."""
     stop_reason: str
-    """``completed``, ``kl_budget`` or ``interrupted`` (a guard or failure stop raises)."""
+    """``completed``, ``kl_budget``, ``interrupted`` (Ctrl-C) or ``preempted`` (SIGTERM); a guard
+    or failure stop raises."""
     reward_start: float
     """Mean reward of the first iteration (the initial policy)."""
     reward_end: float
@@ -81,32 +83,89 @@ def _mean_reward(records: list[dict[str, float]]) -> float:
     return sum(r["reward/mean"] for r in records) / max(len(records), 1)
 
 
-class _StopRequest:
-    """The first Ctrl-C asks the loop to stop after the current iteration; a second one aborts it.
+class StopRequest:
+    """How a run is asked to stop, between iterations when there is time, at once otherwise.
 
-    Stopping at an iteration boundary keeps the interrupt out of Ray and DeepSpeed calls in
-    flight, so the checkpoint that follows starts from a consistent state.
+    - Ctrl-C (SIGINT): stop after the current iteration, then write a checkpoint; a second Ctrl-C
+      stops at once.
+    - SIGTERM, a preemption (``ray job stop``, Kubernetes eviction, spot reclaim: SIGKILL follows
+      within a grace period): stop after the current iteration and write its checkpoint when that
+      fits in ``grace_s`` (estimated from the last iteration's and the last checkpoint's seconds);
+      otherwise, or once the grace is nearly spent, stop at once.
+
+    Stopping at an iteration boundary keeps the interrupt out of Ray and DeepSpeed calls in flight,
+    so the checkpoint that follows is consistent. A stop at once (``KeyboardInterrupt`` in the
+    loop) writes no checkpoint: the learner may be half-way through its update, so the latest
+    checkpoint stands.
     """
 
-    def __init__(self) -> None:
-        self.requested = False
+    def __init__(self, grace_s: float = 25.0) -> None:
+        self.grace_s = grace_s
+        self.requested: str | None = None
+        """``interrupted`` (Ctrl-C) or ``preempted`` (SIGTERM) once asked."""
+        self.iteration_started = time.monotonic()
+        self.last_iteration_s: float | None = None
+        self.last_checkpoint_s: float | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self._stopping = False  # the loop has ended: nothing left to cut short
 
-    def _handler(self, signum, frame) -> None:
+    def _sigint(self, signum, frame) -> None:
+        if self._stopping:  # a late signal (or the grace timer) after the loop ended: nothing to stop
+            return
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested = "interrupted"
         console.write("Ctrl-C: stopping after this iteration, then saving a checkpoint (Ctrl-C again to stop now)")
 
+    def _sigterm(self, signum, frame) -> None:
+        if self._stopping:
+            return
+        asked, self.requested = self.requested, "preempted"
+        if asked:  # a second signal: no more waiting
+            raise KeyboardInterrupt
+        checkpoint_s = self.last_checkpoint_s if self.last_checkpoint_s is not None else self.grace_s / 4
+        left = (self.last_iteration_s or 0.0) - (time.monotonic() - self.iteration_started)
+        if max(0.0, left) + checkpoint_s > self.grace_s:
+            console.write(f"SIGTERM: the iteration in flight needs ~{max(0.0, left):.0f} s more and its checkpoint "
+                          f"~{checkpoint_s:.0f} s, over stop.sigterm_grace_s={self.grace_s:g}: stopping now")
+            raise KeyboardInterrupt
+        console.write(f"SIGTERM: finishing this iteration and saving its checkpoint within "
+                      f"stop.sigterm_grace_s={self.grace_s:g} s")
+        self._timer = threading.Timer(max(0.0, self.grace_s - checkpoint_s), self._grace_spent)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _grace_spent(self) -> None:
+        with self._lock:
+            if not self._stopping:  # the iteration is still running: cut it short
+                console.write(f"SIGTERM: stop.sigterm_grace_s={self.grace_s:g} s nearly spent: stopping now")
+                _thread.interrupt_main(signal.SIGINT)  # runs _sigint in the main thread: KeyboardInterrupt
+
+    def iteration_done(self, seconds: float) -> None:
+        self.last_iteration_s, self.iteration_started = seconds, time.monotonic()
+
+    def stopping(self) -> None:
+        """The loop has ended; a timer still pending no longer cuts anything short."""
+        with self._lock:
+            self._stopping = True
+        if self._timer is not None:
+            self._timer.cancel()
+
     @contextmanager
-    def installed(self) -> Iterator["_StopRequest"]:
+    def installed(self) -> Iterator["StopRequest"]:
         if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
             yield self
             return
-        previous = signal.signal(signal.SIGINT, self._handler)
+        previous = signal.signal(signal.SIGINT, self._sigint), signal.signal(signal.SIGTERM, self._sigterm)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            try:
+                self.stopping()
+            finally:
+                signal.signal(signal.SIGINT, previous[0])
+                signal.signal(signal.SIGTERM, previous[1])
 
 
 def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | None = None) -> TrainResult:
@@ -122,50 +181,78 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         trainer.close()
         raise
     logger = MetricsLogger(out, trackers, resume_at=first if resume is not None else None)
-    stop_reason, it, every = "completed", first, cfg.output.checkpoint_every
-    guard_error: RayppoError | None = None
-    bar = Bar(cfg.stop.iterations, first, progress)
-    stop, started = _StopRequest(), time.monotonic()
+    loop = _Loop(cfg, trainer, out, logger, Bar(cfg.stop.iterations, first, progress),
+                 StopRequest(cfg.stop.sigterm_grace_s), first)
+    stop_reason, at_once, failure, started = "completed", False, None, time.monotonic()
     try:
-        with stop.installed():
-            while it < cfg.stop.iterations:
-                try:
-                    metrics = trainer.iteration()
-                    if due(cfg.eval.every, it, cfg.stop.iterations):
-                        metrics |= trainer.evaluate()
-                    logger.log(it, metrics)
-                    _after_iteration(cfg, trainer, out, it, metrics, logger)
-                    bar.update(metrics)
-                    if every and (it + 1) % every == 0:
-                        write_checkpoint(out, it + 1, trainer, cfg.output.keep_checkpoints)
-                except LearnerFailedError as exc:  # raises again once the restart budget is spent
-                    it = trainer.recover(exc)
-                    logger.rewind(it)
-                    bar.rewind(it)
-                    continue
-                it += 1
-                if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
-                    stop_reason = "kl_budget"
-                    console.write(f"Stopping early at iteration {it - 1}: KL(pi || pi_ref) = "
-                                  f"{metrics['kl/ref_mean']:.2f} nats per response exceeds stop.kl_budget = "
-                                  f"{cfg.stop.kl_budget}")
-                    break
-                if stop.requested:
-                    stop_reason = "interrupted"
-                    break
-    except KeyboardInterrupt:  # a second Ctrl-C, mid-iteration
-        stop_reason = "interrupted"
+        with loop.stop.installed():
+            stop_reason = loop.run()
+    except KeyboardInterrupt:  # a second Ctrl-C, or a preemption without the time to finish
+        stop_reason, at_once = loop.stop.requested or "interrupted", True
     except LearnerFailedError as exc:  # no learner left to checkpoint: the message says how to go on
-        stop_reason, guard_error = "learner_failure", exc
-    except RayppoError as exc:  # keep what is done (the state before this iteration), then say why
-        stop_reason, guard_error = _stop_reason(exc), exc
+        stop_reason, failure = "learner_failure", exc
+    except RayppoError as exc:  # keep what is done, then say why
+        stop_reason, failure = _stop_reason(exc), exc
     finally:
-        bar.close()
+        loop.bar.close()
         logger.close()
-    _finish(cfg, trainer, out, stop_reason, it)
-    if guard_error is not None:
-        raise guard_error
-    return _result(cfg, out, it, stop_reason, time.monotonic() - started)
+    _finish(cfg, trainer, out, stop_reason, loop.it, at_once)
+    if failure is not None:
+        raise failure
+    return _result(cfg, out, loop.it, stop_reason, time.monotonic() - started)
+
+
+@dataclass
+class _Loop:
+    """The iterations of one run, and what each leaves behind (metrics, samples, checkpoints)."""
+
+    cfg: Config
+    trainer: Trainer
+    out: Path
+    logger: MetricsLogger
+    bar: "Bar"
+    stop: StopRequest
+    it: int
+    """Iterations completed so far."""
+
+    def run(self) -> str:
+        """Iterate until done; returns why it stopped (``completed``, ``kl_budget``, or the
+        signal's ``interrupted`` / ``preempted``)."""
+        cfg = self.cfg
+        while self.it < cfg.stop.iterations:
+            try:
+                metrics = self.one()
+            except LearnerFailedError as exc:  # raises again once the restart budget is spent
+                self.it = self.trainer.recover(exc)
+                self.logger.rewind(self.it)
+                self.bar.rewind(self.it)
+                continue
+            if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
+                console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = "
+                              f"{metrics['kl/ref_mean']:.2f} nats per response exceeds stop.kl_budget = "
+                              f"{cfg.stop.kl_budget}")
+                return "kl_budget"
+            if self.stop.requested:
+                return self.stop.requested
+        return "completed"
+
+    def one(self) -> dict[str, float]:
+        """One iteration, its evaluation when due, its records and its periodic checkpoint."""
+        cfg, it, start = self.cfg, self.it, time.monotonic()
+        metrics = self.trainer.iteration()
+        if due(cfg.eval.every, it, cfg.stop.iterations):
+            metrics |= self.trainer.evaluate()
+        self.logger.log(it, metrics)
+        _after_iteration(cfg, self.trainer, self.out, it, metrics, self.logger)
+        self.bar.update(metrics)
+        self.it = it + 1
+        every = cfg.output.checkpoint_every
+        if every and self.it % every == 0:
+            begin = time.monotonic()
+            write_checkpoint(self.out, self.trainer, cfg.output.keep_checkpoints)
+            self.stop.last_checkpoint_s = time.monotonic() - begin
+        self.stop.iteration_done(time.monotonic() - start)
+        return metrics
 
 
 def _result(cfg: Config, out: Path, done: int, stop_reason: str, seconds: float) -> TrainResult:
@@ -190,8 +277,9 @@ def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int
     return state["iteration"]
 
 
-STOPS = {"interrupted": "Interrupted", "correctness_guard": "Stopped by the correctness guard",
-         "actor_failure": "Stopped by an actor failure", "error": "Stopped by an error"}
+STOPS = {"interrupted": "Interrupted", "preempted": "Preempted (SIGTERM)",
+         "correctness_guard": "Stopped by the correctness guard", "actor_failure": "Stopped by an actor failure",
+         "error": "Stopped by an error"}
 """Stops after which a checkpoint is written (of the last completed iteration), and how they read."""
 
 
@@ -241,23 +329,34 @@ class Bar:
         self.bar.close()
 
 
-def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: int) -> None:
-    """A last checkpoint (always after Ctrl-C or a guard stop; with periodic checkpoints on, also at
-    the end, so ``--resume DIR stop.iterations=...`` can extend a finished run), the final
-    models, then close."""
+def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: int, at_once: bool) -> None:
+    """A last checkpoint (always after Ctrl-C, SIGTERM or a guard stop; with periodic checkpoints on,
+    also at the end, so ``--resume DIR stop.iterations=...`` can extend a finished run), the final
+    models, then close. A stop at once (mid-iteration) and a dead learner write nothing: the
+    latest checkpoint stands, and the message names it."""
     every = cfg.output.checkpoint_every
-    if stop_reason == "learner_failure":  # the learner's state died with it
-        trainer.close()
-        return
     try:
+        if stop_reason == "learner_failure":  # the learner's state died with it
+            return
+        if at_once:
+            console.write(f"{STOPS[stop_reason]} mid-iteration: {_standing(out)}")
+            return
         if stop_reason in STOPS:
-            why = STOPS[stop_reason]
-            console.write(f"{why} after {done} iterations; saving a checkpoint to {checkpoint_root(out)} "
-                          f"(continue with: rayppo train --resume {out})")
-            write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
+            path = write_checkpoint(out, trainer, cfg.output.keep_checkpoints)  # named after what it holds
+            console.write(f"{STOPS[stop_reason]} after {int(path.name.removeprefix('iter_'))} iterations; saved a "
+                          f"checkpoint to {path} (continue with: rayppo train --resume {out})")
         elif every and done % every:
-            write_checkpoint(out, done, trainer, cfg.output.keep_checkpoints)
-        if cfg.output.save_model:
+            write_checkpoint(out, trainer, cfg.output.keep_checkpoints)
+        if cfg.output.save_model and stop_reason != "preempted":  # a preempted run saves when it completes
             trainer.save(out)
     finally:
         trainer.close()
+
+
+def _standing(out: Path) -> str:
+    """Which checkpoint a run stopped at once goes on from, and how."""
+    try:
+        path = latest_checkpoint(out)
+    except CheckpointError:
+        return "no checkpoint was written yet; rayppo train starts it again from the beginning"
+    return f"the checkpoint {path} stands (continue with: rayppo train --resume {out})"

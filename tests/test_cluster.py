@@ -110,8 +110,17 @@ def test_stop_ends_a_running_job_and_leaves_the_cluster_healthy(cluster, tmp_pat
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
         time.sleep(2)
     assert (out / "metrics.jsonl").read_text(), "the job never started iterating"
+    from ray.job_submission import JobSubmissionClient
+
+    env = JobSubmissionClient(cluster).get_job_info(job_id).runtime_env["env_vars"]
+    assert env["RAY_JOB_STOP_WAIT_TIME_S"] == "35"  # stop.sigterm_grace_s=25 and the margin, for Ray's supervisor
     assert main(["stop", job_id, "--address", cluster]) == 0
     assert "STOPPED" in capsys.readouterr().out
+    # A preemption, not a kill: the iteration in flight finished and its checkpoint holds every
+    # completed iteration (periodic checkpoints come every 20; none was due).
+    done = len((out / "metrics.jsonl").read_text().splitlines())
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"iter_{done:06d}"
+    assert "Preempted (SIGTERM) after" in JobSubmissionClient(cluster).get_job_logs(job_id)
     # Healthy: three live nodes, and every CPU is free again once the job's actors are gone.
     deadline = time.time() + 60
     while time.time() < deadline:

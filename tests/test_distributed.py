@@ -63,6 +63,21 @@ def test_guard_stops_the_run_at_a_sync_that_did_not_deliver_a_tensor(sync, fault
                         f"learner.weight_sync={sync}"], 2)
 
 
+def test_a_checkpoint_after_a_failed_sync_holds_the_iteration_it_trained(tmp_path, capsys):
+    """The guard stops the run at the sync after iteration 0's update: the checkpoint pairs the
+    updated learner with the driver state after that iteration (named iter_000001, not the state
+    before it, which would train the batch again on resume), and a resume finds them paired."""
+    out = tmp_path / "run"
+    args = ["checks.sync_fault=skip_all", "rollout.batch_size=16", "learner.num_ranks=1"]
+    assert main(["train", "--no-progress", *args, "stop.iterations=3", f"output.dir={out}"]) == 2
+    assert "weight sync to policy version 1" in capsys.readouterr().err
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000001"
+    assert json.loads((out / "checkpoints" / "iter_000001" / "driver.json").read_text())["iteration"] == 1
+    assert main(["train", "--no-progress", "--resume", str(out)]) == 2  # the same faulty generators again
+    err = capsys.readouterr().err
+    assert "weight sync to policy version 1" in err and "do not belong together" not in err
+
+
 def test_mismatch_limit_stops_before_the_bad_update_and_checkpoints(tmp_path, capsys):
     """With the weight check off, generators that never load new weights are caught by the
     log-prob mismatch at the next iteration, before its update; the run saves a checkpoint."""
@@ -139,16 +154,32 @@ def _distributed_two_iterations(ranks: int, zero: int):
         trainer.close()
 
 
+ADAM_STEP_BOUND = 0.1 / 0.001 ** 0.5
+"""Kingma & Ba (2015), section 2.1: with (1 - beta1) > sqrt(1 - beta2), as for betas (0.9, 0.999),
+one Adam step moves a weight by at most lr (1 - beta1) / sqrt(1 - beta2) = 3.16 lr."""
+BULK_GAP = 1e-2
+"""Bound on |w_ref - w_dist| / |w_ref - w_init| (2-norms over all policy weights). fp32 reductions
+in another order (2 ranks, ZeRO-3 partitions) perturb a gradient by ~1e-7 relative to the sum of
+its terms; Adam divides by the gradient's own RMS, so only weights whose gradient sits within that
+noise of zero (near-cancelling sums) can move differently, by up to the step bound. They are few
+and carry a small share of the update's norm (measured: ~1e-4 here); a sharding or cross-rank
+normalisation error changes the direction of the whole update instead (a ratio of order 1)."""
+
+
 def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_dir):
     """Two iterations (8 optimiser steps, a sync, a second rollout from the new weights): losses,
-    clip fractions, KL and weights of N ranks x ZeRO stage equal the single-process trainer's.
-    Sharding or a wrong cross-rank normalisation changes all of them."""
-    reference = ReferenceTrainer(load_config(None, _equivalence_overrides(1, 0) + ["trainer=reference"]))
+    clip fractions, KL and the weights' update of N ranks x ZeRO stage equal the single-process
+    trainer's. Sharding or a wrong cross-rank normalisation changes all of them. Weights are
+    compared where the comparison is well-conditioned (see ``BULK_GAP``): element by element an
+    Adam update of a gradient at rounding noise can differ by up to the step bound on any CPU."""
+    cfg = load_config(None, _equivalence_overrides(1, 0) + ["trainer=reference"])
+    reference = ReferenceTrainer(cfg)
     ref_stats = [reference.iteration() for _ in range(2)]
     ref_weights = reference.policy.state_dict()
     initial = AutoModelForCausalLM.from_pretrained(embedded_dir).state_dict()
-    update = max((ref_weights[k] - initial[k]).abs().max().item() for k in ref_weights)
-    assert update > 1e-4  # the update is far larger than the tolerance below
+    steps = 2 * cfg.ppo.epochs * cfg.ppo.minibatches
+    update = _norm({k: ref_weights[k] - initial[k] for k in ref_weights})
+    assert update > 1e-3  # the update is far larger than the noise compared below
     assert ref_stats[1]["kl/ref_mean"] > 1e-4 and ref_stats[1]["policy/clipfrac"] > 0  # nothing compared is 0
     for ranks, zero in ((2, 2), (1, 3)):
         stats, weights, rollout = _distributed_two_iterations(ranks, zero)
@@ -158,9 +189,15 @@ def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_
             for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl", "kl/ref_mean",
                         "value/explained_variance", "entropy"):
                 assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (ranks, it, key)
-        gap = max((ref_weights[k] - weights[k]).abs().max().item() for k in ref_weights)
-        print(f"ranks={ranks} zero={zero}: max |w_ref - w_dist| = {gap:.2e}, update size {update:.2e}")
-        assert gap < 1e-5, (ranks, zero, gap)
+        bulk = _norm({k: ref_weights[k] - weights[k] for k in ref_weights}) / update
+        worst = max((ref_weights[k] - weights[k]).abs().max().item() for k in ref_weights)
+        print(f"ranks={ranks} zero={zero}: |w_ref - w_dist| / |update| = {bulk:.2e}, max element gap {worst:.2e}")
+        assert bulk < BULK_GAP, (ranks, zero, bulk)
+        assert worst <= 2 * steps * ADAM_STEP_BOUND * cfg.ppo.lr, (ranks, zero, worst)
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return sum(float(t.double().pow(2).sum()) for t in tensors.values()) ** 0.5
 
 
 def test_placement_failure_is_a_clear_error_not_a_hang():

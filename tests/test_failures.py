@@ -15,6 +15,7 @@ import time
 import pytest
 
 from rayppo.cluster.group import get
+from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.load import load_config
 from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, LearnerFailedError
@@ -40,7 +41,11 @@ def _iteration_with_expected_prompts(trainer: DistributedTrainer) -> tuple[dict[
 
 
 def test_killed_actors_of_every_role_are_replaced_and_the_iteration_completes(tmp_path):
-    trainer = DistributedTrainer(load_config(None, BASE + ["cluster.max_actor_restarts=4", f"output.dir={tmp_path}"]))
+    """One SIGKILL per iteration, every role in turn, with a budget of one restart per completed
+    iteration: sporadic faults are survived however many there are (a lifetime cap of one restart
+    would stop at the second)."""
+    trainer = DistributedTrainer(load_config(None, BASE + ["cluster.max_actor_restarts=1", "cluster.restart_window=1",
+                                                           f"output.dir={tmp_path}"]))
     try:
         trainer.iteration()
         kills = [("generators", trainer.generators, 0), ("reference", trainer.reference, 0),
@@ -90,19 +95,42 @@ def test_an_actor_that_stops_answering_is_replaced_after_the_deadline(tmp_path):
         trainer.close()
 
 
-def test_past_the_restart_budget_the_run_stops_naming_role_actor_and_cause(tmp_path):
-    trainer = DistributedTrainer(load_config(None, BASE + ["cluster.max_actor_restarts=0", f"output.dir={tmp_path}"]))
+def test_restarts_within_the_window_are_a_crash_loop_and_stop_the_run(tmp_path):
+    """A reference actor SIGKILLed twice with no iteration completing in between the window's
+    worth: the first is survived, the second stops the run naming role, actor, cause and window."""
+    trainer = DistributedTrainer(load_config(None, BASE + ["cluster.max_actor_restarts=1", "cluster.restart_window=10",
+                                                           f"output.dir={tmp_path}"]))
     try:
         trainer.iteration()
         _signal(trainer.reference, 0, signal.SIGKILL)
-        with pytest.raises(ActorFailedError, match=r"^reference actor 0 died \(.*cluster.max_actor_restarts=0"):
+        assert trainer.iteration()["faults/actor_restarts"] == 1
+        _signal(trainer.reference, 0, signal.SIGKILL)
+        with pytest.raises(ActorFailedError, match=r"^reference actor 0 died \(.*restarts are spent: "
+                                                   r"cluster.max_actor_restarts=1 within cluster.restart_window=10 "
+                                                   r"iterations \(a crash loop"):
             trainer.iteration()
     finally:
         trainer.close()
 
 
+def test_the_restart_budget_forgets_restarts_older_than_its_window():
+    supervisor = Supervisor(max_restarts=2, timeout_s=1.0, window=3)
+    supervisor.spend("a")
+    supervisor.spend("b")
+    with pytest.raises(ActorFailedError, match="restarts are spent"):
+        supervisor.spend("c")  # three restarts with no iteration in between: a crash loop
+    for _ in range(3):
+        supervisor.progress()
+    supervisor.spend("d")  # the first two are three iterations old: forgotten
+    supervisor.spend("e")
+    with pytest.raises(ActorFailedError):
+        supervisor.spend("f")
+    assert supervisor.restarts == 4  # the run's count keeps every one
+
+
 LEARNER = ["generators.num=1", "learner.num_ranks=2", "learner.cpus_per_rank=0.25", "rollout.batch_size=16",
-           "ppo.lr=0.003", "output.checkpoint_every=1", "stop.iterations=5", "cluster.max_actor_restarts=2"]
+           "ppo.lr=0.003", "output.checkpoint_every=1", "stop.iterations=5", "cluster.max_actor_restarts=1",
+           "cluster.restart_window=2"]
 # Statistics that must equal the uninterrupted run's (fp32, fixed seed: as for --resume).
 STATS = ("reward/mean", "policy/loss", "value/loss", "kl/ref_mean", "policy/clipfrac", "entropy", "kl_coef")
 
@@ -128,7 +156,8 @@ def _kill_learner_ranks(trainer: DistributedTrainer, metrics, kills: list[tuple[
 
 def test_killed_learner_ranks_restart_the_group_from_the_latest_checkpoint(tmp_path):
     """SIGKILL learner rank 1, then rank 0, mid-run: each time the group is rebuilt from the
-    latest checkpoint, the lost iterations are redone, and the run equals an uninterrupted one."""
+    latest checkpoint, the lost iterations are redone, and the run equals an uninterrupted one.
+    The kills are two completed iterations apart, the budget one restart per two: both survived."""
     whole = DistributedTrainer(load_config(None, LEARNER + [f"output.dir={tmp_path / 'whole'}"]))
     run(whole.cfg, whole, progress=False)
     trainer = DistributedTrainer(load_config(None, LEARNER + [f"output.dir={tmp_path / 'killed'}"]))
@@ -149,7 +178,7 @@ def test_past_the_budget_a_dead_learner_stops_the_run_with_the_resume_command(tm
     out = tmp_path / "run"
     trainer = DistributedTrainer(load_config(None, LEARNER + ["cluster.max_actor_restarts=0", f"output.dir={out}"]))
     _kill_learner_ranks(trainer, out / "metrics.jsonl", [(2, 0)])
-    with pytest.raises(LearnerFailedError, match=rf"^learner rank \d died.*restarts are spent; continue from "
+    with pytest.raises(LearnerFailedError, match=rf"^learner rank \d died.*restarts are spent.*; continue from "
                                                  rf"its last checkpoint with: rayppo train --resume {out}$"):
         run(trainer.cfg, trainer, progress=False)
     assert latest_checkpoint(out).name >= "iter_000001"  # complete (the kill may land while one is written)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pytest
 
 from rayppo.cli import main
 from rayppo.config.schema import ConfigError
-from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, resume_config
+from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, resume_config, write_checkpoint
+from rayppo.run.metrics import MetricsFileError, read_metrics
 
 # Statistics compared between the resumed and the uninterrupted run (issue: 1e-6 relative).
 STATS = ("reward/mean", "policy/loss", "value/loss", "kl/ref_mean", "policy/clipfrac", "policy/approx_kl",
@@ -59,21 +61,81 @@ def test_resume_refuses_changes_to_the_math_and_names_the_field(tmp_path, small_
         resume_config(out, [f"output.dir={tmp_path / 'elsewhere'}"])
 
 
-def test_a_half_written_or_corrupt_checkpoint_is_never_resumed_from(tmp_path, small_overrides, capsys):
+def test_a_damaged_checkpoint_falls_back_to_the_previous_whole_one_or_names_the_file(tmp_path, small_overrides,
+                                                                                     capsys, caplog):
+    """Real damage on disk: a half-written folder, a file truncated as by a full disk, a file
+    overwritten since; --resume takes the newest whole checkpoint, or stops with one line."""
     out = tmp_path / "run"
     assert main(["train", "--no-progress", *small_overrides, f"output.dir={out}", "output.checkpoint_every=1"]) == 0
     root = out / "checkpoints"
-    # A crash while writing iteration 3's checkpoint leaves its temporary folder; latest is intact.
-    (root / ".tmp-iter_000003").mkdir()
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_000001", "iter_000002"]  # keep_checkpoints=2
+    (root / ".tmp-checkpoint").mkdir()  # a crash while writing the next one: latest is intact
     assert latest_checkpoint(out) == root / "iter_000002"
-    (root / "iter_000002" / "driver.json").write_text("{not json")
+    trainer_file = root / "iter_000002" / "trainer.pt"
+    size = trainer_file.stat().st_size
+    with trainer_file.open("r+b") as f:
+        f.truncate(size // 2)
+    with caplog.at_level("WARNING", logger="rayppo.run.checkpoint"):
+        assert latest_checkpoint(out) == root / "iter_000001"
+    assert f"{trainer_file} has {size // 2:,} bytes, its manifest says {size:,}" in caplog.text
+    assert "resuming from iter_000001, the newest whole checkpoint" in caplog.text
+    (root / "latest").write_text("iter_000007\n")  # names nothing: the newest whole one is taken
+    assert latest_checkpoint(out) == root / "iter_000001"
+    state = root / "iter_000001" / "driver.json"
+    state.write_text(state.read_text().replace('"iteration": 1', '"iteration": 9'))  # same size, other bytes
     assert main(["train", "--no-progress", "--resume", str(out)]) == 2
-    assert f"cannot read {root / 'iter_000002' / 'driver.json'}" in capsys.readouterr().err
-    (root / "latest").write_text("iter_000007\n")
-    with pytest.raises(CheckpointError, match="names 'iter_000007', which is not a complete checkpoint"):
-        latest_checkpoint(out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rayppo: error: --resume: ") and "no whole checkpoint in" in err[-1]
+    assert str(root / "iter_000001" / "driver.json") in err[-1] and str(trainer_file) in err[-1]
     with pytest.raises(CheckpointError, match="has no checkpoint"):
         latest_checkpoint(tmp_path)
+
+
+def test_a_run_resumes_past_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_path, small_overrides, capsys):
+    """Killed while writing: the newest checkpoint's weights truncated, the last metrics record
+    torn. --resume takes the checkpoint before, leaves the torn record out and completes."""
+    out = tmp_path / "run"
+    base = [o for o in small_overrides if not o.startswith(("stop.", "output.dir"))] + ["output.checkpoint_every=1"]
+    assert main(["train", "--no-progress", *base, "stop.iterations=3", f"output.dir={out}"]) == 0
+    with (out / "checkpoints" / "iter_000003" / "trainer.pt").open("r+b") as f:
+        f.truncate(100)
+    metrics = out / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + whole.splitlines()[-1][:17])  # a fourth record, cut mid-write
+    assert [r["iteration"] for r in read_metrics(metrics)] == [0, 1, 2]
+    assert main(["train", "--no-progress", "--resume", str(out), "stop.iterations=4"]) == 0
+    assert "resuming from iter_000002, the newest whole checkpoint" in capsys.readouterr().err
+    assert [r["iteration"] for r in _records(out)] == [0, 1, 2, 3]  # iteration 2 redone, replacing its record
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    with pytest.raises(MetricsFileError, match=rf"^{re.escape(str(metrics))}:2: not a JSON record"):
+        read_metrics(metrics)
+
+
+class _Saver:
+    """A trainer's checkpoint part without a trainer: one file, and the iteration it holds."""
+
+    def __init__(self, iteration: int, payload: bytes = b"weights") -> None:
+        self.iteration, self.payload = iteration, payload
+
+    def checkpoint(self, path: Path) -> dict:
+        (path / "state.bin").write_bytes(self.payload)
+        return {"iteration": self.iteration}
+
+
+def test_checkpoints_are_named_after_what_they_hold_and_rewrites_are_atomic(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert write_checkpoint(tmp_path, _Saver(7), keep=2).name == "iter_000007"  # not the caller's count
+    write_checkpoint(tmp_path, _Saver(7, b"newer"), keep=2)  # the same iteration again
+    assert (root / "iter_000007" / "state.bin").read_bytes() == b"newer" and not list(root.glob(".old-*"))
+    # A crash between the two renames of a rewrite: the old copy is aside, latest names nothing.
+    os.replace(root / "iter_000007", root / ".old-iter_000007")
+    assert latest_checkpoint(tmp_path) == root / "iter_000007"  # put back, whole
+    assert (root / "iter_000007" / "state.bin").read_bytes() == b"newer"
+    # keep_checkpoints=1 after a run went back to an earlier checkpoint: what latest names stays.
+    write_checkpoint(tmp_path, _Saver(3), keep=1)
+    assert [p.name for p in root.glob("iter_*")] == ["iter_000003"]
+    assert latest_checkpoint(tmp_path) == root / "iter_000003"
 
 
 def _train(out: Path, args: list[str]) -> subprocess.Popen:

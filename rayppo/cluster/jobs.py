@@ -16,6 +16,7 @@ cluster needs the dependencies (torch, vLLM, DeepSpeed, ...) installed, as in ``
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import sys
@@ -32,6 +33,20 @@ from rayppo.config.schema import Config, ConfigError, to_dict
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+"""Seconds between the SIGTERM and the SIGKILL of a stopped job. Ray 2.60's job supervisor
+(``ray/dashboard/modules/job/job_supervisor.py``, ``JobSupervisor.run``) reads it from its own
+environment when it stops the job, default 3 s; the supervisor actor is started with the job's
+``runtime_env`` env_vars (``job_manager.py``, ``_get_supervisor_runtime_env``), so it must be set
+there at submission: setting it later, or on the machine that calls ``stop``, has no effect."""
+STOP_MARGIN_S = 10
+"""Seconds of the SIGKILL delay beyond ``stop.sigterm_grace_s``: Python, Ray and the actors exit."""
+
+
+def stop_wait_s(cfg: Config) -> int:
+    """The SIGKILL delay a submitted job gets: its SIGTERM grace and the margin (whole seconds:
+    Ray parses the variable as an integer)."""
+    return math.ceil(cfg.stop.sigterm_grace_s) + STOP_MARGIN_S
 
 
 def client(address: str | None) -> JobSubmissionClient:
@@ -84,7 +99,7 @@ def submit(cfg: Config, address: str | None, env: dict[str, str], ship_code: boo
         entrypoint = f"{program} bench --workload {bench} --output {cfg.output.dir}"
     else:
         entrypoint = f"{program} train --config job.yaml --no-progress"
-    runtime_env = {"working_dir": str(staging), "env_vars": {**ACTOR_ENV, **env}}
+    runtime_env = {"working_dir": str(staging), "env_vars": {**ACTOR_ENV, STOP_WAIT_ENV: str(stop_wait_s(cfg)), **env}}
     return client(address).submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
                                       submission_id=submission_id, metadata={"rayppo": bench or "train"})
 
@@ -110,9 +125,14 @@ def logs(job_id: str, address: str | None, follow: bool, out=None) -> None:
     asyncio.run(tail())
 
 
-def stop(job_id: str, address: str | None, timeout_s: float = 60.0) -> str:
-    """Ask the cluster to stop the job and wait until it has; returns the final status."""
+def stop(job_id: str, address: str | None, timeout_s: float | None = None) -> str:
+    """Ask the cluster to stop the job (SIGTERM: a rayppo run finishes its iteration and writes a
+    checkpoint within its grace) and wait until it has; returns the final status. Default wait:
+    the job's SIGKILL delay and a minute."""
     c = client(address)
+    if timeout_s is None:
+        env = (c.get_job_info(job_id).runtime_env or {}).get("env_vars") or {}
+        timeout_s = float(env.get(STOP_WAIT_ENV, 3)) + 60.0
     c.stop_job(job_id)
     deadline = time.time() + timeout_s
     while time.time() < deadline:

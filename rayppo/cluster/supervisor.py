@@ -6,7 +6,10 @@ loss: Ray raises ``RayActorError``) or that misses ``cluster.call_timeout_s`` is
 new actor with the same arguments and placement; ``refresh(i)`` brings it to the current state
 (a generator: the current policy weights and version); then only that actor's share of the
 call runs again, so no prompt is lost or scored twice. Replacements are counted
-(``faults/actor_restarts``) and bounded by ``cluster.max_actor_restarts`` over the run.
+(``faults/actor_restarts``) and bounded as a crash-loop detector: at most
+``cluster.max_actor_restarts`` within any ``cluster.restart_window`` completed iterations, so a
+long run survives sporadic faults indefinitely while an actor that dies again and again (no
+iterations completing in between) stops the run.
 
 A hung actor's threads are dumped to its own log first (``faulthandler`` on SIGUSR1, set up in
 every role's process by ``rayppo.engine``) when it runs on this node.
@@ -19,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -56,11 +60,15 @@ class Fanout:
 
 
 class Supervisor:
-    """Restarts actors of any group it calls, within one budget for the whole run."""
+    """Restarts actors of any group it calls, within one crash-loop budget for all of them."""
 
-    def __init__(self, max_restarts: int, timeout_s: float):
-        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+    def __init__(self, max_restarts: int, timeout_s: float, window: int = 10):
+        self.max_restarts, self.timeout_s, self.window = max_restarts, timeout_s, window
         self.restarts = 0
+        """Restarts over the run (``faults/actor_restarts``)."""
+        self.completed = 0
+        """Iterations completed, redone ones included: the clock of the restart window."""
+        self._recent: deque[int] = deque()  # ``completed`` at each restart still inside the window
         self._lock = threading.Lock()
         self._where: dict[tuple[int, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
 
@@ -120,11 +128,22 @@ class Supervisor:
                 f.seconds = time.perf_counter() - start
         return [f.results for f in fanouts]
 
+    def progress(self) -> None:
+        """One more iteration completed (the trainers call it at the end of each)."""
+        with self._lock:
+            self.completed += 1
+
     def spend(self, failure: str, error: type[ActorFailedError] = ActorFailedError, hint: str = "") -> None:
-        """Count one restart for ``failure``; past the budget raise ``error`` saying so."""
+        """Count one restart for ``failure``; when ``max_restarts`` happened within the last
+        ``window`` completed iterations already, a crash loop: raise ``error`` saying so."""
         with self._lock:  # the asynchronous pipeline's stages call from their own threads
-            if self.restarts >= self.max_restarts:
-                raise error(f"{failure}; cluster.max_actor_restarts={self.max_restarts} restarts are spent{hint}")
+            while self._recent and self._recent[0] <= self.completed - self.window:
+                self._recent.popleft()
+            if len(self._recent) >= self.max_restarts:
+                raise error(f"{failure}; restarts are spent: cluster.max_actor_restarts={self.max_restarts} within "
+                            f"cluster.restart_window={self.window} iterations (a crash loop, not a sporadic "
+                            f"fault){hint}")
+            self._recent.append(self.completed)
             self.restarts += 1
 
     def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
@@ -137,8 +156,14 @@ class Supervisor:
         self._where[id(group), i] = get(group.call_at(i, Engine.process_id, ()))
         if f.refresh is not None:
             f.refresh(i)
-        log.warning("%s actor %d %s: replaced in %.1f s (restart %d of cluster.max_actor_restarts=%d); redoing its "
-                    "share", role, i, cause, time.perf_counter() - start, self.restarts, self.max_restarts)
+        log.warning("%s actor %d %s: replaced in %.1f s (%s); redoing its share", role, i, cause,
+                    time.perf_counter() - start, self.budget_text())
+
+
+    def budget_text(self) -> str:
+        """``restart 4 of the run, 1 of cluster.max_actor_restarts=3 within 10 iterations``."""
+        return (f"restart {self.restarts} of the run, {len(self._recent)} of cluster.max_actor_restarts="
+                f"{self.max_restarts} within {self.window} iterations")
 
 
 def dump_stacks(pid: int | None, host: str | None) -> None:

@@ -15,6 +15,7 @@ Both check that every generator reports the version the learner just produced, a
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get
@@ -32,11 +33,15 @@ def _check_versions(versions: list[int], expected: int) -> None:
         raise RuntimeError(f"generators report policy versions {versions} after sync, expected {expected}")
 
 
-def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int) -> float:
+def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int, supervisor: Supervisor,
+                refresh: Callable[[int], None]) -> float:
     """The guard's weight check: every generator's fingerprints of what it holds against rank 0's
     of what it sent. Raises ``WeightSyncError`` naming generator, tensor and version; returns
-    ``sync/verified``: 1.0, or NaN when some generator cannot be fingerprinted (warned once)."""
-    held = generators.get(generators.call_all(GeneratorEngine.weight_fingerprints))
+    ``sync/verified``: 1.0, or NaN when some generator cannot be fingerprinted (warned once).
+    The calls are supervised: a generator that dies or hangs here is replaced, ``refresh``ed to the
+    current weights, and fingerprinted again."""
+    held = supervisor.call(generators, "generators", GeneratorEngine.weight_fingerprints, [()] * len(generators),
+                           refresh=refresh)
     sent = learner.sent_fingerprints()
     for i, prints in enumerate(held):
         if prints is not None:

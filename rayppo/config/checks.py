@@ -227,6 +227,8 @@ def _validate_system(cfg: Config) -> Config:
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
     _require(cfg.cluster.max_actor_restarts >= 0, "cluster.max_actor_restarts", "must be >= 0",
              cfg.cluster.max_actor_restarts)
+    _require(cfg.cluster.restart_window >= 1, "cluster.restart_window", "must be >= 1", cfg.cluster.restart_window)
+    _require(cfg.stop.sigterm_grace_s >= 0, "stop.sigterm_grace_s", "must be >= 0", cfg.stop.sigterm_grace_s)
     _require(cfg.cluster.call_timeout_s > 0, "cluster.call_timeout_s", "must be > 0", cfg.cluster.call_timeout_s)
     _require(cfg.cluster.sync_timeout_s > 0, "cluster.sync_timeout_s", "must be > 0", cfg.cluster.sync_timeout_s)
     return cfg

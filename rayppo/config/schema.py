@@ -247,6 +247,12 @@ class StopConfig:
     """PPO iterations (rollout + update) to run."""
     kl_budget: float = 20.0
     """Stop early once the mean KL(pi || pi_ref) per response exceeds this many nats."""
+    sigterm_grace_s: float = 25.0
+    """SIGTERM (``ray job stop``, ``rayppo stop``, Kubernetes eviction, spot reclaim) is a
+    preemption: the run finishes the iteration in flight and writes its checkpoint when that fits
+    in this many seconds (estimated from the last iteration and checkpoint), then exits 143; when
+    it cannot, it stops at once and names the checkpoint that stands. The default fits
+    Kubernetes' 30 s termination grace; ``rayppo submit`` sets Ray's SIGKILL delay above it."""
 
 
 @dataclass
@@ -319,8 +325,13 @@ class ClusterConfig:
     max_actor_restarts: int = 3
     """Generator, reference and reward actors that die (SIGKILL, OOM, node loss) or miss
     ``call_timeout_s`` are replaced and their share of the work is redone; a learner rank that
-    does restarts the learner group from the latest checkpoint. This many restarts over the whole
-    run, then the run stops naming the role, the actor and the cause."""
+    does restarts the learner group from the latest checkpoint. At most this many restarts (all
+    roles together) within any ``restart_window`` completed iterations: more is a crash loop, and
+    the run stops naming the role, the actor, the cause and the command to resume. Sporadic faults
+    are survived for as long as the run lasts."""
+    restart_window: int = 10
+    """The crash-loop window of ``max_actor_restarts``, in completed iterations (redone ones
+    count): a restart older than that no longer counts against the budget."""
     call_timeout_s: float = 1800.0
     """Deadline of one generate or scoring call of one actor (its share of a rollout batch), and
     of each learner call (a PPO iteration's update, a checkpoint). Past it the actor counts as

@@ -1,28 +1,40 @@
-"""Checkpoints of a run: written atomically, found again by ``rayppo train --resume DIR``.
+"""Checkpoints of a run: written atomically, proven whole, found again by ``rayppo train --resume DIR``.
 
     DIR/checkpoints/iter_000020/   policy/ critic/   the trainer's model and optimizer states
                                    driver.json       iteration, beta, prompt position, version
+                                   manifest.json     every file's size and CRC-32, written last
     DIR/checkpoints/latest         "iter_000020", replaced last
 
-A checkpoint is written into ``.tmp-iter_000020`` and renamed into place only when complete;
-``latest`` is replaced (write + rename) after that. A crash at any point leaves ``latest``
-naming a complete checkpoint. The trainer writes its own part (``Trainer.checkpoint``); this
-module only handles the folders and the driver's state, as JSON (never pickle).
+A checkpoint is written into ``.tmp-checkpoint``; its manifest is written last, then every file
+and folder is fsynced and the folder renamed into place (named after the iteration its driver
+state holds), and only then is ``latest`` replaced (write, fsync, rename). A checkpoint of the same
+iteration again (an interrupt right after a periodic save) first moves the old one aside as
+``.old-iter_...`` and deletes it only once the new one is in place. At ``--resume`` the manifest is
+checked: a damaged latest checkpoint (a truncated file after a full disk, a file changed since)
+falls back to the newest earlier complete one with a warning, or stops with one line naming the
+damaged file. The trainer writes its own part (``Trainer.checkpoint``); this module handles the
+folders and the driver's state, as JSON (never pickle).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Protocol
 
 from rayppo.errors import RayppoError
 
+log = logging.getLogger(__name__)
+
 NAME = re.compile(r"^iter_(\d{6,})$")
 DRIVER_STATE = "driver.json"
+MANIFEST = "manifest.json"
+WRITING = ".tmp-checkpoint"
 
 
 class CheckpointError(RayppoError, RuntimeError):
@@ -31,7 +43,8 @@ class CheckpointError(RayppoError, RuntimeError):
 
 class Checkpointable(Protocol):
     def checkpoint(self, path: Path) -> dict[str, Any]:
-        """Write model and optimizer states under ``path``; return the driver's state (JSON)."""
+        """Write model and optimizer states under ``path``; return the driver's state (JSON),
+        whose ``iteration`` is the number of iterations the written states hold."""
 
     def restore(self, path: Path, state: dict[str, Any]) -> None:
         """Load what ``checkpoint`` wrote; bring every role to that policy version."""
@@ -41,6 +54,18 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def checkpoint_name(iterations_done: int) -> str:
+    return f"iter_{iterations_done:06d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
@@ -48,37 +73,110 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
-def write_checkpoint(run_dir: str | Path, iterations_done: int, trainer: Checkpointable, keep: int) -> Path:
-    """Checkpoint after ``iterations_done`` iterations; keep the newest ``keep``. Returns its folder."""
+def _crc32(path: Path, fsync: bool = False) -> int:
+    """CRC-32 of a file's bytes (1 MiB at a time); ``fsync``: its data on disk first."""
+    crc = 0
+    with path.open("rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(folder: Path) -> None:
+    """Every file's size and CRC-32 (each fsynced on the way), then the manifest itself, then
+    every folder of the tree fsynced: after this the checkpoint is on disk, whole."""
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "crc32": _crc32(p, fsync=True)}
+             for p in _files(folder)}
+    _write_atomic(folder / MANIFEST, json.dumps({"files": files}, indent=1))
+    for sub in sorted({p.parent for p in _files(folder)} | {folder}, key=lambda p: -len(p.parts)):
+        _fsync_dir(sub)
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with the checkpoint ``folder`` (a file missing, truncated or changed since
+    its manifest was written), in words naming the file; None when it is whole."""
+    manifest = folder / MANIFEST
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return f"{manifest} not found (the checkpoint was not completed)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{manifest} is unreadable ({exc.__class__.__name__})"
+    for rel, expected in files.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{path} has {size:,} bytes, its manifest says {expected['bytes']:,} (truncated or overwritten)"
+        if _crc32(path) != expected["crc32"]:
+            return f"{path} differs from its manifest (CRC-32): damaged since it was written"
+    return None
+
+
+def write_checkpoint(run_dir: str | Path, trainer: Checkpointable, keep: int) -> Path:
+    """Checkpoint the trainer's state, named after the iterations it holds; keep the newest
+    ``keep`` (never deleting the one ``latest`` names). Returns its folder."""
     root = checkpoint_root(run_dir)
-    name = f"iter_{iterations_done:06d}"
-    tmp, final = root / f".tmp-{name}", root / name
-    shutil.rmtree(tmp, ignore_errors=True)  # a crash while writing it before
+    tmp = root / WRITING
+    shutil.rmtree(tmp, ignore_errors=True)  # a crash while writing one before
     tmp.mkdir(parents=True)
     state = trainer.checkpoint(tmp.resolve())
+    name = checkpoint_name(state["iteration"])
     _write_atomic(tmp / DRIVER_STATE, json.dumps(state, indent=1))
-    if final.exists():  # the same iteration again (an interrupt right after a periodic save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_atomic(root / "latest", name + "\n")
-    for old in sorted(p for p in root.iterdir() if NAME.match(p.name))[:-keep]:
+    _write_manifest(tmp)
+    final, old = root / name, root / f".old-{name}"
+    if final.exists():  # the same iteration again: the old one stays complete until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / "latest", name + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    others = sorted((p for p in root.iterdir() if NAME.match(p.name) and p.name != name), key=_iterations)
+    for stale in others[:max(0, len(others) - (keep - 1))]:
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
+def _iterations(path: Path) -> int:
+    return int(NAME.match(path.name).group(1))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The folder ``checkpoints/latest`` names; ``CheckpointError`` saying what is wrong."""
+    """The newest whole checkpoint: the one ``checkpoints/latest`` names when its manifest checks
+    out, else (with a warning naming the damage) the newest earlier one that does;
+    ``CheckpointError`` naming the damaged file when none is left."""
     root = checkpoint_root(run_dir)
     marker = root / "latest"
-    if not marker.is_file():
+    complete = sorted((p for p in root.iterdir() if NAME.match(p.name)), key=_iterations) if root.is_dir() else []
+    if not marker.is_file() and not complete:
         raise CheckpointError(f"--resume: {run_dir} has no checkpoint ({marker} not found); a run writes one every "
-                              "output.checkpoint_every iterations and on Ctrl-C")
-    name = marker.read_text(encoding="utf-8").strip()
-    if not NAME.match(name) or not (root / name / DRIVER_STATE).is_file():
-        raise CheckpointError(f"--resume: {marker} names {name!r}, which is not a complete checkpoint in {root}")
-    return root / name
+                              "output.checkpoint_every iterations, on Ctrl-C and on SIGTERM")
+    name = marker.read_text(encoding="utf-8").strip() if marker.is_file() else ""
+    old = root / f".old-{name}"
+    if NAME.match(name) and not (root / name).exists() and old.is_dir():
+        os.replace(old, root / name)  # a crash between the two renames of a same-iteration rewrite
+        complete = sorted({*complete, root / name}, key=_iterations)
+    named = root / name if NAME.match(name) and (root / name).is_dir() else None
+    problems = [] if named or not name else [f"{marker} names {name!r}, which is not a checkpoint folder"]
+    for path in ([named] if named else []) + [p for p in reversed(complete) if p != named]:
+        problem = damage(path)
+        if problem is None:
+            if problems:
+                log.warning("%s; resuming from %s, the newest whole checkpoint", problems[0], path.name)
+            return path
+        problems.append(problem)
+    raise CheckpointError(f"--resume: no whole checkpoint in {root}: {'; '.join(problems)}")
 
 
 def read_driver_state(path: Path) -> dict[str, Any]:

@@ -4,12 +4,17 @@ MLflow), a few sample completions, and a PNG of reward and KL."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Sequence
 
+from rayppo.errors import RayppoError
 from rayppo.run.samples import Sample
 from rayppo.run.tracking import TensorBoardTracker, Tracker
+
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -73,10 +78,26 @@ class MetricsLogger:
             raise failure
 
 
+class MetricsFileError(RayppoError, ValueError):
+    """A ``metrics.jsonl`` line that is not a record (other than a torn last one); names file and line."""
+
+
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """The records of a ``metrics.jsonl`` file."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a ``metrics.jsonl`` file. A torn last line (the run was killed while writing
+    it: no newline after it) is left out with a warning; any other bad line is an error naming it."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):
+                log.warning("%s: its last line is torn (the run was killed while writing it); left out", path)
+                continue
+            raise MetricsFileError(f"{path}:{number}: not a JSON record: {line[:80]!r}") from None
+    return records
 
 
 def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget: float | None = None) -> None:

@@ -39,7 +39,7 @@ from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.errors import LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault
-from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state
+from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
 from rayppo.trainers.iteration import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
                                        sampling_settings)
@@ -70,7 +70,8 @@ class DistributedTrainer:
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
-        self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s)
+        self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s,
+                                     cfg.cluster.restart_window)
         self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus, requested_resources(cfg).get("CPU", 0.0),
                                   verbose=console.actor_log("driver", 0) is None).__enter__()
         try:
@@ -162,6 +163,7 @@ class DistributedTrainer:
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
             stats = self.learner.train(rollout, kl_coef, it)
+            self._learned(stats, rollout)  # from here a checkpoint holds this iteration
             self.schedule.stage("learn")
             t3 = clock()
             version = int(stats["policy/version"])
@@ -169,19 +171,30 @@ class DistributedTrainer:
             sync_bytes = self.weight_sync.sync(version)
             self.schedule.stage("sync")
             t_verify = clock()
-            verified = verify_sync(self.learner, self.generators, version) if self.cfg.checks.verify_sync else 0.0
-        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+            verified = self._verify(version) if self.cfg.checks.verify_sync else 0.0
         self.schedule.wake_kv_cache()
         t4 = clock()
-        self.iteration_count += 1
-        self._start_state = None
-        self.last_rollout = rollout
+        self.supervisor.progress()
         timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
                    "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
                    "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
         return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
+
+    def _verify(self, version: int) -> float:
+        """The guard's check of every generator's weights after a sync (``verify_sync``)."""
+        return verify_sync(self.learner, self.generators, version, self.supervisor, self.weight_sync.refresh)
+
+    def _learned(self, stats: dict[str, float], rollout: Rollout) -> None:
+        """The learner has taken this iteration's update: the driver's state moves with it (beta,
+        the iteration count), so that a checkpoint written after a later failure of this iteration
+        (the sync, its check) pairs the updated learner with the state after the iteration, never
+        with the state before it (which would train the batch twice on resume)."""
+        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+        self.iteration_count += 1
+        self._start_state = None
+        self.last_rollout = rollout
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """Split the prompts across the generators; each samples with its own seed."""
@@ -255,13 +268,14 @@ class DistributedTrainer:
         """Load a checkpoint (None: the initial models, as built) and bring every generator to
         its policy version (sync, then check)."""
         version = self.learner.load_checkpoint(str(path)) if path is not None else 0
+        check_pairing(path, version, state)
         self._start_state = None
         self.iteration_count = state["iteration"]
         self.kl_ctl.value = float(state["kl_coef"])
         self.prompts.load_state_dict(state["prompts"])
         self.weight_sync.sync(version)
         if self.cfg.checks.verify_sync:
-            verify_sync(self.learner, self.generators, version)
+            self._verify(version)
 
     def recover(self, failure: LearnerFailedError) -> int:
         """After a learner rank died or hung: rebuild the learner group, load the latest
@@ -282,9 +296,8 @@ class DistributedTrainer:
         self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor)
         self.restore(checkpoint, read_driver_state(checkpoint) if checkpoint else self._initial_state)
         self.learner_restarts += 1
-        log.warning("%s: learner group restarted from %s in %.1f s (restart %d of cluster.max_actor_restarts=%d); "
-                    "redoing iterations from %d", failure, checkpoint or "the initial models",
-                    time.perf_counter() - start, self.supervisor.restarts, self.supervisor.max_restarts,
+        log.warning("%s: learner group restarted from %s in %.1f s (%s); redoing iterations from %d", failure,
+                    checkpoint or "the initial models", time.perf_counter() - start, self.supervisor.budget_text(),
                     self.iteration_count)
         return self.iteration_count
 
@@ -296,6 +309,14 @@ class DistributedTrainer:
             release(self.placements)
             self.placements = {}
         self.session.close()
+
+
+def check_pairing(path: Path | None, version: int, state: dict[str, Any]) -> None:
+    """The learner's policy version is the number of updates it took, one per iteration: a
+    checkpoint whose learner and driver state disagree would train a batch twice (or skip one)."""
+    if version != state["iteration"]:
+        raise CheckpointError(f"--resume: {path} holds policy version {version} but its {DRIVER_STATE} says "
+                              f"{state['iteration']} iterations: learner and driver state do not belong together")
 
 
 def _log_env(role: str, index: int) -> dict[str, str]:

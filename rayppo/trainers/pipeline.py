@@ -37,7 +37,7 @@ from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.errors import LearnerFailedError
 from rayppo.learner.guard import check_weights
-from rayppo.trainers.distributed import DistributedTrainer
+from rayppo.trainers.distributed import DistributedTrainer, check_pairing
 from rayppo.trainers.iteration import iteration_seed, rollout_stats
 
 POLL_S = 0.2
@@ -156,14 +156,14 @@ class PipelinedTrainer(DistributedTrainer):
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
             stats = self.learner.train(rollout, kl_coef, it)
+            self._learned(stats, rollout)  # from here a checkpoint holds this iteration
             t_learn = clock()
             self._publish(int(stats["policy/version"]))
         t_end = clock()
-        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
-        self.iteration_count, self.last_rollout = it + 1, rollout
         with self._cond:
             self._stages.batches.pop(it, None)
             self._stages.prompt_states.pop(it, None)
+        self.supervisor.progress()
         self._last_return = t_end
         wall = t_end - t0
         generate = sum(c.busy(t0, t_end) for c in self._clocks) / len(self._clocks)
@@ -345,6 +345,7 @@ class PipelinedTrainer(DistributedTrainer):
         generator loads them (and is checked) before its first batch."""
         self._stop_stages()
         version = self.learner.load_checkpoint(str(path)) if path is not None else 0
+        check_pairing(path, version, state)
         self.iteration_count = state["iteration"]
         self.kl_ctl.value = float(state["kl_coef"])
         self.prompts.load_state_dict(state["prompts"])
