@@ -6,7 +6,6 @@ The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``
 
 from __future__ import annotations
 
-import _thread
 import shutil
 import signal
 import sys
@@ -140,7 +139,9 @@ class StopRequest:
         with self._lock:
             if not self._stopping:  # the iteration is still running: cut it short
                 console.write(f"SIGTERM: stop.sigterm_grace_s={self.grace_s:g} s nearly spent: stopping now")
-                _thread.interrupt_main(signal.SIGINT)  # runs _sigint in the main thread: KeyboardInterrupt
+                # A real signal to the main thread: it also wakes a blocking wait there (sleep, a
+                # socket, Ray's get), which _thread.interrupt_main would leave sleeping.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # _sigint: KeyboardInterrupt
 
     def iteration_done(self, seconds: float) -> None:
         self.last_iteration_s, self.iteration_started = seconds, time.monotonic()

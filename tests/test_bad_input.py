@@ -91,9 +91,28 @@ def inputs(tmp_path_factory, embedded_dir) -> Path:
     first, second = list(vocab)[5:7]
     vocab[first], vocab[second] = vocab[second], vocab[first]  # same size, different ids
     (other / "tokenizer.json").write_text(json.dumps(tok))
+    _broken_model_folders(d, embedded_dir)
     (d / "bad_verifiers.py").write_text(VERIFIERS)
     (d / "norun").mkdir()
     return d
+
+
+def _broken_model_folders(d: Path, embedded_dir: Path) -> None:
+    """Copies of the embedded model, each broken in one way a disk, a copy or a user breaks one."""
+    def copy(name: str) -> Path:
+        shutil.copytree(embedded_dir, d / name)
+        return d / name
+
+    weights = copy("truncated") / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(weights.stat().st_size // 2)  # a copy interrupted half-way
+    (copy("garbage") / "model.safetensors").write_bytes(b"<html>404 Not Found</html>" * 4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy("notokenizer") if name == "tokenizer.json" else d / "notokenizer").joinpath(name).unlink()
+    for name, key, value in (("widerconfig", "hidden_size", 256), ("deeperconfig", "num_hidden_layers", 4)):
+        config = json.loads((copy(name) / "config.json").read_text())
+        config[key] = value
+        (d / name / "config.json").write_text(json.dumps(config))
 
 
 CASES: dict[str, Case] = {
@@ -125,17 +144,25 @@ CASES: dict[str, Case] = {
     "model_config_corrupt": Case(["model.reference={d}/badconfig"], "model.reference: {d}/badconfig/config.json is not valid JSON"),
     "model_pickle_weights_only": Case(["model.policy={d}/pickled"], "model.policy: {d}/pickled has no .safetensors weights"),
     "tokenizer_mismatch": Case(["model.reference={d}/othervocab"], "model.reference: {d}/othervocab's tokenizer differs from model.policy's"),
+    "weights_truncated": Case(["model.policy={d}/truncated"], "model.policy: {d}/truncated/model.safetensors is truncated"),
+    "weights_not_safetensors": Case(["model.reference={d}/garbage"], "model.reference: {d}/garbage/model.safetensors is not a safetensors file"),
+    "tokenizer_files_missing": Case(["model.policy={d}/notokenizer"], "model.policy: {d}/notokenizer has no tokenizer files"),
+    "config_wider_than_weights": Case(["model.policy={d}/widerconfig"], "model.policy: {d}/widerconfig/config.json says vocab_size="),
+    "config_deeper_than_weights": Case(["model.reference={d}/deeperconfig"], "config.json says num_hidden_layers=4, but the weights hold 2 layers"),
+    "reward_model_not_a_classifier": Case(["reward.model={d}/othervocab"], "reward.model: {d}/othervocab holds a LlamaForCausalLM, not a reward model"),
     # ---- reward functions and endpoints
     "reward_function_not_importable": Case(["reward.function=no_such_module:score"], "reward.function: cannot import module 'no_such_module'"),
     "reward_function_missing": Case(["reward.function=bad_verifiers:nothing"], "reward.function: module 'bad_verifiers' has no 'nothing'"),
     "reward_function_not_callable": Case(["reward.function=bad_verifiers:not_callable"], "reward.function: 'bad_verifiers:not_callable' is not callable"),
     "reward_url_not_http": Case(["reward.function=null", "reward.url=file:///etc/passwd"], "reward.url: must be an http:// or https:// URL"),
     "reward_function_raises": Case(["reward.function=bad_verifiers:raises", *RUN], "reward function bad_verifiers:raises failed on prompt", False),
+    "reward_function_raises_said_once": Case(["reward.function=bad_verifiers:raises", *LOCAL], "): ValueError: no digits in", False),
     "reward_function_nan": Case(["reward.function=bad_verifiers:nan", *LOCAL], "reward bad_verifiers:nan returned nan for prompt", False),
     "reward_function_string": Case(["reward.function=bad_verifiers:text", *LOCAL], "reward function bad_verifiers:text failed on prompt", False),
     "endpoint_refuses": Case(["reward.function=null", "reward.url=http://127.0.0.1:{closed}/score", *LOCAL], "reward endpoint http://127.0.0.1:{closed}/score failed", False),
     "endpoint_times_out": Case(["reward.function=null", "reward.url={server}/slow", "reward.timeout_s=1", *RUN], "reward endpoint {server}/slow failed", False),
     "endpoint_garbage": Case(["reward.function=null", "reward.url={server}/garbage", *RUN], "reward endpoint {server}/garbage failed", False),
+    "endpoint_not_numbers": Case(["reward.function=null", "reward.url={server}/words", *LOCAL], "reward endpoint {server}/words returned 'yes', not a number, for prompt", False),
     "endpoint_wrong_count": Case(["reward.function=null", "reward.url={server}/short", *LOCAL], "reward endpoint {server}/short returned [1.0] for 4 responses", False),
     # ---- resources and runs
     "job_bigger_than_cluster": Case(["generators.num=64"], "this job does not fit"),
@@ -144,14 +171,14 @@ CASES: dict[str, Case] = {
 
 
 class _Scorer(http.server.BaseHTTPRequestHandler):
-    """A reward endpoint gone wrong in three ways, by path."""
+    """A reward endpoint gone wrong in four ways, by path."""
 
     def do_POST(self) -> None:  # noqa: N802 - the http.server API
         n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
         if self.path == "/slow":
             time.sleep(5)
-        body = b"<html>502 Bad Gateway</html>" if self.path == "/garbage" else json.dumps({"scores": [1.0] * (
-            1 if self.path == "/short" else n)}).encode()
+        scores = ["yes"] * n if self.path == "/words" else [1.0] * (1 if self.path == "/short" else n)
+        body = b"<html>502 Bad Gateway</html>" if self.path == "/garbage" else json.dumps({"scores": scores}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -202,6 +229,7 @@ def _check(case: Case, inputs: Path, tmp_path: Path, where: dict[str, str]) -> N
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert len(errors) == 1 and "\n" not in errors[0], proc.stderr[-3000:]
     assert case.says.format(**fill) in errors[0]
+    assert "ray::" not in errors[0] and "\x1b" not in errors[0], errors[0]  # what failed, not Ray's wrapping
     imported = next(line for line in proc.stdout.splitlines() if line.startswith("IMPORTED="))[len("IMPORTED="):]
     if case.before_ray:
         assert proc.stderr.strip() == errors[0]  # nothing else printed

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rayppo.actors.verifier import VerifierProcess, VerifierTimeout, load_reward_function
+from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
@@ -55,6 +55,9 @@ class HttpEndpoint:
         if not isinstance(scores, list) or len(scores) != len(prompts):
             raise RewardError(f"reward endpoint {self.url} returned {scores!r} for {len(prompts)} responses "
                               f"(batch starting with prompt {prompts[0]!r})")
+        for prompt, x in zip(prompts, scores):
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise RewardError(f"reward endpoint {self.url} returned {x!r}, not a number, for prompt {prompt!r}")
         return [float(x) for x in scores]
 
 
@@ -137,10 +140,9 @@ class RewardEngine(Engine):
                                       "such responses instead of stopping") from None
                 out.append(self.timeout_score)
             except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
-                raise RewardError(
-                    f"reward function {self.name} failed on prompt {prompt!r} "
-                    f"(response {response!r}): {type(exc).__name__}: {exc}"
-                ) from exc
+                what = str(exc) if isinstance(exc, VerifierError) else f"{type(exc).__name__}: {exc}"  # named already
+                raise RewardError(f"reward function {self.name} failed on prompt {prompt!r} (response {response!r}): "
+                                  f"{what}") from exc
         return out
 
     def _model_texts(self, rollout: Rollout) -> tuple[list[str], bool]:

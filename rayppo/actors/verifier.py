@@ -87,6 +87,10 @@ def row_caller(fn: Callable[..., float]) -> RowCall:
     return call
 
 
+class VerifierError(ValueError):
+    """The user's function raised in the child process; the message is its ``Type: message``."""
+
+
 class VerifierTimeout(TimeoutError):
     """One call ran past its deadline; the child was killed."""
 
@@ -115,7 +119,7 @@ class VerifierProcess:
             self.close()
             raise
         if "error" in reply:
-            raise ValueError(reply["error"])
+            raise VerifierError(reply["error"])
         return float(reply["score"])
 
     def _start(self) -> None:

@@ -19,6 +19,7 @@ from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
+from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ def check_model_folder(field: str, folder: str | Path) -> dict[str, Any]:
         found = f" (found {', '.join(pickled[:3])}: pickle, which can run code when loaded)" if pickled else ""
         raise ModelFolderError(f"{field}: {path} has no .safetensors weights{found}; rayppo loads safetensors only "
                                "(convert with transformers: from_pretrained(...).save_pretrained(dir))")
+    check_weight_files(field, path, config)
+    if field in ("model.policy", "reward.model"):  # the folders whose own tokenizer is loaded
+        check_tokenizer_files(field, path)
+    if field == "reward.model":
+        check_reward_model(path, config)
     return config
 
 
