@@ -22,7 +22,7 @@ from tqdm import tqdm
 from rayppo.config.schema import Config, to_dict
 from rayppo.console import console
 from rayppo.data.rollout import Rollout
-from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError
+from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError, brief
 from rayppo.learner.guard import CorrectnessError
 from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state, write_checkpoint
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
@@ -194,6 +194,8 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         stop_reason, failure = "learner_failure", exc
     except RayppoError as exc:  # keep what is done, then say why
         stop_reason, failure = _stop_reason(exc), exc
+    except Exception as exc:  # a bug, not an input: still keep what is done and close, then raise it
+        stop_reason, failure = "error", exc
     finally:
         loop.bar.close()
         logger.close()
@@ -343,7 +345,12 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
             console.write(f"{STOPS[stop_reason]} mid-iteration: {_standing(out)}")
             return
         if stop_reason in STOPS:
-            path = write_checkpoint(out, trainer, cfg.output.keep_checkpoints)  # named after what it holds
+            try:
+                path = write_checkpoint(out, trainer, cfg.output.keep_checkpoints)  # named after what it holds
+            except Exception as exc:  # noqa: BLE001 - the stop's own cause is what gets raised
+                console.write(f"{STOPS[stop_reason]}; the checkpoint could not be written ({brief(exc)}): "
+                              f"{_standing(out)}")
+                return
             console.write(f"{STOPS[stop_reason]} after {int(path.name.removeprefix('iter_'))} iterations; saved a "
                           f"checkpoint to {path} (continue with: rayppo train --resume {out})")
         elif every and done % every:

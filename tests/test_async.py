@@ -110,10 +110,13 @@ def test_pipeline_overlaps_with_staleness_one_and_resumes_from_the_batch_after_t
 @pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
 def test_a_killed_generator_is_replaced_with_the_published_weights_and_no_prompt_is_lost(tmp_path):
+    """SIGKILL generator 1 mid-pipeline, then generator 0 just before an evaluation: each is
+    replaced once (the evaluation owns the actors alone: the stage threads are stopped during it),
+    no prompt is lost, and the batches in flight at the evaluation are drawn again."""
     cfg = load_config(None, ["rollout.max_staleness=1", "rollout.batch_size=16", "learner.num_ranks=1",
-                             "generators.num=2", "generators.cpus_per_worker=0.25", "eval.every=0",
+                             "generators.num=2", "generators.cpus_per_worker=0.25", "eval.every=100",
                              f"output.dir={tmp_path}"])
-    expected = _prompt_batches(cfg, 4)
+    expected = _prompt_batches(cfg, 5)
     trainer = PipelinedTrainer(cfg)
     try:
         records = [trainer.iteration()]
@@ -123,9 +126,14 @@ def test_a_killed_generator_is_replaced_with_the_published_weights_and_no_prompt
             records.append(trainer.iteration())
             assert trainer.last_rollout.prompt_text == expected[it]  # its share redone, in order
             assert set(trainer.last_rollout.generator_id) == {0, 1}
+        pid, _ = get(trainer.generators.call_at(0, Engine.process_id, ()))
+        os.kill(pid, signal.SIGKILL)
+        assert "eval/reward/mean" in trainer.evaluate()
+        records.append(trainer.iteration())
+        assert trainer.last_rollout.prompt_text == expected[4]
     finally:
         trainer.close()
-    assert records[-1]["faults/actor_restarts"] == 1
+    assert records[-1]["faults/actor_restarts"] == 2  # one replacement per death, none twice
     # The replacement took the published weights: still at most one version behind, and checked.
     assert all(r["async/staleness_max"] <= 1 and r["async/dropped_rows"] == 0 for r in records)
     assert all(r["sync/verified"] == 1.0 for r in records)

@@ -113,6 +113,25 @@ def test_restarts_within_the_window_are_a_crash_loop_and_stop_the_run(tmp_path):
         trainer.close()
 
 
+def test_a_replacement_that_cannot_start_stops_the_run_naming_it(tmp_path, embedded_dir):
+    """The reference model's folder is gone (a node lost its disk) when its actor is SIGKILLed:
+    the replacement fails in its constructor; the run stops with one line saying so, no hang."""
+    import shutil
+
+    model = tmp_path / "reference_model"
+    shutil.copytree(embedded_dir, model)
+    trainer = DistributedTrainer(load_config(None, BASE + [f"model.reference={model}", f"output.dir={tmp_path / 'run'}"]))
+    try:
+        trainer.iteration()
+        shutil.rmtree(model)
+        _signal(trainer.reference, 0, signal.SIGKILL)
+        with pytest.raises(ActorFailedError, match=r"^the replacement of reference actor 0 failed while starting: "
+                                                   r".*reference_model"):
+            trainer.iteration()
+    finally:
+        trainer.close()
+
+
 def test_the_restart_budget_forgets_restarts_older_than_its_window():
     supervisor = Supervisor(max_restarts=2, timeout_s=1.0, window=3)
     supervisor.spend("a")

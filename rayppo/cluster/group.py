@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rayppo.errors import ActorFailedError, brief
 
 E = TypeVar("E")
 R = TypeVar("R")
@@ -86,6 +88,15 @@ def get(futures: Any, timeout: float | None = None) -> Any:
         return ray.get(futures, timeout=timeout)
     except RayTaskError as exc:
         raise exc.as_instanceof_cause() from None
+
+
+def get_within(future: Any, timeout_s: float, what: str) -> Any:
+    """``get`` with a deadline, for a call outside ``Supervisor.run`` (a replacement brought up to
+    date): an actor that dies or misses it raises ``ActorFailedError`` saying ``what`` did not happen."""
+    try:
+        return get(future, timeout=timeout_s)
+    except (GetTimeoutError, RayActorError) as exc:
+        raise ActorFailedError(f"{what} within cluster.call_timeout_s={timeout_s:g} s ({brief(exc)})") from None
 
 
 def split_evenly(n: int, parts: int) -> list[range]:

@@ -15,6 +15,13 @@ from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, brief
 
 
+def start_failure(exc: RayActorError) -> str:
+    """Why an actor died while starting: an error in its ``__init__`` ends Ray's message as
+    ``Type: message``; any other death is said by its first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
+
+
 def wait_ready(groups: dict[str, ActorGroup], timeout_s: float) -> None:
     """Wait until every actor answers ``Engine.ready``; one line per role as its last actor
     does (what it holds, the slowest actor's start-up seconds). An actor that fails while
@@ -39,10 +46,9 @@ def _next_ready(pending: dict[Any, tuple[str, int]], answers: dict[str, list[tup
     role, i = pending.pop(done[0])
     try:
         answers[role].append(get(done[0]))
-    except RayActorError as exc:  # an error in __init__ ends Ray's message as "Type: message"
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        why = lines[-1] if getattr(exc, "actor_init_failed", False) and lines else brief(exc)
-        raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {why}{console.details(role, i)}") from None
+    except RayActorError as exc:
+        raise ActorFailedError(f"{LOG_NAMES[role]}-{i} failed while starting: {start_failure(exc)}"
+                               f"{console.details(role, i)}") from None
     if len(answers[role]) == len(groups[role]):
         what, seconds = answers[role][0][0], max(s for _, s in answers[role])
         n = len(groups[role])

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayppo.cluster.group import ActorGroup, get
+from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, brief
@@ -91,9 +92,11 @@ class Supervisor:
 
     def run(self, fanouts: list["Fanout"]) -> list[list[Any]]:
         """Several fan-outs at once (e.g. reference and reward scoring); each one's results, and
-        ``Fanout.seconds`` set to when its last result arrived."""
+        ``Fanout.seconds`` set to when its last result arrived. Every call has its own deadline,
+        ``cluster.call_timeout_s`` from when it was sent: a share redone on a replacement gets the
+        whole deadline again, and only the calls past theirs count as hung."""
         start = time.perf_counter()
-        pending: dict[Any, tuple[Fanout, int]] = {}
+        pending: dict[Any, tuple[Fanout, int, float]] = {}  # future -> (fan-out, position, deadline)
         for f in fanouts:
             f.results = [None] * len(f.args)
             for pos, a in enumerate(f.args):
@@ -101,20 +104,14 @@ class Supervisor:
                 if f.group.local:
                     f.results[pos] = f.group.call_at(i, f.method, a)
                 else:
-                    pending[f.group.call_at(i, f.method, a)] = (f, pos)
-        deadline = time.monotonic() + self.timeout_s
+                    self._send(pending, f, pos)
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:  # past the deadline: every call still running counts as hung
-                for future, (f, pos) in list(pending.items()):
-                    i = f.actor_at(pos)
-                    self._replace(f, i, f"did not answer {f.method.__name__} within cluster.call_timeout_s="
-                                        f"{self.timeout_s:g} s", hung=True)
-                    del pending[future]
-                    pending[f.group.call_at(i, f.method, f.args[pos])] = (f, pos)
-                deadline = time.monotonic() + self.timeout_s
+            first = min(deadline for _, _, deadline in pending.values())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, first - time.monotonic()))
+            if not ready:
+                self._replace_hung(pending)
                 continue
-            f, pos = pending.pop(ready[0])
+            f, pos, _ = pending.pop(ready[0])
             i = f.actor_at(pos)
             try:
                 f.results[pos] = get(ready[0])
@@ -122,11 +119,24 @@ class Supervisor:
                 if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
                     raise  # another actor's death reached this call (an argument it produced)
                 self._replace(f, i, f"died ({brief(exc)})")
-                pending[f.group.call_at(i, f.method, f.args[pos])] = (f, pos)
+                self._send(pending, f, pos)
                 continue
-            if not any(g is f for g, _ in pending.values()):
+            if not any(g is f for g, _, _ in pending.values()):
                 f.seconds = time.perf_counter() - start
         return [f.results for f in fanouts]
+
+    def _send(self, pending: dict[Any, tuple["Fanout", int, float]], f: "Fanout", pos: int) -> None:
+        pending[f.group.call_at(f.actor_at(pos), f.method, f.args[pos])] = (f, pos, time.monotonic() + self.timeout_s)
+
+    def _replace_hung(self, pending: dict[Any, tuple["Fanout", int, float]]) -> None:
+        """The calls past their deadline count as hung: their actors are replaced, their shares sent again."""
+        now = time.monotonic()
+        for future, (f, pos, deadline) in list(pending.items()):
+            if deadline <= now:
+                self._replace(f, f.actor_at(pos), f"did not answer {f.method.__name__} within cluster.call_timeout_s="
+                                                  f"{self.timeout_s:g} s", hung=True)
+                del pending[future]
+                self._send(pending, f, pos)
 
     def progress(self) -> None:
         """One more iteration completed (the trainers call it at the end of each)."""
@@ -153,12 +163,24 @@ class Supervisor:
             dump_stacks(*self._where.get((id(group), i), (None, None)))
         start = time.perf_counter()
         group.restart(i)
-        self._where[id(group), i] = get(group.call_at(i, Engine.process_id, ()))
+        self._where[id(group), i] = self._started(group, role, i)
         if f.refresh is not None:
             f.refresh(i)
         log.warning("%s actor %d %s: replaced in %.1f s (%s); redoing its share", role, i, cause,
                     time.perf_counter() - start, self.budget_text())
 
+
+    def _started(self, group: ActorGroup, role: str, i: int) -> tuple[int, str]:
+        """Wait (within the call deadline) until replacement actor i is built; where it runs. A
+        replacement that fails while starting, or does not start in time, stops the run naming it."""
+        try:
+            return get(group.call_at(i, Engine.process_id, ()), timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise ActorFailedError(f"the replacement of {role} actor {i} did not start within cluster.call_timeout_s="
+                                   f"{self.timeout_s:g} s{console.details(role, i)}") from None
+        except RayActorError as exc:
+            raise ActorFailedError(f"the replacement of {role} actor {i} failed while starting: "
+                                   f"{start_failure(exc)}{console.details(role, i)}") from None
 
     def budget_text(self) -> str:
         """``restart 4 of the run, 1 of cluster.max_actor_restarts=3 within 10 iterations``."""

@@ -18,7 +18,7 @@ import warnings
 from typing import Callable
 
 from rayppo.actors.generator import GeneratorEngine
-from rayppo.cluster.group import ActorGroup, get
+from rayppo.cluster.group import ActorGroup, get, get_within
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
@@ -72,10 +72,12 @@ class ObjectStoreSync:
         return self.payload_bytes * len(g)
 
     def refresh(self, i: int) -> None:
-        """A replacement generator i takes the current weights (and version) from rank 0."""
+        """A replacement generator i takes the current weights (and version) from rank 0, within
+        the call deadline (a replacement that cannot load them stops the run naming it)."""
         payload = self.learner.policy_weights()
-        version = get(payload).version
-        _check_versions(self.generators.get([self.generators.call_at(i, GeneratorEngine.load_weights, (payload,))]),
+        what, timeout = f"replacement generator {i} could not load the current weights", self.supervisor.timeout_s
+        version = get_within(payload, timeout, what).version
+        _check_versions([get_within(self.generators.call_at(i, GeneratorEngine.load_weights, (payload,)), timeout, what)],
                         version)
 
 

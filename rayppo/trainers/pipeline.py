@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rayppo.actors.generator import GeneratorEngine
-from rayppo.cluster.group import get, split_evenly
+from rayppo.cluster.group import get, get_within, split_evenly
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
@@ -288,27 +288,35 @@ class PipelinedTrainer(DistributedTrainer):
 
     def _load(self, g: int, published: Published) -> None:
         """Generator g takes the published weights, then (``checks.verify_sync``) proves it holds them."""
+        # A generator replaced during these calls takes *these* weights (the ones it is checked
+        # against below), not newer ones published meanwhile.
+        def refresh(i: int) -> None:
+            self._refresh(i, published)
+
         version = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.load_weights,
-                                           (published.payload,), refresh=self._refresh)
+                                           (published.payload,), refresh=refresh)
         if version != published.version:
             raise RuntimeError(f"generator {g} reports policy version {version} after loading {published.version}")
         if published.prints is not None:
             # A generator replaced during this call takes the published weights first (``_refresh``):
             # a fresh engine has loaded nothing, so it would fingerprint nothing.
             held = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.weight_fingerprints, (),
-                                            refresh=self._refresh)
+                                            refresh=refresh)
             if held is None:  # tensor-parallel vLLM cannot be fingerprinted yet: sync/verified = NaN
                 self._unverified = True
             else:
                 check_weights(published.prints, held, g, version)
         self._held[g] = version
 
-    def _refresh(self, i: int) -> None:
-        """A replacement generator i takes the published weights (its own build is version 0)."""
-        published = self._published
+    def _refresh(self, i: int, published: Published | None = None) -> None:
+        """A replacement generator i takes ``published`` (default: the newest) weights, within the
+        call deadline; its own build is version 0."""
+        published = published or self._published
         self._held[i] = 0
         if published.payload is not None:
-            self._held[i] = get(self.generators.call_at(i, GeneratorEngine.load_weights, (published.payload,)))
+            future = self.generators.call_at(i, GeneratorEngine.load_weights, (published.payload,))
+            self._held[i] = get_within(future, self.supervisor.timeout_s,
+                                       f"replacement generator {i} could not load policy version {published.version}")
 
     def _score_loop(self, stages: Stages) -> None:
         """Score each complete batch (reference and reward at the same time), in order."""
@@ -331,6 +339,27 @@ class PipelinedTrainer(DistributedTrainer):
                 except queue.Full:
                     if stages.stop.is_set():
                         raise _Stopped
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation of the current policy, with the stage threads stopped: one owner per
+        actor at a time (a generator or reward actor dying under both would be replaced twice, or
+        its death raised as a foreign one). Every generator first loads the newest weights; the
+        batches in flight are drawn again afterwards from the same prompts (the evaluation's
+        price: their sampling is redone)."""
+        if self.eval_prompts is None:
+            return {}
+        self._stop_stages()
+        with self._cond:
+            position = self._stages.prompt_states.get(self.iteration_count)
+        if position is not None:  # batches past the learner were drawn: draw them again after
+            self.prompts.load_state_dict(position)
+        try:
+            for g in range(len(self.generators)):
+                if self._published.version > self._held[g]:
+                    self._load(g, self._published)
+            return super().evaluate()
+        finally:
+            self._start_stages()
 
     # --------------------------------------------------------------- checkpoints and failures
     def driver_state(self) -> dict[str, Any]:
