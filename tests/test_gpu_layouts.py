@@ -188,19 +188,29 @@ def test_colocated_schedule_frees_the_gpu_for_the_learner(local_ray, tmp_path):
     vLLM refuses sleep mode on CPU, so each sleep/wake is recorded as skipped."""
     from rayppo.trainers.distributed import DistributedTrainer
 
+    from rayppo.run.checkpoint import read_driver_state, write_checkpoint
+
     trainer = DistributedTrainer(load_config(None, ["cluster.colocate_all=true", "learner.num_ranks=1",
                                                     "rollout.batch_size=16", f"output.dir={tmp_path}"]))
     try:
         for _ in range(2):
             trainer.iteration()
         placements = trainer.placements
+        # A learner failure between the sleep and the wake-ups: the restore wakes the weights
+        # before its sync writes into them, and the KV cache after.
+        checkpoint = write_checkpoint(tmp_path, trainer, keep=1)
+        trainer.schedule.sleep_generators()
+        trainer.restore(checkpoint, read_driver_state(checkpoint))
+        assert trainer.schedule.asleep == set()
     finally:
         trainer.close()
     iteration = ["generate", "generators: sleep skipped", "score", "learn", "others: release cached memory",
                  "generators: wake weights skipped", "sync", "others: release cached memory",
                  "generators: wake kv_cache skipped"]
+    restore = ["generators: sleep skipped", "others: release cached memory", "generators: wake weights skipped",
+               "others: release cached memory", "generators: wake kv_cache skipped"]
     assert trainer.schedule.events == ["spawn generators", "generators ready", "spawn reference, reward, learner",
-                                       *iteration, *iteration]
+                                       *iteration, *iteration, *restore]
     group = placements["learner"].groups[0]
     for role in ("generators", "reference", "reward", "learner"):
         assert placements[role].groups == [group] and placements[role].bundles == [0], role

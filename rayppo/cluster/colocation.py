@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from rayppo.actors.generator import GeneratorEngine
-from rayppo.cluster.group import ActorGroup
+from rayppo.cluster.group import ActorGroup, get_within
 from rayppo.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,13 @@ class DeviceSchedule:
     records what happened, in order (``"generators: sleep"`` or ``"generators: sleep skipped"``,
     and the driver's stage names)."""
 
-    def __init__(self, colocated: bool):
-        self.colocated = colocated
+    def __init__(self, colocated: bool, timeout_s: float | None = None):
+        self.colocated, self.timeout_s = colocated, timeout_s
         self.generators: ActorGroup | None = None  # set once they are spawned
         self.others: list[ActorGroup] = []  # the roles that use the GPU while vLLM sleeps
         self.events: list[str] = []
+        self.asleep: set[str] = set()
+        """What the generators have given back and not taken again: ``weights``, ``kv_cache``."""
         self._warned = False
 
     def stage(self, name: str) -> None:
@@ -50,14 +52,18 @@ class DeviceSchedule:
     def sleep_generators(self) -> None:
         """Before scoring and learning: the generators give their GPU memory back."""
         if self.colocated:
-            self._record("sleep", self.generators.get(self.generators.call_all(GeneratorEngine.sleep)))
+            self._record("sleep", self._get(self.generators, self.generators.call_all(GeneratorEngine.sleep), "sleep"))
+            self.asleep = {"weights", "kv_cache"}
 
     def wake_weights(self) -> None:
         """Before the sync: the other roles release their cached memory (PyTorch's allocator would
         keep its peak reserved), then the generators' weights come back to be overwritten."""
         if self.colocated:
             self._release_others()
-            self._record("wake weights", self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["weights"])))
+            self._record("wake weights",
+                         self._get(self.generators, self.generators.call_all(GeneratorEngine.wake_up, ["weights"]),
+                                   "wake weights"))
+            self.asleep.discard("weights")
 
     def wake_kv_cache(self) -> None:
         """After the sync: the KV cache is re-allocated for the next generation, into the memory the
@@ -65,11 +71,31 @@ class DeviceSchedule:
         if self.colocated:
             self._release_others()
             self._record("wake kv_cache",
-                         self.generators.get(self.generators.call_all(GeneratorEngine.wake_up, ["kv_cache"])))
+                         self._get(self.generators, self.generators.call_all(GeneratorEngine.wake_up, ["kv_cache"]),
+                                   "wake kv_cache"))
+            self.asleep.discard("kv_cache")
+
+    def wake_for_restore(self) -> None:
+        """A learner failure can land between the sleep and the wake-ups: before a restore's sync
+        the weights must be back (vLLM 0.32's sleep unmaps their memory: writing into it is an
+        illegal access on a GPU; ``vllm/device_allocator/cumem.py``)."""
+        if "weights" in self.asleep:
+            self.wake_weights()
+
+    def wake_after_restore(self) -> None:
+        """After a restore's sync: the KV cache back for the next generation."""
+        if "kv_cache" in self.asleep:
+            self.wake_kv_cache()
+
+    def _get(self, group: ActorGroup, futures: list, step: str) -> list:
+        """The answers within ``cluster.call_timeout_s``: a hung engine stops the run naming the step."""
+        if group.local or self.timeout_s is None:
+            return group.get(futures)
+        return get_within(futures, self.timeout_s, f"colocated mode: {step} did not complete")
 
     def _release_others(self) -> None:
         for group in self.others:
-            group.get(group.call_all(Engine.release_cached_memory))
+            self._get(group, group.call_all(Engine.release_cached_memory), "release cached memory")
         self.events.append("others: release cached memory")
 
     def _record(self, what: str, done: list[bool]) -> None:

@@ -69,7 +69,7 @@ class DistributedTrainer:
         self.learner_restarts = 0
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
-        self.schedule = DeviceSchedule(cfg.cluster.colocate_all)
+        self.schedule = DeviceSchedule(cfg.cluster.colocate_all, cfg.cluster.call_timeout_s)
         self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s,
                                      cfg.cluster.restart_window)
         self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus, requested_resources(cfg).get("CPU", 0.0),
@@ -273,9 +273,11 @@ class DistributedTrainer:
         self.iteration_count = state["iteration"]
         self.kl_ctl.value = float(state["kl_coef"])
         self.prompts.load_state_dict(state["prompts"])
+        self.schedule.wake_for_restore()  # colocated mode: a failure may have left vLLM asleep
         self.weight_sync.sync(version)
         if self.cfg.checks.verify_sync:
             self._verify(version)
+        self.schedule.wake_after_restore()
 
     def recover(self, failure: LearnerFailedError) -> int:
         """After a learner rank died or hung: rebuild the learner group, load the latest
