@@ -120,8 +120,20 @@ class LearnerGroup:
         return self._gather(self.ranks.call(LearnerEngine.train, args), "train")[0]
 
     def policy_weights(self) -> Any:
-        """A future of rank 0's ``WeightsPayload`` (the value itself when in-process)."""
-        return self.ranks.call_all(LearnerEngine.policy_weights)[0]
+        """A future of rank 0's ``WeightsPayload`` (the value itself when in-process), once every
+        rank has done its part within ``cluster.call_timeout_s``: a rank that hangs here is the
+        learner's failure (``LearnerFailedError``), not that of the generators that would wait on
+        the payload as an argument of their loads and miss their own deadline."""
+        futures = self.ranks.call_all(LearnerEngine.policy_weights)
+        if not self.ranks.local:
+            self._gather(futures[1:], "policy_weights")  # the other ranks' part of the gathers (None)
+            ready, _ = ray.wait(futures[:1], timeout=self.timeout_s)  # rank 0's payload stays in the object store
+            if not ready:
+                if self.where:
+                    dump_stacks(*self.where[0])
+                raise LearnerFailedError(f"learner rank 0 did not finish policy_weights within cluster.call_timeout_s="
+                                         f"{self.timeout_s:g} s{console.details('learner', 0)}")
+        return futures[0]
 
     def open_weight_sync(self, endpoint: SyncEndpoint) -> list[Any]:
         """Futures: rank 0 joins the sync group as root (returns the stream layout); all ranks call."""
