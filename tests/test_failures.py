@@ -81,6 +81,23 @@ def test_a_generator_replaced_under_the_broadcast_sync_joins_a_new_sync_group(tm
         trainer.close()
 
 
+def test_a_generator_hung_in_the_broadcast_is_replaced_and_the_weights_sent_again(tmp_path):
+    """learner.weight_sync=broadcast: SIGSTOP a generator, then sync. Its receive misses the call
+    deadline: it is replaced, the broken group times out, a fresh one is formed with the
+    replacement and the weights are broadcast again; the next iteration's weights are checked."""
+    trainer = DistributedTrainer(load_config(None, BASE + ["learner.weight_sync=broadcast", "cluster.call_timeout_s=10",
+                                                           "cluster.sync_timeout_s=15", f"output.dir={tmp_path}"]))
+    try:
+        trainer.iteration()
+        _signal(trainer.generators, 1, signal.SIGSTOP)
+        assert trainer.weight_sync.sync(trainer.weight_sync.version) > 0
+        record = trainer.iteration()
+        assert record["faults/actor_restarts"] == 1
+        assert record["logprob_mismatch/max"] < 1e-4 and record["sync/verified"] == 1.0
+    finally:
+        trainer.close()
+
+
 def test_an_actor_that_stops_answering_is_replaced_after_the_deadline(tmp_path):
     """SIGSTOP the reward actor: past cluster.call_timeout_s it is dumped, killed, replaced."""
     trainer = DistributedTrainer(load_config(None, BASE + ["cluster.call_timeout_s=15", f"output.dir={tmp_path}"]))

@@ -68,6 +68,11 @@ class LearnerGroup:
         self._start()
         self.locate()
 
+    def gather(self, futures: list[Any], what: str) -> list[Any]:
+        """Every rank's result of ``futures`` (a call the caller started, e.g. ``send_weights``),
+        with the learner's deadline and failure rules."""
+        return self._gather(futures, what)
+
     def _gather(self, futures: list[Any], what: str) -> list[Any]:
         """Every rank's result; ``LearnerFailedError`` as soon as a rank dies, or when some rank
         has not answered within ``cluster.call_timeout_s`` (its stack dumped to its log first)."""

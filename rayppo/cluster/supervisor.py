@@ -157,15 +157,20 @@ class Supervisor:
             self.restarts += 1
 
     def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
-        group, role = f.group, f.role
+        self.replace(f.group, f.role, i, cause, hung, f.refresh)
+
+    def replace(self, group: ActorGroup, role: str, i: int, cause: str, hung: bool = False,
+                refresh: Callable[[int], None] | None = None) -> None:
+        """Replace actor ``i`` of ``group`` (counted against the budget; a hung one's stacks
+        dumped first), wait until it is built, bring it up to date with ``refresh``."""
         self.spend(f"{role} actor {i} {cause}", hint=console.details(role, i))
         if hung:
             dump_stacks(*self._where.get((id(group), i), (None, None)))
         start = time.perf_counter()
         group.restart(i)
         self._where[id(group), i] = self._started(group, role, i)
-        if f.refresh is not None:
-            f.refresh(i)
+        if refresh is not None:
+            refresh(i)
         log.warning("%s actor %d %s: replaced in %.1f s (%s); redoing its share", role, i, cause,
                     time.perf_counter() - start, self.budget_text())
 

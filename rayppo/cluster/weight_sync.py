@@ -14,8 +14,12 @@ Both check that every generator reports the version the learner just produced, a
 
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import RayActorError
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get, get_within
@@ -23,7 +27,7 @@ from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
 from rayppo.config.schema import Config
-from rayppo.errors import ActorFailedError
+from rayppo.errors import ActorFailedError, LearnerFailedError, brief
 from rayppo.learner.guard import check_weights
 from rayppo.learner.weight_sync import SyncEndpoint
 
@@ -85,23 +89,30 @@ class BroadcastSync:
     """Weights broadcast by rank 0 over a process group it shares with every inference worker."""
 
     def __init__(self, learner: LearnerGroup, generators: ActorGroup, backend: str, workers_per_generator: int,
-                 timeout_s: float = 600.0):
-        self.learner, self.generators = learner, generators
+                 timeout_s: float = 600.0, supervisor: Supervisor | None = None):
+        self.learner, self.generators, self.supervisor = learner, generators, supervisor
         self.backend, self.workers, self.timeout_s = backend, workers_per_generator, timeout_s
         self.version = 0  # what every generator holds: the initial weights until the first sync
         self._open()
 
     def _open(self) -> None:
         """Form the group: rank 0 and every generator's workers (again after a replacement: a
-        process group cannot take a new member, so everyone joins a fresh one)."""
-        host, port = self.learner.rank0_address()
-        g, w = self.generators, self.workers
-        endpoint = SyncEndpoint(self.backend, host, port, 1 + len(g) * w, self.timeout_s)
-        # Both sides block until the group is complete: start the generators' joins first.
-        joins = g.call(GeneratorEngine.join_weight_sync, [(endpoint, 1 + i * w) for i in range(len(g))])
-        opened = self.learner.open_weight_sync(endpoint)
-        self.specs = get(opened)[0]
-        get(joins)
+        process group cannot take a new member, so everyone joins a fresh one). A generator that
+        dies or hangs while joining is replaced and the group formed again."""
+        while True:
+            host, port = self.learner.rank0_address()
+            g, w = self.generators, self.workers
+            endpoint = SyncEndpoint(self.backend, host, port, 1 + len(g) * w, self.timeout_s)
+            # Both sides block until the group is complete: start the generators' joins first.
+            joins = g.call(GeneratorEngine.join_weight_sync, [(endpoint, 1 + i * w) for i in range(len(g))])
+            opened = self.learner.open_weight_sync(endpoint)
+            failed = self._failed_call(joins, "join_weight_sync") if self.supervisor is not None else None
+            if failed is None:
+                self.specs = self.learner.gather(opened, "open_weight_sync")[0]
+                get(joins)
+                return
+            self._drain(opened, joins, failed[0])
+            self.supervisor.replace(self.generators, "generators", *failed)
 
     def refresh(self, i: int) -> None:
         """Generator i was replaced: a new group with it, and the current weights to everyone."""
@@ -110,13 +121,52 @@ class BroadcastSync:
             self.sync(self.version)
 
     def sync(self, version: int) -> int:
-        """Broadcast the weights of ``version``; returns the bytes delivered to the workers."""
-        receives = self.generators.call_all(GeneratorEngine.receive_weights, self.specs, version)
-        sends = self.learner.send_weights()
-        results = get(sends + receives)
-        _check_versions(results[len(sends):], version)
-        self.version = version
-        return results[0]
+        """Broadcast the weights of ``version``; returns the bytes delivered to the workers. A
+        generator that dies or misses the call deadline while receiving is replaced; the broken
+        group is left to time out (``cluster.sync_timeout_s``), a fresh one formed with the
+        replacement, and the broadcast sent again."""
+        while True:
+            receives = self.generators.call_all(GeneratorEngine.receive_weights, self.specs, version)
+            sends = self.learner.send_weights()
+            failed = self._failed_call(receives, "receive_weights") if self.supervisor is not None else None
+            if failed is None:
+                sent = self.learner.gather(sends, "send_weights")
+                _check_versions(get(receives), version)
+                self.version = version
+                return sent[0]
+            self._drain(sends, receives, failed[0])
+            self.supervisor.replace(self.generators, "generators", *failed)
+            self._open()
+
+    def _failed_call(self, futures: list[Any], method: str) -> tuple[int, str, bool] | None:
+        """The first generator whose call (one future each) died or missed the call deadline:
+        (index, cause, hung); None when every one answered."""
+        index = {ref: i for i, ref in enumerate(futures)}
+        pending, deadline = list(futures), time.monotonic() + self.supervisor.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return index[pending[0]], (f"did not answer {method} within cluster.call_timeout_s="
+                                           f"{self.supervisor.timeout_s:g} s"), True
+            try:
+                get(ready[0])
+            except RayActorError as exc:
+                return index[ready[0]], f"died ({brief(exc)})", False
+        return None
+
+    def _drain(self, sends: list[Any], receives: list[Any], failed: int) -> None:
+        """Let the calls on the broken group end (their collectives time out), the failed
+        generator's aside (it is about to be killed); a learner rank that died meanwhile is the
+        learner's failure."""
+        try:
+            self.learner.gather(sends, "the broken weight broadcast")
+        except LearnerFailedError:
+            raise
+        except Exception:  # noqa: BLE001 - the broken broadcast's own error: expected here
+            pass
+        others = [ref for i, ref in enumerate(receives) if i != failed]
+        if others:
+            ray.wait(others, num_returns=len(others), timeout=self.timeout_s + self.supervisor.timeout_s)
 
 
 class IpcSync:
@@ -160,4 +210,4 @@ def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup,
         return IpcSync(learner, generators)
     # A vLLM generator has one inference worker per tensor-parallel rank; the hf backend has one.
     tp = tensor_parallel_size(cfg.generators)
-    return BroadcastSync(learner, generators, backend, tp, cfg.cluster.sync_timeout_s)
+    return BroadcastSync(learner, generators, backend, tp, cfg.cluster.sync_timeout_s, supervisor)
