@@ -174,7 +174,6 @@ class Supervisor:
         log.warning("%s actor %d %s: replaced in %.1f s (%s); redoing its share", role, i, cause,
                     time.perf_counter() - start, self.budget_text())
 
-
     def _started(self, group: ActorGroup, role: str, i: int) -> tuple[int, str]:
         """Wait (within the call deadline) until replacement actor i is built; where it runs. A
         replacement that fails while starting, or does not start in time, stops the run naming it."""
