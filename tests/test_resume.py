@@ -145,7 +145,10 @@ def _train(out: Path, args: list[str]) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+# vLLM only (the default backend, and the one whose samplers are reseeded per iteration): the hf
+# generator's resumption is the in-process trainer's, shown exactly above; the suite's time is
+# better spent on the fault tests.
+@pytest.mark.parametrize("backend", ["vllm"])
 def test_sigkill_after_iteration_k_then_resume_equals_the_uninterrupted_run(tmp_path, embedded_dir, backend):
     """Distributed run (Ray, DeepSpeed, fp32): SIGKILL the driver's whole process group once the
     checkpoint after iteration 2 is in place, resume, and compare iterations 2-3 with a run that
