@@ -143,8 +143,11 @@ class StopRequest:
                 # socket, Ray's get), which _thread.interrupt_main would leave sleeping.
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # _sigint: KeyboardInterrupt
 
+    def iteration_begins(self) -> None:
+        self.iteration_started = time.monotonic()
+
     def iteration_done(self, seconds: float) -> None:
-        self.last_iteration_s, self.iteration_started = seconds, time.monotonic()
+        self.last_iteration_s = seconds
 
     def stopping(self) -> None:
         """The loop has ended; a timer still pending no longer cuts anything short."""
@@ -242,6 +245,7 @@ class _Loop:
     def one(self) -> dict[str, float]:
         """One iteration, its evaluation when due, its records and its periodic checkpoint."""
         cfg, it, start = self.cfg, self.it, time.monotonic()
+        self.stop.iteration_begins()
         metrics = self.trainer.iteration()
         if due(cfg.eval.every, it, cfg.stop.iterations):
             metrics |= self.trainer.evaluate()
@@ -249,12 +253,13 @@ class _Loop:
         _after_iteration(cfg, self.trainer, self.out, it, metrics, self.logger)
         self.bar.update(metrics)
         self.it = it + 1
+        # The iteration's own seconds: a checkpoint's are counted apart (the SIGTERM estimate adds them).
+        self.stop.iteration_done(time.monotonic() - start)
         every = cfg.output.checkpoint_every
         if every and self.it % every == 0:
             begin = time.monotonic()
             write_checkpoint(self.out, self.trainer, cfg.output.keep_checkpoints)
             self.stop.last_checkpoint_s = time.monotonic() - begin
-        self.stop.iteration_done(time.monotonic() - start)
         return metrics
 
 
