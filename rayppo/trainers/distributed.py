@@ -46,9 +46,18 @@ from rayppo.trainers.iteration import (generator_seed, iteration_seed, make_kl_c
 
 log = logging.getLogger(__name__)
 
+PHASES = ("starting", "generate", "score", "learn", "sync", "verify", "evaluate", "checkpoint", "restore", "idle")
+"""What the driver waits on (``DistributedTrainer.phase``); the pipeline adds ``wait`` (for a
+scored batch) and runs generate and score in its stage threads meanwhile."""
+
 
 class DistributedTrainer:
-    """Generators, reference and reward scorers and the learner group on a Ray cluster."""
+    """Generators, reference and reward scorers and the learner group on a Ray cluster.
+
+    ``phase`` names what the driver waits on now (one of ``PHASES``), for whoever watches the run
+    from another thread: the fault matrix (``benchmarks/fault_matrix.py``) times its signals by it."""
+
+    phase: str = "starting"
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -155,25 +164,31 @@ class DistributedTrainer:
         self._start_state = None
         self._start_state = self.driver_state()  # what a checkpoint holds until this iteration completes
         t0 = clock()
+        self.phase = "generate"
         rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
         self.schedule.sleep_generators()  # colocated mode: vLLM frees the GPU for the learner
         t1 = clock()
+        self.phase = "score"
         rollout, score_times = self.score(rollout)
         t2 = clock()
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
+            self.phase = "learn"
             stats = self.learner.train(rollout, kl_coef, it)
             self._learned(stats, rollout)  # from here a checkpoint holds this iteration
             self.schedule.stage("learn")
             t3 = clock()
             version = int(stats["policy/version"])
             self.schedule.wake_weights()
+            self.phase = "sync"
             sync_bytes = self.weight_sync.sync(version)
             self.schedule.stage("sync")
             t_verify = clock()
+            self.phase = "verify"
             verified = self._verify(version) if self.cfg.checks.verify_sync else 0.0
         self.schedule.wake_kv_cache()
         t4 = clock()
+        self.phase = "idle"
         self.supervisor.progress()
         timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
                    "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
@@ -233,13 +248,17 @@ class DistributedTrainer:
         if self.eval_prompts is None:
             return {}
         prompts, seed = self.eval_prompts, iteration_seed(self.cfg.seed, SEED_OFFSET)
+        self.phase = "evaluate"
 
         def score_pass(temperature: float, k: int) -> list[float]:
             rollout = self._sample(GeneratorEngine.evaluate, prompts, seed, temperature, k)
             (scores,) = self.supervisor.run([self._reward_pass(rollout)])
             return [x for part in scores for x in part]
 
-        return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
+        try:
+            return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
+        finally:
+            self.phase = "idle"
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""
@@ -261,12 +280,15 @@ class DistributedTrainer:
 
     def checkpoint(self, path: Path) -> dict[str, Any]:
         """Every learner rank's DeepSpeed states under ``path``; returns the driver's state."""
+        self.phase = "checkpoint"
         self.learner.save_checkpoint(str(path))
+        self.phase = "idle"
         return self.driver_state()
 
     def restore(self, path: Path | None, state: dict[str, Any]) -> None:
         """Load a checkpoint (None: the initial models, as built) and bring every generator to
         its policy version (sync, then check)."""
+        self.phase = "restore"
         version = self.learner.load_checkpoint(str(path)) if path is not None else 0
         check_pairing(path, version, state)
         self._start_state = None
@@ -278,6 +300,7 @@ class DistributedTrainer:
         if self.cfg.checks.verify_sync:
             self._verify(version)
         self.schedule.wake_after_restore()
+        self.phase = "idle"
 
     def recover(self, failure: LearnerFailedError) -> int:
         """After a learner rank died or hung: rebuild the learner group, load the latest

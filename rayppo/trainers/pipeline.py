@@ -147,6 +147,7 @@ class PipelinedTrainer(DistributedTrainer):
     def iteration(self) -> dict[str, float]:
         """Train on batch v (v = the learner's version) once it is scored; publish v + 1."""
         it, clock, t0 = self.iteration_count, time.perf_counter, self._last_return
+        self.phase = "wait"
         index, rollout, score_times, depth = self._next_scored()
         assert index == it, f"pipeline delivered batch {index} for iteration {it}"
         t_data = clock()
@@ -155,11 +156,14 @@ class PipelinedTrainer(DistributedTrainer):
         rollout, dropped = drop_stale(rollout, version, self.k)
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
+            self.phase = "learn"
             stats = self.learner.train(rollout, kl_coef, it)
             self._learned(stats, rollout)  # from here a checkpoint holds this iteration
             t_learn = clock()
+            self.phase = "sync"
             self._publish(int(stats["policy/version"]))
         t_end = clock()
+        self.phase = "idle"
         with self._cond:
             self._stages.batches.pop(it, None)
             self._stages.prompt_states.pop(it, None)
@@ -348,6 +352,7 @@ class PipelinedTrainer(DistributedTrainer):
         price: their sampling is redone)."""
         if self.eval_prompts is None:
             return {}
+        self.phase = "evaluate"
         self._stop_stages()
         with self._cond:
             position = self._stages.prompt_states.get(self.iteration_count)
@@ -372,6 +377,7 @@ class PipelinedTrainer(DistributedTrainer):
     def restore(self, path: Path | None, state: dict[str, Any]) -> None:
         """Stop the stages, load the checkpoint, publish its weights and start again from it: every
         generator loads them (and is checked) before its first batch."""
+        self.phase = "restore"
         self._stop_stages()
         version = self.learner.load_checkpoint(str(path)) if path is not None else 0
         check_pairing(path, version, state)
@@ -381,6 +387,7 @@ class PipelinedTrainer(DistributedTrainer):
         self._publish(version)
         self._held = [-1] * len(self.generators)
         self._start_stages()
+        self.phase = "idle"
 
     def recover(self, failure: LearnerFailedError) -> int:
         self._stop_stages()  # before the learner goes: no stage may read its weights meanwhile
