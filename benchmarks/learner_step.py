@@ -31,7 +31,7 @@ from bench import _timed, load_workloads, matmul_gflop_per_s, prepare_models, wo
 
 from rayppo.data.rollout import Rollout  # noqa: E402
 from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
-from rayppo.plan.footprint import read_shape  # noqa: E402
+from rayppo.models.shape import read_shape  # noqa: E402
 
 
 def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0) -> Rollout:

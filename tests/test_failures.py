@@ -196,11 +196,24 @@ def test_killed_learner_ranks_restart_the_group_from_the_latest_checkpoint(tmp_p
     assert worst < 1e-6
 
 
-def test_past_the_budget_a_dead_learner_stops_the_run_with_the_resume_command(tmp_path):
+def test_a_hung_learner_is_blamed_on_the_learner_and_past_the_budget_stops_the_run_with_the_resume_command(tmp_path):
+    """SIGSTOP learner rank 0 while it sends the weights: the generators that would read its payload
+    are not blamed (no generator replaced for missing its deadline); the learner is, and with no
+    restart left the run stops naming rank 0, the budget and the command to resume."""
     out = tmp_path / "run"
-    trainer = DistributedTrainer(load_config(None, LEARNER + ["cluster.max_actor_restarts=0", f"output.dir={out}"]))
-    _kill_learner_ranks(trainer, out / "metrics.jsonl", [(2, 0)])
-    with pytest.raises(LearnerFailedError, match=rf"^learner rank \d died.*restarts are spent.*; continue from "
+    trainer = DistributedTrainer(load_config(None, LEARNER + ["cluster.max_actor_restarts=0", "cluster.call_timeout_s=30",
+                                                              f"output.dir={out}"]))
+
+    def stop_rank0_in_sync() -> None:
+        while not ((out / "metrics.jsonl").is_file() and len(_records(out / "metrics.jsonl")) >= 2
+                   and trainer.phase == "sync"):
+            time.sleep(0.002)
+        os.kill(trainer.learner.where[0][0], signal.SIGSTOP)
+
+    threading.Thread(target=stop_rank0_in_sync, daemon=True).start()
+    with pytest.raises(LearnerFailedError, match=rf"^learner rank 0 did not finish policy_weights within "
+                                                 rf"cluster.call_timeout_s=30 s.*restarts are spent.*; continue from "
                                                  rf"its last checkpoint with: rayppo train --resume {out}$"):
         run(trainer.cfg, trainer, progress=False)
-    assert latest_checkpoint(out).name >= "iter_000001"  # complete (the kill may land while one is written)
+    assert trainer.supervisor.restarts == 0  # no generator was replaced on the learner's account
+    assert latest_checkpoint(out).name >= "iter_000002"

@@ -5,7 +5,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rayppo.plan.flops import Sequences, backbone_forward_flops, learn_flops
-from rayppo.plan.footprint import read_shape
+from rayppo.models.shape import read_shape
 
 
 def test_backbone_flops_match_torchs_counter(tmp_path):

@@ -18,8 +18,8 @@ from rayppo.cluster.placement import PlacementError, check_capacity
 from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION
 from rayppo.config.load import load_config
 from rayppo.plan.fit import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
-from rayppo.plan.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, lora_params, model_dir,
-                                   param_count, read_shape, zero_bytes)
+from rayppo.models.shape import lora_params, param_count, read_shape
+from rayppo.plan.footprint import EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, model_dir, zero_bytes
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -305,3 +305,71 @@ def test_train_stops_before_starting_anything_when_the_machine_lacks_resources(m
     assert ("rayppo: error: this job does not fit: GPU: need 1 (generators 1 x 1), cluster has 0. Fix: a machine with "
             "1 GPU, or a Ray cluster with them (cluster.address), or CPUs only: generators.gpus_per_worker=0") in err
     assert not ray.is_initialized()
+
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {  # model_type -> (config class, model class, config fields): tiny random-init models
+    "llama": ("LlamaConfig", "LlamaForCausalLM", SMALL),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", SMALL),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", SMALL | {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", SMALL),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", SMALL | {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", SMALL | {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", SMALL | {"pad_token_id": 0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", SMALL),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", SMALL),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                "n_positions": 256}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"vocab_size": 128, "hidden_size": 64, "ffn_dim": 96, "num_hidden_layers": 2,
+                                            "num_attention_heads": 4, "max_position_embeddings": 256,
+                                            "word_embed_proj_dim": 64}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL),  # no grouped-query: num_key_value_heads unused
+    "phi": ("PhiConfig", "PhiForCausalLM", SMALL),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", SMALL | {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", SMALL | {"num_experts": 4, "num_experts_per_tok": 2,
+                                                                    "moe_intermediate_size": 32,
+                                                                    "shared_expert_intermediate_size": 48}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", SMALL | {"num_experts": 4, "num_experts_per_tok": 2,
+                                                                    "moe_intermediate_size": 32, "head_dim": 16}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_familys_shape_is_read_under_its_own_names_and_counted_exactly(tmp_path, family):
+    """GPT-2 names its context n_positions, OPT its MLP ffn_dim, Mixtral its experts
+    num_local_experts: each is read under its own names, and the parameter count (LayerNorm biases,
+    learned positions, ungated MLPs, every expert, routers, shared experts) equals the real model's."""
+    import transformers
+
+    config_class, model_class, fields = FAMILIES[family]
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
+    model.save_pretrained(tmp_path)
+    shape = read_shape(tmp_path)
+    assert (shape.family, shape.max_positions, shape.hidden, shape.layers, shape.vocab) == (family, 256, 64, 2, 128)
+    assert shape.experts == fields.get("num_experts", fields.get("num_local_experts", 0))
+    assert param_count(shape) == numel(model)
+
+
+def test_the_generator_context_is_what_the_job_needs_not_the_models_whole_context(tmp_path):
+    """vLLM refuses to start when one max_model_len sequence does not fit its KV cache. Llama 3.1
+    8B names 131072 positions: 16 GiB of bf16 KV (32 layers x 2 x 8 heads x 128 x 2 bytes per
+    token), which with 16 GiB of weights fills a 0.4 share of 80 GiB. By default the context is the
+    longest prompt + rollout.max_new_tokens (within the model's), and the plan counts the batch's KV."""
+    from rayppo.config.derived import generator_context
+
+    assert generator_context(None, 131072, 100, 256) == 356
+    assert generator_context(None, 300, 100, 256) == 300  # within the model's context
+    assert generator_context(None, None, 100, 256) == 356  # a model that names none (ALiBi)
+    assert generator_context(2048, 131072, 100, 256) == 2048  # generators.max_model_len wins
+    llama31 = LLAMA_7B | {"intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256,
+                          "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps(llama31))
+    base = [f"model.policy={tmp_path}", "model.dtype=bfloat16", "generators.gpus_per_worker=0.5",
+            "generators.gpu_memory_utilization=0.4", "rollout.max_new_tokens=256", "rollout.batch_size=64"]
+    by_default = estimate_roles(load_config(None, base), prompt_tokens=512)["generators"]
+    assert by_default.problems == []
+    assert by_default.kv_cache == 64 * (512 + 256) * 32 * 2 * 8 * 128 * 2  # the batch, at full length
+    whole = estimate_roles(load_config(None, base + ["generators.max_model_len=131072"]), prompt_tokens=512)
+    assert len(whole["generators"].problems) == 1
+    assert "its profile run and the KV cache of one sequence of max_model_len=131072 tokens (16.00 GiB)" in whole["generators"].problems[0]

@@ -84,3 +84,36 @@ def test_vllm_stops_on_the_generation_configs_eos_ids_like_the_hf_backend(vllm_e
         assert seven not in ids[:-1] and tokenizer.eos_token_id not in ids[:-1]
         assert (reason == "stop") == (ids[-1] in (seven, tokenizer.eos_token_id))
     assert any(ids[-1] == seven for ids in rollout.response_ids)  # the stop token is kept in the response
+
+
+def test_the_gpu_runners_per_request_seeds_follow_the_call_seed():
+    """vLLM 0.32's V2 model runner (the GPU default) gives each request without a seed its own,
+    drawn from numpy's global generator as the request is added (``SamplingStates.add_request``,
+    vllm/v1/worker/gpu/sample/states.py). The reseed before every call fixes those draws: the
+    same call seed gives the same request seeds whatever was drawn before, another gives others.
+    The upstream method runs here on stand-in buffers (its own are pinned memory, CUDA only)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.states import SamplingStates
+
+    from rayppo.actors.generator import _reseed_worker
+
+    def request_seeds(call_seed: int, requests: int = 4) -> list[int]:
+        def buffer(dtype):
+            return SimpleNamespace(np=np.zeros(requests, dtype=dtype))
+
+        states = SimpleNamespace(temperature=buffer(np.float32), top_k=buffer(np.int32), top_p=buffer(np.float32),
+                                 min_p=buffer(np.float32), seeds=buffer(np.int64), vocab_size=100,
+                                 seeds_set=np.zeros(requests, dtype=bool),
+                                 num_logprobs=np.empty(requests, dtype=np.int32))
+        _reseed_worker(None, call_seed)
+        for i in range(requests):
+            SamplingStates.add_request(states, i, SamplingParams(temperature=1.0))
+        return states.seeds.np.tolist()
+
+    first = request_seeds(7)
+    np.random.rand(5)  # whatever the worker drew in between (earlier calls, other requests)
+    assert request_seeds(7) == first
+    assert request_seeds(8) != first and len(set(first)) == 4

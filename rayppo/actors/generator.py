@@ -16,9 +16,11 @@ what the learner recomputes as log_softmax(logits / temperature):
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 
@@ -286,8 +288,15 @@ class _VLLMBackend:
 
 
 def _reseed_worker(worker, seed: int) -> None:
-    """Runs inside a vLLM worker: reseed the generator its sampler draws from."""
+    """Runs inside a vLLM worker: reseed every generator its sampler draws from. The V1 runner
+    (CPU) samples requests without a seed from torch's default generator; the V2 runner (the GPU
+    default where Triton exists) gives each such request a seed of its own from numpy's global
+    generator as the request is added (``SamplingStates.add_request``,
+    vllm/v1/worker/gpu/sample/states.py, vLLM 0.32), so numpy is reseeded too: the requests of a
+    call are added in order, and their seeds follow from this one."""
     torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 @torch.no_grad()

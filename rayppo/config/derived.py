@@ -68,3 +68,16 @@ def weight_sync_backend(cfg: Config) -> str | None:
         return None
     return "nccl" if on_gpus else "gloo"
 
+
+
+def generator_context(configured: int | None, model_positions: int | None, longest_prompt: int,
+                      max_new_tokens: int) -> int:
+    """vLLM's ``max_model_len``: ``generators.max_model_len`` when set; else what the job needs,
+    its longest prompt + ``rollout.max_new_tokens``, within the model's context. Not the model's
+    whole context: vLLM 0.32 refuses to start when one sequence of ``max_model_len`` tokens does
+    not fit its KV cache (``check_enough_kv_cache_memory``, vllm/v1/core/kv_cache_utils.py), and
+    Llama 3.1's 128k tokens need ~16 GiB of KV for an 8B model, where 2k tokens need 0.25 GiB."""
+    if configured:
+        return configured
+    needed = longest_prompt + max_new_tokens
+    return min(needed, model_positions) if model_positions else needed

@@ -22,7 +22,8 @@ from rayppo.cluster.placement import (changed, fewer_actors, local_cpus, overrid
                                       requested_resources, role_specs, running_cluster_resources, shortage_lines)
 from rayppo.config.derived import role_gpus, tensor_parallel_size, vllm_memory_utilization
 from rayppo.config.schema import Config, ConfigError
-from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs, param_count
+from rayppo.models.shape import param_count
+from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs
 
 ROLES = ("generators", "reference", "reward", "learner")
 ACCELERATOR_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "L40S": 48, "L4": 24,
@@ -256,10 +257,13 @@ def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
     for group in plan_groups(cfg):
         for role in dict.fromkeys(role for role, _, _ in group.members):
             groups.setdefault(role, []).append(group.name)
+    est = plan.roles
     roles = {s.name: {"actors": s.count, "cpus": s.bundle.get("CPU", 0.0), "gpus": s.bundle.get("GPU", 0.0),
-                      "groups": groups.get(s.name, []), "device": plan.roles[s.name].device,
-                      "peak_bytes": plan.roles[s.name].peak, "rss_bytes": plan.roles[s.name].rss,
-                      "breakdown": plan.roles[s.name].parts, "host": plan.roles[s.name].host} for s in role_specs(cfg)}
+                      "groups": groups.get(s.name, []), "device": est[s.name].device,
+                      "peak_bytes": est[s.name].peak, "rss_bytes": est[s.name].rss,
+                      "breakdown": est[s.name].parts, "host": est[s.name].host,
+                      **({"kv_cache_batch_bytes": est[s.name].kv_cache} if est[s.name].kv_cache else {})}
+             for s in role_specs(cfg)}
     m = plan.inputs
     return {"fits": not plan.missing, "missing": plan.missing, "roles": roles,
             "policy": {"parameters": param_count(m.policy), "layers": m.policy.layers, "hidden": m.policy.hidden,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayppo.plan.footprint import ModelShape, _linears
+from rayppo.models.shape import ModelShape, linears
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Sequences:
 
 def backbone_forward_flops(s: ModelShape, seq: Sequences) -> float:
     """FLOPs of the decoder layers' forward over every token of every row (no head)."""
-    projections = 2 * sum(a * b for a, b in _linears(s)) * sum(seq.lengths)
+    projections = 2 * sum(a * b for a, b in linears(s)) * sum(seq.lengths)
     attention = sum(2 * length * (length + 1) * s.heads * s.head_dim for length in seq.lengths)
     return s.layers * projections + s.layers * attention
 

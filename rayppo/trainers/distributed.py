@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,8 +30,8 @@ from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config.derived import (actor_threads, role_gpus, tensor_parallel_size, vllm_memory_utilization,
-                                   weight_sync_backend)
+from rayppo.config.derived import (actor_threads, generator_context, role_gpus, tensor_parallel_size,
+                                   vllm_memory_utilization, weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
@@ -38,6 +39,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.errors import LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path
+from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
@@ -65,12 +67,17 @@ class DistributedTrainer:
         # Everything that can fail on bad input is checked before any process starts.
         self.policy_path = str(resolve_model_path(m.policy, m.cache_dir))  # builds the embedded model once
         tokenizer = load_tokenizer(self.policy_path)
-        max_prompt = (cfg.generators.max_model_len or _max_positions(self.policy_path)) - cfg.rollout.max_new_tokens
+        positions = max_positions(self.policy_path)
+        limit = cfg.generators.max_model_len or positions
+        max_prompt = limit - cfg.rollout.max_new_tokens if limit else sys.maxsize
         prompt_set = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, tokenizer, max_prompt, cfg.data.split)
         self.prompts = PromptSampler(prompt_set, cfg.rollout.batch_size, cfg.seed, cfg.data.shuffle)
         held_out = eval_source(cfg)
         self.eval_prompts = (load_prompt_set(held_out[0], cfg.data.prompt_column, tokenizer, max_prompt, held_out[1])
                              if held_out else None)
+        longest = max(len(ids) for ids in prompt_set.ids + (self.eval_prompts.ids if self.eval_prompts else []))
+        self.context = generator_context(cfg.generators.max_model_len, positions, longest, cfg.rollout.max_new_tokens)
+        """vLLM's ``max_model_len`` (``generator_context``)."""
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self._start_state: dict[str, Any] | None = None
@@ -124,7 +131,7 @@ class DistributedTrainer:
 
         self.generators = ActorGroup(
             GeneratorEngine,
-            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm_settings(cfg),
+            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm_settings(cfg, self.context),
               threads["generators"], fault, gpus["generators"]) for i in range(g.num)],
             options("generators", g.num),
             # Two vLLM engines profiling one GPU at once would each count the other's memory.
@@ -358,14 +365,15 @@ def _actor_count(cfg: Config) -> str:
     return f"{sum(counts.values())} actors: {', '.join(parts)}"
 
 
-def vllm_settings(cfg: Config) -> VLLMSettings:
-    """The vLLM engine arguments of a generator, executor and memory share made explicit."""
+def vllm_settings(cfg: Config, max_model_len: int | None = None) -> VLLMSettings:
+    """The vLLM engine arguments of a generator, executor and memory share made explicit;
+    ``max_model_len`` (default ``generators.max_model_len``) is the trainer's ``context``."""
     g = cfg.generators
     tp = tensor_parallel_size(g)
     # across_nodes: the actor holds no GPU, so even one worker must be a Ray actor in the bundle.
     executor = "ray" if g.tensor_parallel_layout == "across_nodes" else ("uni" if tp == 1 else "mp")
     on_gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
-    return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), g.max_model_len, g.kv_cache_gib, g.enforce_eager,
+    return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), max_model_len or g.max_model_len, g.kv_cache_gib, g.enforce_eager,
                         collective_sync=weight_sync_backend(cfg) in ("gloo", "nccl"),
                         ipc_sync=weight_sync_backend(cfg) == "ipc",
                         sleep_mode=cfg.cluster.colocate_all and on_gpu)
@@ -377,9 +385,3 @@ def generators_start_first(cfg: Config) -> bool:
     frees GPU memory during vLLM's memory profiling. Colocated mode on CPUs keeps the same order."""
     shared = any(0 < role_gpus(cfg, role) < 1 for role in ("generators", "reference", "reward", "learner"))
     return cfg.cluster.colocate_all or shared
-
-
-def _max_positions(model_path: str) -> int:
-    import json
-
-    return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
