@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import signal
 import sys
 import threading
@@ -331,20 +330,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.modules["rayppo.console"].console.close()
 
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
 def _one_line(exc: BaseException) -> str:
     """The message on one line. An error raised in an actor reaches the driver wrapped in Ray's
     ``RayTaskError(RewardError)``, whose text is Ray's header (``ray::RewardEngine.scores() (pid=...,
     actor_id=...)``, colour codes) and the remote traceback: only the original exception's own
-    message is kept (``RayTaskError.as_instanceof_cause`` keeps it as ``cause``)."""
-    text = str(exc)
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException) and (type(cause).__name__ == type(exc).__name__
-                                             or type(exc).__name__.startswith("RayTaskError")):
-        text = str(cause)
-    return " ".join(ANSI.sub("", text).split())
+    message is kept."""
+    from rayppo.errors import plain, unwrapped
+
+    return plain(str(unwrapped(exc)))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 the culprit (field, file and row, function, URL, role and actor), and ``rayppo`` prints it and
 exits 2 with no traceback. Raised mid-run, the run first stops with a checkpoint where it can.
 
-This module imports nothing, so the command line can catch them before loading anything heavy.
+This module imports only ``re``, so the command line can catch them before loading anything heavy.
 """
 
 from __future__ import annotations
+
+import re
 
 
 class RayppoError(Exception):
@@ -36,7 +38,30 @@ class LearnerFailedError(ActorFailedError):
     (its collectives and ZeRO partitions are gone) and is rebuilt from the latest checkpoint."""
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAY_HEADER = re.compile(r"^ray::[\w.]+\(\)(?: \(pid=[^)]*\))?:? ?")
+"""Ray's header of an error raised in an actor: ``ray::GeneratorEngine.load_weights() (pid=..., ip=...,
+actor_id=..., repr=...)``."""
+
+
+def unwrapped(exc: BaseException) -> BaseException:
+    """The exception an actor raised, out of Ray's ``RayTaskError(X)`` wrapping (which keeps it as
+    ``cause``; ``RayTaskError.as_instanceof_cause``)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and (type(cause).__name__ == type(exc).__name__
+                                             or type(exc).__name__.startswith("RayTaskError")):
+        return cause
+    return exc
+
+
+def plain(text: str) -> str:
+    """``text`` on one line, without terminal colour codes or Ray's actor header."""
+    return RAY_HEADER.sub("", " ".join(ANSI.sub("", text).split()))
+
+
 def brief(exc: BaseException) -> str:
-    """``TypeName: first line`` of an exception (Ray's actor errors run to many lines)."""
-    lines = str(exc).splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    """``TypeName: first line`` of an exception, the one an actor raised when Ray wraps it (Ray's
+    actor errors run to many lines, behind a header naming pid, ip and actor id)."""
+    exc = unwrapped(exc)
+    lines = [plain(line) for line in str(exc).splitlines()]
+    return f"{type(exc).__name__}: {next((line for line in lines if line), '')}"

@@ -221,3 +221,21 @@ def test_a_prompt_file_smaller_than_the_batch_gets_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="rayppo.plan.inputs"):
         check_inputs(load_config(None, [f"data.prompts={path}", "rollout.batch_size=8", "ppo.minibatches=1"]))
     assert "holds 5 prompts, fewer than rollout.batch_size=8" in caplog.text
+
+
+def test_an_actors_error_is_told_by_what_failed_not_by_rays_wrapping():
+    """A generator's death seen through a call that read its output reaches the driver as Ray's
+    RayTaskError(ActorDiedError), whose text starts with a coloured ``ray::...() (pid=, ip=,
+    actor_id=, repr=)`` header: the messages keep the original exception and drop the header."""
+    import ray.exceptions
+
+    from rayppo.errors import brief, plain
+
+    died = ray.exceptions.RayTaskError("GeneratorEngine.load_weights", "Traceback (most recent call last): ...",
+                                       ray.exceptions.ActorDiedError(), pid=4907, ip="192.0.2.2",
+                                       actor_repr="<GeneratorEngine object at 0x7f5b>", actor_id="2d90")
+    for exc in (died, died.as_instanceof_cause()):
+        assert brief(exc) == "ActorDiedError: The actor died unexpectedly before finishing this task."
+    header = ("\x1b[36mray::RewardEngine.scores()\x1b[39m (pid=3109, ip=192.0.2.2, actor_id=2d90, "
+              "repr=<rayppo.actors.reward.RewardEngine object at 0x7f5b>)\n  reward function says no")
+    assert plain(header) == "reward function says no"
