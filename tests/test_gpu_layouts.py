@@ -141,6 +141,16 @@ def test_zero3_sync_gathers_one_module_at_a_time(embedded_dir):
     assert count == len(engine.policy.module.state_dict())
     assert 0 < peak <= largest < total / 4  # one module at a time, never the model
     assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)  # all released again
+    # The limits behind it are the model's, not DeepSpeed's 5e8 / 1e9-element defaults: buckets of
+    # h^2, at most one decoder layer or the embedding gathered (learner/zero_sizes.py).
+    from rayppo.models.shape import layer_params, read_shape
+
+    shape = read_shape(embedded_dir)
+    for ds in (engine.policy, engine.critic):
+        assert ds.zero_reduce_bucket_size() == shape.hidden ** 2
+        assert ds.zero_prefetch_bucket_size() == int(0.9 * shape.hidden ** 2)
+        assert ds.zero_max_live_parameters() == ds.zero_max_reuse_distance() == max(layer_params(shape),
+                                                                                   shape.vocab * shape.hidden)
 
 
 # ------------------------------------------------------------- tensor parallel and colocation

@@ -373,3 +373,23 @@ def test_the_generator_context_is_what_the_job_needs_not_the_models_whole_contex
     whole = estimate_roles(load_config(None, base + ["generators.max_model_len=131072"]), prompt_tokens=512)
     assert len(whole["generators"].problems) == 1
     assert "its profile run and the KV cache of one sequence of max_model_len=131072 tokens (16.00 GiB)" in whole["generators"].problems[0]
+
+
+def test_zero_buckets_are_sized_to_the_model_and_counted_by_the_plan(tmp_path):
+    """DeepSpeed's defaults (5e8-element buckets, doubled by overlap_comm at stage 3, and 1e9 live
+    parameters) would hold ~4 GB per bf16 engine whatever the model; sized to a 7B Llama (h = 4096,
+    a decoder layer of 202M parameters) they hold h^2 x 2 + 0.9 h^2 + one layer: ~0.5 GB."""
+    from rayppo.learner.zero_sizes import bucket_bytes, zero_sizes
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    shape = read_shape(tmp_path)
+    layer = 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
+    assert zero_sizes(4096, layer, 3) == {
+        "reduce_bucket_size": 4096 ** 2, "allgather_bucket_size": 4096 ** 2,
+        "stage3_prefetch_bucket_size": int(0.9 * 4096 ** 2), "stage3_param_persistence_threshold": 40960,
+        "stage3_max_live_parameters": layer, "stage3_max_reuse_distance": layer}
+    assert bucket_bytes(4096, layer, 3, 2) == (2 * 4096 ** 2 + int(0.9 * 4096 ** 2) + layer) * 2
+    assert bucket_bytes(4096, layer, 2, 2) == 2 * 4096 ** 2 * 2  # reduce + all-gather, no overlap
+    learner = estimate_roles(load_config(None, [f"model.policy={tmp_path}", "model.dtype=bfloat16",
+                                                "learner.gpus_per_rank=1", "learner.zero_stage=3"]))["learner"]
+    assert learner.parts["ZeRO buckets (policy + critic)"] == 2 * bucket_bytes(4096, layer, 3, 2)

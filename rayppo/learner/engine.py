@@ -27,8 +27,10 @@ from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                         param_specs)
+from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
+from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.weights import WeightsPayload, pack_weights
 
 
@@ -51,9 +53,12 @@ class TorchCollective:
         return self._reduce(x, dist.ReduceOp.MAX)
 
 
-def deepspeed_config(cfg: Config, lr: float, world_size: int) -> dict[str, Any]:
-    """ZeRO stage, optimiser and precision from the config; backward/step are called by hand."""
-    zero: dict[str, Any] = {"stage": cfg.learner.zero_stage}
+def deepspeed_config(cfg: Config, lr: float, world_size: int, shape: ModelShape) -> dict[str, Any]:
+    """ZeRO stage, buckets sized to the model ``shape`` (``zero_sizes.py``), optimiser and
+    precision from the config; backward/step are called by hand."""
+    stage = cfg.learner.zero_stage
+    largest = max(layer_params(shape), shape.vocab * shape.hidden)
+    zero: dict[str, Any] = {"stage": stage, **zero_sizes(shape.hidden, largest, stage)}
     if cfg.learner.offload and cfg.learner.zero_stage >= 1:
         zero["offload_optimizer"] = {"device": "cpu"}
         if cfg.learner.zero_stage == 3:
@@ -102,17 +107,18 @@ class LearnerEngine(Engine):
         policy_path = resolve_model_path(m.policy, m.cache_dir)
         self.tokenizer = load_tokenizer(policy_path)
         policy = load_causal_lm(policy_path, m.dtype)
-        critic = Critic.from_pretrained(resolve_model_path(m.critic or m.policy, m.cache_dir), m.dtype, cfg.seed)
+        critic_path = resolve_model_path(m.critic or m.policy, m.cache_dir)
+        critic = Critic.from_pretrained(critic_path, m.dtype, cfg.seed)
         prepare_for_training(policy, cfg.learner.gradient_checkpointing)
         prepare_for_training(critic, cfg.learner.gradient_checkpointing)
         if cfg.learner.lora_rank > 0:
             policy = _apply_lora(policy, cfg)
         self.policy, *_ = deepspeed.initialize(
             model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, cfg.ppo.lr, world_size))
+            config=deepspeed_config(cfg, cfg.ppo.lr, world_size, read_shape(policy_path)))
         self.critic, *_ = deepspeed.initialize(
             model=critic, model_parameters=list(critic.parameters()),
-            config=deepspeed_config(cfg, cfg.ppo.critic_lr, world_size))
+            config=deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path)))
         self.version = 0
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
         self.sent: dict[str, SentPrint] = {}  # rank 0: fingerprints of the last weights sent

@@ -3,8 +3,8 @@
 json + math only (no torch, no Ray), so ``rayppo plan`` answers at once. Per actor:
 
 - learner rank: ZeRO-sharded states (``zero_bytes``) + one model's activations (the policy's
-  backward runs before the critic's forward) + one chunk of logits (``head_bytes``) + one
-  gathered module (ZeRO-3)
+  backward runs before the critic's forward) + one chunk of logits (``head_bytes``) + each
+  engine's ZeRO buckets (``learner/zero_sizes.py``; at stage 3 with one gathered module)
   + on rank 0 a host copy of the policy and its object-store copy (object-store sync);
 - generator: vLLM on GPU takes ``gpu_memory_utilization`` x device memory; on CPU engine +
   weights / tp + ``kv_cache_gib`` + one layer of its profile run; ``hf``: weights + KV cache + logits;
@@ -29,6 +29,7 @@ from rayppo.config.derived import (generator_context, role_gpus, tensor_parallel
                                    weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
+from rayppo.learner.zero_sizes import bucket_bytes
 from rayppo.models.shape import ModelShape, layer_params, lora_params, param_count, read_shape
 
 MiB, GiB = 2**20, 2**30
@@ -247,10 +248,13 @@ def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
     experience = _heap(math.ceil(cfg.rollout.batch_size / n) * length * layer_elements(m.critic) * p, gpu)
     if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
         transient = {"experience pass": experience}
-    if stage == 3:  # one module gathered whole (forward, backward, and each tensor of a sync)
-        transient["gathered module"] = max(m.policy.vocab * m.policy.hidden, layer_params(m.policy)) * p
+    # Each engine's buckets (zero_sizes.py); at stage 3 they include the gathered modules, up to
+    # one decoder layer or the embedding (forward, backward, and each tensor of a sync).
+    buckets = {"ZeRO buckets (policy + critic)": sum(
+        bucket_bytes(s.hidden, max(layer_params(s), s.vocab * s.hidden), stage, p) for s in (m.policy, m.critic))}
     sync = {"policy host copy + object store": 2 * policy * p} if weight_sync_backend(cfg) is None else {}
-    return _finish(gpu, {"runtime": RSS_LEARNER_WORKER}, {k: v for k, v in states.items() if k not in offloaded},
+    return _finish(gpu, {"runtime": RSS_LEARNER_WORKER},
+                   {**{k: v for k, v in states.items() if k not in offloaded}, **(buckets if stage else {})},
                    transient, {**{f"{k} (offloaded)": v for k, v in states.items() if k in offloaded}, **sync})
 
 
