@@ -153,6 +153,89 @@ def test_zero3_sync_gathers_one_module_at_a_time(embedded_dir):
                                                                                    shape.vocab * shape.hidden)
 
 
+LOAD_PROBE = """
+import os, sys
+rank, world, port, path, partitioned = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
+os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+import deepspeed
+from rayppo.config.load import load_config
+from rayppo.learner.engine import _skip_shm_comm_op, deepspeed_config, partitioned_loading
+from rayppo.models.loading import load_causal_lm
+from rayppo.models.shape import read_shape
+_skip_shm_comm_op()
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+ds = deepspeed_config(load_config(None, ["learner.zero_stage=3", f"model.policy={path}"]), 1e-5, world, read_shape(path))
+from transformers import AutoConfig, AutoModelForCausalLM
+AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(path))]  # the model's code imported first
+def rss(kind):  # RssAnon: private memory (heap, tensors); VmRSS: also the checkpoint's pages mapped in
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(kind + ":"))
+before = rss("RssAnon"), rss("VmRSS")
+if partitioned:
+    with partitioned_loading(ds):
+        model = load_causal_lm(path, weights_elsewhere=rank != 0)
+else:  # as the learner loaded before: the whole model on every rank, read whole when deepspeed.initialize
+    model = load_causal_lm(path)  # partitions it (here: every tensor read once); transformers maps the file in
+    sum(float(p.sum()) for p in model.parameters())
+print("GROWTH", rank, rss("RssAnon") - before[0], rss("VmRSS") - before[1])
+if not partitioned:
+    sys.exit(0)
+import torch
+from safetensors.torch import load_file
+saved = load_file(os.path.join(path, "model.safetensors"))
+with deepspeed.zero.GatheredParameters(list(model.parameters())):  # each partition holds the file's values
+    print("EQUAL", rank, all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if n in saved))
+"""
+
+
+RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
+"""glibc: allocations over 64 KiB mmapped (unmapped when freed), one arena for every thread."""
+
+
+@pytest.mark.slow
+def test_zero3_ranks_load_only_their_partition(tmp_path):
+    """Under ZeRO-3 a rank other than 0 holds only its partition and reads no tensor of the
+    checkpoint (rank 0 copies each module's weights into the gathered parameters): its RSS grows by
+    half the model and one gathered layer, where a whole load (the learner before) grows by the
+    model. The model: 16 layers of 3.2M parameters (193 MiB in fp32), one layer 12 MiB; the bound
+    is the midpoint of the two outcomes, 0.75 x the model. Measured after the load.
+    glibc returns freed memory here (``RETURN_FREED_MEMORY``): otherwise its per-thread arenas keep
+    the gathered modules' freed buffers (+110 MB), the allocator's retention, not the rank's."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rayppo.learner.weight_sync import free_port
+
+    config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=1376, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    model = LlamaForCausalLM(config)
+    size = sum(p.numel() for p in model.parameters()) * 4
+    model.save_pretrained(tmp_path)
+    del model
+
+    def start(rank: int, world: int, port: int, partitioned: bool) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", LOAD_PROBE, str(rank), str(world), str(port), str(tmp_path),
+                                 "1" if partitioned else "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env={**os.environ, **RETURN_FREED_MEMORY})
+
+    port = free_port()
+    procs = [start(0, 2, port, True), start(1, 2, port, True)]
+    outs = [proc.communicate(timeout=300)[0] for proc in procs]
+    plain = start(0, 1, free_port(), False)  # after the pair: two processes per two cores
+    outs.append(plain.communicate(timeout=300)[0])
+    assert [p.returncode for p in procs + [plain]] == [0, 0, 0], "\n".join(out[-2000:] for out in outs)
+    assert all(f"EQUAL {rank} True" in outs[rank] for rank in (0, 1))  # the partitions hold the file's values
+    (anon, rss), (_, plain_rss) = [
+        [int(x) for x in next(line for line in out.splitlines() if line.startswith("GROWTH")).split()[2:]]
+        for out in (outs[1], outs[2])]
+    print(f"model {size / 2**20:.0f} MiB; rank 1 of 2 grows {anon / 2**20:.0f} MiB private, {rss / 2**20:.0f} MiB "
+          f"RSS; a whole load grows {plain_rss / 2**20:.0f} MiB RSS")
+    assert plain_rss >= size  # what the whole load costs (the checkpoint mapped in): the test tells them apart
+    assert rss < 0.75 * size  # half the model, one gathered layer and no page of the checkpoint
+
+
 # ------------------------------------------------------------- tensor parallel and colocation
 @pytest.mark.slow
 def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, embedded_dir, tokenizer, monkeypatch):

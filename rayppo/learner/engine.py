@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,45 @@ def _apply_lora(policy: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     return get_peft_model(policy, lora)
 
 
+@contextmanager
+def partitioned_loading(ds_config: dict[str, Any]) -> Iterator[None]:
+    """Under ZeRO-3, models built inside are loaded partitioned: each rank materialises only its
+    share of every parameter, never the whole model (a 70B policy would otherwise need ranks x
+    140 GB of host memory before DeepSpeed partitions it). transformers does this while an
+    ``HfDeepSpeedConfig`` of a stage-3 config is alive: ``from_pretrained`` builds the model under
+    ``deepspeed.zero.Init`` and rank 0 copies each module's weights into its gathered parameters
+    (``_load_state_dict_into_zero3_model``, transformers/integrations/deepspeed.py, 5.19), so the
+    other ranks never read the checkpoint's tensors. Parameters made outside (the critic's value
+    head) are partitioned by ``deepspeed.initialize``. Other stages: nothing changes."""
+    if ds_config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hold = HfDeepSpeedConfig(ds_config)  # transformers keeps only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del hold
+
+
+def load_models(cfg: Config, policy_path: Path, critic_path: Path,
+                ds_config: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """pi_theta and V_w of one rank, ready for ``deepspeed.initialize``: loaded (partitioned
+    under ZeRO-3), in train mode, LoRA adapters on the policy when asked."""
+    with partitioned_loading(ds_config):
+        # Under ZeRO-3 only rank 0 reads the checkpoints; the others take part in the gathers.
+        elsewhere = ds_config["zero_optimization"]["stage"] == 3 and dist.get_rank() != 0
+        policy = load_causal_lm(policy_path, cfg.model.dtype, elsewhere)
+        critic = Critic.from_pretrained(critic_path, cfg.model.dtype, cfg.seed, elsewhere)
+    prepare_for_training(policy, cfg.learner.gradient_checkpointing)
+    prepare_for_training(critic, cfg.learner.gradient_checkpointing)
+    if cfg.learner.lora_rank > 0:
+        policy = _apply_lora(policy, cfg)
+    return policy, critic
+
+
 class LearnerEngine(Engine):
     """Policy pi_theta and critic V_w of one rank; ``train`` does one PPO iteration on a shard."""
 
@@ -105,20 +144,15 @@ class LearnerEngine(Engine):
         self.collective = TorchCollective(world_size, self.device)
         m = cfg.model
         policy_path = resolve_model_path(m.policy, m.cache_dir)
-        self.tokenizer = load_tokenizer(policy_path)
-        policy = load_causal_lm(policy_path, m.dtype)
         critic_path = resolve_model_path(m.critic or m.policy, m.cache_dir)
-        critic = Critic.from_pretrained(critic_path, m.dtype, cfg.seed)
-        prepare_for_training(policy, cfg.learner.gradient_checkpointing)
-        prepare_for_training(critic, cfg.learner.gradient_checkpointing)
-        if cfg.learner.lora_rank > 0:
-            policy = _apply_lora(policy, cfg)
+        self.tokenizer = load_tokenizer(policy_path)
+        policy_ds = deepspeed_config(cfg, cfg.ppo.lr, world_size, read_shape(policy_path))
+        critic_ds = deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path))
+        policy, critic = load_models(cfg, policy_path, critic_path, policy_ds)
         self.policy, *_ = deepspeed.initialize(
-            model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, cfg.ppo.lr, world_size, read_shape(policy_path)))
-        self.critic, *_ = deepspeed.initialize(
-            model=critic, model_parameters=list(critic.parameters()),
-            config=deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path)))
+            model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad], config=policy_ds)
+        self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
+                                               config=critic_ds)
         self.version = 0
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
         self.sent: dict[str, SentPrint] = {}  # rank 0: fingerprints of the last weights sent

@@ -8,8 +8,10 @@ code, no pickled weights; ``rayppo.plan.inputs`` says so in one line before anyt
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, PreTrainedTokenizerBase)
@@ -18,6 +20,9 @@ from transformers.utils import logging as hf_logging
 from rayppo.errors import ModelFolderError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+"""safetensors' dtype names (its header's ``dtype``) as torch dtypes."""
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
@@ -58,10 +63,38 @@ def no_dropout(path: str | Path) -> dict[str, float]:
             if isinstance(v, float) and ("dropout" in k or k.endswith("_pdrop"))}
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def placeholder_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files as a meta tensor of its shape and dtype,
+    read from the file headers alone (no weight is read)."""
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        if file.name == VALUE_HEAD_FILE:
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                out[name] = torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES[part.get_dtype()], device="meta")
+    return out
+
+
+def _from_pretrained(auto: Any, path: str | Path, dtype: str, weights_elsewhere: bool) -> torch.nn.Module:
+    """``auto.from_pretrained`` of a local folder with dropout off. ``weights_elsewhere``: the
+    tensors are placeholders (``placeholder_weights``): under ZeRO-3 another rank reads the
+    checkpoint and copies each module's weights into the gathered parameters, this one only has
+    to take part in the gathers (which it does by name)."""
+    if not weights_elsewhere:
+        return auto.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False, use_safetensors=True,
+                                    **no_dropout(path))
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False, **no_dropout(path))
+    # The Auto classes need a folder name; the model class (the Auto class's mapping from config
+    # class, transformers 5.19 models/auto/auto_factory.py) takes a state dict instead.
+    model_class = auto._model_mapping[type(config)]
+    return model_class.from_pretrained(None, config=config, state_dict=placeholder_weights(path), dtype=DTYPES[dtype])
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32", weights_elsewhere: bool = False) -> torch.nn.Module:
     """A causal LM (policy or reference) from a local folder, with dropout off."""
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False,
-                                                use_safetensors=True, **no_dropout(path))
+    return _from_pretrained(AutoModelForCausalLM, path, dtype, weights_elsewhere)
 
 
 def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
@@ -119,15 +152,16 @@ class Critic(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str = "float32", seed: int = 0) -> "Critic":
-        """Backbone of any causal-LM / reward-model folder; the value head too if saved there."""
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32", seed: int = 0,
+                        weights_elsewhere: bool = False) -> "Critic":
+        """Backbone of any causal-LM / reward-model folder; the value head too if saved there
+        (``weights_elsewhere``: as for ``load_causal_lm``)."""
         # A causal-LM or reward-model folder has a head the backbone does not use: not a problem,
         # so the loader's report of "unexpected" keys is silenced.
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=False,
-                                                 use_safetensors=True, **no_dropout(path))
+            backbone = _from_pretrained(AutoModel, path, dtype, weights_elsewhere)
         finally:
             hf_logging.set_verbosity(verbosity)
         critic = cls(backbone, seed)
