@@ -169,7 +169,9 @@ def pod_errors(cluster_spec: dict, claims: dict[str, list[str]]) -> list[str]:
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         if env.get("NCCL_NVLS_ENABLE") != "0":
             errors.append(f"{name}: NCCL_NVLS_ENABLE=0 missing (NVIDIA/nccl#1906)")
-        if "num-gpus" in params and quantity(params["num-gpus"]) != pod_supply(group)["GPU"]:
+        if "num-gpus" not in params:  # Ray would count the node's GPUs (NVIDIA_VISIBLE_DEVICES=all in the image)
+            errors.append(f"{name}: num-gpus is not set")
+        elif quantity(params["num-gpus"]) != pod_supply(group)["GPU"]:
             errors.append(f"{name}: num-gpus differs from the nvidia.com/gpu limit")
     return errors
 
@@ -286,12 +288,14 @@ def test_pod_and_fit_checks_can_fail():
     ray_container(groups["head"])["volumeMounts"] = [
         m for m in ray_container(groups["head"])["volumeMounts"] if m["mountPath"] != "/runs"]
     groups["learners"]["rayStartParams"]["object-store-memory"] = str(2**40)
+    del groups["head"]["rayStartParams"]["num-gpus"]
     claims = {**claim_modes(), "rayppo-runs": ["ReadWriteOnce"]}
     errors = pod_errors(cluster, claims)
     assert "generators: no memory-backed emptyDir mounted at /dev/shm" in errors
     assert "scorers: NCCL_NVLS_ENABLE=0 missing (NVIDIA/nccl#1906)" in errors
     assert "learners: object-store-memory does not fit in /dev/shm" in errors
     assert "generators: /runs is not a ReadWriteMany PVC" in errors
+    assert "head: num-gpus is not set" in errors
     assert "head: output.dir /runs/rayjob is not on a ReadWriteMany PVC" in output_errors(cluster, cfg, claims)
 
     bad = copy.deepcopy(cfg)
@@ -329,6 +333,10 @@ def test_launcher_has_a_node_type_per_role():
     assert any("learner_node" in r for r in resources.values())
     for name, t in types.items():
         assert t["min_workers"] <= t["max_workers"], name
+    # `docker run --gpus all` fails on a node without GPUs: only the GPU workers ask for them.
+    assert types[config["head_node_type"]]["resources"].get("GPU", 0) == 0
+    assert not [o for o in config["docker"]["run_options"] if o.startswith("--gpus")]
+    assert "--gpus all" in config["docker"]["worker_run_options"]
 
 
 # ------------------------------------------------------------------------------------------

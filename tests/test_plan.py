@@ -255,7 +255,7 @@ def test_gpu_memory_fixes_are_computed_and_fit(tmp_path, capsys, gib, extra, fix
 
 
 def test_gpu_memory_from_the_clusters_accelerator_type():
-    assert accelerator_gib({"GPU": 8, "accelerator_type:H100": 1}) == 80
+    assert accelerator_gib({"GPU": 8, "accelerator_type:H100": 1}) == 81559 / 1024  # usable, not "80 GB"
     assert accelerator_gib({"GPU": 8, "accelerator_type:A100": 1}) is None  # 40 or 80 GiB: unknown
     assert accelerator_gib({"CPU": 8}) is None
 

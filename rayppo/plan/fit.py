@@ -26,9 +26,13 @@ from rayppo.models.shape import param_count
 from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs
 
 ROLES = ("generators", "reference", "reward", "learner")
-ACCELERATOR_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "L40S": 48, "L4": 24,
-                   "A10G": 24, "T4": 16}
-"""Device memory of Ray's ``accelerator_type:NAME`` resources (unambiguous names only)."""
+ACCELERATOR_MIB = {"H200": 143771, "H100": 81559, "A100-80G": 81920, "A100-40G": 40960, "L40S": 46068, "L4": 23034,
+                   "A10G": 23028, "T4": 15360}
+"""Usable memory of one GPU of Ray's ``accelerator_type:NAME`` resources (unambiguous names only):
+the total the driver reports with ECC on (``nvidia-smi --query-gpu=memory.total``, equal to the
+total of ``torch.cuda.mem_get_info()``), not the marketing capacity (an "80 GB" H100 has 79.6
+GiB, a "48 GB" L40S 45.0). Measure a node's with ``python -c "import torch;
+print(torch.cuda.mem_get_info()[1] / 2**30)"`` and pass it as ``--gpu-memory-gib``."""
 
 
 def _counts(cfg: Config) -> dict[str, int]:
@@ -318,9 +322,9 @@ def local_resources(cfg: Config, with_memory: bool = True) -> dict[str, float]:
 
 
 def accelerator_gib(resources: dict[str, float]) -> float | None:
-    """Memory of one GPU from Ray's ``accelerator_type:NAME`` resource, when the name is known."""
+    """Usable memory (GiB) of one GPU from Ray's ``accelerator_type:NAME`` resource, when the name is known."""
     names = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
-    return next((float(ACCELERATOR_GIB[n]) for n in names if n in ACCELERATOR_GIB), None)
+    return next((ACCELERATOR_MIB[n] / 1024 for n in names if n in ACCELERATOR_MIB), None)
 
 
 def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tuple[dict[str, float], str]:
