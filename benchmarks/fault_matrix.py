@@ -119,7 +119,7 @@ def _inject(trainer: DistributedTrainer, cells: list[Cell], sig: int, done: thre
 def one_run(out: Path, trainer_kind: str, signal_name: str, names: list[str]) -> dict:
     """One run with ``names`` fired in turn; its cells and how the run ended."""
     cells = [Cell(*name.split("@")) for name in names]
-    iterations = 2 + (GAP + 1) * len(cells) + 2
+    iterations = 4 + (GAP + 2) * len(cells)  # slack: a restarted learner redoes iterations
     cfg = load_config(None, [f"stop.iterations={iterations}", "eval.every=2", "eval.samples=1",
                              f"rollout.max_staleness={1 if trainer_kind == 'async' else 0}",
                              "output.checkpoint_every=1", "output.keep_checkpoints=2", "output.save_model=false",

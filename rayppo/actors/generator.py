@@ -200,6 +200,7 @@ class _VLLMBackend:
         )
         if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+        self.aliases: dict[str, str] = self.llm.collective_rpc(_worker_tied_aliases)[0]
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         # On the CPU backend model.load_weights fails after weight repacking; reload_weights
@@ -211,6 +212,12 @@ class _VLLMBackend:
         # non-persistent buffer computed from the config (rotary_embedding/base.py), which no
         # checkpoint holds: it is restored unchanged. (The weight fingerprints checked after
         # every sync, checks.verify_sync, cover every real weight.)
+        # A tied head that is a module of its own here (Gemma, OPT: vLLM's ParallelLMHead sharing
+        # the embedding's parameter) is given the embedding under its name too: the learner sends
+        # the tensor once, and a layer that receives nothing is not reprocessed on reload (on CPU
+        # it would keep the repacked copy of the old embedding that computes the logits).
+        named = {**named, **{alias: named[source] for alias, source in self.aliases.items()
+                             if source in named and alias not in named}}
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
@@ -299,6 +306,19 @@ def _reseed_worker(worker, seed: int) -> None:
     random.seed(seed)
 
 
+def _worker_tied_aliases(worker) -> dict[str, str]:
+    """Runs inside a vLLM worker: parameters the engine's model shares between modules (a tied
+    LM head), as ``{second name: first name}``."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in worker.get_model().named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 @torch.no_grad()
 def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
     """Runs inside a vLLM worker: fingerprints of the weights the engine holds, under the sent
@@ -311,6 +331,11 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
     out: dict[str, tuple[float, float]] = {}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
+            experts = _expert_names(module_name, param_name, shapes, param.shape[0]) if param.dim() == 3 else None
+            if experts is not None:  # one expert's fused matrices at a time
+                for e, names in enumerate(experts):
+                    out.update(split_rows(probe_rows(param[e]), names, shapes))
+                continue
             full = f"{module_name}.{param_name}" if module_name else param_name
             names = next(([full.replace(f".{fused}.", f".{part}.") for part in parts]
                           for fused, parts in packed.items() if f".{fused}." in full), [full])
@@ -324,6 +349,27 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
                 rows = probe_rows(param.reshape(-1, k))  # padded vocabulary rows are ignored by split_rows
             out.update(split_rows(rows, names, shapes))
     return out
+
+
+EXPERT_PROJECTIONS = {"w13_weight": (("gate_proj", "up_proj"), ("w1", "w3")), "w2_weight": (("down_proj",), ("w2",))}
+"""vLLM's fused expert parameters (``FusedMoE``: ``w13_weight [E, 2I, h]`` stacks each expert's gate
+and up projections, ``w2_weight [E, h, I]`` its down projection; vllm/model_executor/layers/
+fused_moe/layer.py, 0.32) -> the per-expert checkpoint projections in each, Qwen/DeepSeek names
+first, then Mixtral's."""
+
+
+def _expert_names(module_name: str, param_name: str, shapes: dict[str, list[int]],
+                  experts: int) -> list[list[str]] | None:
+    """For a fused expert parameter of module ``...mlp.experts[.routed_experts]``, the sent names of
+    each expert's rows in order (``[[gate_e, up_e], ...]`` or ``[[down_e], ...]``); None otherwise."""
+    if param_name not in EXPERT_PROJECTIONS:
+        return None
+    prefix = module_name.removesuffix(".routed_experts").removesuffix(".experts")
+    for projections in EXPERT_PROJECTIONS[param_name]:
+        names = [[f"{prefix}.experts.{e}.{p}.weight" for p in projections] for e in range(experts)]
+        if all(name in shapes for row in names for name in row):
+            return names
+    return None
 
 
 def _sampled_logprobs(steps, ids: list[int]) -> list[float]:

@@ -28,6 +28,7 @@ from rayppo.learner.update import Steps, first_local_rows, local_minibatches, mi
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                         param_specs)
 from rayppo.learner.zero_sizes import zero_sizes
+from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.shape import ModelShape, layer_params, read_shape
@@ -186,10 +187,11 @@ class LearnerEngine(Engine):
         return Steps(self.policy.backward, self.critic.backward, lambda: (self.policy.step(), self.critic.step()))
 
     def _full_policy(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(HF name, full tensor)`` of the policy, one module gathered at a time (ZeRO-3), LoRA
-        merged per layer (``full_weights.py``). Collective: every rank must drain it."""
+        """``(HF name, full tensor)`` of the policy in its checkpoint's layout (``checkpoint_names.py``),
+        one module gathered at a time (ZeRO-3), LoRA merged per layer (``full_weights.py``).
+        Collective: every rank must drain it."""
         gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
-        return full_tensors(self.policy.module, gather)
+        return checkpoint_tensors(self.policy.module, full_tensors(self.policy.module, gather))
 
     def _fingerprinted(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass ``stream`` through, recording each tensor's fingerprint in ``self.sent`` (rank 0)."""

@@ -36,15 +36,23 @@ def _clean(name: str) -> str:
 
 
 def _units(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, bool]]:
-    """``(name, module, is_lora)`` for every module that owns tensors, LoRA layers as one unit."""
+    """``(name, module, is_lora)`` for every module that owns tensors, LoRA layers as one unit.
+    A module whose parameters all belong to an earlier one (a tied LM head: the embedding's
+    matrix) is left out: the tensor goes once, under the embedding's name, which every engine
+    loads (vLLM ties the head itself, and Gemma 2's has no ``lm_head`` parameter at all)."""
     skip: set[str] = set()
+    seen: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         if any(name == s or name.startswith(s + ".") for s in skip):
             continue
+        own = [id(p) for p in module.parameters(recurse=False)]
+        if own and all(i in seen for i in own):
+            continue
+        seen.update(own)
         if _is_lora_layer(module):
             skip.add(name)
             yield name, module, True
-        elif next(module.parameters(recurse=False), None) is not None or _persistent_buffers(module):
+        elif own or _persistent_buffers(module):
             yield name, module, False
 
 

@@ -19,7 +19,7 @@ from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
-from rayppo.models.shape import context_of
+from rayppo.models.shape import context_of, is_moe
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ def check_inputs(cfg: Config) -> None:
             check_same_tokenizer(name, Path(folders[name]), policy_dir)
     if cfg.data.prompts == "embedded" and m.policy != "embedded":
         check_model_meets_embedded_task(cfg, policy_dir)
+    if (policy_dir / "config.json").is_file():  # the embedded model is built later: a Llama, no experts
+        check_policy_for_generators(cfg, policy_dir)
     for spec, split in ((cfg.data.prompts, cfg.data.split), (cfg.eval.prompts, cfg.eval.split)):
         if spec is None or spec == "embedded":
             continue
@@ -55,6 +57,34 @@ def check_inputs(cfg: Config) -> None:
         from rayppo.actors.verifier import load_reward_function  # light: no torch
 
         load_reward_function(cfg.reward.function)
+
+
+def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:
+    """What the generators cannot do with this policy, said before anything starts: a
+    ``checks.sync_fault_tensor`` the policy does not have (the fault would hit nothing, and a
+    test of the guard would pass for the wrong reason), and a mixture-of-experts policy on vLLM's
+    CPU backend, whose fused-MoE kernel keeps the experts it repacked at start-up when the weights
+    are reloaded (vLLM 0.32: the synced experts reach ``w13_weight``/``w2_weight``, the logits do
+    not change; the log-prob guard would stop the run after its first update)."""
+    if cfg.checks.sync_fault != "none":
+        names = {name for file in sorted(policy_dir.glob("*.safetensors")) for name in _tensor_names(file)}
+        if names and cfg.checks.sync_fault_tensor not in names:
+            near = sorted(n for n in names if n.endswith(cfg.checks.sync_fault_tensor.rsplit(".", 2)[-2] + ".weight"))
+            raise ConfigError(f"checks.sync_fault_tensor: {policy_dir} has no tensor {cfg.checks.sync_fault_tensor!r}"
+                              + (f" (it has e.g. {near[0]!r})" if near else ""))
+    config = _read_config("model.policy", policy_dir, must_exist=False) or {}
+    on_cpu = cfg.generators.gpus_per_worker == 0 and cfg.generators.tensor_parallel_layout == "one_node"
+    if cfg.generators.backend == "vllm" and on_cpu and is_moe(config):
+        raise ConfigError(f"generators.backend: {policy_dir} is a mixture-of-experts model, which vLLM's CPU backend "
+                          "cannot update in place (its fused-MoE kernel keeps the experts of start-up): use "
+                          "generators.backend=hf on CPUs, or generators with GPUs")
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensor names in a safetensors file's header (its weights are not read)."""
+    with file.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return [name for name in header if name != "__metadata__"]
 
 
 def check_model_meets_embedded_task(cfg: Config, policy_dir: Path) -> None:
