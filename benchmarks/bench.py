@@ -119,8 +119,8 @@ def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
     """The learner stage's useful FLOPs for this rollout (``rayppo.plan.flops``) and, measured here and
     now, the GFLOP/s of one matmul of the size the learner runs most: a minibatch's tokens through
     the MLP's up projection, in the model's dtype, on the learner's threads (the actors are gone)."""
-    from rayppo.plan.flops import Sequences, learn_flops
     from rayppo.models.shape import read_shape
+    from rayppo.plan.flops import Sequences, learn_flops
 
     policy = read_shape(cfg.model.policy)
     critic = read_shape(cfg.model.critic or cfg.model.policy)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _timed, load_workloads, matmul_gflop_per_s, prepare_models, workload_config  # noqa: E402
 
 from rayppo.data.rollout import Rollout  # noqa: E402
-from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
 from rayppo.models.shape import read_shape  # noqa: E402
+from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
 
 
 def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0) -> Rollout:

@@ -2,7 +2,7 @@
 
 Both runs use the embedded default (distributed trainer: vLLM generator, reference, reward, two
 DeepSpeed ranks). The faulty run SIGKILLs one actor's process every ``--every`` completed
-iterations, taking the roles in turn (generator, reference, reward, learner rank 0, ...): the
+iterations, taking the roles in turn (learner rank 0, generator, reference, reward, ...): the
 restart budget (``cluster.max_actor_restarts`` within ``cluster.restart_window``) must let it
 finish on its own. Reported: iterations completed, kills, restarts, the final reward (mean of
 the last five iterations) of both runs, and the wall-time ratio.
@@ -28,7 +28,8 @@ from rayppo.engine import Engine
 from rayppo.train import run
 from rayppo.trainers.distributed import DistributedTrainer
 
-ROLES = ("generators", "reference", "reward", "learner")
+ROLES = ("learner", "generators", "reference", "reward")
+"""In turn, the learner first: a 120-iteration run with a kill every 15 kills it twice."""
 
 
 def _kill(trainer: DistributedTrainer, role: str) -> None:

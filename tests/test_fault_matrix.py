@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fault_matrix.py"
 def _matrix():
     spec = importlib.util.spec_from_file_location("rayppo_fault_matrix_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 

@@ -4,8 +4,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rayppo.plan.flops import Sequences, backbone_forward_flops, learn_flops
 from rayppo.models.shape import read_shape
+from rayppo.plan.flops import Sequences, backbone_forward_flops, learn_flops
 
 
 def test_backbone_flops_match_torchs_counter(tmp_path):

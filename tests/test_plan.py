@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from rayppo.cli import main
-from rayppo.cluster.placement import PlacementError, check_capacity
-from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION
+from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION, PlacementError, check_capacity
 from rayppo.config.load import load_config
+from rayppo.models.shape import layer_params, lora_params, param_count, read_shape
 from rayppo.plan.fit import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
-from rayppo.models.shape import lora_params, param_count, read_shape
 from rayppo.plan.footprint import EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, model_dir, zero_bytes
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
@@ -382,8 +381,8 @@ def test_zero_buckets_are_sized_to_the_model_and_counted_by_the_plan(tmp_path):
     from rayppo.learner.zero_sizes import bucket_bytes, zero_sizes
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
-    shape = read_shape(tmp_path)
     layer = 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
+    assert layer_params(read_shape(tmp_path)) == layer
     assert zero_sizes(4096, layer, 3) == {
         "reduce_bucket_size": 4096 ** 2, "allgather_bucket_size": 4096 ** 2,
         "stage3_prefetch_bucket_size": int(0.9 * 4096 ** 2), "stage3_param_persistence_threshold": 40960,
