@@ -371,7 +371,10 @@ class GeneratorConfig:
     ``gpus_per_worker=0.4``), or 0.4 in colocated mode (the learner keeps its weights and
     optimizer states on the GPU while vLLM is awake). A value above the share is refused."""
     max_model_len: int | None = None
-    """vLLM: longest prompt + response; default: the model's max_position_embeddings."""
+    """vLLM: longest prompt + response; default: what the job needs, its longest prompt (training and
+    held-out) + ``rollout.max_new_tokens``, within the model's context. Not the model's whole
+    context by default: vLLM refuses to start when one sequence that long does not fit its KV
+    cache (a 128k-token Llama 3.1 8B needs 16 GiB of it)."""
     kv_cache_gib: float = 1.0
     """vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
