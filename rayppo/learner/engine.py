@@ -26,7 +26,7 @@ from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
-                                        param_specs)
+                                        layer_runs, param_specs)
 from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.fingerprint import SentPrint, sent_print
@@ -247,11 +247,15 @@ class LearnerEngine(Engine):
         Collective (ZeRO-3 gathers): all ranks call it together, until it returns None. A run
         stays valid until the next call, which is when the driver has seen the generator load
         it: without ZeRO-3 or LoRA the whole policy is one run of the live parameters (no
-        copy); otherwise one gathered or merged tensor at a time, so the peak is one module."""
+        copy); otherwise one decoder layer's gathered (copied) or merged tensors at a time, so the
+        peak is one layer."""
         if self._ipc_stream is None:
             whole = self.cfg.learner.zero_stage < 3 and self.cfg.learner.lora_rank == 0
             stream = self._fingerprinted(self._full_policy())
-            self._ipc_stream = iter([list(stream)]) if whole else ([item] for item in stream)
+            # One run per decoder layer (two Ray round trips each, not per tensor); under ZeRO-3 the
+            # gathered tensors are copied into it, as the gather is released at the next module.
+            self._ipc_stream = (iter([list(stream)]) if whole
+                                else layer_runs(stream, copy=self.cfg.learner.zero_stage == 3))
         run = next(self._ipc_stream, None)
         if run is None:
             self._ipc_stream, self._ipc_held = None, None

@@ -20,10 +20,10 @@ imported, so the learner does not depend on vLLM.
 from __future__ import annotations
 
 import datetime
+import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-
 from typing import Callable
 
 import torch
@@ -169,6 +169,29 @@ class IpcChunk:
 
     def __reduce__(self):  # crossing processes: the handles, never the tensors
         return IpcChunk, (self.names, self.dtype_names, self.shapes, self.ipc_handles, self.nbytes)
+
+
+LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
+"""The decoder-layer prefix of a tensor name (``model.layers.7.``)."""
+
+
+def layer_runs(stream: Iterable[tuple[str, torch.Tensor]],
+               copy: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream in runs of one decoder layer's consecutive tensors (a tensor outside the layers,
+    such as the embedding, is a run of its own): one CUDA-IPC round trip per layer instead of one
+    per tensor. ``copy``: each tensor cloned into the run, for a stream whose tensors are released
+    when the next one is requested (ZeRO-3's gathered modules); the peak is then one layer."""
+    run: list[tuple[str, torch.Tensor]] = []
+    key = None
+    for name, tensor in stream:
+        match = LAYER.match(name)
+        if run and (match is None or match.group(1) != key):
+            yield run
+            run = []
+        run.append((name, tensor.clone() if copy else tensor))
+        key = match.group(1) if match else None
+    if run:
+        yield run
 
 
 def ipc_chunk(named: list[tuple[str, torch.Tensor]], export: HandleExport = cuda_ipc_handle) -> IpcChunk:

@@ -65,10 +65,18 @@ def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(matrix_shape(tuple(tensor.shape)))
 
 
+PROBE_CHUNK_ELEMENTS = 1 << 22
+"""Elements of a tensor converted to float64 at a time by ``probe_rows`` (32 MiB): a whole
+152k x 3584 embedding in float64 would be 4.4 GB inside vLLM's memory headroom."""
+
+
 def probe_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``[N, 2]`` float64: W @ probes, exactly (float64), one row per matrix row."""
-    w = as_matrix(tensor.detach()).double()
-    return w @ probes(w.shape[1], w.device)
+    """``[N, 2]`` float64: W @ probes, exactly (float64), one row per matrix row; converted to
+    float64 one block of rows at a time (``PROBE_CHUNK_ELEMENTS``)."""
+    w = as_matrix(tensor.detach())
+    p = probes(w.shape[1], w.device)
+    step = max(1, PROBE_CHUNK_ELEMENTS // max(w.shape[1], 1))
+    return torch.cat([w[i:i + step].double() @ p for i in range(0, w.shape[0], step)]) if w.shape[0] else w.double() @ p
 
 
 def unit_roundoffs(dtype: torch.dtype) -> tuple[float, float]:
