@@ -7,10 +7,11 @@ then every sent tensor must be verified by its fingerprint, the generator must s
 new weights (log-probs equal to the transformers forward's within the fp32 bound the suite uses,
 1e-4: a healthy sync measures ~5e-7), and a perturbed tensor must fail the check.
 
-Families vLLM's CPU backend cannot run this way are checked where they can be: GPT-2 (vLLM 0.32's
-CPU engine crashes in native code on it), GPT-NeoX (vLLM runs it through its transformers
-fallback, under other names) and mixture-of-experts models (``plan/inputs.py`` refuses them on
-CPU generators; their sync stream and expert fingerprints are tested without an engine).
+Families vLLM's CPU backend cannot run this way are checked where they can be: GPT-NeoX (vLLM
+runs it through its transformers fallback: the weight check, not the log-probs), mixture-of-experts
+models (``plan/inputs.py`` refuses them on CPU generators; their sync stream and expert
+fingerprints are tested without an engine); GPT-2 not at all (vLLM 0.32's CPU engine crashes in
+native code on it).
 """
 
 from __future__ import annotations
@@ -101,6 +102,32 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
         shutil.copy(tmp_path / "start" / "tokenizer_config.json", tmp_path / "updated")
         assert _mismatch(generator, str(tmp_path / "updated"), tokenizer) < 1e-4  # it samples the new weights
         hit = next(n for n in named if ".layers.1." in n and ("mlp" in n or "fc1" in n) and n.endswith("weight"))
+        generator.sync_fault = SyncFault("perturb_tensor", hit)
+        generator.load_weights(pack_weights(named, 2))
+        with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):
+            check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+    finally:
+        del generator
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_gpt_neox_through_vllms_transformers_fallback_is_verified_under_its_own_names(tokenizer, tmp_path,
+                                                                                      monkeypatch):
+    """vLLM runs GPT-NeoX on CPU through its transformers fallback, which keeps ``gpt_neox.*`` as
+    ``model.*``: the engine's name mapping is applied to the sent names, so every tensor is
+    verified and a perturbed MLP tensor is caught (the guard was blind to it). The log-probs are not
+    compared here: once that fallback has run in a process, transformers' GPT-NeoX class cannot be
+    built again in it."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model, folder = _model({"gpt_neox": ("GPTNeoXForCausalLM", TINY)}, "gpt_neox", tokenizer, tmp_path)
+    named = _updated(model)
+    generator = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="vllm",
+                                vllm=VLLMSettings(kv_cache_gib=1))
+    try:
+        generator.load_weights(pack_weights(named, 1))
+        assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) == len(named)
+        hit = "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"
         generator.sync_fault = SyncFault("perturb_tensor", hit)
         generator.load_weights(pack_weights(named, 2))
         with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):

@@ -160,3 +160,18 @@ def test_probe_rows_in_blocks_equal_the_whole_product(monkeypatch):
     whole = w.double() @ fingerprint.probes(48)
     bound = 48 * torch.finfo(torch.float64).eps * w.double().abs().sum(dim=1, keepdim=True)
     assert blocked.shape == (1000, 2) and bool(((blocked - whole).abs() <= bound).all())
+
+
+def test_rendezvous_ports_come_from_below_the_kernels_ephemeral_range():
+    """A probed port is bound later by the store: one from bind(0) can be handed to another
+    starting process meanwhile (a learner failed once with EADDRINUSE on 39551); ports below the
+    ephemeral range are never handed out implicitly. Each is free, and processes draw apart."""
+    import socket
+
+    from rayppo.learner.weight_sync import EPHEMERAL_RANGE, free_port
+
+    low = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else 32768
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports) and len(set(ports)) > 1
+    with socket.socket() as s:
+        s.bind(("", ports[-1]))  # free: the store can bind it

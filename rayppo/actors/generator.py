@@ -328,6 +328,7 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
     ``dispatch_cpu_unquantized_gemm``, vLLM 0.32) is probed through that kernel."""
     model = worker.get_model()
     packed = getattr(model, "packed_modules_mapping", {})
+    renamed = _engine_names(model, shapes)
     out: dict[str, tuple[float, float]] = {}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -339,6 +340,7 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
             full = f"{module_name}.{param_name}" if module_name else param_name
             names = next(([full.replace(f".{fused}.", f".{part}.") for part in parts]
                           for fused, parts in packed.items() if f".{fused}." in full), [full])
+            names = [renamed.get(name, name) for name in names]
             if not all(name in shapes for name in names):
                 continue
             k = matrix_shape(shapes[names[0]])[1]
@@ -348,6 +350,22 @@ def _worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple
             else:
                 rows = probe_rows(param.reshape(-1, k))  # padded vocabulary rows are ignored by split_rows
             out.update(split_rows(rows, names, shapes))
+    return out
+
+
+def _engine_names(model, shapes: dict[str, list[int]]) -> dict[str, str]:
+    """``{the engine's name: the sent name}`` for the sent tensors the engine's model renames on
+    load (its ``hf_to_vllm_mapper``: vLLM's transformers fallback, e.g. for GPT-NeoX, keeps
+    ``gpt_neox.layers.0...`` as ``model.layers.0...``; ``WeightsMapper._map_name``,
+    vllm/model_executor/models/utils.py, 0.32). Empty for a model that loads names as they are."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {}
+    out = {}
+    for sent in shapes:
+        engine = mapper._map_name(sent)
+        if engine is not None and engine != sent:
+            out[engine] = sent
     return out
 
 

@@ -20,10 +20,12 @@ imported, so the learner does not depend on vLLM.
 from __future__ import annotations
 
 import datetime
+import random
 import re
 import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -59,8 +61,29 @@ class ParamSpec:
     shape: tuple[int, ...]
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The ports Linux hands out for outgoing connections and ``bind(0)`` (default 32768-60999)."""
+
+
 def free_port() -> int:
-    """A TCP port free on this node right now (for a rendezvous store to bind next)."""
+    """A TCP port free on this node right now, for a rendezvous store to bind next. Drawn below the
+    kernel's ephemeral range: a port from ``bind(0)`` is one the kernel may give to any other
+    process's connection or ``bind(0)`` (dozens of them while the actors start) before the store
+    binds it, and the learner then fails with EADDRINUSE."""
+    low = 32768
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    draw = random.SystemRandom()  # not the seeded module generator: processes must not agree
+    for _ in range(64) if low > 2048 else ():
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
