@@ -83,6 +83,14 @@ def _mismatch(generator: GeneratorEngine, folder: str, tokenizer) -> float:
     return max(abs(a - b) for got, want in zip(rollout.logprobs, expected) for a, b in zip(got, want))
 
 
+def _caught(generator: GeneratorEngine, named: dict[str, torch.Tensor], hit: str) -> None:
+    """``hit`` perturbed on its way into the engine (``checks.sync_fault``): the weight check names it."""
+    generator.sync_fault = SyncFault("perturb_tensor", hit)
+    generator.load_weights(pack_weights(named, 2))
+    with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):
+        check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_perturbed_tensor(
@@ -102,10 +110,7 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
         shutil.copy(tmp_path / "start" / "tokenizer_config.json", tmp_path / "updated")
         assert _mismatch(generator, str(tmp_path / "updated"), tokenizer) < 1e-4  # it samples the new weights
         hit = next(n for n in named if ".layers.1." in n and ("mlp" in n or "fc1" in n) and n.endswith("weight"))
-        generator.sync_fault = SyncFault("perturb_tensor", hit)
-        generator.load_weights(pack_weights(named, 2))
-        with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):
-            check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+        _caught(generator, named, hit)
     finally:
         del generator
         gc.collect()
@@ -128,10 +133,7 @@ def test_gpt_neox_through_vllms_transformers_fallback_is_verified_under_its_own_
         generator.load_weights(pack_weights(named, 1))
         assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) == len(named)
         hit = "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"
-        generator.sync_fault = SyncFault("perturb_tensor", hit)
-        generator.load_weights(pack_weights(named, 2))
-        with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):
-            check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+        _caught(generator, named, hit)
     finally:
         del generator
         gc.collect()
