@@ -23,7 +23,8 @@ import pytest
 import torch
 import transformers
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings, _expert_names
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.held_weights import expert_names
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.data.prompts import PromptBatch
 from rayppo.learner.full_weights import full_tensors
@@ -152,7 +153,7 @@ def test_moe_sync_stream_is_the_checkpoint_and_fused_experts_fingerprint_per_exp
     assert stream.keys() == saved.keys() and all(torch.equal(stream[k], saved[k]) for k in saved)
     shapes = {k: list(v.shape) for k, v in stream.items()}
     prefix = next(k for k in stream if ".experts.0." in k).split(".experts.0.")[0]  # ...layers.0.mlp
-    names = _expert_names(f"{prefix}.experts.routed_experts", "w13_weight", shapes, 4)
+    names = expert_names(f"{prefix}.experts.routed_experts", "w13_weight", shapes, 4)
     assert names is not None and len(names) == 4 and all(len(row) == 2 for row in names)
     # vLLM's layout: w13[e] = [gate_e; up_e] stacked by rows, w2[e] = down_e.
     w13 = torch.stack([torch.cat([stream[gate], stream[up]]) for gate, up in names])
@@ -163,7 +164,7 @@ def test_moe_sync_stream_is_the_checkpoint_and_fused_experts_fingerprint_per_exp
     held = {k: v for e in range(4) for k, v in split_rows(probe_rows(w13[e]), names[e], shapes).items()}
     with pytest.raises(WeightSyncError, match=rf"{names[1][0]} "):
         check_weights({k: prints[k] for k in held}, held, 0, 1)
-    down = _expert_names(f"{prefix}.experts.routed_experts", "w2_weight", shapes, 4)
+    down = expert_names(f"{prefix}.experts.routed_experts", "w2_weight", shapes, 4)
     assert down is not None and all(len(row) == 1 for row in down)
 
 

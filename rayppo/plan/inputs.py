@@ -20,7 +20,7 @@ from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
 from rayppo.models.shape import context_of, is_moe
-from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files
+from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files, safetensors_tensors
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:
     are reloaded (vLLM 0.32: the synced experts reach ``w13_weight``/``w2_weight``, the logits do
     not change; the log-prob guard would stop the run after its first update)."""
     if cfg.checks.sync_fault != "none":
-        names = {name for file in sorted(policy_dir.glob("*.safetensors")) for name in _tensor_names(file)}
+        names = {name for file in sorted(policy_dir.glob("*.safetensors"))
+                 for name in safetensors_tensors("model.policy", file)}
         if names and cfg.checks.sync_fault_tensor not in names:
             near = sorted(n for n in names if n.endswith(cfg.checks.sync_fault_tensor.rsplit(".", 2)[-2] + ".weight"))
             raise ConfigError(f"checks.sync_fault_tensor: {policy_dir} has no tensor {cfg.checks.sync_fault_tensor!r}"
@@ -78,13 +79,6 @@ def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:
         raise ConfigError(f"generators.backend: {policy_dir} is a mixture-of-experts model, which vLLM's CPU backend "
                           "cannot update in place (its fused-MoE kernel keeps the experts of start-up): use "
                           "generators.backend=hf on CPUs, or generators with GPUs")
-
-
-def _tensor_names(file: Path) -> list[str]:
-    """The tensor names in a safetensors file's header (its weights are not read)."""
-    with file.open("rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return [name for name in header if name != "__metadata__"]
 
 
 def check_model_meets_embedded_task(cfg: Config, policy_dir: Path) -> None:

@@ -1,0 +1,97 @@
+"""What a vLLM worker holds, under the names the learner sent (``checks.verify_sync``).
+
+These functions run inside a vLLM worker (through ``LLM.collective_rpc``) and read the engine's
+model as vLLM laid it out: fused parameters (q/k/v, gate/up, the experts' ``w13``/``w2``), names
+its loader mapped (``hf_to_vllm_mapper``), parameters shared between modules (a tied head). Only
+``torch`` and rayppo's fingerprint math are imported; the vLLM objects come in as arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayppo.models.fingerprint import matrix_shape, probe_rows, probes, split_rows
+
+
+def worker_tied_aliases(worker) -> dict[str, str]:
+    """Runs inside a vLLM worker: parameters the engine's model shares between modules (a tied
+    LM head), as ``{second name: first name}``."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in worker.get_model().named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+@torch.no_grad()
+def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+    """Runs inside a vLLM worker: fingerprints of the weights the engine holds, under the sent
+    (Hugging Face) names. Fused parameters (``packed_modules_mapping``, e.g. qkv_proj ->
+    q/k/v_proj) split back by row blocks; a CPU linear layer whose weight vLLM moved into a
+    oneDNN/SGL kernel (its parameter left empty; vllm/model_executor/layers/utils.py,
+    ``dispatch_cpu_unquantized_gemm``, vLLM 0.32) is probed through that kernel."""
+    model = worker.get_model()
+    packed = getattr(model, "packed_modules_mapping", {})
+    renamed = engine_names(model, shapes)
+    out: dict[str, tuple[float, float]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            experts = expert_names(module_name, param_name, shapes, param.shape[0]) if param.dim() == 3 else None
+            if experts is not None:  # one expert's fused matrices at a time
+                for e, names in enumerate(experts):
+                    out.update(split_rows(probe_rows(param[e]), names, shapes))
+                continue
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            names = next(([full.replace(f".{fused}.", f".{part}.") for part in parts]
+                          for fused, parts in packed.items() if f".{fused}." in full), [full])
+            names = [renamed.get(name, name) for name in names]
+            if not all(name in shapes for name in names):
+                continue
+            k = matrix_shape(shapes[names[0]])[1]
+            if param.numel() == 0 and hasattr(module, "cpu_linear"):
+                probe = probes(k).T.to(param.dtype).contiguous()  # [2, K], exact in any dtype
+                rows = module.cpu_linear(probe, param, None).T.double()
+            else:
+                rows = probe_rows(param.reshape(-1, k))  # padded vocabulary rows are ignored by split_rows
+            out.update(split_rows(rows, names, shapes))
+    return out
+
+
+def engine_names(model, shapes: dict[str, list[int]]) -> dict[str, str]:
+    """``{the engine's name: the sent name}`` for the sent tensors the engine's model renames on
+    load (its ``hf_to_vllm_mapper``: vLLM's transformers fallback, e.g. for GPT-NeoX, keeps
+    ``gpt_neox.layers.0...`` as ``model.layers.0...``; ``WeightsMapper._map_name``,
+    vllm/model_executor/models/utils.py, 0.32). Empty for a model that loads names as they are."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {}
+    out = {}
+    for sent in shapes:
+        engine = mapper._map_name(sent)
+        if engine is not None and engine != sent:
+            out[engine] = sent
+    return out
+
+
+EXPERT_PROJECTIONS = {"w13_weight": (("gate_proj", "up_proj"), ("w1", "w3")), "w2_weight": (("down_proj",), ("w2",))}
+"""vLLM's fused expert parameters (``FusedMoE``: ``w13_weight [E, 2I, h]`` stacks each expert's gate
+and up projections, ``w2_weight [E, h, I]`` its down projection; vllm/model_executor/layers/
+fused_moe/layer.py, 0.32) -> the per-expert checkpoint projections in each, Qwen/DeepSeek names
+first, then Mixtral's."""
+
+
+def expert_names(module_name: str, param_name: str, shapes: dict[str, list[int]],
+                  experts: int) -> list[list[str]] | None:
+    """For a fused expert parameter of module ``...mlp.experts[.routed_experts]``, the sent names of
+    each expert's rows in order (``[[gate_e, up_e], ...]`` or ``[[down_e], ...]``); None otherwise."""
+    if param_name not in EXPERT_PROJECTIONS:
+        return None
+    prefix = module_name.removesuffix(".routed_experts").removesuffix(".experts")
+    for projections in EXPERT_PROJECTIONS[param_name]:
+        names = [[f"{prefix}.experts.{e}.{p}.weight" for p in projections] for e in range(experts)]
+        if all(name in shapes for row in names for name in row):
+            return names
+    return None
