@@ -76,8 +76,8 @@ class DistributedTrainer:
         self.eval_prompts = (load_prompt_set(held_out[0], cfg.data.prompt_column, tokenizer, max_prompt, held_out[1])
                              if held_out else None)
         longest = max(len(ids) for ids in prompt_set.ids + (self.eval_prompts.ids if self.eval_prompts else []))
+        # vLLM's max_model_len: what the job needs, not the model's whole context (generator_context).
         self.context = generator_context(cfg.generators.max_model_len, positions, longest, cfg.rollout.max_new_tokens)
-        """vLLM's ``max_model_len`` (``generator_context``)."""
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self._start_state: dict[str, Any] | None = None
