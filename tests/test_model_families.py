@@ -117,14 +117,34 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
         gc.collect()
 
 
+@pytest.fixture
+def gpt_neox_class_restored():
+    """vLLM's transformers fallback decorates the decoder class itself for torch.compile
+    (vllm/model_executor/models/transformers/base.py ``_decorate_for_torch_compile``, vLLM 0.32:
+    new bases, ``__init__`` and ``__call__``), so after it has run, ``GPTNeoXModel(config)``
+    asserts that no vLLM config is set, in any later test of the same process. This puts the
+    class back as it was once the engine is gone. Only tests meet it: rayppo never builds a
+    transformers model in a vLLM generator's process."""
+    cls = transformers.GPTNeoXModel
+    bases, attrs = cls.__bases__, dict(vars(cls))
+    yield
+    for name in set(vars(cls)) - set(attrs):
+        delattr(cls, name)
+    for name, value in attrs.items():
+        if name not in ("__dict__", "__weakref__") and vars(cls).get(name) is not value:
+            setattr(cls, name, value)
+    cls.__bases__ = bases
+
+
 @pytest.mark.slow
 def test_gpt_neox_through_vllms_transformers_fallback_is_verified_under_its_own_names(tokenizer, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch,
+                                                                                      gpt_neox_class_restored):
     """vLLM runs GPT-NeoX on CPU through its transformers fallback, which keeps ``gpt_neox.*`` as
     ``model.*``: the engine's name mapping is applied to the sent names, so every tensor is
     verified and a perturbed MLP tensor is caught (the guard was blind to it). The log-probs are not
-    compared here: once that fallback has run in a process, transformers' GPT-NeoX class cannot be
-    built again in it."""
+    compared here: the reference forward would build transformers' GPT-NeoX class while the engine
+    holds it decorated (see the fixture)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, folder = _model({"gpt_neox": ("GPTNeoXForCausalLM", TINY)}, "gpt_neox", tokenizer, tmp_path)
     named = _updated(model)
