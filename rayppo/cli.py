@@ -187,8 +187,11 @@ def _headline(cfg, resume) -> str:
     data = "embedded task" if cfg.data.prompts == "embedded" else cfg.data.prompts
     model = "embedded model" if cfg.model.policy == "embedded" else cfg.model.policy
     what = f"resuming {resume.parent.parent}" if resume is not None else f"output {cfg.output.dir}/"
-    return (f"rayppo train: {model}, {data}, {cfg.stop.iterations} iterations of {cfg.rollout.batch_size} prompts, "
-            f"trainer={cfg.trainer}; {what}")
+    n = cfg.rollout.samples_per_prompt
+    groups = f" x {n} samples" if n > 1 else ""
+    estimator = f", ppo.advantage={cfg.ppo.advantage}" if cfg.ppo.advantage != "gae" else ""
+    return (f"rayppo train: {model}, {data}, {cfg.stop.iterations} iterations of {cfg.rollout.batch_size} prompts"
+            f"{groups}{estimator}, trainer={cfg.trainer}; {what}")
 
 
 def _quiet_libraries(verbose: bool) -> None:

@@ -75,7 +75,12 @@ class TrainResult:
         return (f"{self.stop_reason}: {n} iteration{'s' if n != 1 else ''} in {self.seconds:.0f} s; mean reward "
                 f"{self.reward_start:.3f} (first iteration) -> {self.reward_end:.3f} "
                 f"({'last' if n == 1 else f'mean of the last {min(n, 5)}'}){evaluated}. Outputs in {self.out_dir}/ "
-                "(metrics.jsonl, plot.png, tb/, policy/, critic/, logs/)")
+                f"({', '.join(self.outputs())})")
+
+    def outputs(self) -> list[str]:
+        """What the run folder holds of what a run writes (no critic/ without a critic)."""
+        names = ("metrics.jsonl", "plot.png", "tb/", "policy/", "critic/", "logs/")
+        return [name for name in names if (self.out_dir / name.rstrip("/")).exists()]
 
 
 def _mean_reward(records: list[dict[str, float]]) -> float:
@@ -233,7 +238,7 @@ class _Loop:
                 self.logger.rewind(self.it)
                 self.bar.rewind(self.it)
                 continue
-            if metrics["kl/ref_mean"] > cfg.stop.kl_budget:
+            if metrics.get("kl/ref_mean", 0.0) > cfg.stop.kl_budget:  # no KL without a reference (kl_coef = 0)
                 console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = "
                               f"{metrics['kl/ref_mean']:.2f} nats per response exceeds stop.kl_budget = "
                               f"{cfg.stop.kl_budget}")
@@ -325,7 +330,8 @@ class Bar:
         if "eval/reward/mean" in metrics:
             self.eval = f"{metrics['eval/reward/mean']:.3f}"
         shown = {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
-                 "kl": f"{metrics['kl/ref_mean']:.2f}", "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+                 **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
+                 "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update()
 

@@ -425,7 +425,8 @@ class GeneratorEngine(Engine):
         return time.perf_counter() - start
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """One response per prompt, sampled at the configured temperature / top-p."""
+        """One response per prompt row, sampled at the configured temperature; the rows of a group
+        (``PromptBatch.groups_of``) are separate requests, each with its own noise."""
         response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, seed)
         for text, ids in zip(prompts.texts, response_ids):
             if not ids:
@@ -455,6 +456,7 @@ class GeneratorEngine(Engine):
             response_text=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             policy_version=[self.policy_version] * len(response_ids),
             generator_id=[self.generator_id] * len(response_ids),
+            group_id=list(prompts.groups),
             prompt_messages=prompts.messages_json(),
             prompt_fields=prompts.fields_json(),
         )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
     from ray.util.placement_group import PlacementGroup
 
-from rayppo.config.derived import role_gpus, tensor_parallel_size
+from rayppo.config.derived import reference_actors, role_gpus, tensor_parallel_size
 from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError
 
@@ -99,7 +99,7 @@ def role_specs(cfg: Config) -> list[RoleSpec]:
     gen_gpus = 0.0 if g.tensor_parallel_layout == "across_nodes" else role_gpus(cfg, "generators")
     return [
         RoleSpec("generators", g.num, _bundle(g.cpus_per_worker, gen_gpus, g.resources)),
-        RoleSpec("reference", cfg.reference.num,
+        RoleSpec("reference", reference_actors(cfg),  # none when ppo.kl_coef = 0
                  _bundle(cfg.reference.cpus, role_gpus(cfg, "reference"), cfg.reference.resources)),
         RoleSpec("reward", cfg.reward.num, _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
         RoleSpec("learner", l.num_ranks, _bundle(l.cpus_per_rank, role_gpus(cfg, "learner"), l.resources)),
@@ -144,7 +144,7 @@ def plan_groups(cfg: Config) -> list[GroupPlan]:
     plans.append(_role_group("learner", learner))
     if not cfg.cluster.colocate:
         plans += [_role_group("reference", [specs["reference"]]), _role_group("reward", [specs["reward"]])]
-    return plans
+    return [plan for plan in plans if plan.bundles]  # a role with no actors (no reference at beta = 0)
 
 
 def _role_group(name: str, members: list[RoleSpec]) -> GroupPlan:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from rayppo.config.derived import role_gpus, tensor_parallel_size, weight_sync_backend
+from rayppo.config.derived import (CRITIC_FREE, GROUP_ESTIMATORS, batch_rows, role_gpus, tensor_parallel_size,
+                                   truncation_mode, weight_sync_backend)
 from rayppo.config.schema import SYNC_FAULTS, Config, ConfigError
 
 
@@ -33,6 +34,29 @@ def _check_async(cfg: Config) -> None:
              f"(a broadcast stops every generator at once); got learner.weight_sync={cfg.learner.weight_sync}", k)
 
 
+def _check_groups(cfg: Config) -> None:
+    """Groups of samples, the estimator, where the KL goes and how rows split into minibatches."""
+    r, p = cfg.rollout, cfg.ppo
+    n = r.samples_per_prompt
+    _require(n >= 1, "rollout.samples_per_prompt", "must be >= 1", n)
+    _require(p.advantage in ("gae", *CRITIC_FREE), "ppo.advantage", f"must be one of gae, {', '.join(CRITIC_FREE)}",
+             p.advantage)
+    _require(n >= 2 or p.advantage not in GROUP_ESTIMATORS, "rollout.samples_per_prompt",
+             f"must be >= 2 with ppo.advantage={p.advantage}: its baseline is the other samples of the prompt "
+             "(with one sample every advantage is 0)", n)
+    _require(p.kl_mode in ("reward", "loss"), "ppo.kl_mode", "must be reward or loss", p.kl_mode)
+    _require(p.group_std_floor > 0, "ppo.group_std_floor", "must be > 0", p.group_std_floor)
+    _require(r.truncation != "bootstrap" or p.advantage == "gae", "rollout.truncation",
+             f"bootstrap needs a critic's V(S_T), and ppo.advantage={p.advantage} trains none: use auto or terminal",
+             r.truncation)
+    _require(0 <= r.overlong_buffer <= r.max_new_tokens, "rollout.overlong_buffer",
+             f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}]", r.overlong_buffer)
+    _require(r.overlong_penalty >= 0, "rollout.overlong_penalty", "must be >= 0", r.overlong_penalty)
+    _require(batch_rows(cfg) % p.minibatches == 0, "ppo.minibatches",
+             f"must divide the batch's rows, rollout.batch_size x rollout.samples_per_prompt = {r.batch_size} x {n}",
+             p.minibatches)
+
+
 def validate(cfg: Config) -> Config:
     """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field.
 
@@ -44,10 +68,10 @@ def validate(cfg: Config) -> Config:
     _require(r.top_p == 1.0, "rollout.top_p", "must be 1.0: nucleus sampling renormalises the sampled "
              "distribution, which the learner's and reference's log_softmax(logits / T) do not model, so the "
              "PPO ratio and KL would be silently wrong", r.top_p)
-    _require(r.truncation in ("bootstrap", "terminal"), "rollout.truncation", "must be bootstrap or terminal",
-             r.truncation)
+    _require(r.truncation in ("auto", "bootstrap", "terminal"), "rollout.truncation",
+             "must be auto, bootstrap or terminal", r.truncation)
     _require(r.missing_eos_penalty >= 0, "rollout.missing_eos_penalty", "must be >= 0", r.missing_eos_penalty)
-    _require(r.missing_eos_penalty == 0 or r.truncation == "terminal", "rollout.missing_eos_penalty",
+    _require(r.missing_eos_penalty == 0 or truncation_mode(cfg) == "terminal", "rollout.missing_eos_penalty",
              "applies only with rollout.truncation=terminal (under bootstrap a cut row has no score)",
              r.missing_eos_penalty)
     _require(cfg.checks.sync_fault in SYNC_FAULTS, "checks.sync_fault", f"must be one of {', '.join(SYNC_FAULTS)}",
@@ -56,13 +80,10 @@ def validate(cfg: Config) -> Config:
     _require(limit is None or limit > 0, "checks.max_logprob_mismatch", "must be > 0 or null", limit)
     _require(p.epochs >= 1, "ppo.epochs", "must be >= 1", p.epochs)
     _require(p.minibatches >= 1, "ppo.minibatches", "must be >= 1", p.minibatches)
-    _require(
-        r.batch_size % p.minibatches == 0,
-        "ppo.minibatches",
-        f"must divide rollout.batch_size={r.batch_size}",
-        p.minibatches,
-    )
+    _check_groups(cfg)
     _require(0 < p.clip_eps < 1, "ppo.clip_eps", "must be in (0, 1)", p.clip_eps)
+    _require(p.clip_eps_high is None or 0 < p.clip_eps_high < 1, "ppo.clip_eps_high", "must be in (0, 1) or null",
+             p.clip_eps_high)
     _require(p.value_clip is None or p.value_clip > 0, "ppo.value_clip", "must be > 0 or null", p.value_clip)
     _require(0 < p.gamma <= 1, "ppo.gamma", "must be in (0, 1]", p.gamma)
     _require(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]", p.lam)
@@ -73,12 +94,8 @@ def validate(cfg: Config) -> Config:
     _require(p.lr > 0, "ppo.lr", "must be > 0", p.lr)
     _require(p.critic_lr > 0, "ppo.critic_lr", "must be > 0", p.critic_lr)
     _require(p.vf_coef >= 0, "ppo.vf_coef", "must be >= 0", p.vf_coef)
-    _require(
-        p.loss_agg in ("token-mean", "seq-mean-token-mean"),
-        "ppo.loss_agg",
-        "must be token-mean or seq-mean-token-mean",
-        p.loss_agg,
-    )
+    _require(p.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"), "ppo.loss_agg",
+             "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm", p.loss_agg)
     _require(p.is_clip >= 1, "ppo.is_clip", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)",
              p.is_clip)
     _require(p.value_targets in ("gae", "vtrace"), "ppo.value_targets", "must be gae or vtrace", p.value_targets)
@@ -215,7 +232,9 @@ def _validate_system(cfg: Config) -> Config:
         _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
         _require(0 <= role.gpus <= 1, f"{name}.gpus", "must be in [0, 1] (one model on one GPU)", role.gpus)
     _require(lr_.num_ranks >= 1, "learner.num_ranks", "must be >= 1", lr_.num_ranks)
-    _require(lr_.num_ranks <= r.batch_size, "learner.num_ranks", f"must be <= rollout.batch_size={r.batch_size}", lr_.num_ranks)
+    _require(lr_.num_ranks <= batch_rows(cfg), "learner.num_ranks",
+             f"must be <= the batch's rows (rollout.batch_size x rollout.samples_per_prompt = {batch_rows(cfg)})",
+             lr_.num_ranks)
     _require(lr_.weight_sync in ("auto", "broadcast", "object_store", "ipc"), "learner.weight_sync",
              "must be auto, broadcast, object_store or ipc", lr_.weight_sync)
     _validate_weight_sync(cfg)

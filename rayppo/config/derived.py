@@ -3,7 +3,7 @@ thread counts and the log-prob mismatch limit. Pure functions of the dataclass t
 
 from __future__ import annotations
 
-from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig
+from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig, PPOConfig
 
 
 def mismatch_limit(checks: "ChecksConfig", dtype: str) -> float:
@@ -81,3 +81,37 @@ def generator_context(configured: int | None, model_positions: int | None, longe
         return configured
     needed = longest_prompt + max_new_tokens
     return min(needed, model_positions) if model_positions else needed
+
+
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+"""The ``ppo.advantage`` estimators that need no critic (design.md, "Groups and critic-free estimators")."""
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+"""The estimators whose baseline is the group's other samples: they need samples_per_prompt >= 2."""
+
+
+def has_critic(ppo: PPOConfig) -> bool:
+    """Whether the run trains a critic V_w at all (only ``gae`` uses one)."""
+    return ppo.advantage == "gae"
+
+
+def uses_reference(ppo: PPOConfig) -> bool:
+    """Whether any pass needs log pi_ref: not when beta = 0 (the adaptive controller scales beta
+    multiplicatively, so 0 stays 0), in which case no reference model is loaded anywhere."""
+    return ppo.kl_coef > 0
+
+
+def truncation_mode(cfg: Config) -> str:
+    """``rollout.truncation`` resolved: ``auto`` bootstraps with a critic and is ``terminal`` without."""
+    if cfg.rollout.truncation != "auto":
+        return cfg.rollout.truncation
+    return "bootstrap" if has_critic(cfg.ppo) else "terminal"
+
+
+def batch_rows(cfg: Config) -> int:
+    """Responses per iteration: rollout.batch_size prompts x rollout.samples_per_prompt."""
+    return cfg.rollout.batch_size * cfg.rollout.samples_per_prompt
+
+
+def reference_actors(cfg: Config) -> int:
+    """Reference actors the run starts: ``reference.num``, or none when beta = 0."""
+    return cfg.reference.num if uses_reference(cfg.ppo) else 0

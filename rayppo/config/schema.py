@@ -108,7 +108,12 @@ class RewardConfig(ScorerConfig):
 @dataclass
 class RolloutConfig:
     batch_size: int = 64
-    """Prompts (= responses) per PPO iteration."""
+    """Prompts per PPO iteration; the batch holds batch_size x ``samples_per_prompt`` responses."""
+    samples_per_prompt: int = 1
+    """n: responses sampled per prompt, a *group* (GRPO's G, veRL's ``rollout.n``). Each row carries
+    its group's id, every group statistic keys on it; a prompt's n samples go to one generator
+    (vLLM's prefix cache holds the prompt once), each with its own noise. The group estimators
+    (``ppo.advantage``) need n >= 2; 1 samples one response per prompt."""
     max_new_tokens: int = 12
     """Response length limit T; a response cut here is a truncation (see ``truncation``)."""
     temperature: float = 1.0
@@ -119,15 +124,21 @@ class RolloutConfig:
     the PPO ratio and every KL_t would be off by up to ``-log top_p``: refused at load."""
     ignore_eos: bool = False
     """Always generate ``max_new_tokens`` tokens (fixed-length throughput benchmarks)."""
-    truncation: str = "bootstrap"
+    truncation: str = "auto"
     """How a response cut at ``max_new_tokens`` (finish reason ``length``) enters the return.
-    ``bootstrap`` (the seed's reading): the episode was ended artificially, so its score r_phi
+    ``auto``: ``bootstrap`` with a critic (``ppo.advantage=gae``), ``terminal`` without one (there
+    is no V(S_T) to bootstrap from). ``bootstrap`` (the seed's reading): the episode was ended artificially, so its score r_phi
     is *not* added (it is still logged in ``reward/mean``) and GAE bootstraps with V(S_T), the
     critic's estimate of everything still to come, the score included. ``terminal``: the cut
     response is final: r_phi on its last token and bootstrap 0 (TRL's and OpenRLHF's choice)."""
     missing_eos_penalty: float = 0.0
     """``truncation=terminal`` only: subtracted from the score of every cut response (a push
     towards ending with EOS); 0 disables."""
+    overlong_buffer: int = 0
+    """L of DAPO's overlong shaping: a response longer than ``max_new_tokens`` - L tokens has its
+    score lowered linearly, reaching -``overlong_penalty`` at ``max_new_tokens``. 0 disables."""
+    overlong_penalty: float = 1.0
+    """The score lost by a response of ``max_new_tokens`` tokens under ``overlong_buffer``."""
     max_staleness: int = 0
     """k: how many policy versions a row may lag behind the learner that trains on it. 0: the
     synchronous iteration (generate, score, learn, sync in lock-step). k >= 1: the asynchronous
@@ -142,7 +153,23 @@ class PPOConfig:
     epochs: int = 4
     """M: passes over each rollout batch."""
     minibatches: int = 2
-    """Minibatches per epoch (one optimiser step each); must divide rollout.batch_size."""
+    """Minibatches per epoch (one optimiser step each); must divide the batch's rows,
+    rollout.batch_size x rollout.samples_per_prompt."""
+    advantage: str = "gae"
+    """The advantage estimator. ``gae``: GAE over a learned critic V_w (PPO). Critic-free (no
+    critic model, optimizer, value pass or checkpoint): ``grpo`` (group-normalised score),
+    ``dr_grpo`` (group-centred score; pair it with ``loss_agg=seq-mean-token-sum-norm``), ``rloo``
+    (leave-one-out baseline), ``reinforce_pp`` (per-token discounted returns of the shaped reward,
+    whitened over the batch; n = 1 works), ``reinforce_pp_baseline`` (group-centred score, then
+    whitened). Formulas: docs/estimators.md."""
+    group_std_floor: float = 1e-6
+    """sigma_min of ``advantage=grpo``: A_i = (r_i - mean) / max(std, sigma_min), so a group whose
+    rewards differ by rounding only is not blown up (a group of exactly equal rewards gets 0)."""
+    kl_mode: str = "reward"
+    """Where the KL to the reference goes. ``reward``: -kl_coef KL_t shapes the per-token reward
+    (PPO; a group estimator groups r_i - kl_coef sum_t KL_t). ``loss``: kl_coef times the k3
+    estimate, aggregated like the policy loss, is added to the loss and the score is r_i (GRPO).
+    kl_coef = 0 (not adaptive) loads no reference model anywhere."""
     lr: float = 3e-4
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-3
@@ -153,10 +180,13 @@ class PPOConfig:
     """Gradient clipping norm for policy and critic (0 disables)."""
     clip_eps: float = 0.2
     """epsilon of the clipped surrogate: rho is clipped to [1 - eps, 1 + eps]."""
+    clip_eps_high: float | None = None
+    """DAPO's clip-higher: the upper bound becomes 1 + clip_eps_high (0.28 with clip_eps 0.2 in
+    the paper), so unlikely tokens with a positive advantage can grow; null: clip_eps."""
     value_clip: float | None = 0.2
-    """Value clipping range around the rollout's values; null disables."""
+    """Value clipping range around the rollout's values; null disables (``advantage=gae``)."""
     vf_coef: float = 0.5
-    """c1: weight of the value loss in the total loss."""
+    """c1: weight of the value loss in the total loss (``advantage=gae``)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
     gamma: float = 1.0
@@ -166,7 +196,8 @@ class PPOConfig:
     kl_coef: float = 0.05
     """beta: weight of the per-token KL penalty in the shaped reward (initial value if adaptive)."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward: ``k1``, ``k2`` or ``k3``."""
+    """Per-token KL estimator of ``kl_mode=reward``: ``k1``, ``k2`` or ``k3`` (``kl_mode=loss``
+    always uses k3, which is >= 0 and whose gradient is the KL's)."""
     adaptive_kl: bool = False
     """Adapt beta towards ``kl_target`` (Ziegler et al. 2019) instead of keeping it fixed."""
     kl_target: float = 6.0
@@ -174,9 +205,13 @@ class PPOConfig:
     kl_horizon: float = 10000.0
     """Horizon (in responses) of the adaptive controller."""
     whiten_advantages: bool = True
-    """Whiten advantages over the whole rollout batch before the update."""
+    """``advantage=gae``: whiten advantages over the whole rollout batch before the update (the
+    group estimators are normalised by their own formula; ``reinforce_pp*`` always whiten)."""
     loss_agg: str = "token-mean"
-    """Policy-loss aggregation: ``token-mean`` or ``seq-mean-token-mean``."""
+    """Policy-loss aggregation: ``token-mean`` (every valid token of the minibatch, on every rank,
+    weighs the same), ``seq-mean-token-mean`` (each response's token mean, then the mean over
+    responses) or ``seq-mean-token-sum-norm`` (the sum over tokens / (responses x
+    rollout.max_new_tokens): Dr. GRPO's constant)."""
     is_clip: float = 2.0
     """Asynchronous mode: cap of the truncated importance weight w_t = min(pi_prox / mu, is_clip)
     on the decoupled policy loss (mu: the generator's policy that sampled the row, pi_prox: the

@@ -249,6 +249,8 @@ class PromptBatch:
     """[B] the conversation a chat prompt came from, None for a plain prompt; empty: all plain."""
     fields: list[dict[str, Any]] = field(default_factory=list)
     """[B] the prompt row's other columns; empty: none."""
+    groups: list[int] = field(default_factory=list)
+    """[B] the group each row samples for (``Rollout.group_id``, set by ``groups_of``); empty: none."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -257,7 +259,15 @@ class PromptBatch:
         """A batch of the given rows, in that order (empty columns stay empty)."""
         return PromptBatch([self.texts[i] for i in rows], [self.ids[i] for i in rows],
                            [self.messages[i] for i in rows] if self.messages else [],
-                           [self.fields[i] for i in rows] if self.fields else [])
+                           [self.fields[i] for i in rows] if self.fields else [],
+                           [self.groups[i] for i in rows] if self.groups else [])
+
+    def groups_of(self, n: int, first_group: int = 0) -> "PromptBatch":
+        """Each prompt ``n`` times in a row, the copies of prompt i forming group ``first_group + i``
+        (two draws of the same text are two groups)."""
+        batch = PromptBatch.select(self, [i for i in range(len(self)) for _ in range(n)])
+        batch.groups = [first_group + i for i in range(len(self)) for _ in range(n)]
+        return batch
 
     def messages_json(self) -> list[str]:
         """[B] each conversation as JSON text, ``""`` for a plain prompt (``Rollout.prompt_messages``)."""

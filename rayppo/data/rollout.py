@@ -28,6 +28,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string()),  # "stop" (EOS) or "length" (truncated)
         pa.field("policy_version", pa.int64()),  # version of the weights that sampled y
         pa.field("generator_id", pa.int32()),  # which generator produced the row
+        pa.field("group_id", pa.int32()),  # the prompt draw of the batch the row answers (its group)
         pa.field("prompt_text", pa.string()),
         pa.field("response_text", pa.string()),
         pa.field("prompt_messages", pa.string()),  # the chat conversation x was rendered from, JSON; "" if plain
@@ -56,6 +57,10 @@ class Rollout:
     """[B] version of the policy weights that generated the row."""
     generator_id: list[int] = field(default_factory=list)
     """[B] index of the generator that produced the row."""
+    group_id: list[int] = field(default_factory=list)
+    """[B] g: which of the batch's prompt draws the row answers; the n rows of one draw
+    (``rollout.samples_per_prompt``) are a group, even when two draws have the same text. Every
+    group statistic keys on it, never on a row's position or its prompt."""
     ref_logprobs: list[list[float]] = field(default_factory=list)
     """[B][T_b] log pi_ref(y_t | S_{t-1}); empty until the reference pass."""
     score: list[float] = field(default_factory=list)

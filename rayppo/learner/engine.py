@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayppo.config.derived import mismatch_limit, role_gpus
+from rayppo.config.derived import has_critic, mismatch_limit, role_gpus
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
@@ -110,24 +110,27 @@ def partitioned_loading(ds_config: dict[str, Any]) -> Iterator[None]:
         del hold
 
 
-def load_models(cfg: Config, policy_path: Path, critic_path: Path,
-                ds_config: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module]:
+def load_models(cfg: Config, policy_path: Path, critic_path: Path | None,
+                ds_config: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """pi_theta and V_w of one rank, ready for ``deepspeed.initialize``: loaded (partitioned
-    under ZeRO-3), in train mode, LoRA adapters on the policy when asked."""
+    under ZeRO-3), in train mode, LoRA adapters on the policy when asked. ``critic_path`` None:
+    a critic-free estimator, no critic is built."""
     with partitioned_loading(ds_config):
         # Under ZeRO-3 only rank 0 reads the checkpoints; the others take part in the gathers.
         elsewhere = ds_config["zero_optimization"]["stage"] == 3 and dist.get_rank() != 0
         policy = load_causal_lm(policy_path, cfg.model.dtype, elsewhere)
-        critic = Critic.from_pretrained(critic_path, cfg.model.dtype, cfg.seed, elsewhere)
-    prepare_for_training(policy, cfg.learner.gradient_checkpointing)
-    prepare_for_training(critic, cfg.learner.gradient_checkpointing)
+        critic = None if critic_path is None else Critic.from_pretrained(critic_path, cfg.model.dtype, cfg.seed,
+                                                                           elsewhere)
+    for model in (policy, critic) if critic is not None else (policy,):
+        prepare_for_training(model, cfg.learner.gradient_checkpointing)
     if cfg.learner.lora_rank > 0:
         policy = _apply_lora(policy, cfg)
     return policy, critic
 
 
 class LearnerEngine(Engine):
-    """Policy pi_theta and critic V_w of one rank; ``train`` does one PPO iteration on a shard."""
+    """Policy pi_theta and critic V_w (None under a critic-free estimator) of one rank; ``train``
+    does one PPO iteration on a shard."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                  num_threads: int | None = None):
@@ -145,15 +148,17 @@ class LearnerEngine(Engine):
         self.collective = TorchCollective(world_size, self.device)
         m = cfg.model
         policy_path = resolve_model_path(m.policy, m.cache_dir)
-        critic_path = resolve_model_path(m.critic or m.policy, m.cache_dir)
+        critic_path = resolve_model_path(m.critic or m.policy, m.cache_dir) if has_critic(cfg.ppo) else None
         self.tokenizer = load_tokenizer(policy_path)
         policy_ds = deepspeed_config(cfg, cfg.ppo.lr, world_size, read_shape(policy_path))
-        critic_ds = deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path))
         policy, critic = load_models(cfg, policy_path, critic_path, policy_ds)
         self.policy, *_ = deepspeed.initialize(
             model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad], config=policy_ds)
-        self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
-                                               config=critic_ds)
+        self.critic = None  # a critic-free estimator: no model, optimizer, value pass or checkpoint
+        if critic is not None:
+            critic_ds = deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path))
+            self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
+                                                   config=critic_ds)
         self.version = 0
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
         self.sent: dict[str, SentPrint] = {}  # rank 0: fingerprints of the last weights sent
@@ -172,18 +177,20 @@ class LearnerEngine(Engine):
         # pi_prox: these weights, before this update's first step (used only when max_staleness > 0).
         proximal = ProximalPolicy(self.policy, r.temperature, self.version)
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
-        exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p, TruncationRule.of(r),
-                                     self.collective, self.device, r.max_staleness, proximal,
-                                     first_local_rows(plan, offset, len(shard)))
+        exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
+                                     TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
+                                     proximal, first_local_rows(plan, offset, len(shard)), num_groups=batch_size)
         minibatches = local_minibatches(plan, offset, exp.batch.mask.cpu(), self.collective)
         guard = MismatchGuard(mismatch_limit(self.cfg.checks, self.cfg.model.dtype), iteration)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
-                            guard)
+                            guard, r.max_new_tokens)
         self.version += 1
         return stats | {"policy/version": float(self.version)}
 
     def _steps(self) -> Steps:
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
+        if self.critic is None:
+            return Steps(self.policy.backward, None, self.policy.step)
         return Steps(self.policy.backward, self.critic.backward, lambda: (self.policy.step(), self.critic.step()))
 
     def _full_policy(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -265,16 +272,19 @@ class LearnerEngine(Engine):
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed states of policy and critic under ``path`` (each rank writes its own ZeRO
-        partitions and optimizer shards; the folder must be shared by the ranks' nodes)."""
+        partitions and optimizer shards; the folder must be shared by the ranks' nodes). No
+        ``critic/`` folder without a critic."""
         self.policy.save_checkpoint(f"{path}/policy", tag="state", client_state={"version": self.version},
                                     save_latest=False)
-        self.critic.save_checkpoint(f"{path}/critic", tag="state", save_latest=False)
+        if self.critic is not None:
+            self.critic.save_checkpoint(f"{path}/critic", tag="state", save_latest=False)
 
     def load_checkpoint(self, path: str) -> int:
         """Load what ``save_checkpoint`` wrote (weights, optimizer moments and steps); returns the
         policy version it holds."""
         loaded, client = self.policy.load_checkpoint(f"{path}/policy", tag="state")
-        if loaded is None or self.critic.load_checkpoint(f"{path}/critic", tag="state")[0] is None:
+        critic_missing = self.critic is not None and self.critic.load_checkpoint(f"{path}/critic", tag="state")[0] is None
+        if loaded is None or critic_missing:
             raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint of rank {self.rank} under {path}")
         self.version = int(client["version"])
         return self.version
@@ -290,6 +300,8 @@ class LearnerEngine(Engine):
             base.load_state_dict(unpack_weights(payload))
             base.save_pretrained(str(out / "policy"))
             self.tokenizer.save_pretrained(str(out / "policy"))
+        if self.critic is None:
+            return
         with self._gathered(self.critic.module):
             if self.rank == 0:
                 self.critic.module.save_pretrained(out / "critic")
@@ -307,7 +319,8 @@ class LearnerEngine(Engine):
 
         lora = f" + LoRA r={self.cfg.learner.lora_rank}" if self.cfg.learner.lora_rank else ""
         return (f"DeepSpeed {deepspeed.__version__} ZeRO-{self.cfg.learner.zero_stage}, {self.world_size} rank{'s' if self.world_size > 1 else ''} "
-                f"over {dist.get_backend()}, policy {model_size(self.policy.module)}{lora} + critic, {self.device_info()} each")
+                f"over {dist.get_backend()}, policy {model_size(self.policy.module)}{lora}{' + critic' if self.critic is not None else ', no critic'}, "
+                f"{self.device_info()} each")
 
 
 def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -25,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from rayppo.config.schema import PPOConfig, RolloutConfig
+from rayppo.config.derived import truncation_mode
+from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
@@ -55,16 +56,25 @@ class LocalCollective:
 
 @dataclass(frozen=True)
 class TruncationRule:
-    """How rows cut at the length limit enter the return (``rollout.truncation``)."""
+    """How a response's length enters its reward: rows cut at the limit (``rollout.truncation``)
+    and DAPO's overlong shaping (``rollout.overlong_buffer``)."""
 
     mode: str = "bootstrap"
     """``bootstrap``: no score, GAE bootstrapped with V(S_T). ``terminal``: score, bootstrap 0."""
     missing_eos_penalty: float = 0.0
     """Subtracted from a cut row's score under ``terminal``."""
+    max_new_tokens: int = 0
+    """L_max, the response length limit (``rollout.max_new_tokens``)."""
+    overlong_buffer: int = 0
+    """L: the last tokens before L_max over which the score ramps down to -``overlong_penalty`` (0: off)."""
+    overlong_penalty: float = 1.0
+    """The score lost at L_max under ``overlong_buffer``."""
 
     @staticmethod
-    def of(rollout_cfg: RolloutConfig) -> "TruncationRule":
-        return TruncationRule(rollout_cfg.truncation, rollout_cfg.missing_eos_penalty)
+    def of(cfg: Config) -> "TruncationRule":
+        r = cfg.rollout
+        return TruncationRule(truncation_mode(cfg), r.missing_eos_penalty, r.max_new_tokens, r.overlong_buffer,
+                              r.overlong_penalty)
 
 
 @dataclass
@@ -83,9 +93,10 @@ class Experience:
     rewards: torch.Tensor
     """[B, T] shaped rewards r_t = -beta KL_t (+ r_phi on the last token of rows that earned it)."""
     advantages: torch.Tensor
-    """[B, T] GAE advantages A_t (whitened when configured)."""
+    """[B, T] A_t of ``ppo.advantage``: GAE (whitened when configured), or a group estimator's
+    sequence advantage A_i on every valid token of row i, or REINFORCE++'s whitened returns."""
     returns: torch.Tensor
-    """[B, T] value targets A_t + V_old(S_{t-1}) (before whitening)."""
+    """[B, T] value targets A_t + V_old(S_{t-1}) (before whitening); 0 without a critic."""
     scores: torch.Tensor
     """[B] r_phi(x, y) (logged whole; a cut row's enters ``rewards`` only under ``terminal``)."""
     generator_ids: torch.Tensor
@@ -101,13 +112,17 @@ class Experience:
     """[b, T] V(S_{t-1}) of the first minibatch's rows (``make_experience(first_rows=...)``), in
     that order, with the autograd graph of the critic's experience pass: the critic's weights
     have not moved yet, so this *is* that minibatch's value forward (``ppo_update`` reuses it)."""
+    loss_kl_coef: float = 0.0
+    """beta of the loss's KL term (``ppo.kl_mode=loss``): the update adds beta agg(k3(log pi_theta,
+    log pi_ref)); 0 when the KL shapes the reward instead, or without a reference."""
 
     def rows(self, index: torch.Tensor) -> "Experience":
         """The sub-experience of the given rows (without ``first_values``)."""
         tensors = (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,
                    self.advantages, self.returns, self.scores, self.generator_ids, self.prox_logprobs,
                    self.same_version)
-        return Experience(self.batch.rows(index), *(None if t is None else t[index] for t in tensors))
+        return Experience(self.batch.rows(index), *(None if t is None else t[index] for t in tensors),
+                          loss_kl_coef=self.loss_kl_coef)
 
 
 def _global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
@@ -188,7 +203,7 @@ def _asynchronous_inputs(
     return proximal_logprobs(proximal, batch, chunks), same_version
 
 
-def _targets(
+def _gae_targets(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig,
     log_ratio: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,13 +220,56 @@ def _targets(
     return advantages, returns
 
 
-def _critic_values(critic: torch.nn.Module, batch: PackedBatch, first_rows: torch.Tensor | None
+def group_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int, estimator: str, std_floor: float,
+    collective: Collective,
+) -> torch.Tensor:
+    """``[B]`` the group estimator's A_i of this rank's rows, from the statistics of each group's
+    rows on *every* rank (all-reduced), so a group split across ranks is still one group.
+    ``group_ids`` [B] index the batch's groups, all below ``num_groups``."""
+    counts = collective.sum(ppo.group_sums(torch.ones_like(scores), group_ids, num_groups))
+    means = collective.sum(ppo.group_sums(scores, group_ids, num_groups)) / counts.clamp(min=1.0)
+    # Centred in a second pass (not E[r^2] - E[r]^2, which cancels catastrophically).
+    deviations = (scores.to(torch.float64) - means[group_ids]).square()
+    squared = collective.sum(ppo.group_sums(deviations, group_ids, num_groups))
+    extremes = collective.max(ppo.group_extremes(scores, group_ids, num_groups))
+    return ppo.group_advantages(scores, group_ids, counts, means, squared, extremes, estimator, std_floor)
+
+
+def _advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig,
+    log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int, collective: Collective,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` [B, T] of ``cfg.advantage`` (design.md's table), whitened over the
+    global batch where the estimator says so; ``returns`` are 0 without a critic."""
+    if cfg.advantage == "gae":
+        advantages, returns = _gae_targets(rewards, values, mask, bootstrap, cfg, log_ratio)
+        whiten = cfg.whiten_advantages
+    elif cfg.advantage == "reinforce_pp":
+        advantages, returns, whiten = ppo.discounted_returns(rewards, mask, cfg.gamma), torch.zeros_like(values), True
+    else:
+        if group_ids is None:
+            raise ValueError(f"ppo.advantage={cfg.advantage} needs each row's group id (Rollout.group_id)")
+        # The score that is grouped: sum_t r_t = r_i - beta sum_t KL_t (kl_mode=reward), r_i (loss).
+        sequence = ppo.masked_sum_per_row(rewards, mask)
+        per_row = group_advantages(sequence, group_ids, num_groups, cfg.advantage, cfg.group_std_floor, collective)
+        advantages, returns = per_row[:, None] * mask.to(per_row.dtype), torch.zeros_like(values)
+        whiten = cfg.advantage == "reinforce_pp_baseline"
+    if whiten:
+        advantages = ppo.whiten_from_moments(advantages, mask, collective.sum(ppo.masked_moments(advantages, mask)))
+    return advantages, returns
+
+
+def _critic_values(critic: torch.nn.Module | None, batch: PackedBatch, first_rows: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(values [B, T], last_values [B], first_values [b, T] or None)`` of the experience pass.
 
     With ``first_rows`` the other rows go first without gradient, then those rows with it (the
     last forward before that graph's backward, as DeepSpeed expects); the graph is kept in
-    ``first_values`` so the first minibatch needs no value forward of its own."""
+    ``first_values`` so the first minibatch needs no value forward of its own. Without a critic
+    (a critic-free estimator) the values are 0 and nothing runs."""
+    if critic is None:
+        return torch.zeros_like(batch.mask), torch.zeros_like(batch.mask[:, 0]), None
     if first_rows is None:
         values, last_values = critic_forward(critic, batch)
         return values, last_values, None
@@ -232,7 +290,7 @@ def _critic_values(critic: torch.nn.Module, batch: PackedBatch, first_rows: torc
 @torch.no_grad()
 def make_experience(
     rollout: Rollout,
-    critic: torch.nn.Module,
+    critic: torch.nn.Module | None,
     pad_id: int,
     kl_coef: float,
     cfg: PPOConfig,
@@ -242,65 +300,82 @@ def make_experience(
     max_staleness: int = 0,
     proximal: ProximalPolicy | None = None,
     first_rows: torch.Tensor | None = None,
+    num_groups: int | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
-    ``max_staleness`` = k > 0 is asynchronous mode: ``proximal`` (required then) gives log pi_prox,
-    the policy being improved, which the reward's KL term uses instead of mu's; the targets are
+    ``critic`` None: a critic-free estimator (``cfg.advantage``), values 0. ``max_staleness`` = k > 0
+    is asynchronous mode: ``proximal`` (required then) gives log pi_prox, the policy being
+    improved, which the reward's KL term uses instead of mu's; the targets are
     ``ppo.compute_offpolicy_targets``'s under ``value_targets=vtrace``. With k = 0 ``proximal`` is
     not used. ``first_rows``: this rank's rows of the first minibatch (``update.first_local_rows``),
-    whose critic forward is kept for the update (``Experience.first_values``).
+    whose critic forward is kept for the update (``Experience.first_values``). ``num_groups``: an
+    upper bound of the batch's group ids (default: this rollout's rows), the same on every rank.
+    A rollout without ``ref_logprobs`` (kl_coef = 0: no reference was loaded) has no KL anywhere.
     """
     batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id).to(device)
     mask = batch.mask
     old_logprobs = rollout.tensor("logprobs").to(device)
-    ref_logprobs = rollout.tensor("ref_logprobs").to(device)
-    scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
     prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal)
-    values, last_values, first_values = _critic_values(critic, batch, first_rows)
-    # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
-    returned_scores, bootstrap = ppo.truncation_targets(
-        scores, last_values, rollout.truncated().to(device), truncation.mode, truncation.missing_eos_penalty)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
+    has_reference = bool(rollout.ref_logprobs)
+    ref_logprobs = rollout.tensor("ref_logprobs").to(device) if has_reference else policy_logprobs
+    values, last_values, first_values = _critic_values(critic, batch, first_rows)
+    scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
+    rewards, bootstrap = _shaped_rewards(rollout, scores, last_values, policy_logprobs, ref_logprobs, mask,
+                                         kl_coef if cfg.kl_mode == "reward" else 0.0, cfg.kl_estimator, truncation)
     log_ratio = None if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
-    rewards = ppo.shape_rewards(returned_scores, policy_logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
-    advantages, returns = _targets(rewards, values, mask, bootstrap, cfg, log_ratio)
-    if cfg.whiten_advantages:
-        moments = collective.sum(ppo.masked_moments(advantages, mask))
-        advantages = ppo.whiten_from_moments(advantages, mask, moments)
-    stats = _experience_stats(policy_logprobs, ref_logprobs, values, returns, mask, cfg.kl_estimator, collective)
+    group_ids = torch.tensor(rollout.group_id, dtype=torch.long, device=device) if rollout.group_id else None
+    advantages, returns = _advantages(rewards, values, mask, bootstrap, cfg, log_ratio, group_ids,
+                                      num_groups or len(rollout), collective)
+    stats = _experience_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
+    if critic is not None:
+        stats |= _value_stats(values, returns, mask, collective)
     if log_ratio is not None:
         stats |= _offpolicy_stats(log_ratio, mask, collective)
     generator_ids = torch.tensor(rollout.generator_id or [0] * len(rollout), dtype=torch.long)
+    loss_kl_coef = kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0
     exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores, generator_ids,
-                     prox_logprobs, same_version, first_values)
+                     prox_logprobs, same_version, first_values, loss_kl_coef)
     return exp, stats
 
 
+def _shaped_rewards(
+    rollout: Rollout, scores: torch.Tensor, last_values: torch.Tensor, policy_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, kl_estimator: str, rule: TruncationRule,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rewards [B, T], bootstrap [B])``: the seed's shaped reward of each row after the length
+    rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t on every token."""
+    lengths = mask.sum(-1)
+    scores = scores + ppo.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
+    # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
+    returned, bootstrap = ppo.truncation_targets(scores, last_values, rollout.truncated().to(mask.device), rule.mode,
+                                                 rule.missing_eos_penalty)
+    return ppo.shape_rewards(returned, policy_logprobs, ref_logprobs, mask, kl_coef, kl_estimator), bootstrap
+
+
 def _experience_stats(
-    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
-    mask: torch.Tensor, kl_estimator: str, collective: Collective,
+    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_estimator: str,
+    collective: Collective,
 ) -> dict[str, float]:
-    """KL to the reference and critic figures over the global batch (all [B, T] inputs)."""
+    """KL to the reference over the global batch (all [B, T] inputs)."""
     # kl/ref_mean is always the k1 estimate (the seed's KL_t, summed per response): its mean is the
     # sequence KL whatever estimator shapes the reward; kl/penalty_mean is the configured one.
     kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k1"), mask)
     penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, kl_estimator), mask)
-    stats = _global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
-                          mask.shape[0], collective)
+    return _global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
+                         mask.shape[0], collective)
+
+
+def _value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                 collective: Collective) -> dict[str, float]:
+    """The critic's figures over the global batch: explained variance, mean value and return."""
     # Over the global batch: the ranks' moments add (their explained variances would not).
-    stats["value/explained_variance"] = float(ppo.explained_variance_from_moments(
-        collective.sum(ppo.masked_moments(returns, mask)), collective.sum(ppo.masked_moments(returns - values, mask))))
-    stats |= _global_means(
-        {
-            "value/mean": ppo.masked_mean(values, mask),
-            "returns/mean": ppo.masked_mean(returns, mask),
-        },
-        float(mask.sum()),
-        collective,
-    )
-    return stats
+    stats = {"value/explained_variance": float(ppo.explained_variance_from_moments(
+        collective.sum(ppo.masked_moments(returns, mask)), collective.sum(ppo.masked_moments(returns - values, mask))))}
+    return stats | _global_means({"value/mean": ppo.masked_mean(values, mask),
+                                  "returns/mean": ppo.masked_mean(returns, mask)}, float(mask.sum()), collective)
 
 
 def _offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Collective) -> dict[str, float]:

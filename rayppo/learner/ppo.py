@@ -21,7 +21,8 @@ import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
 Truncation = Literal["bootstrap", "terminal"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+GroupEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,12 +39,15 @@ def masked_sum_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask.to(x.dtype)).sum(dim=-1)
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean") -> torch.Tensor:
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean", max_length: int = 0) -> torch.Tensor:
     """Reduce a per-token ``[B, T]`` quantity to a scalar.
 
     ``token-mean``: the mean over every valid token of the batch, so long responses weigh more.
     ``seq-mean-token-mean``: each row's mean over its own tokens (the seed's 1/T form), then the
     mean over rows, so every response weighs the same.
+    ``seq-mean-token-sum-norm`` (Dr. GRPO, Liu et al. 2025): sum over every valid token divided by
+    the constant B x ``max_length`` (``rollout.max_new_tokens``), so no response's weight depends
+    on its own length (a per-length mean shrinks a long wrong answer's gradient per token).
     """
     mask = mask.to(x.dtype)
     if agg == "token-mean":
@@ -51,7 +55,11 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean") 
     if agg == "seq-mean-token-mean":
         per_row = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         return per_row.mean()
-    raise ValueError(f"agg must be 'token-mean' or 'seq-mean-token-mean', got {agg!r}")
+    if agg == "seq-mean-token-sum-norm":
+        if max_length < 1:
+            raise ValueError(f"seq-mean-token-sum-norm needs max_length >= 1, got {max_length}")
+        return (x * mask).sum() / (x.shape[0] * max_length)
+    raise ValueError(f"agg must be 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm', got {agg!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +288,98 @@ def masked_whiten(
 
 
 # --------------------------------------------------------------------------------------------
+# Critic-free estimators (design.md, "Groups and critic-free estimators")
+# --------------------------------------------------------------------------------------------
+def group_sums(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[B] -> [G]`` float64: the sum of ``x`` over each group's rows (0 for a group with none).
+
+    Sums add across ranks: an all-reduce of each rank's ``group_sums`` is the whole batch's, however
+    the rows of a group are spread over the ranks."""
+    out = torch.zeros(num_groups, dtype=torch.float64, device=x.device)
+    return out.index_add_(0, group_ids.long(), x.to(torch.float64))
+
+
+def group_extremes(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[B] -> [G, 2]`` float64: (max x, -min x) of each group (-inf for a group with no row
+    here); an all-reduce with max gives the batch's. A group is all-equal when max + (-min) = 0."""
+    out = torch.full((num_groups, 2), -torch.inf, dtype=torch.float64, device=x.device)
+    x64, ids = x.to(torch.float64), group_ids.long()
+    out[:, 0].scatter_reduce_(0, ids, x64, "amax")
+    out[:, 1].scatter_reduce_(0, ids, -x64, "amax")
+    return out
+
+
+def group_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    counts: torch.Tensor,
+    means: torch.Tensor,
+    squared_deviations: torch.Tensor,
+    extremes: torch.Tensor,
+    estimator: GroupEstimator,
+    std_floor: float = 1e-6,
+) -> torch.Tensor:
+    """``[B]`` sequence advantages A_i of the group estimators from whole-batch group statistics.
+
+    ``scores`` [B]: each row's r_i; ``group_ids`` [B]: its group g; per group [G] (float64, over
+    every row of the batch, e.g. all-reduced ``group_sums``): ``counts`` n_g, ``means`` mean_g r,
+    ``squared_deviations`` sum_{j in g} (r_j - mean_g r)^2, ``extremes`` [G, 2] (``group_extremes``).
+
+        grpo                   A_i = (r_i - mean_g r) / max(std_g r, std_floor)
+        dr_grpo                A_i = r_i - mean_g r
+        reinforce_pp_baseline  A_i = r_i - mean_g r   (the caller whitens over the batch)
+        rloo                   A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1) = n_g / (n_g - 1) (r_i - mean_g r)
+
+    std_g is the unbiased sample standard deviation (divisor n_g - 1), as DeepSeekMath's GRPO and
+    the implementations whose recipes users bring (TRL, veRL) compute it: the same rewards give
+    the same advantages as there. ``std_floor`` keeps a near-constant group's rounding residue
+    from being divided by ~0. A group whose rewards are all exactly equal (and a group of one row)
+    gets A = 0 under every estimator, not rounding residue over a floor.
+    """
+    g = group_ids.long()
+    n = counts.to(torch.float64)[g]
+    centred = scores.to(torch.float64) - means.to(torch.float64)[g]
+    flat = (extremes[:, 0] + extremes[:, 1] == 0)[g] | (n < 2)
+    if estimator == "grpo":
+        std = (squared_deviations.to(torch.float64)[g] / (n - 1).clamp(min=1.0)).sqrt()
+        advantages = centred / std.clamp(min=std_floor)
+    elif estimator in ("dr_grpo", "reinforce_pp_baseline"):
+        advantages = centred
+    elif estimator == "rloo":
+        advantages = centred * n / (n - 1).clamp(min=1.0)
+    else:
+        raise ValueError(f"estimator must be grpo, dr_grpo, rloo or reinforce_pp_baseline, got {estimator!r}")
+    return torch.where(flat, torch.zeros_like(advantages), advantages).to(scores.dtype)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++'s per-token returns ``[B, T]``: G_t = sum_{k >= t} gamma^(k - t) r_k over the
+    row's valid tokens (0 on padding); ``compute_gae`` with V = 0 and lam = 1 is the same sum."""
+    mask_f = mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask_f[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025), ``[B]``, added to the score:
+
+        0                                         |y| <= L_max - L
+        factor ((L_max - L) - |y|) / L            L_max - L < |y| <= L_max
+
+    a linear ramp from 0 to -factor over the last ``buffer`` = L tokens before ``max_length`` =
+    L_max (responses are never longer than L_max here: the sampler stops there)."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    start = max_length - buffer
+    over = (lengths.to(torch.float32) - start).clamp(min=0.0)
+    return -factor * over / buffer
+
+
+# --------------------------------------------------------------------------------------------
 # The PPO objective (seed: "The PPO Objective in the Language Setting")
 # --------------------------------------------------------------------------------------------
 def policy_loss(
@@ -289,8 +389,14 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     agg: LossAgg = "token-mean",
+    clip_eps_high: float | None = None,
+    max_length: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate loss ``-agg(min(rho A, clip(rho, 1-eps, 1+eps) A))``, rho = exp(lp - old).
+    """Clipped surrogate loss ``-agg(min(rho A, clip(rho, 1-eps, 1+eps_high) A))``, rho = exp(lp - old).
+
+    ``clip_eps_high`` (DAPO's clip-higher, default ``clip_eps``: symmetric) lets a token's
+    probability rise further than it may fall, so rare tokens with A > 0 are not clipped first.
+    ``max_length``: the constant of ``agg=seq-mean-token-sum-norm``.
 
     Returns ``(loss, stats)``; stats are detached scalars:
     ``clipfrac`` (share of valid tokens where the clipped term is the active, gradient-free one),
@@ -300,8 +406,9 @@ def policy_loss(
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = -aggregate(torch.minimum(unclipped, clipped), mask, agg)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
+    loss = -aggregate(torch.minimum(unclipped, clipped), mask, agg, max_length)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped < unclipped).to(logprobs.dtype), mask),
@@ -320,6 +427,8 @@ def decoupled_policy_loss(
     clip_eps: float = 0.2,
     is_clip: float = 2.0,
     agg: LossAgg = "token-mean",
+    clip_eps_high: float | None = None,
+    max_length: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO loss for rows sampled by a stale behaviour policy mu (design.md,
     "Off-policy corrections"): the trust region is around pi_prox, the learner's weights at the
@@ -334,7 +443,8 @@ def decoupled_policy_loss(
     with torch.no_grad():
         raw = torch.exp((prox_logprobs - behaviour_logprobs).to(torch.float32)).to(advantages.dtype)
         weights = torch.clamp(raw, max=is_clip)
-    loss, stats = policy_loss(logprobs, prox_logprobs, weights * advantages, mask, clip_eps, agg)
+    loss, stats = policy_loss(logprobs, prox_logprobs, weights * advantages, mask, clip_eps, agg, clip_eps_high,
+                              max_length)
     with torch.no_grad():
         stats |= {"is_weight_mean": masked_mean(weights, mask),
                   "is_clipfrac": masked_mean((raw > is_clip).to(advantages.dtype), mask)}

@@ -86,26 +86,31 @@ def local_minibatches(
 
 
 def policy_objective(
-    policy: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, temperature: float,
+    policy: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, temperature: float, max_length: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """``(objective, stats, gap)`` of the policy on this rank's part of a minibatch; ``gap``
     [b, T] is |log pi - log pi_old| per token (0 on padding), the sync check of the synchronous
     iteration. With ``part.prox_logprobs`` (asynchronous mode) the policy loss is the decoupled
-    one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip)."""
+    one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip). ``max_length``
+    is ``rollout.max_new_tokens``, the constant of ``loss_agg=seq-mean-token-sum-norm``."""
     mask = part.batch.mask
     logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
                                        entropy_grad=cfg.entropy_coef != 0)
+    clip = dict(clip_eps=cfg.clip_eps, agg=cfg.loss_agg, clip_eps_high=cfg.clip_eps_high, max_length=max_length)
     if part.prox_logprobs is None:
-        pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
-                                            cfg.loss_agg)
+        pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, **clip)
     else:
         pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
-                                                      mask, cfg.clip_eps, cfg.is_clip, cfg.loss_agg)
+                                                      mask, is_clip=cfg.is_clip, **clip)
     entropy_mean = ppo.masked_mean(entropy, mask)
     gap = (logprobs.detach() - part.old_logprobs).abs() * mask
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
     stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
-    # seq-mean-token-mean weighs rows, not tokens.
+    if part.loss_kl_coef:  # kl_mode=loss: beta agg(k3), aggregated as the policy loss is
+        kl_loss = ppo.aggregate(ppo.kl_penalty(logprobs, part.ref_logprobs, "k3"), mask, cfg.loss_agg, max_length)
+        pg_loss = pg_loss + part.loss_kl_coef * kl_loss
+        stats["policy/kl_loss"] = kl_loss.detach()
+    # token-mean weighs the minibatch's tokens; the two sequence aggregations weigh its rows.
     pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
     return pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean, stats, gap
 
@@ -129,15 +134,15 @@ class Steps:
 
     policy_backward: Callable[[torch.Tensor], None]
     """Gradients of the policy objective (accumulated until ``step``)."""
-    critic_backward: Callable[[torch.Tensor], None]
-    """Gradients of the value objective."""
+    critic_backward: Callable[[torch.Tensor], None] | None
+    """Gradients of the value objective; None without a critic."""
     step: Callable[[], None]
     """One optimiser step of both models (gradient clipping included), then zeroed gradients."""
 
 
 def ppo_update(
     policy: torch.nn.Module,
-    critic: torch.nn.Module,
+    critic: torch.nn.Module | None,
     exp: Experience,
     minibatches: list[Minibatch],
     cfg: PPOConfig,
@@ -145,8 +150,10 @@ def ppo_update(
     steps: Steps,
     collective: Collective = LocalCollective(),
     guard: MismatchGuard | None = None,
+    max_length: int = 0,
 ) -> dict[str, float]:
-    """M epochs x minibatches of clipped PPO + value loss; returns stats averaged over ranks.
+    """M epochs x minibatches of clipped PPO + value loss (none when ``critic`` is None: a
+    critic-free estimator); returns stats averaged over ranks. ``max_length``: ``rollout.max_new_tokens``.
 
     The first minibatch runs before any weight change, so its log-probs against the
     generator's old log-probs are the sync check ``logprob_mismatch``; ``guard`` stops the
@@ -164,13 +171,14 @@ def ppo_update(
         # goes first, which frees that graph before the policy's forward.
         kept = exp.first_values if i == 0 else None
         value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
-        objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature)
+        objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature, max_length)
         if not first and not asynchronous:
             first = {"mean": ppo.masked_mean(gap, part.batch.mask) * mb.token_share, "max": gap.max()}
             if guard is not None:
                 guard.check(gap, part.generator_ids, collective)
         steps.policy_backward(objective)
-        stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
+        if critic is not None:
+            stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
         steps.step()
         for key, value in stats.items():
             weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share

@@ -20,7 +20,7 @@ from typing import Any
 
 from rayppo.cluster.placement import (changed, fewer_actors, local_cpus, override_text, plan_groups,
                                       requested_resources, role_specs, running_cluster_resources, shortage_lines)
-from rayppo.config.derived import role_gpus, tensor_parallel_size, vllm_memory_utilization
+from rayppo.config.derived import batch_rows, reference_actors, role_gpus, tensor_parallel_size, vllm_memory_utilization
 from rayppo.config.schema import Config, ConfigError
 from rayppo.models.shape import param_count
 from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs
@@ -36,7 +36,7 @@ print(torch.cuda.mem_get_info()[1] / 2**30)"`` and pass it as ``--gpu-memory-gib
 
 
 def _counts(cfg: Config) -> dict[str, int]:
-    return {"generators": cfg.generators.num, "reference": cfg.reference.num, "reward": cfg.reward.num,
+    return {"generators": cfg.generators.num, "reference": reference_actors(cfg), "reward": cfg.reward.num,
             "learner": cfg.learner.num_ranks}
 
 
@@ -209,7 +209,7 @@ def _memory_options(cfg: Config, role: str, on_gpu: bool) -> list[dict[str, Any]
         options = [] if lr.gradient_checkpointing else [{"learner.gradient_checkpointing": True}]
         options += [{"learner.zero_stage": 3}] if lr.zero_stage < 3 else []
         options += [{"learner.offload": True}] if on_gpu and not lr.offload else []  # to host memory: not for RSS
-        b, m = cfg.rollout.batch_size, cfg.ppo.minibatches
+        b, m = batch_rows(cfg), cfg.ppo.minibatches
         return options + [{"ppo.minibatches": d} for d in range(m + 1, b + 1) if b % d == 0]
     if role == "generators" and on_gpu:  # vLLM's share of the GPU, in steps of 0.05
         steps = int(vllm_memory_utilization(cfg) / 0.05 - 1e-9)

@@ -36,15 +36,18 @@ def backbone_forward_flops(s: ModelShape, seq: Sequences) -> float:
     return s.layers * projections + s.layers * attention
 
 
-def learn_flops(policy: ModelShape, critic: ModelShape, seq: Sequences, epochs: int, minibatches: int,
+def learn_flops(policy: ModelShape, critic: ModelShape | None, seq: Sequences, epochs: int, minibatches: int,
                 proximal: bool = False) -> float:
     """Useful FLOPs of one learner stage: the critic's value pass for the experience, then per
     epoch the policy's and the critic's forward + backward (and the proximal policy's forward
     once, in asynchronous mode). The first minibatch's value forward is the experience pass's
     (``Experience.first_values``), so it counts once: 1/M of a critic forward comes off (rows of
-    equal length assumed, as in the benchmark workloads)."""
+    equal length assumed, as in the benchmark workloads). ``critic`` None: a critic-free
+    estimator, the policy's passes only."""
     tokens = sum(seq.lengths)
     policy_forward = backbone_forward_flops(policy, seq) + 2 * policy.hidden * policy.vocab * seq.response_tokens
+    if critic is None:
+        return epochs * 3 * policy_forward + (policy_forward if proximal else 0.0)
     critic_forward = backbone_forward_flops(critic, seq) + 2 * critic.hidden * tokens
     reused = critic_forward / minibatches
     return critic_forward + epochs * 3 * (policy_forward + critic_forward) - reused + (policy_forward if proximal else 0.0)

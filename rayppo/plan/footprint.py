@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayppo.config.derived import (generator_context, role_gpus, tensor_parallel_size, vllm_memory_utilization,
-                                   weight_sync_backend)
+from rayppo.config.derived import (batch_rows, generator_context, has_critic, role_gpus, tensor_parallel_size,
+                                   vllm_memory_utilization, weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes
@@ -130,8 +130,8 @@ class Inputs:
     """The policy (and the generators' model)."""
     reference: ModelShape
     """pi_ref: ``model.reference`` or the policy."""
-    critic: ModelShape
-    """The critic's backbone: ``model.critic`` or the policy."""
+    critic: ModelShape | None
+    """The critic's backbone: ``model.critic`` or the policy; None under a critic-free estimator."""
     reward: ModelShape | None
     """``reward.model``; None for a function or URL."""
     prompt_tokens: int
@@ -175,7 +175,8 @@ def inputs(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib: float 
         prompt_tokens, note = max(len(p.split()) for p in digits.prompts()) + 1, "embedded prompts: words + BOS"
     else:
         prompt_tokens, note = longest, "upper bound: max_model_len - rollout.max_new_tokens (--prompt-tokens to set)"
-    return Inputs(policy, shape(m.reference) if m.reference else policy, shape(m.critic) if m.critic else policy,
+    critic = (shape(m.critic) if m.critic else policy) if has_critic(cfg.ppo) else None
+    return Inputs(policy, shape(m.reference) if m.reference else policy, critic,
                   shape(cfg.reward.model) if cfg.reward.model else None, max(1, min(prompt_tokens, longest)), note,
                   gpu_memory_gib * GiB)
 
@@ -230,28 +231,32 @@ def _heap(nbytes: float, on_gpu: bool) -> float:
 
 
 def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
-    """Learner rank 0 (the largest): ZeRO states of policy and critic, one minibatch's update."""
+    """Learner rank 0 (the largest): ZeRO states of policy and critic (none under a critic-free
+    estimator), one minibatch's update."""
     lr, p = cfg.learner, 2 if cfg.model.dtype == "bfloat16" else 4
     gpu, stage, n = role_gpus(cfg, "learner") > 0, lr.zero_stage, lr.num_ranks
     policy = param_count(m.policy)
     adapters = lora_params(m.policy, lr.lora_rank)
-    groups = [zero_bytes(policy, stage, n, p, trainable=not adapters),
-              zero_bytes(param_count(m.critic, "value"), stage, n, p)]
+    models = (m.policy,) if m.critic is None else (m.policy, m.critic)
+    groups = [zero_bytes(policy, stage, n, p, trainable=not adapters)]
+    if m.critic is not None:
+        groups.append(zero_bytes(param_count(m.critic, "value"), stage, n, p))
     if adapters:
         groups.append(zero_bytes(adapters, stage, n, p))
     states = {k: sum(g.get(k, 0.0) for g in groups) for k in ("params", "grads", "optimizer")}
     offloaded = ({"optimizer"} | ({"params"} if stage == 3 else set())) if lr.offload and stage >= 1 else set()
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
-    rows = math.ceil(cfg.rollout.batch_size / cfg.ppo.minibatches / n)
-    acts = max(activation_bytes(s, rows * length, p, lr.gradient_checkpointing) for s in (m.policy, m.critic))
+    rows = math.ceil(batch_rows(cfg) / cfg.ppo.minibatches / n)
+    acts = max(activation_bytes(s, rows * length, p, lr.gradient_checkpointing) for s in models)
     transient = {"activations": _heap(acts, gpu), "logits": head_bytes(rows * cfg.rollout.max_new_tokens, m.policy.vocab)}
-    experience = _heap(math.ceil(cfg.rollout.batch_size / n) * length * layer_elements(m.critic) * p, gpu)
-    if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
-        transient = {"experience pass": experience}
+    if m.critic is not None:
+        experience = _heap(math.ceil(batch_rows(cfg) / n) * length * layer_elements(m.critic) * p, gpu)
+        if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
+            transient = {"experience pass": experience}
     # Each engine's buckets (zero_sizes.py); at stage 3 they include the gathered modules, up to
     # one decoder layer or the embedding (forward, backward, and each tensor of a sync).
-    buckets = {"ZeRO buckets (policy + critic)": sum(
-        bucket_bytes(s.hidden, max(layer_params(s), s.vocab * s.hidden), stage, p) for s in (m.policy, m.critic))}
+    buckets = {f"ZeRO buckets ({' + '.join(('policy', 'critic')[:len(models)])})": sum(
+        bucket_bytes(s.hidden, max(layer_params(s), s.vocab * s.hidden), stage, p) for s in models)}
     sync = {"policy host copy + object store": 2 * policy * p} if weight_sync_backend(cfg) is None else {}
     return _finish(gpu, {"runtime": RSS_LEARNER_WORKER},
                    {**{k: v for k, v in states.items() if k not in offloaded}, **(buckets if stage else {})},
@@ -275,7 +280,7 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
             share = vllm_memory_utilization(cfg) * m.device_bytes
             per_token = kv_bytes_per_token(s, p) / tp
             context = generator_context(g.max_model_len, s.max_positions, m.prompt_tokens, cfg.rollout.max_new_tokens)
-            est.kv_cache = math.ceil(cfg.rollout.batch_size / g.num) * length * per_token
+            est.kv_cache = math.ceil(batch_rows(cfg) / g.num) * length * per_token
             if weights / tp + vllm_gpu_overhead(s, p, m.device_bytes) + context * per_token >= share:
                 # vLLM 0.32 refuses to start unless one max_model_len sequence fits its KV cache
                 # (check_enough_kv_cache_memory, vllm/v1/core/kv_cache_utils.py).
@@ -290,7 +295,7 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
         return _finish(False, {"vLLM engine": RSS_VLLM_ENGINE[g.enforce_eager]},
                        {"weights": weights / tp, "KV cache": max(1, int(g.kv_cache_gib)) * GiB},
                        {"profile-run layer": _heap(profile, False)}, sync)
-    rows = math.ceil(cfg.rollout.batch_size / g.num)
+    rows = math.ceil(batch_rows(cfg) / g.num)
     kv = rows * length * kv_bytes_per_token(s, p)
     forward = max(head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab), _heap(rows * length * layer_elements(s) * p, gpu))
     return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": weights},
@@ -300,7 +305,7 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
 def reference_estimate(cfg: Config, m: Inputs) -> Estimate:
     """One reference actor: weights + a 64-row forward (one layer, or one chunk of logits)."""
     p, s, gpu = 2 if cfg.model.dtype == "bfloat16" else 4, m.reference, role_gpus(cfg, "reference") > 0
-    rows = min(REFERENCE_BATCH, math.ceil(cfg.rollout.batch_size / cfg.reference.num))
+    rows = min(REFERENCE_BATCH, math.ceil(batch_rows(cfg) / cfg.reference.num))
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
     logits = head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab)
     layer = _heap(rows * length * layer_elements(s) * p, gpu)
@@ -315,7 +320,7 @@ def reward_estimate(cfg: Config, m: Inputs) -> Estimate:
     if m.reward is None:
         return _finish(gpu, {"runtime": RSS_TORCH_WORKER}, {}, {}, {})
     p, s = 2 if cfg.model.dtype == "bfloat16" else 4, m.reward
-    rows = min(cfg.reward.batch_size, math.ceil(cfg.rollout.batch_size / cfg.reward.num))
+    rows = min(cfg.reward.batch_size, math.ceil(batch_rows(cfg) / cfg.reward.num))
     tokens = rows * (m.prompt_tokens + cfg.rollout.max_new_tokens)
     return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": param_count(s, "score") * p},
                    {"one layer's activations": _heap(tokens * layer_elements(s) * p, gpu)}, {})

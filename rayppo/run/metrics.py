@@ -112,8 +112,10 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
     its = [r["iteration"] for r in records]
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(10, 3.6))
     _reward_panel(ax_r, records, its)
-    ax_k.plot(its, [r["kl/ref_mean"] for r in records], marker=".", color="tab:red")
-    ax_k.set(title="KL(pi || pi_ref), nats per response", xlabel="iteration")
+    kl = [(r["iteration"], r["kl/ref_mean"]) for r in records if "kl/ref_mean" in r]  # none at kl_coef = 0
+    ax_k.plot([i for i, _ in kl], [v for _, v in kl], marker=".", color="tab:red")
+    ax_k.set(title="KL(pi || pi_ref), nats per response" + ("" if kl else ": no reference (ppo.kl_coef = 0)"),
+             xlabel="iteration")
     if kl_budget is not None:
         ax_k.axhline(kl_budget, linestyle="--", color="grey", label="stop.kl_budget")
         ax_k.legend()

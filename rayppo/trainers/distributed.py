@@ -30,8 +30,8 @@ from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config.derived import (actor_threads, generator_context, role_gpus, tensor_parallel_size,
-                                   vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.derived import (actor_threads, generator_context, reference_actors, role_gpus,
+                                   tensor_parallel_size, vllm_memory_utilization, weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
@@ -146,8 +146,8 @@ class DistributedTrainer:
         self.reference = ActorGroup(
             ReferenceEngine,
             [(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype, threads["reference"], gpus["reference"])]
-            * cfg.reference.num,
-            options("reference", cfg.reference.num),
+            * reference_actors(cfg),  # none at ppo.kl_coef = 0: no pass needs log pi_ref
+            options("reference", reference_actors(cfg)),
         )
         self.rewards = ActorGroup(
             RewardEngine,
@@ -213,23 +213,30 @@ class DistributedTrainer:
         the iteration count), so that a checkpoint written after a later failure of this iteration
         (the sync, its check) pairs the updated learner with the state after the iteration, never
         with the state before it (which would train the batch twice on resume)."""
-        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+        self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
         self.iteration_count += 1
         self._start_state = None
         self.last_rollout = rollout
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """Split the prompts across the generators; each samples with its own seed."""
-        rollout = self._sample(GeneratorEngine.generate, prompts, seed)
+        """Each generator samples its share of the prompts (``generator_share``) with its own seed."""
+        shares = [self.generator_share(prompts, g) for g in range(len(self.generators))]
+        rollout = self._sample(GeneratorEngine.generate, shares, seed)
         self.schedule.stage("generate")
         return rollout
 
-    def _sample(self, method: Callable[..., Rollout], prompts: PromptBatch, seed: int, *options: Any) -> Rollout:
+    def generator_share(self, prompts: PromptBatch, g: int) -> PromptBatch:
+        """Generator g's contiguous share of the batch's prompts, each repeated
+        ``rollout.samples_per_prompt`` times as one group (its id: the prompt's place in the batch):
+        a group is sampled by one engine, whose prefix cache holds its prompt once."""
+        rows = split_evenly(len(prompts), len(self.generators))[g]
+        return prompts.select(rows).groups_of(self.cfg.rollout.samples_per_prompt, rows.start)
+
+    def _sample(self, method: Callable[..., Rollout], shares: list[PromptBatch], seed: int, *options: Any) -> Rollout:
         """``method`` (generate or evaluate) on every generator with its share of the prompts,
         ``options`` and its own seed (last). A generator that dies or hangs is replaced, given the
         current weights, and samples its share again."""
-        parts = split_evenly(len(prompts.ids), len(self.generators))
-        args = [(prompts.select(r), *options, seed + 7919 * i) for i, r in enumerate(parts)]
+        args = [(share, *options, seed + 7919 * i) for i, share in enumerate(shares)]
         return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
                                                    refresh=self.weight_sync.refresh))
 
@@ -239,15 +246,18 @@ class DistributedTrainer:
         return Fanout(self.rewards, "reward", RewardEngine.scores, [(rollout.select(r),) for r in rows])
 
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
-        """log pi_ref and r_phi, the two passes running at the same time on their own actors."""
-        ref_rows = split_evenly(len(rollout), len(self.reference))
-        passes = [Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs, [(rollout.select(r),) for r in ref_rows]),
-                  self._reward_pass(rollout)]
-        ref_parts, reward_parts = self.supervisor.run(passes)  # at the same time; failed shares redone
+        """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
+        only when no reference runs, at ppo.kl_coef = 0)."""
+        passes = [self._reward_pass(rollout)]
+        if len(self.reference):
+            ref_rows = split_evenly(len(rollout), len(self.reference))
+            passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
+                                 [(rollout.select(r),) for r in ref_rows]))
+        parts = self.supervisor.run(passes)  # at the same time; failed shares redone
         self.schedule.stage("score")
-        rollout.ref_logprobs = [x for part in ref_parts for x in part]
-        rollout.score = [x for part in reward_parts for x in part]
-        return rollout, {"time/reference": passes[0].seconds, "time/reward": passes[1].seconds}
+        rollout.score = [x for part in parts[0] for x in part]
+        rollout.ref_logprobs = [x for part in parts[1] for x in part] if len(parts) > 1 else []
+        return rollout, {"time/reward": passes[0].seconds, "time/reference": passes[-1].seconds if len(passes) > 1 else 0.0}
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts, split across the generators and scored by
@@ -258,7 +268,8 @@ class DistributedTrainer:
         self.phase = "evaluate"
 
         def score_pass(temperature: float, k: int) -> list[float]:
-            rollout = self._sample(GeneratorEngine.evaluate, prompts, seed, temperature, k)
+            shares = [prompts.select(rows) for rows in split_evenly(len(prompts), len(self.generators))]
+            rollout = self._sample(GeneratorEngine.evaluate, shares, seed, temperature, k)
             (scores,) = self.supervisor.run([self._reward_pass(rollout)])
             return [x for part in scores for x in part]
 
@@ -272,7 +283,7 @@ class DistributedTrainer:
         groups = {"generators": self.generators, "reference": self.reference, "reward": self.rewards,
                   "learner": self.learner.ranks}
         return {role: max(m["rss"] for m in group.get(group.call_all(Engine.peak_memory_bytes)))
-                for role, group in groups.items()}
+                for role, group in groups.items() if len(group)}
 
     # ----------------------------------------------------------------------------- save / close
     def save(self, out_dir: str | Path) -> None:
@@ -359,9 +370,9 @@ def _log_env(role: str, index: int) -> dict[str, str]:
 
 def _actor_count(cfg: Config) -> str:
     """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
-    counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): cfg.reference.num,
+    counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): reference_actors(cfg),
               ("reward", "reward"): cfg.reward.num, ("learner rank", "learner ranks"): cfg.learner.num_ranks}
-    parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items()]
+    parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items() if n]
     return f"{sum(counts.values())} actors: {', '.join(parts)}"
 
 

@@ -4,11 +4,14 @@ No Ray, no vLLM, no DeepSpeed: the golden path that the distributed system must 
 the same seed. One iteration, as in design.md:
 
     prompts -> y ~ pi_old, log pi_old        (GeneratorEngine, hf backend)
-            -> log pi_ref                    (ReferenceEngine)
+            -> log pi_ref                    (ReferenceEngine; none at kl_coef = 0)
             -> r_phi(x, y)                   (RewardEngine)
-            -> V, shaped rewards, GAE, whitening      (make_experience)
-            -> M epochs x minibatches of clipped PPO + value loss  (ppo_update)
+            -> V, shaped rewards, advantages (GAE or a group estimator), whitening  (make_experience)
+            -> M epochs x minibatches of clipped PPO + value loss (none without a critic)  (ppo_update)
             -> KL controller update
+
+Prompts are drawn ``rollout.batch_size`` at a time, each repeated ``rollout.samples_per_prompt``
+times as one group, as the distributed trainer's generators receive them.
 
 The generator and the learner share one policy module, so the "weight sync" is free here.
 """
@@ -23,7 +26,7 @@ import torch
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.config.derived import mismatch_limit
+from rayppo.config.derived import has_critic, mismatch_limit, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
@@ -50,14 +53,15 @@ class ReferenceTrainer:
         self.tokenizer = self.generator.tokenizer
         self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
-        self.reference = ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype, gpus=gpus)
+        self.reference = (ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype, gpus=gpus)
+                          if uses_reference(cfg.ppo) else None)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
         self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint,
                                    gpus=gpus, timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score)
-        self.critic = Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
-                                             cfg.seed).to(self.device)
-        for model in (self.policy, self.critic):
+        self.critic = (Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
+                                              cfg.seed).to(self.device) if has_critic(cfg.ppo) else None)
+        for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
             prepare_for_training(model, cfg.learner.gradient_checkpointing)
         max_prompt = self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens
         prompt_set = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, self.tokenizer, max_prompt,
@@ -68,8 +72,10 @@ class ReferenceTrainer:
                              if held_out else None)
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr, weight_decay=cfg.ppo.weight_decay)
-        self._steps = Steps(torch.Tensor.backward, torch.Tensor.backward, self._step)
+        self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr,
+                                             weight_decay=cfg.ppo.weight_decay) if self.critic is not None else None)
+        self._steps = Steps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None,
+                            self._step)
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
@@ -81,22 +87,23 @@ class ReferenceTrainer:
         cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
         t0 = clock()
         self._prompts_at_start = self.prompts.state_dict()
-        rollout = self.generator.generate(self.prompts.next_batch(), seed=iteration_seed(cfg.seed, it))
+        prompts = self.prompts.next_batch().groups_of(cfg.rollout.samples_per_prompt)
+        rollout = self.generator.generate(prompts, seed=iteration_seed(cfg.seed, it))
         t1 = clock()
-        rollout.ref_logprobs = self.reference.ref_logprobs(rollout)
+        rollout.ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []
         t2 = clock()
         rollout.score = self.reward.scores(rollout)
         t3 = clock()
         kl_coef = self.kl_ctl.value
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
         exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
-                                     TruncationRule.of(cfg.rollout), device=self.device,
+                                     TruncationRule.of(cfg), device=self.device,
                                      first_rows=first_local_rows(plan, 0, len(rollout)))
         minibatches = local_minibatches(plan, 0, exp.batch.mask.cpu(), LocalCollective())
         guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,
-                            guard=guard)
-        self.kl_ctl.update(stats["kl/ref_mean"], len(rollout))
+                            guard=guard, max_length=cfg.rollout.max_new_tokens)
+        self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
         t4 = clock()
         self.iteration_count += 1
         self._prompts_at_start = None
@@ -116,29 +123,33 @@ class ReferenceTrainer:
 
         return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)
 
+    def _trained(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        """(model, optimiser) of the policy and, with one, the critic."""
+        return [(self.policy, self.policy_opt)] + ([(self.critic, self.critic_opt)] if self.critic is not None else [])
+
     def _step(self) -> None:
         """One optimiser step of policy and critic (two models, two optimisers)."""
-        if self.cfg.ppo.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.ppo.max_grad_norm)
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.ppo.max_grad_norm)
-        self.policy_opt.step()
-        self.critic_opt.step()
-        self.policy_opt.zero_grad(set_to_none=True)
-        self.critic_opt.zero_grad(set_to_none=True)
+        for model, opt in self._trained():
+            if self.cfg.ppo.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     def save(self, out_dir: str | Path) -> None:
-        """The final policy (Hugging Face format, with tokenizer) and critic."""
+        """The final policy (Hugging Face format, with tokenizer) and critic (when there is one)."""
         out_dir = Path(out_dir)
         self.policy.save_pretrained(str(out_dir / "policy"))
         self.tokenizer.save_pretrained(str(out_dir / "policy"))
-        self.critic.save_pretrained(out_dir / "critic")
+        if self.critic is not None:
+            self.critic.save_pretrained(out_dir / "critic")
 
     def checkpoint(self, path: Path) -> dict:
         """Models and optimizers (tensors only, read back with ``weights_only``); returns the
         driver's state."""
-        torch.save({"policy": self.policy.state_dict(), "critic": self.critic.state_dict(),
-                    "policy_opt": self.policy_opt.state_dict(), "critic_opt": self.critic_opt.state_dict()},
-                   path / "trainer.pt")
+        states = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict()}
+        if self.critic is not None:
+            states |= {"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict()}
+        torch.save(states, path / "trainer.pt")
         # Stopped half-way through an iteration (a reward error, the guard before its update): its
         # prompts are drawn again on resume, since the update never happened.
         prompts = self._prompts_at_start or self.prompts.state_dict()
@@ -146,10 +157,9 @@ class ReferenceTrainer:
 
     def restore(self, path: Path, state: dict) -> None:
         saved = torch.load(path / "trainer.pt", map_location=self.device, weights_only=True)
-        self.policy.load_state_dict(saved["policy"])
-        self.critic.load_state_dict(saved["critic"])
-        self.policy_opt.load_state_dict(saved["policy_opt"])
-        self.critic_opt.load_state_dict(saved["critic_opt"])
+        for (model, opt), name in zip(self._trained(), ("policy", "critic")):
+            model.load_state_dict(saved[name])
+            opt.load_state_dict(saved[f"{name}_opt"])
         self.iteration_count = state["iteration"]
         self.kl_ctl.value = float(state["kl_coef"])
         self.prompts.load_state_dict(state["prompts"])

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rayppo.actors.generator import GeneratorEngine
-from rayppo.cluster.group import get, get_within, split_evenly
+from rayppo.cluster.group import get, get_within
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
@@ -257,9 +257,8 @@ class PipelinedTrainer(DistributedTrainer):
             try:
                 if published.version > self._held[g]:
                     self._load(g, published)
-                rows = split_evenly(len(batch.prompts.ids), len(self.generators))[g]
                 part = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate,
-                                                (batch.prompts.select(rows), iteration_seed(seed, b) + 7919 * g),
+                                                (self.generator_share(batch.prompts, g), iteration_seed(seed, b) + 7919 * g),
                                                 refresh=self._refresh)
             finally:
                 self._clocks[g].stop()
