@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, stop_token_ids
-from rayppo.config.derived import mismatch_limit
+from rayppo.config.derived import mismatch_limit, truncation_mode
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import PromptBatch
@@ -76,12 +76,17 @@ def test_last_token_return_of_a_one_row_rollout(reason, mode, tokenizer, critic)
 
 
 def test_truncation_config_is_checked():
-    assert load_config(None, []).rollout.truncation == "bootstrap"  # the seed's reading is the default
-    with pytest.raises(ConfigError, match="rollout.truncation: must be bootstrap or terminal"):
+    # The seed's reading (bootstrap) is the default with a critic; without one there is no V(S_T).
+    assert truncation_mode(load_config(None, [])) == "bootstrap"
+    assert truncation_mode(load_config(None, ["ppo.advantage=grpo", "rollout.samples_per_prompt=2"])) == "terminal"
+    with pytest.raises(ConfigError, match="rollout.truncation: must be auto, bootstrap or terminal"):
         load_config(None, ["rollout.truncation=cut"])
     with pytest.raises(ConfigError, match="rollout.missing_eos_penalty: applies only with rollout.truncation=terminal"):
         load_config(None, ["rollout.missing_eos_penalty=0.5"])
     assert load_config(None, ["rollout.truncation=terminal", "rollout.missing_eos_penalty=0.5"])
+    with pytest.raises(ConfigError, match=r"rollout.truncation: bootstrap needs a critic's V\(S_T\), and "
+                                          r"ppo.advantage=rloo trains none"):
+        load_config(None, ["rollout.truncation=bootstrap", "ppo.advantage=rloo", "rollout.samples_per_prompt=2"])
 
 
 # ------------------------------------------------------------------------------------------

@@ -125,6 +125,11 @@ def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cf
     return mb.token_share * cfg.vf_coef * vf_loss, {"value/loss": vf_loss.detach()}
 
 
+ROW_AGGREGATED = ("policy/loss", "policy/kl_loss")
+"""Stats reduced by ``ppo.loss_agg``: under a sequence aggregation a rank's value is a mean over its
+rows, so ranks are weighed by rows (the other stats are token means, weighed by tokens)."""
+
+
 @dataclass
 class Steps:
     """How policy and critic learn from a minibatch: torch optimisers or DeepSpeed engines.
@@ -180,8 +185,9 @@ def ppo_update(
         if critic is not None:
             stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
         steps.step()
-        for key, value in stats.items():
-            weighted[key] = weighted.get(key, 0.0) + value.double() * mb.token_share
+        for key, value in stats.items():  # each stat averaged with the weights of its own aggregation
+            share = mb.row_share if key in ROW_AGGREGATED and cfg.loss_agg != "token-mean" else mb.token_share
+            weighted[key] = weighted.get(key, 0.0) + value.double() * share
     keys = list(weighted)
     first_mean = [first["mean"].double()] if first else []
     summed = collective.sum(torch.stack([weighted[k] for k in keys] + first_mean))

@@ -43,8 +43,8 @@ from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (generator_seed, iteration_seed, make_kl_controller, rollout_stats,
-                                       sampling_settings)
+from rayppo.trainers.iteration import (generator_seed, group_shares, iteration_seed, make_kl_controller,
+                                       rollout_stats, sampling_settings)
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +220,10 @@ class DistributedTrainer:
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """Each generator samples its share of the prompts (``generator_share``) with its own seed."""
-        shares = [self.generator_share(prompts, g) for g in range(len(self.generators))]
+        shares = group_shares(prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
         rollout = self._sample(GeneratorEngine.generate, shares, seed)
         self.schedule.stage("generate")
         return rollout
-
-    def generator_share(self, prompts: PromptBatch, g: int) -> PromptBatch:
-        """Generator g's contiguous share of the batch's prompts, each repeated
-        ``rollout.samples_per_prompt`` times as one group (its id: the prompt's place in the batch):
-        a group is sampled by one engine, whose prefix cache holds its prompt once."""
-        rows = split_evenly(len(prompts), len(self.generators))[g]
-        return prompts.select(rows).groups_of(self.cfg.rollout.samples_per_prompt, rows.start)
 
     def _sample(self, method: Callable[..., Rollout], shares: list[PromptBatch], seed: int, *options: Any) -> Rollout:
         """``method`` (generate or evaluate) on every generator with its share of the prompts,

@@ -35,7 +35,8 @@ from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import iteration_seed, make_kl_controller, rollout_stats, sampling_settings
+from rayppo.trainers.iteration import (group_shares, iteration_seed, make_kl_controller, rollout_stats,
+                                       sampling_settings)
 
 
 class ReferenceTrainer:
@@ -87,7 +88,7 @@ class ReferenceTrainer:
         cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
         t0 = clock()
         self._prompts_at_start = self.prompts.state_dict()
-        prompts = self.prompts.next_batch().groups_of(cfg.rollout.samples_per_prompt)
+        (prompts,) = group_shares(self.prompts.next_batch(), 1, cfg.rollout.samples_per_prompt)
         rollout = self.generator.generate(prompts, seed=iteration_seed(cfg.seed, it))
         t1 = clock()
         rollout.ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []

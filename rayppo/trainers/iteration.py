@@ -4,7 +4,9 @@ of iterations and generators, and the rollout figures of the metrics line."""
 from __future__ import annotations
 
 from rayppo.actors.generator import SamplingSettings
+from rayppo.cluster.group import split_evenly
 from rayppo.config.schema import Config
+from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 
@@ -28,6 +30,14 @@ def generator_seed(seed: int, generator_id: int) -> int:
     """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
     seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""
     return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31
+
+
+def group_shares(prompts: PromptBatch, generators: int, samples_per_prompt: int) -> list[PromptBatch]:
+    """Each generator's contiguous share of the batch's prompts, each prompt repeated
+    ``samples_per_prompt`` times as one group (its id: the prompt's place in the batch), so that a
+    group is sampled by one engine, whose prefix cache holds its prompt once."""
+    return [prompts.select(rows).groups_of(samples_per_prompt, rows.start)
+            for rows in split_evenly(len(prompts), generators)]
 
 
 def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:

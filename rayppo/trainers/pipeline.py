@@ -38,7 +38,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.errors import LearnerFailedError
 from rayppo.learner.guard import check_weights
 from rayppo.trainers.distributed import DistributedTrainer, check_pairing
-from rayppo.trainers.iteration import iteration_seed, rollout_stats
+from rayppo.trainers.iteration import group_shares, iteration_seed, rollout_stats
 
 POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the stages' errors."""
@@ -257,8 +257,9 @@ class PipelinedTrainer(DistributedTrainer):
             try:
                 if published.version > self._held[g]:
                     self._load(g, published)
+                shares = group_shares(batch.prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
                 part = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate,
-                                                (self.generator_share(batch.prompts, g), iteration_seed(seed, b) + 7919 * g),
+                                                (shares[g], iteration_seed(seed, b) + 7919 * g),
                                                 refresh=self._refresh)
             finally:
                 self._clocks[g].stop()
