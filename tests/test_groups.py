@@ -54,7 +54,8 @@ def test_a_prompts_group_goes_to_one_generator_and_carries_the_prompts_place_as_
 
 
 GROUP_RUN = ["generators.backend=hf", "generators.num=1", "rollout.batch_size=5", "rollout.samples_per_prompt=4",
-             "ppo.epochs=2", "ppo.minibatches=2", "rollout.max_new_tokens=6", "learner.zero_stage=2"]
+             "ppo.epochs=2", "ppo.minibatches=2", "rollout.max_new_tokens=6", "learner.zero_stage=2",
+             "output.save_rollouts=true"]
 """5 prompts x 4 samples = 20 rows; with 2 ranks of 10, group 2 (rows 8-11) is split 2 + 2."""
 ESTIMATORS = {
     "grpo": ["ppo.advantage=grpo", "ppo.kl_mode=loss", "ppo.loss_agg=seq-mean-token-sum-norm"],
@@ -91,6 +92,7 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
         stats = [trainer.iteration() for _ in range(2)]
         weights = unpack_weights(get(trainer.learner.policy_weights()))
         assert trainer.last_rollout.response_ids == reference.last_rollout.response_ids  # same seed, same samples
+        rows = trainer.last_rollout
         trainer.checkpoint(tmp_path / "ckpt")
         trainer.save(tmp_path / "final")
         assert len(trainer.reference) == (0 if estimator == "rloo" else 1)
@@ -106,6 +108,18 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
     assert bool(placement["roles"]["reference"]) == (estimator != "rloo")  # no node holds a reference actor
     if estimator == "rloo":
         assert "kl/ref_mean" not in stats[1]  # no reference, no KL: nothing is made up
+    # What the update trained on comes back per row (output.save_rollouts), equal to the
+    # in-process trainer's, one A_i on every token of row i; no returns without a critic.
+    assert rows.returns == [] and [len(a) for a in rows.advantages] == [len(r) for r in rows.response_ids]
+    for mine, theirs in zip(rows.advantages, reference.last_rollout.advantages):
+        assert mine == pytest.approx(theirs, abs=1e-6)
+    if estimator == "grpo":  # kl_mode=loss: the grouped score is r_i itself, cut rows keep theirs
+        for g in range(5):
+            r = torch.tensor(rows.score[4 * g: 4 * g + 4], dtype=torch.float64)
+            want = torch.zeros(4) if r.max() == r.min() else (r - r.mean()) / r.std().clamp(min=1e-6)
+            got = [rows.advantages[i][0] for i in range(4 * g, 4 * g + 4)]
+            assert got == pytest.approx(want.tolist(), abs=1e-5)  # float32 columns
+            assert all(len(set(rows.advantages[i])) == 1 for i in range(4 * g, 4 * g + 4))
 
 
 def test_the_plan_counts_no_critic_and_no_reference():

@@ -74,6 +74,24 @@ def test_each_generator_draws_its_own_noise_and_each_is_reproducible(vllm_env, e
     assert sum(a != b for a, b in zip(first, second)) > len(PROMPTS) // 2
 
 
+def test_a_groups_samples_share_the_prompt_in_the_prefix_cache_and_each_draws_its_own_noise(
+        vllm_env, embedded_dir, tokenizer):
+    """rollout.samples_per_prompt = 8: the prompt's 8 requests are one group (its id on every row),
+    the engine's prefix cache is on (they share the prompt's KV blocks), and the 8 responses are not
+    copies of one draw."""
+    engine = _engine(embedded_dir, seed=generator_seed(0, 0))
+    try:
+        assert engine.backend.prefix_caching and "no prefix cache" not in engine.describe()
+        rollout = engine.generate(_batch(tokenizer, ["say 7 :", "write 3 :"]).groups_of(8, first_group=5), seed=0)
+    finally:
+        del engine
+        gc.collect()
+    assert rollout.group_id == [5] * 8 + [6] * 8
+    for g in range(2):
+        responses = {tuple(r) for r in rollout.response_ids[8 * g: 8 * g + 8]}
+        assert len(responses) >= 4, responses  # at temperature 1 over ~12 tokens, repeats are rare
+
+
 def test_vllm_stops_on_the_generation_configs_eos_ids_like_the_hf_backend(vllm_env, tokenizer, copy_model):
     seven = tokenizer("7", add_special_tokens=False)["input_ids"][0]
     folder = copy_model("two_eos", eos_token_id=[tokenizer.eos_token_id, seven])

@@ -201,6 +201,10 @@ class _VLLMBackend:
         )
         if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+        # A group's n requests share their prompt's KV blocks when the prefix cache is on: vLLM 0.32
+        # turns it on by default for models that support it (engine/arg_utils.py,
+        # _set_default_chunked_prefill_and_prefix_caching_args) and off on CPU for MLA models.
+        self.prefix_caching = bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
         self.aliases: dict[str, str] = self.llm.collective_rpc(worker_tied_aliases)[0]
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
@@ -411,6 +415,7 @@ class GeneratorEngine(Engine):
 
             tp = self.backend.tensor_parallel_size
             engine = f"vLLM {vllm.__version__}" + (f", tensor parallel {tp}" if tp > 1 else "")
+            engine += "" if self.backend.prefix_caching else ", no prefix cache"
         else:
             engine = f"transformers generate, {model_size(self.backend.model)}"
         return f"{engine}, {self.device_info()}"

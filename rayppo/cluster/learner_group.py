@@ -124,6 +124,11 @@ class LearnerGroup:
         args = [(rollout.select(rows), rows.start, len(rollout), kl_coef, iteration) for rows in shards]
         return self._gather(self.ranks.call(LearnerEngine.train, args), "train")[0]
 
+    def trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
+        """``(advantages, returns)`` of every row of the last ``train``, ranks in order."""
+        parts = self._gather(self.ranks.call_all(LearnerEngine.trained_targets), "trained_targets")
+        return [a for part, _ in parts for a in part], [r for _, part in parts for r in part]
+
     def policy_weights(self) -> Any:
         """A future of rank 0's ``WeightsPayload`` (the value itself when in-process), once every
         rank has done its part within ``cluster.call_timeout_s``: a rank that hangs here is the

@@ -295,7 +295,9 @@ class OutputConfig:
     dir: str = "runs/default"
     """Run folder: metrics.jsonl, TensorBoard events, plot.png, the final policy and critic."""
     save_rollouts: bool = False
-    """Write every iteration's rollouts to ``DIR/rollouts/iter_XXXXX.parquet``."""
+    """Write every iteration's rollouts to ``DIR/rollouts/iter_XXXXX.parquet``: per row the prompt and
+    response ids and text, log-probs (old and reference), score, group id, and the advantages (and,
+    with a critic, returns) the update trained on."""
     tensorboard: bool = True
     """Also write TensorBoard event files to ``DIR/tb``."""
     save_model: bool = True

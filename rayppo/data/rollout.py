@@ -33,6 +33,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("response_text", pa.string()),
         pa.field("prompt_messages", pa.string()),  # the chat conversation x was rendered from, JSON; "" if plain
         pa.field("prompt_fields", pa.string()),  # the prompt row's other columns, a JSON object ("{}": none)
+        pa.field("advantages", pa.list_(pa.float32())),  # A_t the learner trained on (output.save_rollouts)
+        pa.field("returns", pa.list_(pa.float32())),  # value targets, with a critic (output.save_rollouts)
     ]
 )
 
@@ -71,6 +73,11 @@ class Rollout:
     prompt_fields: list[str] = field(default_factory=list)
     """[B] the prompt row's other columns (e.g. ``answer``) as a JSON object text, ``"{}"`` when
     none; empty: no row has any. Read by the reward."""
+    advantages: list[list[float]] = field(default_factory=list)
+    """[B][T_b] A_t the learner trained on (after whitening; a group estimator's A_i on every token);
+    filled after the update when ``output.save_rollouts`` is on, so users can check the estimator."""
+    returns: list[list[float]] = field(default_factory=list)
+    """[B][T_b] the critic's value targets (``ppo.advantage=gae`` only; else empty), as ``advantages``."""
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -160,6 +160,7 @@ class LearnerEngine(Engine):
             self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
                                                    config=critic_ds)
         self.version = 0
+        self._targets: tuple[list[list[float]], list[list[float]]] = ([], [])
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
         self.sent: dict[str, SentPrint] = {}  # rank 0: fingerprints of the last weights sent
         self._ipc_stream: Iterator[list[tuple[str, torch.Tensor]]] | None = None  # a sync in progress
@@ -185,7 +186,14 @@ class LearnerEngine(Engine):
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
                             guard, r.max_new_tokens)
         self.version += 1
+        if self.cfg.output.save_rollouts:  # what the update trained on, for the rollout files
+            self._targets = exp.trained_targets(self.critic is not None)
         return stats | {"policy/version": float(self.version)}
+
+    def trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
+        """``(advantages, returns)`` of this rank's rows of the last ``train`` (``Rollout.advantages``,
+        ``.returns``); kept only with ``output.save_rollouts``."""
+        return self._targets
 
     def _steps(self) -> Steps:
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""

@@ -116,6 +116,14 @@ class Experience:
     """beta of the loss's KL term (``ppo.kl_mode=loss``): the update adds beta agg(k3(log pi_theta,
     log pi_ref)); 0 when the KL shapes the reward instead, or without a reference."""
 
+    def trained_targets(self, with_returns: bool) -> tuple[list[list[float]], list[list[float]]]:
+        """``(advantages, returns)`` per row over its valid tokens (``Rollout.advantages``, ``.returns``);
+        returns empty when ``with_returns`` is False (no critic)."""
+        lengths = self.batch.mask.sum(-1).long().tolist()
+        advantages = [row[:n].tolist() for row, n in zip(self.advantages.float().cpu(), lengths)]
+        returns = [row[:n].tolist() for row, n in zip(self.returns.float().cpu(), lengths)] if with_returns else []
+        return advantages, returns
+
     def rows(self, index: torch.Tensor) -> "Experience":
         """The sub-experience of the given rows (without ``first_values``)."""
         tensors = (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,

@@ -214,6 +214,8 @@ class DistributedTrainer:
         (the sync, its check) pairs the updated learner with the state after the iteration, never
         with the state before it (which would train the batch twice on resume)."""
         self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
+        if self.cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
+            rollout.advantages, rollout.returns = self.learner.trained_targets()
         self.iteration_count += 1
         self._start_state = None
         self.last_rollout = rollout

@@ -105,6 +105,8 @@ class ReferenceTrainer:
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,
                             guard=guard, max_length=cfg.rollout.max_new_tokens)
         self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
+        if cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
+            rollout.advantages, rollout.returns = exp.trained_targets(self.critic is not None)
         t4 = clock()
         self.iteration_count += 1
         self._prompts_at_start = None
