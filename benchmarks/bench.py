@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import yaml
 
-from rayppo.config.derived import actor_threads, weight_sync_backend
+from rayppo.config.derived import actor_threads, has_critic, uses_reference, weight_sync_backend
 from rayppo.config.load import load_config
 from rayppo.config.schema import Config, to_dict
 from rayppo.errors import RayppoError
@@ -41,6 +41,8 @@ from rayppo.models.paths import cache_root
 
 HERE = Path(__file__).resolve().parent
 TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0"]
+TRL_SCRIPTS = {"gae": "trl_ppo.py", "grpo": "trl_grpo.py"}
+"""The TRL trainer compared for each ``ppo.advantage`` (``--compare trl``)."""
 TRL_VENV_ENV = "RAYPPO_TRL_VENV"
 """Names the folder of TRL's virtual environment, over the default choice (``choose_trl_venv``)."""
 
@@ -123,7 +125,7 @@ def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
     from rayppo.plan.flops import Sequences, learn_flops
 
     policy = read_shape(cfg.model.policy)
-    critic = read_shape(cfg.model.critic or cfg.model.policy)
+    critic = read_shape(cfg.model.critic or cfg.model.policy) if has_critic(cfg.ppo) else None
     seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
                     sum(len(r) for r in rollout.response_ids))
     # Asynchronous mode's learner also recomputes log pi_prox (one policy forward per row).
@@ -202,14 +204,17 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     # ignores torch.set_num_threads, which gave the reference and reward passes (1 thread each in
     # the run) the generator's 2 threads here and halved their "alone" times.
     torch.set_num_threads(cfg.reference.num * actor_threads(cfg.reference.threads, cfg.reference.cpus))
-    reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype)
-    reference.ref_logprobs(rollout)
-    out["reference"], _ = _timed(reference.ref_logprobs, rollout)
+    out["reference"] = 0.0  # none at ppo.kl_coef = 0
+    if uses_reference(cfg.ppo):
+        reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype)
+        reference.ref_logprobs(rollout)
+        out["reference"], _ = _timed(reference.ref_logprobs, rollout)
+        del reference
     torch.set_num_threads(cfg.reward.num * actor_threads(cfg.reward.threads, cfg.reward.cpus))
     reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype)
     reward.scores(rollout)
     out["reward"], _ = _timed(reward.scores, rollout)
-    del reference, reward
+    del reward
     torch.set_num_threads(threads["learn"])
     # The recorded rollout was sampled by the measured run's later policy, not by this fresh
     # learner's weights: only the update's time counts here, so the mismatch limit is lifted.
@@ -328,9 +333,16 @@ def ensure_trl_venv(venv: TrlVenv | None = None) -> Path:
 
 def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
             venv: TrlVenv | None = None) -> list[dict[str, float]]:
-    """TRL's PPO on the same workload, timed per iteration, in its own environment (``ensure_trl_venv``)."""
+    """TRL on the same workload, timed per iteration, in its own environment (``ensure_trl_venv``):
+    its PPO for ``ppo.advantage=gae`` (``trl_ppo.py``), its GRPO for ``grpo`` (``trl_grpo.py``)."""
+    script = TRL_SCRIPTS.get(cfg.ppo.advantage)
+    if script is None:
+        raise RayppoError(f"--compare trl: no TRL trainer is compared for ppo.advantage={cfg.ppo.advantage} "
+                          f"(compared: {', '.join(TRL_SCRIPTS)})")
     python = ensure_trl_venv(venv)
-    spec = {"policy": cfg.model.policy, "reward_model": cfg.reward.model, "prompts": rollout.prompt_text,
+    n = cfg.rollout.samples_per_prompt
+    spec = {"policy": cfg.model.policy, "reward_model": cfg.reward.model, "prompts": rollout.prompt_text[::n],
+            "num_generations": n, "clip_eps": cfg.ppo.clip_eps,
             "batch_size": cfg.rollout.batch_size, "epochs": cfg.ppo.epochs, "minibatches": cfg.ppo.minibatches,
             "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
             "lr": cfg.ppo.lr, "kl_coef": cfg.ppo.kl_coef, "warmup": warmup, "iterations": iterations,
@@ -340,7 +352,7 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
             "bf16": cfg.model.dtype == "bfloat16",
             "output_dir": str(out_dir / "trl_output")}
     (out_dir / "trl_spec.json").write_text(json.dumps(spec))
-    subprocess.run([str(python), str(HERE / "trl_ppo.py"), "--spec", str(out_dir / "trl_spec.json"),
+    subprocess.run([str(python), str(HERE / script), "--spec", str(out_dir / "trl_spec.json"),
                     "--out", str(out_dir / "trl.json")], check=True)
     return json.loads((out_dir / "trl.json").read_text())["iterations"]
 
@@ -424,6 +436,7 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         out["trl_without_gc_tokens_per_s"] = tokens / statistics.median(without_gc)
         out["ratio_vs_trl"] = out["end_to_end_tokens_per_s"] / out["trl_end_to_end_tokens_per_s"]
         out["ratio_vs_trl_without_gc"] = out["end_to_end_tokens_per_s"] / out["trl_without_gc_tokens_per_s"]
+        out["trl_trainer"] = "GRPOTrainer" if cfg.ppo.advantage == "grpo" else "PPOTrainer"
     return out
 
 
@@ -460,7 +473,7 @@ def print_table(s: dict[str, Any]) -> None:
         print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
               + f"  -> overhead ratio {s['overhead_ratio']:.2f}")
     if "ratio_vs_trl" in s:
-        print(f"  TRL 1.12 PPO         {s['trl_end_to_end_tokens_per_s']:,.0f} tokens/s "
+        print(f"  TRL 1.12 {s.get('trl_trainer', 'PPOTrainer'):<12}{s['trl_end_to_end_tokens_per_s']:,.0f} tokens/s "
               f"(iteration {s['trl_iteration_s']['median']:.3f} s, of which gc.collect {s['trl_gc_s']:.3f} s)")
         print(f"  rayppo / TRL         {s['ratio_vs_trl']:.2f}x as shipped, "
               f"{s['ratio_vs_trl_without_gc']:.2f}x against TRL without its gc.collect calls")

@@ -29,13 +29,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _timed, load_workloads, matmul_gflop_per_s, prepare_models, workload_config  # noqa: E402
 
+from rayppo.config.derived import batch_rows, has_critic  # noqa: E402
 from rayppo.data.rollout import Rollout  # noqa: E402
 from rayppo.models.shape import read_shape  # noqa: E402
 from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
 
 
-def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0) -> Rollout:
-    """``batch_size`` rows of random prompt (4-11 tokens) and response tokens; log-probs set."""
+def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0, group: int = 1) -> Rollout:
+    """``batch_size`` rows of random prompt (4-11 tokens) and response tokens; log-probs set; rows
+    in groups of ``group`` consecutive ones (``Rollout.group_id``)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
                for _ in range(batch_size)]
@@ -43,7 +45,7 @@ def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int 
     logprobs = [[-9.0] * response_tokens for _ in range(batch_size)]
     n = batch_size
     return Rollout(prompts, responses, logprobs, ["length"] * n, [""] * n, [""] * n, [0] * n, [0] * n,
-                   [row[:] for row in logprobs], torch.rand(n, generator=g).tolist())
+                   [i // group for i in range(n)], [row[:] for row in logprobs], torch.rand(n, generator=g).tolist())
 
 
 def _timing_hooks(parts: dict[str, float]) -> None:
@@ -65,8 +67,8 @@ def _timing_hooks(parts: dict[str, float]) -> None:
     engine.make_experience = timed("experience pass", engine.make_experience)
     steps = engine.LearnerEngine._steps
     engine.LearnerEngine._steps = lambda self: update.Steps(
-        *(timed(name, fn) for name, fn in zip(("policy backward", "critic backward", "optimiser steps"),
-                                              vars(steps(self)).values())))
+        *(fn and timed(name, fn) for name, fn in zip(("policy backward", "critic backward", "optimiser steps"),
+                                                     vars(steps(self)).values())))
 
 
 def main() -> None:
@@ -83,7 +85,8 @@ def main() -> None:
     cfg.checks.max_logprob_mismatch = float("inf")  # random tokens: only the time counts
     torch.set_num_threads(args.threads)
     shape = read_shape(policy)
-    rollout = random_rollout(cfg.rollout.batch_size, cfg.rollout.max_new_tokens, shape.vocab)
+    rollout = random_rollout(batch_rows(cfg), cfg.rollout.max_new_tokens, shape.vocab,
+                             group=cfg.rollout.samples_per_prompt)
     parts: dict[str, float] = collections.defaultdict(float)
     _timing_hooks(parts)
     learner = LearnerGroup(cfg, placement=None)
@@ -93,10 +96,12 @@ def main() -> None:
     seconds, _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
     seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
                     sum(len(r) for r in rollout.response_ids))
-    flops = learn_flops(shape, read_shape(cfg.model.critic or policy), seq, cfg.ppo.epochs, cfg.ppo.minibatches)
+    critic = read_shape(cfg.model.critic or policy) if has_critic(cfg.ppo) else None
+    flops = learn_flops(shape, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches)
     matmul = matmul_gflop_per_s(sum(seq.lengths) // cfg.ppo.minibatches, shape.hidden, shape.intermediate,
                                 cfg.model.dtype, args.threads)
-    print(json.dumps({"workload": w.name, "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
+    print(json.dumps({"workload": w.name, "advantage": cfg.ppo.advantage, "rows": len(rollout),
+                      "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
                       "parts_s": {k: round(v, 2) for k, v in parts.items()}, "learn_gflop": round(flops / 1e9),
                       "learn_gflop_per_s": round(flops / seconds / 1e9, 1), "matmul_gflop_per_s": round(matmul, 1),
                       "learn_efficiency": round(flops / seconds / 1e9 / matmul, 3),

@@ -78,6 +78,11 @@ def test_workloads_file_defines_the_required_presets(bench):
     assert workloads["small-bf16"].config == {**workloads["small"].config, "model.dtype": "bfloat16"}
     assert workloads["tiny"].config["rollout.batch_size"] == 64 and workloads["tiny"].config["rollout.max_new_tokens"] == 32
     assert workloads["small"].config["rollout.batch_size"] == 256 and workloads["small"].config["rollout.max_new_tokens"] == 128
+    # The group presets are small's shape and rows (32 prompts x 8 = 256 responses), GRPO without a critic.
+    for name, dtype in (("small-grpo", "float32"), ("small-grpo-bf16", "bfloat16")):
+        c = workloads[name].config
+        assert workloads[name].model == workloads["small"].model and c.get("model.dtype", "float32") == dtype
+        assert c["rollout.batch_size"] * c["rollout.samples_per_prompt"] == 256 and c["ppo.advantage"] == "grpo"
     for w in workloads.values():  # every preset's overrides are valid config
         load_config(None, [f"{k}={v}" for k, v in w.config.items()])
 

@@ -3,7 +3,6 @@ the bounded ZeRO-3 gather, and the colocated schedule. What needs CUDA is in tes
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -279,9 +278,8 @@ def test_colocated_schedule_frees_the_gpu_for_the_learner(local_ray, tmp_path):
     """cluster.colocate_all on CPU: generators start (and are ready) before the other roles, and
     each iteration puts them to sleep before scoring and learning and wakes them for the sync.
     vLLM refuses sleep mode on CPU, so each sleep/wake is recorded as skipped."""
-    from rayppo.trainers.distributed import DistributedTrainer
-
     from rayppo.run.checkpoint import read_driver_state, write_checkpoint
+    from rayppo.trainers.distributed import DistributedTrainer
 
     trainer = DistributedTrainer(load_config(None, ["cluster.colocate_all=true", "learner.num_ranks=1",
                                                     "rollout.batch_size=16", f"output.dir={tmp_path}"]))

@@ -59,7 +59,7 @@ GROUP_RUN = ["generators.backend=hf", "generators.num=1", "rollout.batch_size=5"
 """5 prompts x 4 samples = 20 rows; with 2 ranks of 10, group 2 (rows 8-11) is split 2 + 2."""
 ESTIMATORS = {
     "grpo": ["ppo.advantage=grpo", "ppo.kl_mode=loss", "ppo.loss_agg=seq-mean-token-sum-norm"],
-    "rloo": ["ppo.advantage=rloo", "ppo.kl_coef=0", "ppo.clip_eps_high=0.28"],
+    "rloo": ["ppo.advantage=rloo", "ppo.kl_coef=0", "ppo.clip_eps_high=0.28", "rollout.dynamic_sampling_rounds=2"],
     "reinforce_pp_baseline": ["ppo.advantage=reinforce_pp_baseline", "rollout.overlong_buffer=3"],
 }
 COMPARED = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "entropy")
@@ -80,7 +80,8 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
     reference = ReferenceTrainer(load_config(None, overrides + ["trainer=reference", "learner.num_ranks=1"]))
     assert reference.critic is None
     ref_stats = [reference.iteration() for _ in range(2)]
-    assert reference.last_rollout.group_id == [i // 4 for i in range(20)]
+    groups = reference.last_rollout.group_id  # all 5 groups (dynamic sampling: the informative ones)
+    assert groups == [i // 4 for i in range(len(groups))] and len(groups) == 20 - 4 * (5 - len(set(groups)))
     initial = AutoModelForCausalLM.from_pretrained(embedded_dir).state_dict()
     ref_weights = reference.policy.state_dict()
     update = _norm({k: ref_weights[k] - initial[k] for k in ref_weights})
@@ -120,6 +121,32 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
             got = [rows.advantages[i][0] for i in range(4 * g, 4 * g + 4)]
             assert got == pytest.approx(want.tolist(), abs=1e-5)  # float32 columns
             assert all(len(set(rows.advantages[i])) == 1 for i in range(4 * g, 4 * g + 4))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("local_ray")
+def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version(tmp_path):
+    """rollout.max_staleness = 1 with GRPO: the pipeline's generators sample ahead, and every
+    group's rows carry one policy version (a group is one generator's call), so the off-policy
+    loss weighs a group's rows alike; three iterations complete with no critic."""
+    cfg = load_config(None, ["generators.backend=hf", "generators.num=2", "rollout.batch_size=4",
+                             "rollout.samples_per_prompt=4", "ppo.advantage=grpo", "ppo.minibatches=2",
+                             "rollout.max_new_tokens=6", "learner.num_ranks=1", "rollout.max_staleness=1",
+                             "learner.weight_sync=object_store", f"output.dir={tmp_path / 'run'}"])
+    from rayppo.trainers.pipeline import distributed_trainer
+
+    trainer = distributed_trainer(cfg)
+    try:
+        for _ in range(3):
+            stats = trainer.iteration()
+            rows = trainer.last_rollout
+            versions = {g: {v for v, k in zip(rows.policy_version, rows.group_id) if k == g} for g in set(rows.group_id)}
+            assert all(len(v) == 1 for v in versions.values()), versions
+            assert len(rows) == 4 * len(versions)  # whole groups only (a stale share drops whole groups)
+            assert "value/loss" not in stats and stats["policy/version"] >= 1
+    finally:
+        trainer.close()
+    assert stats["async/staleness_max"] <= 1
 
 
 def test_the_plan_counts_no_critic_and_no_reference():

@@ -52,6 +52,13 @@ def _check_groups(cfg: Config) -> None:
     _require(0 <= r.overlong_buffer <= r.max_new_tokens, "rollout.overlong_buffer",
              f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}]", r.overlong_buffer)
     _require(r.overlong_penalty >= 0, "rollout.overlong_penalty", "must be >= 0", r.overlong_penalty)
+    rounds = r.dynamic_sampling_rounds
+    _require(rounds >= 0, "rollout.dynamic_sampling_rounds", "must be >= 0", rounds)
+    _require(rounds == 0 or p.advantage in GROUP_ESTIMATORS, "rollout.dynamic_sampling_rounds",
+             f"drops groups of equal rewards, which only a group estimator ({', '.join(GROUP_ESTIMATORS)}) "
+             f"cannot learn from; ppo.advantage={p.advantage}", rounds)
+    _require(rounds == 0 or r.max_staleness == 0, "rollout.dynamic_sampling_rounds",
+             f"runs in the synchronous iteration only (rollout.max_staleness={r.max_staleness})", rounds)
     _require(batch_rows(cfg) % p.minibatches == 0, "ppo.minibatches",
              f"must divide the batch's rows, rollout.batch_size x rollout.samples_per_prompt = {r.batch_size} x {n}",
              p.minibatches)

@@ -139,6 +139,12 @@ class RolloutConfig:
     score lowered linearly, reaching -``overlong_penalty`` at ``max_new_tokens``. 0 disables."""
     overlong_penalty: float = 1.0
     """The score lost by a response of ``max_new_tokens`` tokens under ``overlong_buffer``."""
+    dynamic_sampling_rounds: int = 0
+    """DAPO's dynamic sampling with a group estimator: groups whose rewards are all equal (every
+    advantage 0) are dropped and up to this many extra batches of prompts are sampled and rewarded
+    until ``batch_size`` informative groups are in hand (``dynamic/*`` metrics count the rounds and
+    the dropped groups); only kept rows reach the reference and the learner. 0 disables.
+    Synchronous iteration only."""
     max_staleness: int = 0
     """k: how many policy versions a row may lag behind the learner that trains on it. 0: the
     synchronous iteration (generate, score, learn, sync in lock-step). k >= 1: the asynchronous

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass
 class WeightsPayload:
     """A full set of policy weights at one version."""

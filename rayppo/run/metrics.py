@@ -13,7 +13,6 @@ from rayppo.errors import RayppoError
 from rayppo.run.samples import Sample
 from rayppo.run.tracking import TensorBoardTracker, Tracker
 
-
 log = logging.getLogger(__name__)
 
 

@@ -30,8 +30,8 @@ from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config.derived import (actor_threads, generator_context, reference_actors, role_gpus,
-                                   tensor_parallel_size, vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.derived import (actor_threads, generator_context, reference_actors, role_gpus, tensor_parallel_size,
+                                   vllm_memory_utilization, weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
@@ -42,9 +42,10 @@ from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
+from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (generator_seed, group_shares, iteration_seed, make_kl_controller,
-                                       rollout_stats, sampling_settings)
+from rayppo.trainers.iteration import (generator_seed, group_shares, iteration_seed, make_kl_controller, rollout_stats,
+                                       round_seed, sampling_settings)
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class DistributedTrainer:
         t0 = clock()
         self.phase = "generate"
         rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
+        rollout, dynamic = self.fill(rollout, it)  # DAPO's dynamic sampling; ({} when off)
         self.schedule.sleep_generators()  # colocated mode: vLLM frees the GPU for the learner
         t1 = clock()
         self.phase = "score"
@@ -202,7 +204,25 @@ class DistributedTrainer:
                    "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
-        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
+        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, **dynamic, "kl_coef": kl_coef}
+
+    def fill(self, rollout: Rollout, it: int) -> tuple[Rollout, dict[str, float]]:
+        """``rollout.dynamic_sampling_rounds`` > 0: the informative groups of this batch and of up
+        to that many extra rewarded batches (``dynamic_sampling.fill_batch``); else as it is."""
+        rounds = self.cfg.rollout.dynamic_sampling_rounds
+        if not rounds:
+            return rollout, {}
+
+        def draw(k: int) -> Rollout:
+            return self.rewarded(self.generate(self.prompts.next_batch(), round_seed(self.cfg.seed, it, k)))
+
+        return fill_batch(self.rewarded(rollout), draw, self.cfg.rollout.batch_size, rounds)
+
+    def rewarded(self, rollout: Rollout) -> Rollout:
+        """``rollout`` with r_phi of every row (the reward pass alone)."""
+        (parts,) = self.supervisor.run([self._reward_pass(rollout)])
+        rollout.score = [x for part in parts for x in part]
+        return rollout
 
     def _verify(self, version: int) -> float:
         """The guard's check of every generator's weights after a sync (``verify_sync``)."""
@@ -221,7 +241,7 @@ class DistributedTrainer:
         self.last_rollout = rollout
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """Each generator samples its share of the prompts (``generator_share``) with its own seed."""
+        """Each generator samples its share of the prompts, in groups (``group_shares``), with its own seed."""
         shares = group_shares(prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
         rollout = self._sample(GeneratorEngine.generate, shares, seed)
         self.schedule.stage("generate")
@@ -243,16 +263,19 @@ class DistributedTrainer:
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
         only when no reference runs, at ppo.kl_coef = 0)."""
-        passes = [self._reward_pass(rollout)]
+        scored = len(rollout.score) == len(rollout)  # dynamic sampling has rewarded it already
+        passes = [] if scored else [self._reward_pass(rollout)]
         if len(self.reference):
             ref_rows = split_evenly(len(rollout), len(self.reference))
             passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
                                  [(rollout.select(r),) for r in ref_rows]))
-        parts = self.supervisor.run(passes)  # at the same time; failed shares redone
+        parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
         self.schedule.stage("score")
-        rollout.score = [x for part in parts[0] for x in part]
-        rollout.ref_logprobs = [x for part in parts[1] for x in part] if len(parts) > 1 else []
-        return rollout, {"time/reward": passes[0].seconds, "time/reference": passes[-1].seconds if len(passes) > 1 else 0.0}
+        if "reward" in parts:
+            rollout.score = [x for part in parts["reward"] for x in part]
+        rollout.ref_logprobs = [x for part in parts.get("reference", []) for x in part]
+        seconds = {p.role: p.seconds for p in passes}
+        return rollout, {"time/reward": seconds.get("reward", 0.0), "time/reference": seconds.get("reference", 0.0)}
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts, split across the generators and scored by

@@ -34,8 +34,9 @@ from rayppo.learner.experience import LocalCollective, TruncationRule, make_expe
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
+from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (group_shares, iteration_seed, make_kl_controller, rollout_stats,
+from rayppo.trainers.iteration import (group_shares, iteration_seed, make_kl_controller, rollout_stats, round_seed,
                                        sampling_settings)
 
 
@@ -88,12 +89,12 @@ class ReferenceTrainer:
         cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
         t0 = clock()
         self._prompts_at_start = self.prompts.state_dict()
-        (prompts,) = group_shares(self.prompts.next_batch(), 1, cfg.rollout.samples_per_prompt)
-        rollout = self.generator.generate(prompts, seed=iteration_seed(cfg.seed, it))
+        rollout, dynamic = self._sample(it)
         t1 = clock()
         rollout.ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []
         t2 = clock()
-        rollout.score = self.reward.scores(rollout)
+        if len(rollout.score) != len(rollout):  # dynamic sampling has rewarded it already
+            rollout.score = self.reward.scores(rollout)
         t3 = clock()
         kl_coef = self.kl_ctl.value
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
@@ -113,7 +114,27 @@ class ReferenceTrainer:
         self.last_rollout = rollout
         timings = {"time/generate": t1 - t0, "time/reference": t2 - t1, "time/reward": t3 - t2,
                    "time/learn": t4 - t3, "time/sync": 0.0, "time/iteration": t4 - t0}
-        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, "kl_coef": kl_coef}
+        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, **dynamic, "kl_coef": kl_coef}
+
+    def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:
+        """This iteration's batch: ``rollout.batch_size`` prompts, each a group of
+        ``rollout.samples_per_prompt`` responses; with ``rollout.dynamic_sampling_rounds`` > 0 its
+        informative groups and those of up to that many extra rewarded batches (``fill_batch``)."""
+        cfg = self.cfg
+
+        def draw(k: int) -> Rollout:
+            (prompts,) = group_shares(self.prompts.next_batch(), 1, cfg.rollout.samples_per_prompt)
+            return self.generator.generate(prompts, seed=round_seed(cfg.seed, it, k))
+
+        if not cfg.rollout.dynamic_sampling_rounds:
+            return draw(0), {}
+
+        def rewarded(k: int) -> Rollout:
+            rollout = draw(k)
+            rollout.score = self.reward.scores(rollout)
+            return rollout
+
+        return fill_batch(rewarded(0), rewarded, cfg.rollout.batch_size, cfg.rollout.dynamic_sampling_rounds)
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts (``rayppo/trainers/evaluation.py``); {} without them."""

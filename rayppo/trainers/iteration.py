@@ -26,6 +26,12 @@ def iteration_seed(seed: int, iteration: int) -> int:
     return seed * 1_000_003 + iteration
 
 
+def round_seed(seed: int, iteration: int, round_: int) -> int:
+    """The sampling seed of dynamic sampling's extra round ``round_`` >= 1 of an iteration (round 0
+    is the iteration's own seed)."""
+    return iteration_seed(seed, iteration) if round_ == 0 else (iteration_seed(seed, iteration) * 1_000_033 + round_) % 2**62
+
+
 def generator_seed(seed: int, generator_id: int) -> int:
     """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
     seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""

@@ -1,0 +1,127 @@
+"""Learning per generated token: PPO-GAE against the critic-free estimators on the default task.
+
+    python benchmarks/estimators_learning.py --out runs/estimators [--iterations 40] [--seeds 0 1 ... 7]
+        [--only NAME ...] [KEY=VALUE ...]
+
+Every run generates the same number of responses (and so about the same tokens) per iteration:
+PPO-GAE samples 64 prompts x 1, the group estimators 16 prompts x 4 (GRPO, Dr. GRPO with its
+constant-normalised loss, RLOO, REINFORCE++ with a group baseline). Each run is the in-process
+trainer (``trainer=reference``: the golden path the distributed trainer is tested equal to, per
+estimator, in ``tests/test_groups.py``) so that the comparison is of the estimators, not of the
+cluster's start-up. Writes ``DIR/estimators_learning.json`` (per run and seed: seconds and
+iterations to the target reward, final reward, the curve) and ``DIR/estimators_learning.png``
+(mean reward over the seeds against the iteration); prints the table docs/estimators.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_learning import TARGET, summary, time_to_target  # noqa: E402
+
+RUNS = {
+    "PPO-GAE, 64 x 1": ["rollout.batch_size=64", "rollout.samples_per_prompt=1", "ppo.advantage=gae"],
+    "GRPO, 16 x 4": ["rollout.batch_size=16", "rollout.samples_per_prompt=4", "ppo.advantage=grpo"],
+    "Dr. GRPO, 16 x 4": ["rollout.batch_size=16", "rollout.samples_per_prompt=4", "ppo.advantage=dr_grpo",
+                         "ppo.loss_agg=seq-mean-token-sum-norm"],
+    "RLOO, 16 x 4": ["rollout.batch_size=16", "rollout.samples_per_prompt=4", "ppo.advantage=rloo"],
+    "REINFORCE++ baseline, 16 x 4": ["rollout.batch_size=16", "rollout.samples_per_prompt=4",
+                                     "ppo.advantage=reinforce_pp_baseline"],
+}
+COMMON = ["trainer=reference", "output.save_model=false", "output.checkpoint_every=0",
+          "eval.every=0", "output.samples_every=0", "output.tensorboard=false"]
+
+
+def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
+    from rayppo.config.load import load_config
+    from rayppo.run.metrics import read_metrics
+    from rayppo.train import run
+    from rayppo.trainers.inprocess import ReferenceTrainer
+
+    folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"
+    cfg = load_config(None, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true"])
+    print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
+    run(cfg, ReferenceTrainer(cfg), progress=False)
+    records = read_metrics(folder / "metrics.jsonl")
+    seconds, iterations = time_to_target(records)
+    learn = [r["time/learn"] for r in records[1:]] or [records[0]["time/learn"]]
+    return {"name": name, "seed": seed, "overrides": overrides, "seconds_to_target": seconds,
+            "iterations_to_target": iterations, "total_seconds": sum(r["time/iteration"] for r in records),
+            "final_reward": sum(r["reward/mean"] for r in records[-5:]) / len(records[-5:]),
+            "learn_seconds": sum(learn) / len(learn),
+            "tokens_per_iteration": sum(r["response/length_mean"] for r in records) / len(records)
+            * int(_field(overrides, "rollout.batch_size")) * int(_field(overrides, "rollout.samples_per_prompt")),
+            "curve": [(r["iteration"], r["time/iteration"], r["reward/mean"]) for r in records]}
+
+
+def _field(overrides: list[str], key: str) -> str:
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith(key + "="))
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Mean reward over the seeds against the iteration, shaded one standard deviation."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["name"] for r in results):
+        runs = [r for r in results if r["name"] == name]
+        length = min(len(r["curve"]) for r in runs)
+        values = [[r["curve"][i][2] for r in runs] for i in range(length)]
+        ys, spread = [statistics.fmean(v) for v in values], [statistics.pstdev(v) for v in values]
+        line, = ax.plot(range(length), ys, label=name)
+        ax.fill_between(range(length), [y - d for y, d in zip(ys, spread)], [y + d for y, d in zip(ys, spread)],
+                        color=line.get_color(), alpha=0.10, linewidth=0)
+    ax.axhline(TARGET, color="grey", linewidth=0.8)
+    seeds = len({r["seed"] for r in results})
+    ax.set(title=f"reward per iteration, 64 responses each (default task, mean of {seeds} seeds)",
+           xlabel="iteration", ylabel="reward/mean")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/estimators", help="output folder")
+    parser.add_argument("--iterations", type=int, default=40, help="iterations per run (stop.iterations)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)), help="seeds; every run per seed")
+    parser.add_argument("--only", nargs="+", default=None, choices=list(RUNS), metavar="NAME",
+                        help=f"run only these (of: {'; '.join(RUNS)}); put KEY=VALUE overrides before it")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in args.seeds:  # seeds outermost: a slow spell of the machine hits every run alike
+        for name, run_overrides in RUNS.items():
+            if args.only is None or name in args.only:
+                results.append(run_one(name, COMMON + [f"stop.iterations={args.iterations}"] + args.overrides
+                                       + run_overrides, out, seed))
+                (out / "estimators_learning.json").write_text(json.dumps(
+                    {"target": TARGET, "summary": summary(results), "runs": results}, indent=1))
+    plot(results, out / "estimators_learning.png")
+    print(f"\n{'estimator':<30}{'reached':>9}{'its to ' + str(TARGET):>12}{'s to ' + str(TARGET):>10}"
+          f"{'final':>8}{'s / it':>8}")
+    for row in summary(results):
+        runs = [r for r in results if r["name"] == row["name"]]
+        final = sum(r["final_reward"] for r in runs) / len(runs)
+        its = f"{row['mean_iterations']:.1f}" if row["mean_iterations"] is not None else "-"
+        s = f"{row['mean_seconds']:.1f}" if row["mean_seconds"] is not None else "never"
+        print(f"{row['name']:<30}{row['reached']:>5}/{row['runs']:<3}{its:>12}{s:>10}{final:>8.3f}"
+              f"{row['seconds_per_iteration']:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""TRL's GRPO on a rayppo group workload, timed per iteration (runs in TRL's own venv).
+
+    python benchmarks/trl_grpo.py --spec spec.json --out trl.json
+
+``spec.json`` (written by ``rayppo bench --compare trl`` for a ``ppo.advantage=grpo`` workload)
+names the model folders, the unique prompts and the shape. The two sides are set alike:
+
+- one rayppo iteration = one TRL generation round: ``generation_batch_size`` = prompts x
+  ``num_generations`` rows, ``steps_per_generation`` = ``ppo.minibatches`` optimiser steps of
+  ``per_device_train_batch_size`` = rows / minibatches, ``num_iterations`` = ``ppo.epochs``;
+- ``beta`` = ``ppo.kl_coef`` (rayppo's ``ppo.kl_mode=loss``: k3 in the loss; 0 loads no reference
+  on either side), ``scale_rewards=group`` (GRPO's std), ``loss_type=dapo`` (the token mean over
+  the whole batch: rayppo's ``token-mean``), ``epsilon`` = ``ppo.clip_eps``;
+- every response ``max_completion_length`` tokens (``min_new_tokens``: rayppo's ``ignore_eos``);
+- ``use_vllm=False`` (no vLLM on TRL's CPU path), bf16 autocast and gradient checkpointing as the
+  rayppo side has them.
+
+A callback stamps each optimiser step; an iteration is ``steps_per_generation`` of them.
+(Field names read from TRL's ``trl/trainer/grpo_config.py``; pinned: trl 1.12.0.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+
+class StepClock(TrainerCallback):
+    """Wall time at the start and after every optimiser step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+        print(f"  TRL step {len(self.stamps) - 1}/{args.max_steps}: {self.stamps[-1] - self.stamps[-2]:.2f} s",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="workload spec JSON written by rayppo bench")
+    parser.add_argument("--out", required=True, help="where to write the per-iteration timings (JSON)")
+    args = parser.parse_args()
+    spec = json.loads(open(args.spec).read())
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
+    tokenizer.padding_side = "left"
+    bf16 = bool(spec.get("bf16", False))
+    frozen_dtype = torch.bfloat16 if bf16 else torch.float32
+    policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=frozen_dtype)
+    dataset = Dataset.from_dict({"prompt": spec["prompts"]})
+    rows = len(spec["prompts"]) * spec["num_generations"]
+    steps = spec["minibatches"]
+    config = GRPOConfig(
+        output_dir=spec["output_dir"], report_to="none", save_strategy="no", use_cpu=True, bf16=bf16, fp16=False,
+        seed=0, disable_tqdm=True, logging_steps=1 << 30, shuffle_dataset=False,
+        num_generations=spec["num_generations"], generation_batch_size=rows, per_device_train_batch_size=rows // steps,
+        gradient_accumulation_steps=1, num_iterations=spec["epochs"],
+        max_steps=(spec["warmup"] + spec["iterations"]) * steps * spec["epochs"],
+        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
+        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]},
+        learning_rate=spec["lr"], beta=spec["kl_coef"], epsilon=spec["clip_eps"], scale_rewards="group",
+        loss_type="dapo", use_vllm=False, gradient_checkpointing=spec["gradient_checkpointing"],
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=config, train_dataset=dataset,
+                          processing_class=tokenizer, reward_processing_classes=[tokenizer], callbacks=[clock])
+    trainer.train()
+    per = steps * spec["epochs"]  # optimiser steps per generation round (one rayppo iteration)
+    ends = clock.stamps[::per]
+    walls = [{"wall_s": b - a, "gc_s": 0.0} for a, b in zip(ends, ends[1:])]
+    json.dump({"trl_version": __import__("trl").__version__, "trainer": "GRPOTrainer",
+               "threads": torch.get_num_threads(), "iterations": walls[spec["warmup"]:]}, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
