@@ -33,14 +33,14 @@ from typing import Any
 import torch
 import yaml
 
-from rayppo.config.derived import actor_threads, has_critic, uses_reference, weight_sync_backend
+from rayppo.config.derived import actor_threads, batch_rows, has_critic, uses_reference, weight_sync_backend
 from rayppo.config.load import load_config
 from rayppo.config.schema import Config, to_dict
 from rayppo.errors import RayppoError
 from rayppo.models.paths import cache_root
 
 HERE = Path(__file__).resolve().parent
-TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0"]
+TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0", "requests==2.34.2"]  # GRPOTrainer imports requests (its vLLM client)
 TRL_SCRIPTS = {"gae": "trl_ppo.py", "grpo": "trl_grpo.py"}
 """The TRL trainer compared for each ``ppo.advantage`` (``--compare trl``)."""
 TRL_VENV_ENV = "RAYPPO_TRL_VENV"
@@ -381,7 +381,7 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
               alone: dict[str, float] | None, trl: list[dict[str, float]] | None,
               estimate: dict[str, int] | None = None, arithmetic: dict[str, float] | None = None) -> dict[str, Any]:
     """The figures of one benchmark run (bench.json)."""
-    tokens = cfg.rollout.batch_size * cfg.rollout.max_new_tokens  # fixed lengths
+    tokens = batch_rows(cfg) * cfg.rollout.max_new_tokens  # fixed lengths; rows = prompts x samples_per_prompt
     col = {k: [r[k] for r in records] for k in records[0]}
     per_iteration = [
         {"iteration_s": r["time/iteration"], "generate_s": r["time/generate"], "reference_s": r["time/reference"],
@@ -400,7 +400,9 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "end_to_end_tokens_per_s": tokens / iteration,
         "iteration_s": _mmm(col["time/iteration"]),
         "stage_s": {s: _mmm(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn", "sync")},
-        "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")},
+        # A stage that did not run (no reference at ppo.kl_coef = 0) has no rate.
+        "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")
+                               if statistics.median(col[f"time/{s}"]) > 0},
         "idle_s": {"generators": _mmm([p["generator_idle_s"] for p in per_iteration]),
                    "learners": _mmm([p["learner_idle_s"] for p in per_iteration])},
         # Shares of the iteration each role waited (the asynchronous pipeline's goal: both small).

@@ -60,6 +60,10 @@ def test_summary_ratios(bench):
                         arithmetic=arithmetic | {"proximal_flops_ratio": 1.6})
     assert s["busiest_stage"] == "learn" and s["overlap_bound"] == pytest.approx(1.5 / 0.8)
     assert s["idle_floor"] == pytest.approx({"generators": 1 - 0.7 / 0.8, "learners": 0.0})
+    # Groups: 16 prompts x 4 samples generate 64 x 32 tokens, the same as 64 x 1.
+    groups = load_config(None, ["rollout.batch_size=16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=32"])
+    s = bench.summarize("tiny", groups, records, {"learner": 1}, None, trl, arithmetic=arithmetic)
+    assert s["tokens_per_iteration"] == 2048 and s["end_to_end_tokens_per_s"] == pytest.approx(2048 / 1.5)
 
 
 def test_sweep_points(bench):

@@ -126,13 +126,14 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
 @pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
 def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version(tmp_path):
-    """rollout.max_staleness = 1 with GRPO: the pipeline's generators sample ahead, and every
-    group's rows carry one policy version (a group is one generator's call), so the off-policy
-    loss weighs a group's rows alike; three iterations complete with no critic."""
+    """rollout.max_staleness = 1 with GRPO and LoRA: the pipeline's generators sample ahead, and
+    every group's rows carry one policy version (a group is one generator's call), so the
+    off-policy loss weighs a group's rows alike; three iterations complete with no critic."""
     cfg = load_config(None, ["generators.backend=hf", "generators.num=2", "rollout.batch_size=4",
                              "rollout.samples_per_prompt=4", "ppo.advantage=grpo", "ppo.minibatches=2",
                              "rollout.max_new_tokens=6", "learner.num_ranks=1", "rollout.max_staleness=1",
-                             "learner.weight_sync=object_store", f"output.dir={tmp_path / 'run'}"])
+                             "learner.weight_sync=object_store", "learner.lora_rank=4",
+                             f"output.dir={tmp_path / 'run'}"])
     from rayppo.trainers.pipeline import distributed_trainer
 
     trainer = distributed_trainer(cfg)
