@@ -98,9 +98,9 @@ def mean_curve(runs: list[dict[str, Any]]) -> tuple[list[float], list[float], li
     return xs, [statistics.fmean(v) for v in rewards], [statistics.pstdev(v) for v in rewards]
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Reward against the iterations' wall clock, one line per run: the mean over the seeds,
-    shaded one standard deviation either side."""
+def plot(results: list[dict[str, Any]], path: Path, by_iteration: bool = False, title: str | None = None) -> None:
+    """Reward against the iterations' wall clock (or the iteration), one line per run: the mean
+    over the seeds, shaded one standard deviation either side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,12 +110,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     seeds = sorted({r["seed"] for r in results})
     for name in dict.fromkeys(r["name"] for r in results):
         xs, ys, spread = mean_curve([r for r in results if r["name"] == name])
+        xs = list(range(len(ys))) if by_iteration else xs
         line, = ax.plot(xs, ys, label=name, linestyle="-" if "GAE" not in name else "--")
         ax.fill_between(xs, [y - d for y, d in zip(ys, spread)], [y + d for y, d in zip(ys, spread)],
                         color=line.get_color(), alpha=0.12, linewidth=0)
     ax.axhline(TARGET, color="grey", linewidth=0.8)
-    ax.set(title=f"reward against wall-clock time (default task, mean of {len(seeds)} seed(s))",
-           xlabel="seconds (iterations only)", ylabel="reward/mean")
+    ax.set(title=title or f"reward against wall-clock time (default task, mean of {len(seeds)} seed(s))",
+           xlabel="iteration" if by_iteration else "seconds (iterations only)", ylabel="reward/mean")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -140,25 +141,40 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/async-learning", help="output folder")
+def learning_args(argv: list[str] | None, doc: str, runs: dict[str, list[str]], out: str, seeds: list[int]
+                  ) -> argparse.Namespace:
+    """The command line of a learning comparison: --out, --iterations, --seeds, --only, overrides."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=out, help="output folder")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per run (stop.iterations)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; every run is repeated per seed")
-    parser.add_argument("--only", nargs="+", default=None, choices=list(RUNS), metavar="NAME",
-                        help=f"run only these runs (of: {'; '.join(RUNS)}); put KEY=VALUE overrides before it")
+    parser.add_argument("--seeds", type=int, nargs="+", default=seeds, help="seeds; every run is repeated per seed")
+    parser.add_argument("--only", nargs="+", default=None, choices=list(runs), metavar="NAME",
+                        help=f"run only these runs (of: {'; '.join(runs)}); put KEY=VALUE overrides before it")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_all(args: argparse.Namespace, runs: dict[str, list[str]], base: list[str], run_one, json_name: str
+            ) -> list[dict[str, Any]]:
+    """Every run of ``runs`` per seed (seeds outermost: a slow spell of the machine hits every run
+    alike), ``base`` + the run's overrides; the results so far rewritten to ``json_name`` after each."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for seed in args.seeds:  # seeds outermost: a slow spell of the machine hits every run alike
-        for name, run_overrides in RUNS.items():
+    for seed in args.seeds:
+        for name, run_overrides in runs.items():
             if args.only is None or name in args.only:
-                results.append(run_one(name, DISAGGREGATED + pinned_cores() + [f"stop.iterations={args.iterations}"]
-                                       + args.overrides + run_overrides, out, seed))
-                (out / "async_learning.json").write_text(json.dumps(
-                    {"summary": summary(results), "runs": results}, indent=1))
+                results.append(run_one(name, base + [f"stop.iterations={args.iterations}"] + args.overrides
+                                       + run_overrides, out, seed))
+                (out / json_name).write_text(json.dumps(
+                    {"target": TARGET, "summary": summary(results), "runs": results}, indent=1))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = learning_args(argv, __doc__, RUNS, "runs/async-learning", [0])
+    results = run_all(args, RUNS, DISAGGREGATED + pinned_cores(), run_one, "async_learning.json")
+    out = Path(args.out)
     plot(results, out / "async_learning.png")
     print(f"\n{'run':<24}{'reached':>9}{'mean s to ' + str(TARGET):>16}{'its':>7}{'s / it':>8}  seconds per seed")
     for row in summary(results):

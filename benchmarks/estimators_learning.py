@@ -15,15 +15,13 @@ iterations to the target reward, final reward, the curve) and ``DIR/estimators_l
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_learning import TARGET, summary, time_to_target  # noqa: E402
+from async_learning import TARGET, learning_args, plot, run_all, summary, time_to_target  # noqa: E402
 
 RUNS = {
     "PPO-GAE, 64 x 1": ["rollout.batch_size=64", "rollout.samples_per_prompt=1", "ppo.advantage=gae"],
@@ -64,54 +62,12 @@ def _field(overrides: list[str], key: str) -> str:
     return next(o.split("=", 1)[1] for o in overrides if o.startswith(key + "="))
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Mean reward over the seeds against the iteration, shaded one standard deviation."""
-    import statistics
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in dict.fromkeys(r["name"] for r in results):
-        runs = [r for r in results if r["name"] == name]
-        length = min(len(r["curve"]) for r in runs)
-        values = [[r["curve"][i][2] for r in runs] for i in range(length)]
-        ys, spread = [statistics.fmean(v) for v in values], [statistics.pstdev(v) for v in values]
-        line, = ax.plot(range(length), ys, label=name)
-        ax.fill_between(range(length), [y - d for y, d in zip(ys, spread)], [y + d for y, d in zip(ys, spread)],
-                        color=line.get_color(), alpha=0.10, linewidth=0)
-    ax.axhline(TARGET, color="grey", linewidth=0.8)
-    seeds = len({r["seed"] for r in results})
-    ax.set(title=f"reward per iteration, 64 responses each (default task, mean of {seeds} seeds)",
-           xlabel="iteration", ylabel="reward/mean")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/estimators", help="output folder")
-    parser.add_argument("--iterations", type=int, default=40, help="iterations per run (stop.iterations)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)), help="seeds; every run per seed")
-    parser.add_argument("--only", nargs="+", default=None, choices=list(RUNS), metavar="NAME",
-                        help=f"run only these (of: {'; '.join(RUNS)}); put KEY=VALUE overrides before it")
-    parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
-    args = parser.parse_args(argv)
+    args = learning_args(argv, __doc__, RUNS, "runs/estimators", list(range(8)))
+    results = run_all(args, RUNS, COMMON, run_one, "estimators_learning.json")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for seed in args.seeds:  # seeds outermost: a slow spell of the machine hits every run alike
-        for name, run_overrides in RUNS.items():
-            if args.only is None or name in args.only:
-                results.append(run_one(name, COMMON + [f"stop.iterations={args.iterations}"] + args.overrides
-                                       + run_overrides, out, seed))
-                (out / "estimators_learning.json").write_text(json.dumps(
-                    {"target": TARGET, "summary": summary(results), "runs": results}, indent=1))
-    plot(results, out / "estimators_learning.png")
+    plot(results, out / "estimators_learning.png", by_iteration=True,
+         title=f"reward per iteration, 64 responses each (default task, mean of {len(args.seeds)} seeds)")
     print(f"\n{'estimator':<30}{'reached':>9}{'its to ' + str(TARGET):>12}{'s to ' + str(TARGET):>10}"
           f"{'final':>8}{'s / it':>8}")
     for row in summary(results):

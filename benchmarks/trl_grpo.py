@@ -21,14 +21,14 @@ A callback stamps each optimiser step; an iteration is ``steps_per_generation`` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from trl_common import setup
 
 
 class StepClock(TrainerCallback):
@@ -47,18 +47,8 @@ class StepClock(TrainerCallback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="workload spec JSON written by rayppo bench")
-    parser.add_argument("--out", required=True, help="where to write the per-iteration timings (JSON)")
-    args = parser.parse_args()
-    spec = json.loads(open(args.spec).read())
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
-    tokenizer.padding_side = "left"
-    bf16 = bool(spec.get("bf16", False))
-    frozen_dtype = torch.bfloat16 if bf16 else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=frozen_dtype)
+    s = setup(__doc__.splitlines()[0])
+    spec, tokenizer, policy, reward, bf16 = s.spec, s.tokenizer, s.policy, s.reward, s.bf16
     dataset = Dataset.from_dict({"prompt": spec["prompts"]})
     rows = len(spec["prompts"]) * spec["num_generations"]
     steps = spec["minibatches"]
@@ -81,7 +71,7 @@ def main() -> None:
     ends = clock.stamps[::per]
     walls = [{"wall_s": b - a, "gc_s": 0.0} for a, b in zip(ends, ends[1:])]
     json.dump({"trl_version": __import__("trl").__version__, "trainer": "GRPOTrainer",
-               "threads": torch.get_num_threads(), "iterations": walls[spec["warmup"]:]}, open(args.out, "w"), indent=1)
+               "threads": torch.get_num_threads(), "iterations": walls[spec["warmup"]:]}, open(s.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,15 @@ give TRL's time with its per-iteration garbage collections measured out.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 from trl.experimental.ppo import PPOConfig, PPOTrainer
+from trl_common import setup
 
 _collect = gc.collect
 GC_SECONDS = [0.0]
@@ -48,23 +48,10 @@ class StepClock(TrainerCallback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="workload spec JSON written by rayppo bench")
-    parser.add_argument("--out", required=True, help="where to write the per-iteration timings (JSON)")
-    args = parser.parse_args()
-    spec = json.loads(open(args.spec).read())
-    torch.manual_seed(0)
+    s = setup(__doc__.splitlines()[0])
+    spec, tokenizer, policy, reward, bf16 = s.spec, s.tokenizer, s.policy, s.reward, s.bf16
     gc.collect = timed_collect  # TRL calls gc.collect() twice per update
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
-    tokenizer.padding_side = "left"
-    # bf16 (the small-bf16 workload): the trained models keep fp32 weights and run under bf16
-    # autocast (TrainingArguments.bf16, accelerate's mixed precision); the frozen ones are bf16.
-    bf16 = bool(spec.get("bf16", False))
-    frozen_dtype = torch.bfloat16 if bf16 else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=frozen_dtype)
-    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=frozen_dtype)
+    ref = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=s.frozen_dtype)
     value = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=torch.float32)
     ids = tokenizer(spec["prompts"])["input_ids"]
     dataset = Dataset.from_dict({"input_ids": ids})
@@ -88,7 +75,7 @@ def main() -> None:
     stamps = clock.stamps
     rows = [{"wall_s": t1 - t0, "gc_s": g1 - g0} for (t0, g0), (t1, g1) in zip(stamps, stamps[1:])]
     json.dump({"trl_version": __import__("trl").__version__, "threads": torch.get_num_threads(),
-               "iterations": rows[spec["warmup"]:]}, open(args.out, "w"), indent=1)
+               "iterations": rows[spec["warmup"]:]}, open(s.out, "w"), indent=1)
 
 
 if __name__ == "__main__":
