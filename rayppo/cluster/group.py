@@ -97,14 +97,3 @@ def get_within(future: Any, timeout_s: float, what: str) -> Any:
         return get(future, timeout=timeout_s)
     except (GetTimeoutError, RayActorError) as exc:
         raise ActorFailedError(f"{what} within cluster.call_timeout_s={timeout_s:g} s ({brief(exc)})") from None
-
-
-def split_evenly(n: int, parts: int) -> list[range]:
-    """Contiguous ranges covering 0..n-1, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out

@@ -15,13 +15,13 @@ from typing import Any, Iterator
 import ray
 from ray.exceptions import RayActorError
 
-from rayppo.cluster.group import ActorGroup, get, split_evenly
+from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.placement import Placement
 from rayppo.cluster.supervisor import dump_stacks
 from rayppo.config.derived import actor_threads
 from rayppo.config.schema import Config
 from rayppo.console import console
-from rayppo.data.rollout import Rollout
+from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine

@@ -158,3 +158,15 @@ def padded(rows: list[list[float]], dtype: torch.dtype, value: float = 0.0) -> t
         if row:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)
     return out
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """Contiguous ranges covering 0..n-1, sizes differing by at most one: how a batch's rows (or
+    prompts) are shared among actors."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out

@@ -23,7 +23,7 @@ from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.colocation import DeviceSchedule
-from rayppo.cluster.group import ActorGroup, split_evenly
+from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve, role_specs
 from rayppo.cluster.session import ACTOR_ENV, RaySession
@@ -35,7 +35,7 @@ from rayppo.config.derived import (actor_threads, generator_context, reference_a
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
-from rayppo.data.rollout import Rollout
+from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.errors import LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path

@@ -4,10 +4,9 @@ of iterations and generators, and the rollout figures of the metrics line."""
 from __future__ import annotations
 
 from rayppo.actors.generator import SamplingSettings
-from rayppo.cluster.group import split_evenly
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
-from rayppo.data.rollout import Rollout
+from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 
 
