@@ -206,12 +206,14 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     torch.set_num_threads(cfg.reference.num * actor_threads(cfg.reference.threads, cfg.reference.cpus))
     out["reference"] = 0.0  # none at ppo.kl_coef = 0
     if uses_reference(cfg.ppo):
-        reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype)
+        reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype,
+                                    micro_batch_tokens=cfg.reference.micro_batch_tokens)
         reference.ref_logprobs(rollout)
         out["reference"], _ = _timed(reference.ref_logprobs, rollout)
         del reference
     torch.set_num_threads(cfg.reward.num * actor_threads(cfg.reward.threads, cfg.reward.cpus))
-    reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype)
+    reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype,
+                          micro_batch_tokens=cfg.reward.micro_batch_tokens)
     reward.scores(rollout)
     out["reward"], _ = _timed(reward.scores, rollout)
     del reward

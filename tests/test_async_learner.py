@@ -22,7 +22,7 @@ from rayppo.learner import ppo
 from rayppo.learner.experience import (Experience, LocalCollective, ProximalPolicy, check_staleness, make_experience,
                                        proximal_logprobs)
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
-from rayppo.learner.update import (Minibatch, Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update,
+from rayppo.learner.update import (Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update,
                                    same_version_mismatch)
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
@@ -87,7 +87,7 @@ def _stepper(policy, critic):
 
 def _minibatches(exp: Experience, cfg: PPOConfig) -> list[Minibatch]:
     plan = minibatch_plan(exp.batch.mask.shape[0], cfg.epochs, cfg.minibatches, seed=3)
-    return local_minibatches(plan, 0, exp.batch.mask, LocalCollective())
+    return local_minibatches(plan, torch.arange(exp.batch.mask.shape[0]), exp.batch.lengths(), LocalCollective())
 
 
 def _params(*modules: torch.nn.Module) -> list[torch.Tensor]:
@@ -130,15 +130,18 @@ def _hand_written_sync_update(policy, critic, rollout: Rollout, pad_id: int, cfg
     advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
     advantages = ppo.masked_whiten(advantages, mask)
     step, first_gap = _stepper(policy, critic), None
-    for mb in minibatches:
-        part, rows = batch.rows(mb.rows), mb.rows
+    for (mb,) in minibatches:  # one micro-batch each, cut to its own widths as ppo_update does
+        part, rows = batch.rows(mb.rows).trimmed(), mb.rows
+        width = part.mask.shape[1]
+        old, adv = old_logprobs[rows][:, :width], advantages[rows][:, :width]
         logprobs, entropy = policy_forward(policy, part, TEMPERATURE, with_entropy=True, entropy_grad=False)
-        pg_loss, _ = ppo.policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.mask, cfg.clip_eps)
+        pg_loss, _ = ppo.policy_loss(logprobs, old, adv, part.mask, cfg.clip_eps)
         if first_gap is None:
-            first_gap = (logprobs.detach() - old_logprobs[rows]).abs() * part.mask
+            first_gap = (logprobs.detach() - old).abs() * part.mask
         (mb.token_share * pg_loss - mb.token_share * cfg.entropy_coef * ppo.masked_mean(entropy, part.mask)).backward()
         new_values, _ = critic_forward(critic, part)
-        vf_loss = ppo.value_loss(new_values, values[rows], returns[rows], part.mask, cfg.value_clip)
+        vf_loss = ppo.value_loss(new_values, values[rows][:, :width], returns[rows][:, :width], part.mask,
+                                 cfg.value_clip)
         (mb.token_share * cfg.vf_coef * vf_loss).backward()
         step.step()
     return rewards, advantages, returns, first_gap
@@ -243,7 +246,7 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
 
     mb = _minibatches(exp, cfg)
     stats |= ppo_update(policy, critic, exp, mb, cfg, TEMPERATURE, _stepper(policy, critic))
-    rows = mb[0].rows  # the loss saw the rows in this order; the same order gives the same float sums
+    rows = mb[0][0].rows  # the loss saw the rows in this order; the same order gives the same float sums
     weights = torch.clamp(torch.exp(exp.prox_logprobs - exp.old_logprobs), max=cfg.is_clip)
     assert stats["policy/is_weight_mean"] == float(ppo.masked_mean(weights[rows], mask[rows]))
     assert stats["policy/is_weight_mean"] != 1.0
@@ -395,12 +398,12 @@ def test_first_minibatch_reuses_the_experience_value_pass(models, tokenizer):
         p, c = copy.deepcopy(policy), copy.deepcopy(critic)
         plan = minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)
         rows = _rows_counter(c)
-        first = first_local_rows(plan, 0, 6) if reuse else None
+        minibatches = local_minibatches(plan, torch.arange(6), rollout.lengths(), LocalCollective())
+        first = first_rows_kept(minibatches) if reuse else None
         exp, _ = make_experience(rollout, c, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=first)
         assert (exp.first_values is not None) == reuse
         experience_rows = rows[0]
-        ppo_update(p, c, exp, local_minibatches(plan, 0, exp.batch.mask, LocalCollective()), cfg, TEMPERATURE,
-                   _stepper(p, c))
+        ppo_update(p, c, exp, minibatches, cfg, TEMPERATURE, _stepper(p, c))
         results[reuse] = (exp.old_values, _params(p, c), experience_rows, rows[0] - experience_rows)
     first_size = len(minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)[0][0])
     assert results[False][2] == results[True][2] == 6
@@ -414,9 +417,11 @@ def test_a_rank_without_first_minibatch_rows_still_runs_one_placeholder_row():
     """Under ZeRO-3 every rank must run the kept forward: a rank owning none of the first
     minibatch's rows keeps its row 0 (share 0), as ``local_minibatches`` does."""
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
-    assert first_local_rows(plan, 0, 2).tolist() == [0, 1]
-    assert first_local_rows(plan, 2, 2).tolist() == [0]
-    assert local_minibatches(plan, 2, torch.ones(2, 3), LocalCollective())[0].rows.tolist() == [0]
+    lengths = ([2, 2], [3, 3])
+    assert first_rows_kept(local_minibatches(plan, torch.tensor([0, 1]), lengths, LocalCollective())).tolist() == [0, 1]
+    second = local_minibatches(plan, torch.tensor([2, 3]), lengths, LocalCollective())
+    assert first_rows_kept(second).tolist() == [0]
+    assert (second[0][0].token_share, second[0][0].row_share) == (0.0, 0.0)
 
 
 def test_every_rank_runs_both_value_passes_even_when_all_its_rows_are_first(models, tokenizer):

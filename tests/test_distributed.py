@@ -145,7 +145,7 @@ def _equivalence_overrides(ranks: int, zero: int) -> list[str]:
 
 
 def _distributed_two_iterations(ranks: int, zero: int):
-    trainer = DistributedTrainer(load_config(None, _equivalence_overrides(ranks, zero)))
+    trainer = DistributedTrainer(load_config(None, _equivalence_overrides(ranks, zero) + ["learner.micro_batch_tokens=24"]))
     try:
         stats = [trainer.iteration() for _ in range(2)]
         weights = unpack_weights(get(trainer.learner.policy_weights()))
@@ -170,11 +170,13 @@ update instead (a ratio of order 1)."""
 
 def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_dir):
     """Two iterations (8 optimiser steps, a sync, a second rollout from the new weights): losses,
-    clip fractions, KL and the weights' update of N ranks x ZeRO stage equal the single-process
-    trainer's. Sharding or a wrong cross-rank normalisation changes all of them. Weights are
+    clip fractions, KL and the weights' update of N ranks x ZeRO stage, each minibatch in
+    micro-batches by token budget, equal the single-process trainer's, which takes it whole. Sharding or a wrong cross-rank normalisation changes all of them. Weights are
     compared where the comparison is well-conditioned (see ``BULK_GAP``): element by element an
     Adam update of a gradient at rounding noise can differ by up to the step bound on any CPU."""
-    cfg = load_config(None, _equivalence_overrides(1, 0) + ["trainer=reference"])
+    # The reference takes each minibatch whole; the ranks cut theirs into micro-batches of 24 padded
+    # tokens (2-4 per minibatch, counts differing between ranks), rows dealt to the ranks by tokens.
+    cfg = load_config(None, _equivalence_overrides(1, 0) + ["trainer=reference", "learner.micro_batch_tokens=0"])
     reference = ReferenceTrainer(cfg)
     ref_stats = [reference.iteration() for _ in range(2)]
     ref_weights = reference.policy.state_dict()

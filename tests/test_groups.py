@@ -58,7 +58,9 @@ GROUP_RUN = ["generators.backend=hf", "generators.num=1", "rollout.batch_size=5"
              "output.save_rollouts=true"]
 """5 prompts x 4 samples = 20 rows; with 2 ranks of 10, group 2 (rows 8-11) is split 2 + 2."""
 ESTIMATORS = {
-    "grpo": ["ppo.advantage=grpo", "ppo.kl_mode=loss", "ppo.loss_agg=seq-mean-token-sum-norm"],
+    # The ranks cut their minibatches by tokens (the in-process reference does not): row shares too.
+    "grpo": ["ppo.advantage=grpo", "ppo.kl_mode=loss", "ppo.loss_agg=seq-mean-token-sum-norm",
+             "learner.micro_batch_tokens=20"],
     "rloo": ["ppo.advantage=rloo", "ppo.kl_coef=0", "ppo.clip_eps_high=0.28", "rollout.dynamic_sampling_rounds=2"],
     "reinforce_pp_baseline": ["ppo.advantage=reinforce_pp_baseline", "rollout.overlong_buffer=3"],
 }
@@ -77,7 +79,8 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
     built (no critic/ in a checkpoint or the outputs, none in the plan) and at kl_coef = 0 no
     reference actor starts."""
     overrides = GROUP_RUN + ESTIMATORS[estimator]
-    reference = ReferenceTrainer(load_config(None, overrides + ["trainer=reference", "learner.num_ranks=1"]))
+    reference = ReferenceTrainer(load_config(None, overrides + ["trainer=reference", "learner.num_ranks=1",
+                                                                "learner.micro_batch_tokens=0"]))
     assert reference.critic is None
     ref_stats = [reference.iteration() for _ in range(2)]
     groups = reference.last_rollout.group_id  # all 5 groups (dynamic sampling: the informative ones)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
@@ -18,7 +19,7 @@ class ReferenceEngine(Engine):
     """
 
     def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
-                 num_threads: int | None = None, gpus: float = 0.0):
+                 num_threads: int | None = None, gpus: float = 0.0, micro_batch_tokens: int = 0):
         self.set_threads(num_threads)
         self.init_device(gpus, "reference")
         model_path = str(resolve_model_path(model_path))
@@ -26,6 +27,7 @@ class ReferenceEngine(Engine):
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.temperature = temperature
         self.batch_size = batch_size
+        self.micro_batch_tokens = micro_batch_tokens
 
     def describe(self) -> str:
         return f"transformers, {model_size(self.model)}, {self.device_info()}"
@@ -33,10 +35,12 @@ class ReferenceEngine(Engine):
     @torch.no_grad()
     def ref_logprobs(self, rollout: Rollout) -> list[list[float]]:
         """``[B][T_b]`` log pi_ref(y_t | S_{t-1}) for every response token."""
-        out: list[list[float]] = []
-        for start in range(0, len(rollout), self.batch_size):
-            part = rollout.select(range(start, min(start + self.batch_size, len(rollout))))
+        out: list[list[float]] = [[] for _ in range(len(rollout))]
+        # Micro-batches of about equal padded tokens (``reference.micro_batch_tokens``), or fixed runs of rows.
+        for rows in scoring_batches(*rollout.lengths(), self.micro_batch_tokens, self.batch_size):
+            part = rollout.select(rows)
             batch = pack(part.prompt_ids, part.response_ids, self.pad_id).to(self.device)
             logprobs, _ = policy_forward(self.model, batch, self.temperature)
-            out.extend(row[: len(ids)].tolist() for row, ids in zip(logprobs, part.response_ids))
+            for i, row, ids in zip(rows, logprobs, part.response_ids):
+                out[i] = row[: len(ids)].tolist()
         return out

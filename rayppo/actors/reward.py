@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function
+from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
@@ -77,12 +78,14 @@ class RewardEngine(Engine):
 
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
                  dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None,
-                 gpus: float = 0.0, timeout_s: float = 30.0, timeout_score: float | None = None):
+                 gpus: float = 0.0, timeout_s: float = 30.0, timeout_score: float | None = None,
+                 micro_batch_tokens: int = 0):
         self.set_threads(num_threads)
         self.init_device(gpus, "reward")
         if sum(x is not None for x in (function, model, http)) != 1:
             raise ValueError("RewardEngine needs exactly one of function=, model= and http=")
         self.batch_size = batch_size
+        self.micro_batch_tokens = micro_batch_tokens  # reward model passes only
         if function:
             load_reward_function(function)  # a bad name fails here, at start, with the field named
         # Each call runs in a child process that is killed past timeout_s (verifier.py).
@@ -167,10 +170,13 @@ class RewardEngine(Engine):
     @torch.no_grad()
     def _model_scores(self, rollout: Rollout) -> list[float]:
         texts, templated = self._model_texts(rollout)
-        out: list[float] = []
-        for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=not templated)["input_ids"]]
+        out = [0.0] * len(texts)
+        # Micro-batches of about equal padded tokens (``reward.micro_batch_tokens``), or fixed runs of rows.
+        for rows in scoring_batches([0] * len(texts), lengths, self.micro_batch_tokens, self.batch_size):
+            enc = self.tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True,
                                  add_special_tokens=not templated).to(self.device)
             logits = self.model(**enc).logits  # [b, 1]
-            out.extend(logits[:, 0].float().tolist())
+            for i, value in zip(rows, logits[:, 0].float().tolist()):
+                out[i] = value
         return out

@@ -21,10 +21,12 @@ from rayppo.cluster.supervisor import dump_stacks
 from rayppo.config.derived import actor_threads
 from rayppo.config.schema import Config
 from rayppo.console import console
+from rayppo.data.micro_batches import balanced_shards
 from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
+from rayppo.learner.update import minibatch_plan
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
 
 
@@ -54,6 +56,7 @@ class LearnerGroup:
             args = [(cfg, rank, n, addr, port, threads) for rank in range(n)]
             self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
+        self.owned: list[list[int]] = []  # the global rows of each rank in the last ``train``
         self.rank0_host = addr
         self.where: list[tuple[int, str]] = []  # (pid, node address) per rank, once ``locate`` has run
 
@@ -119,15 +122,29 @@ class LearnerGroup:
         return self.rank0_host, self._gather(self.ranks.call_all(LearnerEngine.free_port), "free_port")[0]
 
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
-        """One PPO iteration over ``rollout``, its rows split contiguously across the ranks."""
-        shards = split_evenly(len(rollout), self.num_ranks)
-        args = [(rollout.select(rows), rows.start, len(rollout), kl_coef, iteration) for rows in shards]
+        """One PPO iteration over ``rollout``, its rows dealt to the ranks by tokens (``shards``)."""
+        self.owned = self.shards(rollout, iteration)
+        args = [(rollout.select(rows), rows, len(rollout), kl_coef, iteration) for rows in self.owned]
         return self._gather(self.ranks.call(LearnerEngine.train, args), "train")[0]
 
+    def shards(self, rollout: Rollout, iteration: int) -> list[list[int]]:
+        """The global rows each rank trains on: the first epoch's minibatches (the plan every rank
+        computes, ``update.minibatch_plan``) dealt by tokens, so no rank waits on another's long
+        rows at every step; by rows when that would leave a rank without any."""
+        p = self._spec[0].ppo
+        plan = minibatch_plan(len(rollout), p.epochs, p.minibatches, seed=self._spec[0].seed + iteration)[0]
+        prompt, response = rollout.lengths()
+        owned = balanced_shards([a + b for a, b in zip(prompt, response)], [m.tolist() for m in plan], self.num_ranks)
+        return owned if all(owned) else [list(rows) for rows in split_evenly(len(rollout), self.num_ranks)]
+
     def trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
-        """``(advantages, returns)`` of every row of the last ``train``, ranks in order."""
+        """``(advantages, returns)`` of every row of the last ``train``, in the rollout's row order."""
         parts = self._gather(self.ranks.call_all(LearnerEngine.trained_targets), "trained_targets")
-        return [a for part, _ in parts for a in part], [r for _, part in parts for r in part]
+        rows = [i for owned in self.owned for i in owned]
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        advantages = [a for part, _ in parts for a in part]
+        returns = [r for _, part in parts for r in part]
+        return [advantages[i] for i in order], [returns[i] for i in order] if returns else []
 
     def policy_weights(self) -> Any:
         """A future of rank 0's ``WeightsPayload`` (the value itself when in-process), once every

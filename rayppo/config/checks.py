@@ -250,6 +250,9 @@ def _validate_system(cfg: Config) -> Config:
     for name, role in (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
         _require(role.threads is None or role.threads >= 1, f"{name}.threads", "must be >= 1 or null", role.threads)
         _check_cores(cfg, f"{name}.cores", role.cores)
+    for name, role in (("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
+        _require(role.micro_batch_tokens >= 0, f"{name}.micro_batch_tokens",
+                 "must be >= 0 (padded tokens per forward pass; 0: unbucketed)", role.micro_batch_tokens)
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
     _require(cfg.cluster.max_actor_restarts >= 0, "cluster.max_actor_restarts", "must be >= 0",
              cfg.cluster.max_actor_restarts)

@@ -70,6 +70,11 @@ class ScorerConfig:
     """GPUs per actor (fractions share a GPU)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources per actor."""
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward pass of this role's model (the reference policy, a reward model):
+    rows sorted by length and cut like ``learner.micro_batch_tokens``, results back in row order.
+    0: fixed batches in row order (64 rows for the reference, ``reward.batch_size`` for a reward
+    model), each padded to its longest row."""
     cores: list[int] | None = None
     """CPU cores every actor of this role is pinned to (all its threads and child processes),
     e.g. ``[0]``. Roles on disjoint cores no longer slow each other down, as roles on separate
@@ -102,7 +107,7 @@ class RewardConfig(ScorerConfig):
     retries: int = 3
     """HTTP endpoint: attempts per batch before the job fails (exponential back-off)."""
     batch_size: int = 32
-    """Responses per reward-model forward pass or HTTP request."""
+    """Responses per HTTP request, and per reward-model forward pass when ``micro_batch_tokens`` is 0."""
 
 
 @dataclass
@@ -442,6 +447,14 @@ class LearnerConfig:
     """DeepSpeed ZeRO stage 0-3 for policy and critic."""
     offload: bool = False
     """ZeRO: keep optimizer states (and, at stage 3, parameters) in CPU memory."""
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward/backward pass of the learner: each rank's rows of a minibatch are
+    sorted by length and cut into micro-batches of at most this many tokens (rows x its longest
+    prompt + longest response), gradients accumulated into one optimiser step, every loss
+    normalised by the whole minibatch's counts (so the update is the unsplit one). Ranks get the
+    minibatch's rows dealt by tokens. Bounds activation memory and pays for tokens, not for the
+    padding of a batch's longest response; a row longer than this is a pass of its own. The
+    experience pass (values, log pi_prox) is cut the same way. 0: one pass per minibatch."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute). The trained
     models run in train mode with every dropout at 0, so checkpointing is active and the first

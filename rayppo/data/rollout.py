@@ -94,6 +94,10 @@ class Rollout:
             picked[f.name] = [column[i] for i in rows] if column else []
         return Rollout(**picked)
 
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """``(prompt lengths, response lengths)`` of the rows, in tokens."""
+        return [len(p) for p in self.prompt_ids], [len(r) for r in self.response_ids]
+
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
         """Rows of several rollouts, one after the other."""

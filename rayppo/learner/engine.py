@@ -1,8 +1,8 @@
 """One learner rank: DeepSpeed ZeRO engines for the policy and the critic.
 
 ``LearnerEngine`` is a plain class (the learner group wraps it in a Ray actor at spawn time).
-Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a contiguous shard
-of every rollout, and runs ``make_experience`` (``experience.py``) + ``ppo_update`` (``update.py``) with
+Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a shard of every
+rollout (rows dealt by tokens, ``data/micro_batches.py``), and runs ``make_experience`` (``experience.py``) + ``ppo_update`` (``update.py``) with
 DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
 """
 
@@ -24,7 +24,7 @@ from rayppo.engine import Engine, model_size
 from rayppo.learner.experience import ProximalPolicy, TruncationRule, check_staleness, make_experience
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.guard import MismatchGuard
-from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                         layer_runs, param_specs)
 from rayppo.learner.zero_sizes import zero_sizes
@@ -68,6 +68,10 @@ def deepspeed_config(cfg: Config, lr: float, world_size: int, shape: ModelShape)
         "train_batch_size": world_size,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        # A minibatch is as many micro-batches as its tokens need (learner.micro_batch_tokens): the
+        # caller owns the boundary, backward() accumulates and step() reduces and updates
+        # (deepspeed/runtime/engine.py, 0.19.8: ``backward``, ``step``; ZeRO-2/3 reduce per backward).
+        "managed_gradient_accumulation": False,
         # torch's AdamW: no compiled DeepSpeed ops needed, and the same update as the reference.
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": cfg.ppo.weight_decay, "torch_adam": True}},
@@ -166,22 +170,25 @@ class LearnerEngine(Engine):
         self._ipc_stream: Iterator[list[tuple[str, torch.Tensor]]] | None = None  # a sync in progress
         self._ipc_held: IpcChunk | None = None  # the run the generator is loading
 
-    def train(self, shard: Rollout, offset: int, batch_size: int, kl_coef: float, iteration: int) -> dict[str, float]:
+    def train(self, shard: Rollout, owned: list[int], batch_size: int, kl_coef: float, iteration: int
+              ) -> dict[str, float]:
         """Values, shaped rewards, advantages, global whitening and M epochs of PPO on this rank's rows.
 
-        ``shard`` holds global rows [offset, offset + len(shard)) of a rollout of ``batch_size``.
-        Its rows may lag the learner by up to ``rollout.max_staleness`` versions (0: none); with a
-        lag allowed, the off-policy corrections of ``experience.py`` apply.
+        ``shard`` holds the global rows ``owned`` (ascending) of a rollout of ``batch_size``. Its rows
+        may lag the learner by up to ``rollout.max_staleness`` versions (0: none); with a lag
+        allowed, the off-policy corrections of ``experience.py`` apply.
         """
         r, p = self.cfg.rollout, self.cfg.ppo
         check_staleness(shard.policy_version, self.version, r.max_staleness)
         # pi_prox: these weights, before this update's first step (used only when max_staleness > 0).
         proximal = ProximalPolicy(self.policy, r.temperature, self.version)
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
+        budget = self.cfg.learner.micro_batch_tokens
+        minibatches = local_minibatches(plan, torch.tensor(owned, dtype=torch.long), shard.lengths(), self.collective,
+                                        budget)
         exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
                                      TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
-                                     proximal, first_local_rows(plan, offset, len(shard)), num_groups=batch_size)
-        minibatches = local_minibatches(plan, offset, exp.batch.mask.cpu(), self.collective)
+                                     proximal, first_rows_kept(minibatches), batch_size, budget)
         guard = MismatchGuard(mismatch_limit(self.cfg.checks, self.cfg.model.dtype), iteration)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
                             guard, r.max_new_tokens)

@@ -19,7 +19,8 @@ with N ranks the update is the one a single process would make.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +28,7 @@ import torch
 
 from rayppo.config.derived import truncation_mode
 from rayppo.config.schema import Config, PPOConfig
+from rayppo.data.micro_batches import token_batches
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
@@ -132,6 +134,19 @@ class Experience:
         return Experience(self.batch.rows(index), *(None if t is None else t[index] for t in tensors),
                           loss_kl_coef=self.loss_kl_coef)
 
+    def micro(self, index: torch.Tensor) -> "Experience":
+        """The rows of one micro-batch, cut to their own widths (``PackedBatch.trimmed``): the
+        forward pass then processes their tokens, not the padding of the batch's longest row."""
+        part = self.rows(index)
+        batch = part.batch.trimmed()
+        width = batch.mask.shape[1]
+        cut = {name: getattr(part, name)[:, :width] for name in TOKEN_FIELDS if getattr(part, name) is not None}
+        return dataclasses.replace(part, batch=batch, **cut)
+
+
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs")
+"""The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
+
 
 def _global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
     """Weighted means over ranks of per-rank scalars (weight = this rank's rows or tokens)."""
@@ -176,27 +191,63 @@ class ProximalPolicy:
     """The policy version these weights are: rows of this version have mu = pi_prox."""
 
 
-def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int) -> torch.Tensor:
+def forward_batches(batch: PackedBatch, budget: int, chunks: int) -> list[torch.Tensor]:
+    """Row indices of the forward passes over ``batch``: micro-batches of at most ``budget`` padded
+    tokens (``data.micro_batches.token_batches``), or with ``budget`` 0 ``chunks`` runs of consecutive
+    rows (the unbucketed passes)."""
+    if budget > 0:
+        return [torch.tensor(rows, dtype=torch.long) for rows in token_batches(*batch.lengths(), budget)]
+    return list(torch.arange(batch.mask.shape[0]).tensor_split(chunks))  # an empty run: a placeholder pass
+
+
+def batched_forward(
+    fn: Callable[[PackedBatch], tuple[torch.Tensor, ...]], batch: PackedBatch, passes: list[torch.Tensor],
+    collective: Collective, trim: bool,
+) -> list[torch.Tensor]:
+    """``fn`` over ``batch`` one pass of rows at a time (with ``trim``, each cut to its own widths,
+    ``PackedBatch.trimmed``; else at the batch's widths, as the unbucketed passes are), its outputs
+    (``[b, T_b]`` or ``[b]`` tensors) put back in place as ``[B, T]`` (0 past a row's pass) or ``[B]``.
+
+    Every rank runs as many passes as the rank with the most: under ZeRO-3 a forward is a
+    collective, so a rank with fewer (or an empty pass) runs placeholder passes (its row 0) and
+    discards them.
+    """
+    count = int(collective.max(torch.tensor(float(len(passes)), dtype=torch.float64)))
+    cut = PackedBatch.trimmed if trim else (lambda b: b)
+    out: list[torch.Tensor] = []
+    for i in range(count):
+        if i >= len(passes) or len(passes[i]) == 0:
+            fn(cut(batch.rows(slice(0, 1))))  # keeps this rank in step with the others' gathers
+            continue
+        results = fn(cut(batch.rows(passes[i])))
+        if not out:
+            out = [r.new_zeros(batch.mask.shape if r.dim() == 2 else batch.mask.shape[:1]) for r in results]
+        for whole, part in zip(out, results):
+            if part.dim() == 2:
+                whole[passes[i], : part.shape[1]] = part
+            else:
+                whole[passes[i]] = part
+    return out
+
+
+def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int, budget: int = 0,
+                      collective: Collective | None = None) -> torch.Tensor:
     """``[B, T]`` log pi_prox(y_t | S_{t-1}) of the response tokens (0 on padding), no gradient.
 
-    In ``chunks`` forward passes of consecutive rows, so that the logits take one minibatch's
-    memory as in ``ppo_update``. ``chunks`` must be the same on every rank (``ppo.minibatches``):
-    under ZeRO-3 a forward pass is a collective, so a rank with fewer rows than chunks still runs
-    one per chunk (a placeholder row, its result discarded).
+    In micro-batches of ``budget`` padded tokens, or with ``budget`` 0 in ``chunks`` forward passes of
+    consecutive rows, so that the logits take one minibatch's memory as in ``ppo_update``. ``chunks``
+    must be the same on every rank (``ppo.minibatches``); the pass counts are aligned across ranks
+    (``batched_forward``).
     """
-    out = torch.zeros_like(batch.mask)
     with torch.no_grad():
-        for rows in torch.arange(batch.mask.shape[0]).tensor_split(chunks):
-            if len(rows) == 0:  # keeps this rank in step with the others' gathers
-                policy_forward(proximal.module, batch.rows(slice(0, 1)), proximal.temperature)
-                continue
-            part = slice(int(rows[0]), int(rows[-1]) + 1)
-            out[part] = policy_forward(proximal.module, batch.rows(part), proximal.temperature)[0]
+        (out,) = batched_forward(lambda b: policy_forward(proximal.module, b, proximal.temperature)[:1], batch,
+                                 forward_batches(batch, budget, chunks), collective or LocalCollective(), budget > 0)
     return out
 
 
 def _asynchronous_inputs(
-    rollout: Rollout, batch: PackedBatch, chunks: int, max_staleness: int, proximal: ProximalPolicy | None
+    rollout: Rollout, batch: PackedBatch, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
+    budget: int, collective: Collective,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(prox_logprobs [B, T], same_version [B] bool)`` in asynchronous mode (k > 0); ``(None,
     None)`` in the synchronous iteration, which needs neither."""
@@ -208,7 +259,7 @@ def _asynchronous_inputs(
         raise ValueError(f"asynchronous mode needs every row's policy_version: {len(rollout.policy_version)} "
                          f"versions for {len(rollout)} rows")
     same_version = torch.tensor(rollout.policy_version, dtype=torch.long, device=batch.mask.device) == proximal.version
-    return proximal_logprobs(proximal, batch, chunks), same_version
+    return proximal_logprobs(proximal, batch, chunks, budget, collective), same_version
 
 
 def _gae_targets(
@@ -268,31 +319,34 @@ def _advantages(
     return advantages, returns
 
 
-def _critic_values(critic: torch.nn.Module | None, batch: PackedBatch, first_rows: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _critic_values(critic: torch.nn.Module | None, batch: PackedBatch, first_rows: torch.Tensor | None, budget: int,
+                   collective: Collective) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(values [B, T], last_values [B], first_values [b, T] or None)`` of the experience pass.
 
     With ``first_rows`` the other rows go first without gradient, then those rows with it (the
     last forward before that graph's backward, as DeepSpeed expects); the graph is kept in
-    ``first_values`` so the first minibatch needs no value forward of its own. Without a critic
+    ``first_values`` so the first minibatch needs no value forward of its own. The rows without
+    gradient run in micro-batches of ``budget`` padded tokens (0: one pass). Without a critic
     (a critic-free estimator) the values are 0 and nothing runs."""
     if critic is None:
         return torch.zeros_like(batch.mask), torch.zeros_like(batch.mask[:, 0]), None
-    if first_rows is None:
-        values, last_values = critic_forward(critic, batch)
-        return values, last_values, None
     rest = torch.ones(batch.mask.shape[0], dtype=torch.bool, device=batch.mask.device)
-    rest[first_rows] = False
-    # Two passes on every rank (under ZeRO-3 a forward is a collective): a rank whose rows are all
-    # in the first minibatch runs a placeholder row and discards it.
-    others = critic_forward(critic, batch.rows(rest if rest.any() else slice(0, 1)))
+    if first_rows is not None:
+        rest[first_rows] = False
+    # Every rank runs the passes of the rest (under ZeRO-3 a forward is a collective): a rank whose
+    # rows are all in the first minibatch runs a placeholder row and discards it.
+    others = batch.rows(rest if rest.any() else slice(0, 1))
+    values, last_values = batched_forward(lambda b: critic_forward(critic, b), others,
+                                          forward_batches(others, budget, 1), collective, budget > 0)
+    if first_rows is None:
+        return values, last_values, None
     with torch.enable_grad():
         first_values, first_last = critic_forward(critic, batch.rows(first_rows))
-    values, last_values = first_values.new_zeros(batch.mask.shape), first_last.new_zeros(batch.mask.shape[0])
+    all_values, all_last = first_values.new_zeros(batch.mask.shape), first_last.new_zeros(batch.mask.shape[0])
     if rest.any():
-        values[rest], last_values[rest] = others
-    values[first_rows], last_values[first_rows] = first_values.detach(), first_last.detach()
-    return values, last_values, first_values
+        all_values[rest], all_last[rest] = values, last_values
+    all_values[first_rows], all_last[first_rows] = first_values.detach(), first_last.detach()
+    return all_values, all_last, first_values
 
 
 @torch.no_grad()
@@ -309,6 +363,7 @@ def make_experience(
     proximal: ProximalPolicy | None = None,
     first_rows: torch.Tensor | None = None,
     num_groups: int | None = None,
+    micro_batch_tokens: int = 0,
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
@@ -319,17 +374,20 @@ def make_experience(
     not used. ``first_rows``: this rank's rows of the first minibatch (``update.first_local_rows``),
     whose critic forward is kept for the update (``Experience.first_values``). ``num_groups``: an
     upper bound of the batch's group ids (default: this rollout's rows), the same on every rank.
+    ``micro_batch_tokens``: the forward passes without gradient (values, log pi_prox) run in
+    micro-batches of that many padded tokens (``learner.micro_batch_tokens``; 0: unbucketed).
     A rollout without ``ref_logprobs`` (kl_coef = 0: no reference was loaded) has no KL anywhere.
     """
     batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id).to(device)
     mask = batch.mask
     old_logprobs = rollout.tensor("logprobs").to(device)
-    prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal)
+    prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal,
+                                                       micro_batch_tokens, collective)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
     has_reference = bool(rollout.ref_logprobs)
     ref_logprobs = rollout.tensor("ref_logprobs").to(device) if has_reference else policy_logprobs
-    values, last_values, first_values = _critic_values(critic, batch, first_rows)
+    values, last_values, first_values = _critic_values(critic, batch, first_rows, micro_batch_tokens, collective)
     scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
     rewards, bootstrap = _shaped_rewards(rollout, scores, last_values, policy_logprobs, ref_logprobs, mask,
                                          kl_coef if cfg.kl_mode == "reward" else 0.0, cfg.kl_estimator, truncation)

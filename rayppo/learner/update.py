@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from rayppo.config.schema import PPOConfig
+from rayppo.data.micro_batches import token_batches
 from rayppo.learner import ppo
 from rayppo.learner.experience import Collective, Experience, LocalCollective
 from rayppo.learner.guard import MismatchGuard
@@ -25,16 +26,22 @@ from rayppo.models.sequences import critic_forward, policy_forward
 
 
 @dataclass
-class Minibatch:
-    """This rank's part of one global minibatch."""
+class MicroBatch:
+    """This rank's rows of one forward/backward pass of a global minibatch."""
 
     rows: torch.Tensor
     """Local row indices into this rank's experience."""
     token_share: float
-    """N x (this rank's valid tokens) / (the minibatch's tokens): rescales a local token mean
-    so that the ranks' averaged gradients are the gradient of the global token mean."""
+    """N x (these rows' valid tokens) / (the global minibatch's tokens): rescales a token mean
+    over these rows so that the micro-batches' accumulated, ranks' averaged gradients are the
+    gradient of the global minibatch's token mean."""
     row_share: float
-    """The same for rows (used by the ``seq-mean-token-mean`` aggregation)."""
+    """The same for rows (used by the sequence aggregations of ``ppo.loss_agg``)."""
+
+
+Minibatch = list[MicroBatch]
+"""This rank's part of one global minibatch: its micro-batches, whose gradients accumulate into
+one optimiser step (one micro-batch when ``learner.micro_batch_tokens`` is 0 or the part fits)."""
 
 
 def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> list[list[torch.Tensor]]:
@@ -46,43 +53,59 @@ def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> lis
     return [list(torch.randperm(n_rows, generator=generator).chunk(minibatches)) for _ in range(epochs)]
 
 
-def _local_rows(rows: torch.Tensor, offset: int, n_local: int) -> torch.Tensor:
-    """The rows among global ``rows`` that this rank owns ([offset, offset + n_local)), local."""
-    return rows[(rows >= offset) & (rows < offset + n_local)] - offset
+def _local_rows(rows: torch.Tensor, local_of: torch.Tensor) -> torch.Tensor:
+    """The rows among global ``rows`` that this rank owns, as local indices (``local_of``: the
+    local index of every global row, -1 where another rank owns it)."""
+    local = local_of[rows]
+    return local[local >= 0]
+
+
+def local_index(owned: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``[n_rows]`` long: the local index of each global row this rank owns (``owned``, in local
+    order), -1 elsewhere."""
+    local_of = torch.full((n_rows,), -1, dtype=torch.long)
+    local_of[owned] = torch.arange(len(owned))
+    return local_of
 
 
 PLACEHOLDER_ROW = torch.zeros(1, dtype=torch.long)
-"""What a rank runs for a minibatch it owns no row of: its row 0, with share 0."""
-
-
-def first_local_rows(plan: list[list[torch.Tensor]], offset: int, n_local: int) -> torch.Tensor:
-    """This rank's local rows of the first minibatch (``local_minibatches(...)[0].rows``)."""
-    mine = _local_rows(plan[0][0], offset, n_local)
-    return mine if len(mine) else PLACEHOLDER_ROW
+"""What a rank runs for a pass it owns no row of: its row 0, with share 0."""
 
 
 def local_minibatches(
-    plan: list[list[torch.Tensor]], offset: int, mask: torch.Tensor, collective: Collective
+    plan: list[list[torch.Tensor]], owned: torch.Tensor, lengths: tuple[list[int], list[int]], collective: Collective,
+    micro_batch_tokens: int = 0,
 ) -> list[Minibatch]:
-    """This rank's part of each planned minibatch; it owns global rows [offset, offset + B_r).
+    """This rank's part of each planned minibatch, cut into micro-batches of at most
+    ``micro_batch_tokens`` padded tokens (0: one per minibatch); ``owned``: the global rows this rank
+    holds, in local order; ``lengths``: (prompt, response) tokens of its rows.
 
-    A rank that owns none of a minibatch's rows still joins its gradient all-reduce: it runs
-    one row with share 0.
-    """
-    n_local = mask.shape[0]
-    parts = []
-    for rows in (r for epoch in plan for r in epoch):
-        parts.append(_local_rows(rows, offset, n_local))
-    local = torch.tensor([[float(mask[m].sum()), float(len(m))] for m in parts], dtype=torch.float64)
+    Every rank runs as many micro-batches of a minibatch as the rank with the most (under ZeRO-2/3
+    a backward is a collective): one that has fewer, or none of the minibatch's rows, runs
+    placeholder passes (row 0, share 0)."""
+    prompt, response = lengths
+    local_of = local_index(owned, sum(len(rows) for rows in plan[0]))
+    parts = [_local_rows(rows, local_of) for epoch in plan for rows in epoch]
+    cuts = [[mine[torch.tensor(b, dtype=torch.long)] for b in token_batches([prompt[i] for i in mine.tolist()],
+             [response[i] for i in mine.tolist()], micro_batch_tokens)] for mine in parts]
+    counts = collective.max(torch.tensor([float(max(len(c), 1)) for c in cuts], dtype=torch.float64))
+    local = torch.tensor([[float(sum(response[i] for i in m.tolist())), float(len(m))] for m in parts],
+                         dtype=torch.float64)
     total = collective.sum(local.clone())
     w = collective.world_size
     out = []
-    for mine, (tokens, rows), (all_tokens, all_rows) in zip(parts, local.tolist(), total.tolist()):
-        if len(mine) == 0:
-            out.append(Minibatch(PLACEHOLDER_ROW, 0.0, 0.0))
-        else:
-            out.append(Minibatch(mine, w * tokens / max(all_tokens, 1.0), w * rows / all_rows))
+    for cut, count, (all_tokens, all_rows) in zip(cuts, counts.tolist(), total.tolist()):
+        micro = [MicroBatch(rows, w * sum(response[i] for i in rows.tolist()) / max(all_tokens, 1.0),
+                            w * len(rows) / all_rows) for rows in cut]
+        out.append(micro + [MicroBatch(PLACEHOLDER_ROW, 0.0, 0.0)] * (int(count) - len(micro)))
     return out
+
+
+def first_rows_kept(minibatches: list[Minibatch]) -> torch.Tensor | None:
+    """This rank's rows of the first minibatch when it is one micro-batch on every rank (the same
+    answer everywhere: counts are aligned): the experience pass keeps their value forward's graph
+    for it (``Experience.first_values``). None when it is cut: each micro-batch runs its own."""
+    return minibatches[0][0].rows if len(minibatches[0]) == 1 else None
 
 
 def policy_objective(
@@ -160,43 +183,45 @@ def ppo_update(
     """M epochs x minibatches of clipped PPO + value loss (none when ``critic`` is None: a
     critic-free estimator); returns stats averaged over ranks. ``max_length``: ``rollout.max_new_tokens``.
 
-    The first minibatch runs before any weight change, so its log-probs against the
-    generator's old log-probs are the sync check ``logprob_mismatch``; ``guard`` stops the
-    update there, before the first step, when the check fails. In asynchronous mode
-    (``exp.prox_logprobs`` set) the check is ``same_version_mismatch``'s instead, also before
-    the first step.
+    Each minibatch's micro-batches accumulate their gradients into one optimiser step; their
+    shares make that the gradient of the global minibatch (token-mean and row-mean alike). The first
+    minibatch runs before any weight change, so its log-probs against the generator's old log-probs
+    are the sync check ``logprob_mismatch``; ``guard`` stops the update there, before the first
+    step, when the check fails. In asynchronous mode (``exp.prox_logprobs`` set) the check is
+    ``same_version_mismatch``'s instead, also before the first step.
     """
     weighted: dict[str, torch.Tensor] = {}
-    first: dict[str, torch.Tensor] = {}
     asynchronous = exp.prox_logprobs is not None
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
-    for i, mb in enumerate(minibatches):
-        part = exp.rows(mb.rows)
-        # The first minibatch's value forward is the experience pass's (kept graph): its backward
-        # goes first, which frees that graph before the policy's forward.
-        kept = exp.first_values if i == 0 else None
-        value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
-        objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature, max_length)
-        if not first and not asynchronous:
-            first = {"mean": ppo.masked_mean(gap, part.batch.mask) * mb.token_share, "max": gap.max()}
-            if guard is not None:
-                guard.check(gap, part.generator_ids, collective)
-        steps.policy_backward(objective)
-        if critic is not None:
-            stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
+    gaps: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # the first minibatch's (row max, generator, share x mean)
+    for i, micro_batches in enumerate(minibatches):
+        for mb in micro_batches:
+            # The first minibatch's value forward is the experience pass's (kept graph) when it is one
+            # micro-batch: its backward goes first, which frees that graph before the policy's forward.
+            kept = exp.first_values if i == 0 else None
+            part = exp.rows(mb.rows) if kept is not None else exp.micro(mb.rows)
+            value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
+            objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature, max_length)
+            if i == 0 and not asynchronous:
+                gaps.append((gap.amax(dim=1), part.generator_ids, ppo.masked_mean(gap, part.batch.mask) * mb.token_share))
+            steps.policy_backward(objective)
+            if critic is not None:
+                stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
+            for key, value in stats.items():  # each stat averaged with the weights of its own aggregation
+                share = mb.row_share if key in ROW_AGGREGATED and cfg.loss_agg != "token-mean" else mb.token_share
+                weighted[key] = weighted.get(key, 0.0) + value.double() * share
+        if i == 0 and not asynchronous and guard is not None:
+            guard.check(torch.cat([g for g, _, _ in gaps])[:, None], torch.cat([ids for _, ids, _ in gaps]), collective)
         steps.step()
-        for key, value in stats.items():  # each stat averaged with the weights of its own aggregation
-            share = mb.row_share if key in ROW_AGGREGATED and cfg.loss_agg != "token-mean" else mb.token_share
-            weighted[key] = weighted.get(key, 0.0) + value.double() * share
     keys = list(weighted)
-    first_mean = [first["mean"].double()] if first else []
+    first_mean = [sum(m for _, _, m in gaps).double()] if gaps else []
     summed = collective.sum(torch.stack([weighted[k] for k in keys] + first_mean))
     denominator = collective.world_size * len(minibatches)
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
     if asynchronous:
         return out | mismatch
     out["logprob_mismatch/mean"] = float(summed[-1] / collective.world_size)
-    out["logprob_mismatch/max"] = float(collective.max(first["max"].double().clone()))
+    out["logprob_mismatch/max"] = float(collective.max(torch.cat([g for g, _, _ in gaps]).max().double().clone()))
     return out
 
 

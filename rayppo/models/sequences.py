@@ -58,6 +58,27 @@ class PackedBatch:
             self.prompt_width,
         )
 
+    def trimmed(self) -> "PackedBatch":
+        """The same rows without the columns that are padding in every row: the prompt part cut
+        to its longest prompt, the response part to its longest response (at least one column).
+        Position ids count from each row's first real token, so no row's numbers change."""
+        prompt_width = int(self.attention_mask[:, : self.prompt_width].sum(dim=1).max())
+        response_width = max(int(self.mask.sum(dim=1).max()), 1)
+        columns = slice(self.prompt_width - prompt_width, self.prompt_width + response_width)
+        return PackedBatch(
+            self.input_ids[:, columns],
+            self.attention_mask[:, columns],
+            self.position_ids[:, columns],
+            self.response_ids[:, :response_width],
+            self.mask[:, :response_width],
+            prompt_width,
+        )
+
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """``(prompt lengths, response lengths)`` of the rows, in tokens."""
+        prompt = self.attention_mask[:, : self.prompt_width].sum(dim=1)
+        return prompt.tolist(), self.mask.sum(dim=1).long().tolist()
+
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> PackedBatch:
     """Lay out B (prompt, response) pairs for one forward pass."""

@@ -146,7 +146,8 @@ class DistributedTrainer:
             self.schedule.stage("generators ready")
         self.reference = ActorGroup(
             ReferenceEngine,
-            [(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype, threads["reference"], gpus["reference"])]
+            [(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype, threads["reference"], gpus["reference"],
+              cfg.reference.micro_batch_tokens)]
             * reference_actors(cfg),  # none at ppo.kl_coef = 0: no pass needs log pi_ref
             options("reference", reference_actors(cfg)),
         )
@@ -154,7 +155,7 @@ class DistributedTrainer:
             RewardEngine,
             [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"],
               endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus["reward"],
-              cfg.reward.timeout_s, cfg.reward.timeout_score)] * cfg.reward.num,
+              cfg.reward.timeout_s, cfg.reward.timeout_score, cfg.reward.micro_batch_tokens)] * cfg.reward.num,
             options("reward", cfg.reward.num),
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))

@@ -32,7 +32,7 @@ from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
 from rayppo.learner.guard import MismatchGuard
-from rayppo.learner.update import Steps, first_local_rows, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
@@ -55,12 +55,14 @@ class ReferenceTrainer:
         self.tokenizer = self.generator.tokenizer
         self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
-        self.reference = (ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype, gpus=gpus)
+        self.reference = (ReferenceEngine(ref_path, cfg.rollout.temperature, dtype=m.dtype, gpus=gpus,
+                                          micro_batch_tokens=cfg.reference.micro_batch_tokens)
                           if uses_reference(cfg.ppo) else None)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
         self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint,
-                                   gpus=gpus, timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score)
+                                   gpus=gpus, timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score,
+                                   micro_batch_tokens=cfg.reward.micro_batch_tokens)
         self.critic = (Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
                                               cfg.seed).to(self.device) if has_critic(cfg.ppo) else None)
         for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
@@ -98,10 +100,11 @@ class ReferenceTrainer:
         t3 = clock()
         kl_coef = self.kl_ctl.value
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
+        budget = cfg.learner.micro_batch_tokens
+        minibatches = local_minibatches(plan, torch.arange(len(rollout)), rollout.lengths(), LocalCollective(), budget)
         exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
                                      TruncationRule.of(cfg), device=self.device,
-                                     first_rows=first_local_rows(plan, 0, len(rollout)))
-        minibatches = local_minibatches(plan, 0, exp.batch.mask.cpu(), LocalCollective())
+                                     first_rows=first_rows_kept(minibatches), micro_batch_tokens=budget)
         guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,
                             guard=guard, max_length=cfg.rollout.max_new_tokens)

@@ -1,0 +1,90 @@
+"""Rows cut by token budget: micro-batches of about equal padded size, and ranks of equal tokens.
+
+A forward pass over rows of ragged length costs what its padded rectangle holds: rows x (the
+longest prompt + the longest response) under the ``[left-padded prompt | right-padded response]``
+layout of ``models/sequences.py``. Rows sorted by length and cut when the next row would take the
+rectangle past a token budget keep that waste small (veRL's dynamic batch size, OpenRLHF's
+``--micro_train_batch_size`` by tokens, NeMo-RL's dynamic batching do the same). Pure Python: the
+learner, the reference and the reward scorer all call it, so their passes agree on what they cost.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of the rows in micro-batches of at most ``budget`` padded tokens each.
+
+    Rows go longest first (prompt + response; ties in row order, so the cut is deterministic)
+    and a micro-batch is closed when the next row would take ``rows x (longest prompt + longest
+    response)`` past ``budget``. A row longer than the budget alone is a micro-batch of its own.
+    ``budget`` 0: one batch of every row, in row order (the unbucketed pass).
+    """
+    n = len(prompt_lengths)
+    if len(response_lengths) != n:
+        raise ValueError(f"{n} prompt lengths but {len(response_lengths)} response lengths")
+    if budget <= 0 or n == 0:
+        return [list(range(n))] if n else []
+    order = sorted(range(n), key=lambda i: (-(prompt_lengths[i] + response_lengths[i]), i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width_p = width_r = 0
+    for i in order:
+        # A response is at least one column wide in the packed layout (``sequences.pack``).
+        p, r = max(width_p, prompt_lengths[i]), max(width_r, response_lengths[i], 1)
+        if current and (len(current) + 1) * (p + r) > budget:
+            batches.append(current)
+            current, p, r = [], prompt_lengths[i], max(response_lengths[i], 1)
+        current.append(i)
+        width_p, width_r = p, r
+    batches.append(current)
+    return batches
+
+
+def scoring_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
+                    rows_per_batch: int) -> list[list[int]]:
+    """The forward passes of a scorer (reference, reward model): ``token_batches`` of ``budget``,
+    or with ``budget`` 0 runs of ``rows_per_batch`` consecutive rows."""
+    if budget > 0:
+        return token_batches(prompt_lengths, response_lengths, budget)
+    n = len(prompt_lengths)
+    return [list(range(start, min(start + rows_per_batch, n))) for start in range(0, n, rows_per_batch)]
+
+
+def padded_tokens(prompt_lengths: Sequence[int], response_lengths: Sequence[int], batches: list[list[int]]) -> int:
+    """Tokens the forward passes over ``batches`` process, padding included."""
+    return sum(len(b) * (max(prompt_lengths[i] for i in b) + max(max(response_lengths[i] for i in b), 1))
+               for b in batches if b)
+
+
+def balanced_parts(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``weights`` dealt into ``parts`` parts of about equal total weight.
+
+    Longest-processing-time first: heaviest item to the lightest part (ties: the lower part),
+    within 4/3 of the best split. Each part's indices ascend. With ``len(weights) >= parts``
+    every part gets at least one item.
+    """
+    loads = [(0, p) for p in range(parts)]
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, p = heapq.heappop(loads)
+        out[p].append(i)
+        heapq.heappush(loads, (load + weights[i], p))
+    return [sorted(part) for part in out]
+
+
+def balanced_shards(lengths: Sequence[int], minibatches: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
+    """Global rows each learner rank owns: every minibatch's rows dealt to the ranks by tokens
+    (``lengths``: prompt + response of each row), so every rank processes about the same tokens of
+    every minibatch (of the first epoch; later epochs reshuffle, balanced in expectation).
+
+    A minibatch with fewer rows than ranks leaves some ranks none of it; a rank left with no row
+    at all is not allowed (the caller splits by rows instead)."""
+    owned: list[list[int]] = [[] for _ in range(ranks)]
+    for rows in minibatches:
+        rows = list(rows)
+        for rank, part in enumerate(balanced_parts([lengths[i] for i in rows], ranks)):
+            owned[rank].extend(rows[i] for i in part)
+    return [sorted(rows) for rows in owned]
