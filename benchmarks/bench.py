@@ -72,7 +72,7 @@ def prepare_models(workload: Workload) -> tuple[Path, Path]:
     root = cache_root() / "bench" / f"{workload.name}-{key}"
     policy = embedded_model_dir() if workload.model == "embedded" else root / "policy"
     if workload.model != "embedded" and not (policy / "config.json").is_file():
-        shape = dict(workload.model)
+        shape = dict(workload.model)  # eos_mean_length, eos_length_cap: long-tailed lengths (add_stop_words)
         build_random_llama(policy, shape.pop("vocab_size"), **shape)
     reward_model = root / "reward_model"
     if not (reward_model / "config.json").is_file():
@@ -347,6 +347,7 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
             "num_generations": n, "clip_eps": cfg.ppo.clip_eps,
             "batch_size": cfg.rollout.batch_size, "epochs": cfg.ppo.epochs, "minibatches": cfg.ppo.minibatches,
             "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+            "ignore_eos": cfg.rollout.ignore_eos,
             "lr": cfg.ppo.lr, "kl_coef": cfg.ppo.kl_coef, "warmup": warmup, "iterations": iterations,
             # TRL's PPOConfig turns gradient checkpointing on by default; run both sides alike.
             "gradient_checkpointing": cfg.learner.gradient_checkpointing,
@@ -360,6 +361,34 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
 
 
 # ----------------------------------------------------------------------------------- summary
+def length_stats(rollout) -> dict[str, float]:
+    """The measured batch's response lengths: mean, p50, p90, max, and the share cut at the cap."""
+    lengths = sorted(len(r) for r in rollout.response_ids)
+    n = len(lengths)
+    return {"mean": sum(lengths) / n, "p50": lengths[n // 2], "p90": lengths[min(n - 1, int(0.9 * n))],
+            "max": lengths[-1], "truncated_share": sum(r == "length" for r in rollout.finish_reason) / n}
+
+
+def stage_tokens(cfg: Config, rollout, learn: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per stage, the real tokens of the measured batch against the tokens its passes process,
+    padding included (``processed / real`` is what padding costs): the reference and reward passes
+    as their engines cut them (``data.micro_batches.scoring_batches``), the learner as it counted
+    (``tokens/learn_*``, every epoch). Generation pads nothing (vLLM's paged KV cache)."""
+    from rayppo.data.micro_batches import padded_tokens, scoring_batches
+
+    prompt, response = rollout.lengths()
+    whole = [a + b for a, b in zip(prompt, response)]
+    none = [0] * len(whole)  # the reward model scores each text whole (re-tokenised; here the same tokenizer)
+    reference = scoring_batches(prompt, response, cfg.reference.micro_batch_tokens, 64)
+    reward = scoring_batches(none, whole, cfg.reward.micro_batch_tokens, cfg.reward.batch_size)
+    out = {"generate": {"real": sum(response), "processed": sum(response)},
+           "reference": {"real": sum(whole), "processed": padded_tokens(prompt, response, reference)},
+           "reward": {"real": sum(whole), "processed": padded_tokens(none, whole, reward)}}
+    if "tokens/learn_real" in learn:
+        out["learn"] = {"real": learn["tokens/learn_real"], "processed": learn["tokens/learn_processed"]}
+    return {stage: t | {"padding_factor": t["processed"] / max(t["real"], 1)} for stage, t in out.items()}
+
+
 def _mmm(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -381,10 +410,14 @@ def _overlap_bound(col: dict[str, list[float]], learn_factor: float = 1.0) -> di
 
 def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: dict[str, int],
               alone: dict[str, float] | None, trl: list[dict[str, float]] | None,
-              estimate: dict[str, int] | None = None, arithmetic: dict[str, float] | None = None) -> dict[str, Any]:
-    """The figures of one benchmark run (bench.json)."""
-    tokens = batch_rows(cfg) * cfg.rollout.max_new_tokens  # fixed lengths; rows = prompts x samples_per_prompt
+              estimate: dict[str, int] | None = None, arithmetic: dict[str, float] | None = None,
+              rollout=None) -> dict[str, Any]:
+    """The figures of one benchmark run (bench.json). Token rates count real response tokens
+    (rows x mean length per iteration), never padding; TRL's samples the same model, so its
+    lengths follow the same distribution and its rate uses the same count."""
     col = {k: [r[k] for r in records] for k in records[0]}
+    real = [batch_rows(cfg) * length for length in col["response/length_mean"]]  # rows = prompts x samples
+    tokens = statistics.median(real)
     per_iteration = [
         {"iteration_s": r["time/iteration"], "generate_s": r["time/generate"], "reference_s": r["time/reference"],
          "reward_s": r["time/reward"], "learn_s": r["time/learn"], "sync_s": r["time/sync"],
@@ -399,7 +432,7 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "workload": name,
         "machine": f"{os.cpu_count()} CPU cores" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
         "tokens_per_iteration": tokens,
-        "end_to_end_tokens_per_s": tokens / iteration,
+        "end_to_end_tokens_per_s": statistics.median(t / i for t, i in zip(real, col["time/iteration"])),
         "iteration_s": _mmm(col["time/iteration"]),
         "stage_s": {s: _mmm(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn", "sync")},
         # A stage that did not run (no reference at ppo.kl_coef = 0) has no rate.
@@ -420,6 +453,9 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "peak_memory_bytes": memory,
         "per_iteration": per_iteration,
     }
+    if rollout is not None:
+        out["lengths"] = length_stats(rollout)
+        out["stage_tokens"] = stage_tokens(cfg, rollout, records[-1])
     if estimate:  # the pre-flight plan against what was measured, per role
         out["plan_estimate_bytes"] = estimate
         out["plan_ratio"] = {role: estimate[role] / memory[role] for role in memory if role in estimate}
@@ -448,7 +484,12 @@ def print_table(s: dict[str, Any]) -> None:
     def row(label: str, v: dict[str, float]) -> str:
         return f"  {label:<18}{v['min']:>9.3f}{v['median']:>9.3f}{v['max']:>9.3f}"
 
-    print(f"\nworkload {s['workload']} ({s['machine']}), {s['tokens_per_iteration']} generated tokens per iteration")
+    print(f"\nworkload {s['workload']} ({s['machine']}), {s['tokens_per_iteration']:,.0f} generated tokens per iteration")
+    if "lengths" in s:
+        n = s["lengths"]
+        print(f"  response lengths     mean {n['mean']:.1f}, p50 {n['p50']}, p90 {n['p90']}, max {n['max']}, "
+              f"{100 * n['truncated_share']:.0f}% cut at the cap")
+        print("  processed / real     " + ", ".join(f"{k} {v['padding_factor']:.2f}x" for k, v in s["stage_tokens"].items()))
     print(f"  {'seconds':<18}{'min':>9}{'median':>9}{'max':>9}")
     print(row("iteration", s["iteration_s"]))
     for stage, v in s["stage_s"].items():
@@ -560,7 +601,8 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
             print(f"sweep point {point}", file=sys.stderr)
             records, memory, rollout = run_rayppo(cfg, warmup, iterations)
             points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None,
-                                                       plan_estimate(cfg, rollout), learn_arithmetic(cfg, rollout))})
+                                                       plan_estimate(cfg, rollout), learn_arithmetic(cfg, rollout),
+                                                       rollout)})
             print_table(points[-1])
         for p in points:  # side by side, one run: each point against the first
             p["speedup_vs_first"] = p["end_to_end_tokens_per_s"] / points[0]["end_to_end_tokens_per_s"]
@@ -576,7 +618,7 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     arithmetic = learn_arithmetic(cfg, rollout)
     alone = None if skip_alone else stages_alone(cfg, rollout)
     trl = run_trl(cfg, rollout, warmup, iterations, out) if compare == "trl" else None
-    summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout), arithmetic)
+    summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout), arithmetic, rollout)
     (out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot_stages(summary, out / "stages.png")
     print_table(summary)

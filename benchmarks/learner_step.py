@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import os
+import random
 import resource
 import sys
 import time
@@ -35,16 +36,27 @@ from rayppo.models.shape import read_shape  # noqa: E402
 from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
 
 
-def random_rollout(batch_size: int, response_tokens: int, vocab: int, seed: int = 0, group: int = 1) -> Rollout:
-    """``batch_size`` rows of random prompt (4-11 tokens) and response tokens; log-probs set; rows
-    in groups of ``group`` consecutive ones (``Rollout.group_id``)."""
+def long_tail_lengths(n: int, max_tokens: int, mean: float = 34.0, seed: int = 0) -> list[int]:
+    """``n`` response lengths of a geometric law of ``mean`` cut at ``max_tokens``: the shape of a
+    reasoning batch (on ``small``, 128: mean ~33, p50 ~24, p90 ~77, a few rows at the limit)."""
+    draw = random.Random(seed)
+    return [min(max_tokens, 1 + int(draw.expovariate(1 / (mean - 1)))) for _ in range(n)]
+
+
+def random_rollout(batch_size: int, response_tokens: int | list[int], vocab: int, seed: int = 0,
+                   group: int = 1) -> Rollout:
+    """``batch_size`` rows of random prompt (4-11 tokens) and response tokens (``response_tokens``
+    each, or row by row from a list); log-probs set; rows in groups of ``group`` consecutive ones
+    (``Rollout.group_id``)."""
     g = torch.Generator().manual_seed(seed)
+    lengths = response_tokens if isinstance(response_tokens, list) else [response_tokens] * batch_size
     prompts = [torch.randint(3, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
                for _ in range(batch_size)]
-    responses = [torch.randint(3, vocab, (response_tokens,), generator=g).tolist() for _ in range(batch_size)]
-    logprobs = [[-9.0] * response_tokens for _ in range(batch_size)]
+    responses = [torch.randint(3, vocab, (t,), generator=g).tolist() for t in lengths]
+    logprobs = [[-9.0] * t for t in lengths]
     n = batch_size
-    return Rollout(prompts, responses, logprobs, ["length"] * n, [""] * n, [""] * n, [0] * n, [0] * n,
+    reasons = ["length" if t == max(lengths) else "stop" for t in lengths]
+    return Rollout(prompts, responses, logprobs, reasons, [""] * n, [""] * n, [0] * n, [0] * n,
                    [i // group for i in range(n)], [row[:] for row in logprobs], torch.rand(n, generator=g).tolist())
 
 
@@ -75,6 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="small")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("--lengths", default="fixed", help="response lengths: fixed (rollout.max_new_tokens each), "
+                        "long-tail (geometric, mean 34, cut at max_new_tokens) or fixed:N (N each)")
     parser.add_argument("overrides", nargs="*", help="section.field=value config overrides")
     args = parser.parse_args()
     from rayppo.cluster.learner_group import LearnerGroup
@@ -85,8 +99,10 @@ def main() -> None:
     cfg.checks.max_logprob_mismatch = float("inf")  # random tokens: only the time counts
     torch.set_num_threads(args.threads)
     shape = read_shape(policy)
-    rollout = random_rollout(batch_rows(cfg), cfg.rollout.max_new_tokens, shape.vocab,
-                             group=cfg.rollout.samples_per_prompt)
+    rows, limit = batch_rows(cfg), cfg.rollout.max_new_tokens
+    lengths = (long_tail_lengths(rows, limit) if args.lengths == "long-tail"
+               else int(args.lengths.split(":")[1]) if args.lengths.startswith("fixed:") else limit)
+    rollout = random_rollout(rows, lengths, shape.vocab, group=cfg.rollout.samples_per_prompt)
     parts: dict[str, float] = collections.defaultdict(float)
     _timing_hooks(parts)
     learner = LearnerGroup(cfg, placement=None)
@@ -100,7 +116,10 @@ def main() -> None:
     flops = learn_flops(shape, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches)
     matmul = matmul_gflop_per_s(sum(seq.lengths) // cfg.ppo.minibatches, shape.hidden, shape.intermediate,
                                 cfg.model.dtype, args.threads)
+    real = sum(len(r) for r in rollout.response_ids)
     print(json.dumps({"workload": w.name, "advantage": cfg.ppo.advantage, "rows": len(rollout),
+                      "lengths": args.lengths, "response_tokens": real, "s_per_1k_response_tokens":
+                      round(1000 * seconds / real, 4), "micro_batch_tokens": cfg.learner.micro_batch_tokens,
                       "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
                       "parts_s": {k: round(v, 2) for k, v in parts.items()}, "learn_gflop": round(flops / 1e9),
                       "learn_gflop_per_s": round(flops / seconds / 1e9, 1), "matmul_gflop_per_s": round(matmul, 1),

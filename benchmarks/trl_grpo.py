@@ -59,7 +59,8 @@ def main() -> None:
         gradient_accumulation_steps=1, num_iterations=spec["epochs"],
         max_steps=(spec["warmup"] + spec["iterations"]) * steps * spec["epochs"],
         max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
-        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]},
+        # Fixed lengths as rayppo's ignore_eos; else generation stops at EOS as rayppo's does.
+        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]} if spec.get("ignore_eos", True) else {},
         learning_rate=spec["lr"], beta=spec["kl_coef"], epsilon=spec["clip_eps"], scale_rewards="group",
         loss_type="dapo", use_vllm=False, gradient_checkpointing=spec["gradient_checkpointing"],
     )

@@ -63,7 +63,10 @@ def main() -> None:
         per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
         local_rollout_forward_batch_size=spec["batch_size"],
         num_ppo_epochs=spec["epochs"], num_mini_batches=spec["minibatches"],
-        response_length=spec["max_new_tokens"], stop_token=None, temperature=spec["temperature"],
+        # stop_token "eos": TRL cuts each response after its first EOS and pads the batch to its
+        # longest; None keeps every row at response_length (rayppo's ignore_eos).
+        response_length=spec["max_new_tokens"], stop_token=None if spec.get("ignore_eos", True) else "eos",
+        temperature=spec["temperature"],
         total_episodes=iterations * spec["batch_size"], num_sample_generations=0,
         learning_rate=spec["lr"], kl_coef=spec["kl_coef"], logging_steps=1 << 30,
         gradient_checkpointing=spec["gradient_checkpointing"],

@@ -26,9 +26,10 @@ def bench():
     return module
 
 
-def record(iteration, generate, learn, sync):
+def record(iteration, generate, learn, sync, length=32.0):
     return {"time/iteration": iteration, "time/generate": generate, "time/reference": 0.1, "time/reward": 0.05,
-            "time/learn": learn, "time/sync": sync, "time/sync_verify": sync / 4, "sync/bytes": 2e6}
+            "time/learn": learn, "time/sync": sync, "time/sync_verify": sync / 4, "sync/bytes": 2e6,
+            "response/length_mean": length}
 
 
 def test_summary_ratios(bench):
@@ -66,6 +67,33 @@ def test_summary_ratios(bench):
     assert s["tokens_per_iteration"] == 2048 and s["end_to_end_tokens_per_s"] == pytest.approx(2048 / 1.5)
 
 
+def test_summary_counts_real_tokens_and_what_padding_costs(bench):
+    """Variable lengths: rates count the responses' real tokens (rows x mean length), per iteration;
+    bench.json gives the length distribution and, per stage, processed against real tokens."""
+    from rayppo.data.rollout import Rollout
+
+    cfg = load_config(None, ["rollout.batch_size=4", "rollout.max_new_tokens=8", "reference.micro_batch_tokens=0",
+                             "reward.batch_size=2", "reward.micro_batch_tokens=0"])
+    records = [record(1.0, 0.5, 0.3, 0.05, length=2.0), record(2.0, 1.0, 0.6, 0.1, length=6.0),
+               record(4.0, 0.7, 0.5, 0.15, length=5.0)]
+    records[-1] |= {"tokens/learn_real": 30.0, "tokens/learn_processed": 45.0}
+    prompts, responses = [[5, 6], [5, 6, 7], [5], [5, 6]], [[9] * 8, [9] * 1, [9] * 3, [9] * 8]
+    n = len(prompts)
+    rollout = Rollout(prompts, responses, [[0.0] * len(r) for r in responses], ["length", "stop", "stop", "length"],
+                      [""] * n, [""] * n, [0] * n, [0] * n, list(range(n)), [[0.0] * len(r) for r in responses], [0.0] * n)
+    s = bench.summarize("tiny", cfg, records, {"learner": 1}, None, None, rollout=rollout)
+    assert s["tokens_per_iteration"] == 4 * 5.0  # the median of 8, 24, 20 real tokens
+    assert s["end_to_end_tokens_per_s"] == pytest.approx(8.0)  # the median of 8/1, 24/2, 20/4
+    assert s["lengths"] == {"mean": 5.0, "p50": 8, "p90": 8, "max": 8, "truncated_share": 0.5}
+    t = s["stage_tokens"]
+    assert t["generate"] == {"real": 20, "processed": 20, "padding_factor": 1.0}
+    # The reference: one pass of 4 rows x (3 prompt + 8 response) columns over 28 real tokens.
+    assert t["reference"]["real"] == 28 and t["reference"]["processed"] == 4 * 11
+    # The reward model: runs of 2 whole texts, (10, 4) then (4, 10) tokens, each padded to 10.
+    assert t["reward"]["processed"] == 2 * 10 + 2 * 10
+    assert t["learn"] == {"real": 30.0, "processed": 45.0, "padding_factor": 1.5}
+
+
 def test_sweep_points(bench):
     points = bench.sweep_points(["generators.num=1,2", "learner.num_ranks=1,2"])
     assert points == [{"generators.num": "1", "learner.num_ranks": "1"}, {"generators.num": "1", "learner.num_ranks": "2"},
@@ -87,6 +115,12 @@ def test_workloads_file_defines_the_required_presets(bench):
         c = workloads[name].config
         assert workloads[name].model == workloads["small"].model and c.get("model.dtype", "float32") == dtype
         assert c["rollout.batch_size"] * c["rollout.samples_per_prompt"] == 256 and c["ppo.advantage"] == "grpo"
+    # The long-tailed preset and its fixed-length reference share one model (lengths are its property)
+    # at small's rows; the reference's fixed length is the long tail's mean.
+    varlen, fixed = workloads["small-varlen"], workloads["small-fixed35"]
+    assert varlen.model == fixed.model and varlen.model["eos_mean_length"] <= fixed.config["rollout.max_new_tokens"]
+    assert varlen.config["rollout.ignore_eos"] is False and fixed.config["rollout.ignore_eos"] is True
+    assert varlen.model["eos_length_cap"] == varlen.config["rollout.max_new_tokens"]
     for w in workloads.values():  # every preset's overrides are valid config
         load_config(None, [f"{k}={v}" for k, v in w.config.items()])
 

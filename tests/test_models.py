@@ -133,3 +133,31 @@ def test_reward_model_rescores_text_with_its_own_tokenizer(reward_model_dir, tok
         for p, r, s in zip(prompts, responses, scores):
             alone = model(**rm_tokenizer(f"{p} {r}", return_tensors="pt")).logits[0, 0].item()
             assert s == pytest.approx(alone, abs=1e-5)
+
+
+def test_stop_words_give_the_benchmark_model_long_tailed_lengths(tmp_path):
+    """``build_random_llama(eos_mean_length=...)``: responses sampled from the model (temperature 1,
+    no top-k) are that long on average and about geometric, a tail reaching 3x the mean.
+
+    Bound on the mean: a truncated geometric of mean 8 has a std of ~6.5, so the mean of 256 rows
+    is within 4 x 6.5 / 16 = 1.6 of its expectation; the calibration's own 64 paths and its integer
+    count of stop words (each moves the mean by ~mean^2 / vocab = 0.13) add at most 1 more.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rayppo.models.embedded import build_random_llama
+    from rayppo.tasks import digits
+
+    mean, cap, rows = 8, 32, 256
+    build_random_llama(tmp_path, 512, eos_mean_length=mean, eos_length_cap=cap, max_position_embeddings=64)
+    model, tok = AutoModelForCausalLM.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    torch.manual_seed(3)  # other samples than the calibration's
+    enc = tok(digits.prompts(rows, 5), return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cap,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    responses = out[:, enc["input_ids"].shape[1]:].tolist()
+    lengths = sorted(r.index(tok.eos_token_id) + 1 if tok.eos_token_id in r else cap for r in responses)
+    assert abs(sum(lengths) / rows - mean) < 1.6 + 1.0, lengths
+    p50, p90 = lengths[rows // 2], lengths[int(0.9 * rows)]
+    assert p90 >= 2 * p50 and lengths[-1] >= 3 * mean, (p50, p90, lengths[-1])  # geometric: p90/p50 ~ 3.3

@@ -2,8 +2,8 @@
 
 A forward pass over rows of ragged length costs what its padded rectangle holds: rows x (the
 longest prompt + the longest response) under the ``[left-padded prompt | right-padded response]``
-layout of ``models/sequences.py``. Rows sorted by length and cut when the next row would take the
-rectangle past a token budget keep that waste small (veRL's dynamic batch size, OpenRLHF's
+layout of ``models/sequences.py``. Rows sorted by length and cut into passes of like lengths within
+a token budget keep that waste small (veRL's dynamic batch size, OpenRLHF's
 ``--micro_train_batch_size`` by tokens, NeMo-RL's dynamic batching do the same). Pure Python: the
 learner, the reference and the reward scorer all call it, so their passes agree on what they cost.
 """
@@ -14,13 +14,25 @@ import heapq
 from collections.abc import Sequence
 
 
+PASS_OVERHEAD_TOKENS = 256
+"""What one more forward/backward pass costs beyond its tokens, counted in tokens (the layers'
+fixed work per call: launches, Python, the optimiser hooks). Cutting rows of like length apart
+saves padding but adds passes; ``token_batches`` weighs one against the other with this."""
+
+_EXACT_ROWS = 1024
+"""Rows up to which the cut is the exact optimum (the search is rows x rows-per-pass); longer
+sorted lists are cut in runs of this many."""
+
+
 def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Indices of the rows in micro-batches of at most ``budget`` padded tokens each.
 
-    Rows go longest first (prompt + response; ties in row order, so the cut is deterministic)
-    and a micro-batch is closed when the next row would take ``rows x (longest prompt + longest
-    response)`` past ``budget``. A row longer than the budget alone is a micro-batch of its own.
-    ``budget`` 0: one batch of every row, in row order (the unbucketed pass).
+    Rows are sorted longest first (prompt + response; ties in row order, so the cut is
+    deterministic) and cut into consecutive runs that minimise the tokens processed, padding
+    included, plus ``PASS_OVERHEAD_TOKENS`` per pass: a run of rows x (longest prompt + longest
+    response) within the budget. So short rows are not padded to a long row's width merely because
+    the budget had room, and long rows are not run one at a time. A row longer than the budget is a
+    micro-batch of its own. ``budget`` 0: one batch of every row, in row order (the unbucketed pass).
     """
     n = len(prompt_lengths)
     if len(response_lengths) != n:
@@ -29,18 +41,32 @@ def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int]
         return [list(range(n))] if n else []
     order = sorted(range(n), key=lambda i: (-(prompt_lengths[i] + response_lengths[i]), i))
     batches: list[list[int]] = []
-    current: list[int] = []
-    width_p = width_r = 0
-    for i in order:
-        # A response is at least one column wide in the packed layout (``sequences.pack``).
-        p, r = max(width_p, prompt_lengths[i]), max(width_r, response_lengths[i], 1)
-        if current and (len(current) + 1) * (p + r) > budget:
-            batches.append(current)
-            current, p, r = [], prompt_lengths[i], max(response_lengths[i], 1)
-        current.append(i)
-        width_p, width_r = p, r
-    batches.append(current)
+    for start in range(0, n, _EXACT_ROWS):
+        run = order[start : start + _EXACT_ROWS]
+        cuts = _best_cuts([prompt_lengths[i] for i in run], [max(response_lengths[i], 1) for i in run], budget)
+        batches += [run[a:b] for a, b in zip(cuts, cuts[1:])]
     return batches
+
+
+def _best_cuts(prompt: list[int], response: list[int], budget: int) -> list[int]:
+    """Boundaries ``0 = c_0 < ... < c_k = n`` of the cheapest split of sorted rows into runs
+    (dynamic programming over the run's start: cost[j] = min_i cost[i] + padded(i..j) + overhead)."""
+    n = len(prompt)
+    cost = [0.0] + [float("inf")] * n
+    previous = [0] * (n + 1)
+    for i in range(n):
+        width_p = width_r = 0
+        for j in range(i, n):
+            width_p, width_r = max(width_p, prompt[j]), max(width_r, response[j])
+            padded = (j - i + 1) * (width_p + width_r)
+            if padded > budget and j > i:
+                break
+            if cost[i] + padded + PASS_OVERHEAD_TOKENS < cost[j + 1]:
+                cost[j + 1], previous[j + 1] = cost[i] + padded + PASS_OVERHEAD_TOKENS, i
+    cuts = [n]
+    while cuts[-1] > 0:
+        cuts.append(previous[cuts[-1]])
+    return cuts[::-1]
 
 
 def scoring_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
