@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-
 PASS_OVERHEAD_TOKENS = 256
 """What one more forward/backward pass costs beyond its tokens, counted in tokens (the layers'
 fixed work per call: launches, Python, the optimiser hooks). Cutting rows of like length apart
