@@ -18,7 +18,8 @@ from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION, PlacementError, check
 from rayppo.config.load import load_config
 from rayppo.models.shape import layer_params, lora_params, param_count, read_shape
 from rayppo.plan.fit import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
-from rayppo.plan.footprint import EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, model_dir, zero_bytes
+from rayppo.plan.footprint import (EMBEDDED_VERSION, GiB, activation_bytes, estimate_roles, model_dir, pass_tokens,
+                                   zero_bytes)
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -392,3 +393,24 @@ def test_zero_buckets_are_sized_to_the_model_and_counted_by_the_plan(tmp_path):
     learner = estimate_roles(load_config(None, [f"model.policy={tmp_path}", "model.dtype=bfloat16",
                                                 "learner.gpus_per_rank=1", "learner.zero_stage=3"]))["learner"]
     assert learner.parts["ZeRO buckets (policy + critic)"] == 2 * bucket_bytes(4096, layer, 3, 2)
+
+
+def test_token_budgets_bound_the_passes_the_plan_counts(tmp_path):
+    """Micro-batches by token budget: the learner's activations and the reference's and reward
+    model's forward are counted for one pass of at most the budget's tokens, not a whole minibatch."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    base = [f"model.policy={tmp_path}", f"reward.model={tmp_path}", "reward.function=null", "model.dtype=bfloat16",
+            "rollout.batch_size=512", "rollout.max_new_tokens=1024", "ppo.minibatches=4", "learner.num_ranks=1",
+            "learner.gradient_checkpointing=false"]
+    whole = estimate_roles(load_config(None, base + ["learner.micro_batch_tokens=0", "reference.micro_batch_tokens=0",
+                                                     "reward.micro_batch_tokens=0"]), prompt_tokens=24)
+    cut = estimate_roles(load_config(None, base + ["learner.micro_batch_tokens=8192", "reference.micro_batch_tokens=8192",
+                                                   "reward.micro_batch_tokens=8192"]), prompt_tokens=24)
+    s, length = read_shape(tmp_path), 24 + 1024
+    # 128 rows x 1048 tokens a minibatch without a budget, 8192 tokens a pass with one (activations scale with tokens).
+    ratio = activation_bytes(s, 8192, 2, False) / activation_bytes(s, 128 * length, 2, False)
+    assert cut["learner"].parts["activations"] == pytest.approx(whole["learner"].parts["activations"] * ratio)
+    assert ratio == pytest.approx(8192 / (128 * length))
+    # The scorers: 64 (reference) and reward.batch_size rows a pass without a budget, 8192 tokens with one.
+    assert cut["reference"].peak < whole["reference"].peak and cut["reward"].peak < whole["reward"].peak
+    assert pass_tokens(10, 50, 0) == 500 and pass_tokens(10, 50, 128) == 128 and pass_tokens(10, 500, 128) == 500

@@ -226,6 +226,13 @@ def head_bytes(tokens: int, vocab: int) -> float:
     return 5 * min(tokens, max(1, LOGIT_CHUNK_ELEMENTS // vocab)) * vocab * 4
 
 
+def pass_tokens(rows: int, length: int, budget: int) -> int:
+    """Padded tokens of the largest forward pass over ``rows`` rows of at most ``length`` tokens
+    when passes are cut by a token budget (``data.micro_batches.token_batches``: at most ``budget``,
+    or one row longer than it); ``budget`` 0: all rows in one pass."""
+    return rows * length if budget <= 0 else min(rows * length, max(budget, length))
+
+
 def _heap(nbytes: float, on_gpu: bool) -> float:
     return nbytes if on_gpu else nbytes * CPU_HEAP_RETENTION
 
@@ -247,10 +254,13 @@ def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
     offloaded = ({"optimizer"} | ({"params"} if stage == 3 else set())) if lr.offload and stage >= 1 else set()
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
     rows = math.ceil(batch_rows(cfg) / cfg.ppo.minibatches / n)
-    acts = max(activation_bytes(s, rows * length, p, lr.gradient_checkpointing) for s in models)
-    transient = {"activations": _heap(acts, gpu), "logits": head_bytes(rows * cfg.rollout.max_new_tokens, m.policy.vocab)}
+    tokens = pass_tokens(rows, length, lr.micro_batch_tokens)  # one micro-batch's forward at a time
+    acts = max(activation_bytes(s, tokens, p, lr.gradient_checkpointing) for s in models)
+    logits = head_bytes(min(tokens, rows * cfg.rollout.max_new_tokens), m.policy.vocab)  # response positions only
+    transient = {"activations": _heap(acts, gpu), "logits": logits}
     if m.critic is not None:
-        experience = _heap(math.ceil(batch_rows(cfg) / n) * length * layer_elements(m.critic) * p, gpu)
+        shard = pass_tokens(math.ceil(batch_rows(cfg) / n), length, lr.micro_batch_tokens)
+        experience = _heap(shard * layer_elements(m.critic) * p, gpu)
         if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
             transient = {"experience pass": experience}
     # Each engine's buckets (zero_sizes.py); at stage 3 they include the gathered modules, up to
@@ -305,10 +315,12 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
 def reference_estimate(cfg: Config, m: Inputs) -> Estimate:
     """One reference actor: weights + a 64-row forward (one layer, or one chunk of logits)."""
     p, s, gpu = 2 if cfg.model.dtype == "bfloat16" else 4, m.reference, role_gpus(cfg, "reference") > 0
-    rows = min(REFERENCE_BATCH, math.ceil(batch_rows(cfg) / cfg.reference.num))
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
-    logits = head_bytes(rows * cfg.rollout.max_new_tokens, s.vocab)
-    layer = _heap(rows * length * layer_elements(s) * p, gpu)
+    shard = math.ceil(batch_rows(cfg) / cfg.reference.num)
+    budget = cfg.reference.micro_batch_tokens  # passes of at most that many tokens, else 64 rows
+    tokens = pass_tokens(shard, length, budget) if budget > 0 else min(REFERENCE_BATCH, shard) * length
+    logits = head_bytes(min(tokens, shard * cfg.rollout.max_new_tokens), s.vocab)
+    layer = _heap(tokens * layer_elements(s) * p, gpu)
     forward = {"logits chunk x5": logits} if logits >= layer else {"one layer's activations": layer}
     runtime = {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}
     return _finish(gpu, runtime, {"weights": param_count(s) * p}, forward, {})
@@ -320,8 +332,9 @@ def reward_estimate(cfg: Config, m: Inputs) -> Estimate:
     if m.reward is None:
         return _finish(gpu, {"runtime": RSS_TORCH_WORKER}, {}, {}, {})
     p, s = 2 if cfg.model.dtype == "bfloat16" else 4, m.reward
-    rows = min(cfg.reward.batch_size, math.ceil(batch_rows(cfg) / cfg.reward.num))
-    tokens = rows * (m.prompt_tokens + cfg.rollout.max_new_tokens)
+    length, shard = m.prompt_tokens + cfg.rollout.max_new_tokens, math.ceil(batch_rows(cfg) / cfg.reward.num)
+    budget = cfg.reward.micro_batch_tokens  # passes of at most that many tokens, else reward.batch_size rows
+    tokens = pass_tokens(shard, length, budget) if budget > 0 else min(cfg.reward.batch_size, shard) * length
     return _finish(gpu, {"runtime": RSS_TORCH_WORKER + RSS_FIRST_FORWARD}, {"weights": param_count(s, "score") * p},
                    {"one layer's activations": _heap(tokens * layer_elements(s) * p, gpu)}, {})
 
