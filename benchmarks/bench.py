@@ -385,7 +385,8 @@ def stage_tokens(cfg: Config, rollout, learn: dict[str, float]) -> dict[str, dic
            "reference": {"real": sum(whole), "processed": padded_tokens(prompt, response, reference)},
            "reward": {"real": sum(whole), "processed": padded_tokens(none, whole, reward)}}
     if "tokens/learn_real" in learn:
-        out["learn"] = {"real": learn["tokens/learn_real"], "processed": learn["tokens/learn_processed"]}
+        out["learn"] = {"real": learn["tokens/learn_real"], "processed": learn["tokens/learn_processed"],
+                        "packed": bool(learn.get("tokens/learn_packed", 0.0))}
     return {stage: t | {"padding_factor": t["processed"] / max(t["real"], 1)} for stage, t in out.items()}
 
 
@@ -422,8 +423,8 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         {"iteration_s": r["time/iteration"], "generate_s": r["time/generate"], "reference_s": r["time/reference"],
          "reward_s": r["time/reward"], "learn_s": r["time/learn"], "sync_s": r["time/sync"],
          "generator_idle_s": r["time/iteration"] - r["time/generate"],
-         "learner_idle_s": r["time/iteration"] - r["time/learn"]}
-        for r in records
+         "learner_idle_s": r["time/iteration"] - r["time/learn"], "response_tokens": t}
+        for r, t in zip(records, real)
     ]
     iteration = statistics.median(col["time/iteration"])
     # A synchronous run's learner lacks the pi_prox pass that overlapping would add to it.
@@ -489,7 +490,8 @@ def print_table(s: dict[str, Any]) -> None:
         n = s["lengths"]
         print(f"  response lengths     mean {n['mean']:.1f}, p50 {n['p50']}, p90 {n['p90']}, max {n['max']}, "
               f"{100 * n['truncated_share']:.0f}% cut at the cap")
-        print("  processed / real     " + ", ".join(f"{k} {v['padding_factor']:.2f}x" for k, v in s["stage_tokens"].items()))
+        print("  processed / real     " + ", ".join(f"{k} {v['padding_factor']:.2f}x" + (" (packed)" if v.get("packed") else "")
+                                                   for k, v in s["stage_tokens"].items()))
     print(f"  {'seconds':<18}{'min':>9}{'median':>9}{'max':>9}")
     print(row("iteration", s["iteration_s"]))
     for stage, v in s["stage_s"].items():

@@ -120,6 +120,7 @@ def main() -> None:
     print(json.dumps({"workload": w.name, "advantage": cfg.ppo.advantage, "rows": len(rollout),
                       "lengths": args.lengths, "response_tokens": real, "s_per_1k_response_tokens":
                       round(1000 * seconds / real, 4), "micro_batch_tokens": cfg.learner.micro_batch_tokens,
+                      "packing": cfg.learner.packing,
                       "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
                       "parts_s": {k: round(v, 2) for k, v in parts.items()}, "learn_gflop": round(flops / 1e9),
                       "learn_gflop_per_s": round(flops / seconds / 1e9, 1), "matmul_gflop_per_s": round(matmul, 1),

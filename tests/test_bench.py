@@ -84,6 +84,7 @@ def test_summary_counts_real_tokens_and_what_padding_costs(bench):
     s = bench.summarize("tiny", cfg, records, {"learner": 1}, None, None, rollout=rollout)
     assert s["tokens_per_iteration"] == 4 * 5.0  # the median of 8, 24, 20 real tokens
     assert s["end_to_end_tokens_per_s"] == pytest.approx(8.0)  # the median of 8/1, 24/2, 20/4
+    assert [p["response_tokens"] for p in s["per_iteration"]] == [8, 24, 20]
     assert s["lengths"] == {"mean": 5.0, "p50": 8, "p90": 8, "max": 8, "truncated_share": 0.5}
     t = s["stage_tokens"]
     assert t["generate"] == {"real": 20, "processed": 20, "padding_factor": 1.0}
@@ -91,7 +92,7 @@ def test_summary_counts_real_tokens_and_what_padding_costs(bench):
     assert t["reference"]["real"] == 28 and t["reference"]["processed"] == 4 * 11
     # The reward model: runs of 2 whole texts, (10, 4) then (4, 10) tokens, each padded to 10.
     assert t["reward"]["processed"] == 2 * 10 + 2 * 10
-    assert t["learn"] == {"real": 30.0, "processed": 45.0, "padding_factor": 1.5}
+    assert t["learn"] == {"real": 30.0, "processed": 45.0, "packed": False, "padding_factor": 1.5}
 
 
 def test_sweep_points(bench):

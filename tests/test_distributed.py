@@ -145,7 +145,11 @@ def _equivalence_overrides(ranks: int, zero: int) -> list[str]:
 
 
 def _distributed_two_iterations(ranks: int, zero: int):
-    trainer = DistributedTrainer(load_config(None, _equivalence_overrides(ranks, zero) + ["learner.micro_batch_tokens=24"]))
+    # Micro-batches of 24 tokens against the in-process trainer's whole minibatches; under ZeRO-3
+    # the micro-batches also run packed (padding-free rows), which must not change the update either.
+    layout = ["learner.packing=packed"] if zero == 3 else []
+    trainer = DistributedTrainer(load_config(None, _equivalence_overrides(ranks, zero) + ["learner.micro_batch_tokens=24"]
+                                             + layout))
     try:
         stats = [trainer.iteration() for _ in range(2)]
         weights = unpack_weights(get(trainer.learner.policy_weights()))

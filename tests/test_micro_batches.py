@@ -137,3 +137,14 @@ def _steps(policy, critic) -> Steps:
             opt.zero_grad()
 
     return Steps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step)
+
+
+def test_packed_passes_fill_the_budget_with_real_tokens():
+    """Padding-free passes cost their real tokens: rows (longest first) fill each pass up to the budget,
+    where the padded cut would split rows of unlike lengths apart."""
+    prompt, response = [4] * 6, [100, 2, 3, 90, 1, 5]
+    packed = token_batches(prompt, response, 200, packed=True)
+    assert packed == [[0, 3], [5, 2, 1, 4]]  # 104 + 94 = 198 tokens; then 9 + 7 + 6 + 5 = 27
+    assert all(sum(prompt[i] + response[i] for i in b) <= 200 for b in packed)
+    assert len(token_batches(prompt, response, 200)) > len(packed)  # padded: 2 x 104 > 200, so 0 and 3 apart
+    assert token_batches([4], [500], 100, packed=True) == [[0]]  # a row over the budget is a pass alone

@@ -455,6 +455,15 @@ class LearnerConfig:
     minibatch's rows dealt by tokens. Bounds activation memory and pays for tokens, not for the
     padding of a batch's longest response; a row longer than this is a pass of its own. The
     experience pass (values, log pi_prox) is cut the same way. 0: one pass per minibatch."""
+    packing: str = "auto"
+    """Padding-free micro-batches (with ``micro_batch_tokens`` > 0): each pass's sequences laid end
+    to end in rows, positions restarted, no attention across them (``models/packing.py``); the
+    same numbers as the padded rows. ``packed``, ``padded``, or ``auto``: packed under
+    flash-attention 2 for the model families whose transformers attention reads packing from the
+    position ids (``models.packing.PACKING_MODELS``), else padded (on the CPU, SDPA's block mask
+    measured no faster than the micro-batches: docs/benchmarks.md).
+    Under flash-attention 2 all of a pass goes in one row (its varlen kernel), else in rows as wide
+    as the pass's longest sequence."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute). The trained
     models run in train mode with every dropout at 0, so checkpointing is active and the first

@@ -23,7 +23,8 @@ _EXACT_ROWS = 1024
 sorted lists are cut in runs of this many."""
 
 
-def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int) -> list[list[int]]:
+def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
+                  packed: bool = False) -> list[list[int]]:
     """Indices of the rows in micro-batches of at most ``budget`` padded tokens each.
 
     Rows are sorted longest first (prompt + response; ties in row order, so the cut is
@@ -32,6 +33,10 @@ def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int]
     response) within the budget. So short rows are not padded to a long row's width merely because
     the budget had room, and long rows are not run one at a time. A row longer than the budget is a
     micro-batch of its own. ``budget`` 0: one batch of every row, in row order (the unbucketed pass).
+
+    ``packed``: the passes run padding-free (``models/packing.py``), so a pass costs its real
+    tokens and fewer passes are cheaper: rows sorted as above fill each pass up to ``budget`` real
+    tokens.
     """
     n = len(prompt_lengths)
     if len(response_lengths) != n:
@@ -39,11 +44,26 @@ def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int]
     if budget <= 0 or n == 0:
         return [list(range(n))] if n else []
     order = sorted(range(n), key=lambda i: (-(prompt_lengths[i] + response_lengths[i]), i))
+    if packed:
+        return _filled(order, [prompt_lengths[i] + max(response_lengths[i], 1) for i in range(n)], budget)
     batches: list[list[int]] = []
     for start in range(0, n, _EXACT_ROWS):
         run = order[start : start + _EXACT_ROWS]
         cuts = _best_cuts([prompt_lengths[i] for i in run], [max(response_lengths[i], 1) for i in run], budget)
         batches += [run[a:b] for a, b in zip(cuts, cuts[1:])]
+    return batches
+
+
+def _filled(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """``order`` cut into consecutive runs of at most ``budget`` tokens (a longer row alone)."""
+    batches: list[list[int]] = [[]]
+    used = 0
+    for i in order:
+        if batches[-1] and used + lengths[i] > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(i)
+        used += lengths[i]
     return batches
 
 

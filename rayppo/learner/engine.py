@@ -31,6 +31,7 @@ from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
+from rayppo.models.packing import pack_mode
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.weights import WeightsPayload, pack_weights
 
@@ -156,6 +157,10 @@ class LearnerEngine(Engine):
         self.tokenizer = load_tokenizer(policy_path)
         policy_ds = deepspeed_config(cfg, cfg.ppo.lr, world_size, read_shape(policy_path))
         policy, critic = load_models(cfg, policy_path, critic_path, policy_ds)
+        # The critic shares the policy's family unless model.critic names another: pack only if both can.
+        modes = {pack_mode(cfg.learner.packing, getattr(getattr(model, "backbone", model), "config", None))
+                 for model in (policy, critic) if model is not None}
+        self.pack_mode = modes.pop() if len(modes) == 1 else ""
         self.policy, *_ = deepspeed.initialize(
             model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad], config=policy_ds)
         self.critic = None  # a critic-free estimator: no model, optimizer, value pass or checkpoint
@@ -185,10 +190,10 @@ class LearnerEngine(Engine):
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
         budget = self.cfg.learner.micro_batch_tokens
         minibatches = local_minibatches(plan, torch.tensor(owned, dtype=torch.long), shard.lengths(), self.collective,
-                                        budget)
+                                        budget, packed=bool(self.pack_mode))
         exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
                                      TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
-                                     proximal, first_rows_kept(minibatches), batch_size, budget)
+                                     proximal, first_rows_kept(minibatches), batch_size, budget, self.pack_mode)
         guard = MismatchGuard(mismatch_limit(self.cfg.checks, self.cfg.model.dtype), iteration)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
                             guard, r.max_new_tokens)

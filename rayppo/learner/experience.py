@@ -193,10 +193,11 @@ class ProximalPolicy:
 
 def forward_batches(batch: PackedBatch, budget: int, chunks: int) -> list[torch.Tensor]:
     """Row indices of the forward passes over ``batch``: micro-batches of at most ``budget`` padded
-    tokens (``data.micro_batches.token_batches``), or with ``budget`` 0 ``chunks`` runs of consecutive
+    tokens (``data.micro_batches.token_batches``; real tokens when the batch packs its passes), or with ``budget`` 0 ``chunks`` runs of consecutive
     rows (the unbucketed passes)."""
     if budget > 0:
-        return [torch.tensor(rows, dtype=torch.long) for rows in token_batches(*batch.lengths(), budget)]
+        return [torch.tensor(rows, dtype=torch.long)
+                for rows in token_batches(*batch.lengths(), budget, packed=bool(batch.pack_mode))]
     return list(torch.arange(batch.mask.shape[0]).tensor_split(chunks))  # an empty run: a placeholder pass
 
 
@@ -364,6 +365,7 @@ def make_experience(
     first_rows: torch.Tensor | None = None,
     num_groups: int | None = None,
     micro_batch_tokens: int = 0,
+    pack_mode: str = "",
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
@@ -376,9 +378,11 @@ def make_experience(
     upper bound of the batch's group ids (default: this rollout's rows), the same on every rank.
     ``micro_batch_tokens``: the forward passes without gradient (values, log pi_prox) run in
     micro-batches of that many padded tokens (``learner.micro_batch_tokens``; 0: unbucketed).
+    ``pack_mode``: how those micro-batches, and the update's (``Experience.micro``), are packed
+    without padding (``PackedBatch.pack_mode``; ``learner.packing``).
     A rollout without ``ref_logprobs`` (kl_coef = 0: no reference was loaded) has no KL anywhere.
     """
-    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id).to(device)
+    batch = dataclasses.replace(pack(rollout.prompt_ids, rollout.response_ids, pad_id), pack_mode=pack_mode).to(device)
     mask = batch.mask
     old_logprobs = rollout.tensor("logprobs").to(device)
     prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal,

@@ -74,11 +74,12 @@ PLACEHOLDER_ROW = torch.zeros(1, dtype=torch.long)
 
 def local_minibatches(
     plan: list[list[torch.Tensor]], owned: torch.Tensor, lengths: tuple[list[int], list[int]], collective: Collective,
-    micro_batch_tokens: int = 0,
+    micro_batch_tokens: int = 0, packed: bool = False,
 ) -> list[Minibatch]:
     """This rank's part of each planned minibatch, cut into micro-batches of at most
-    ``micro_batch_tokens`` padded tokens (0: one per minibatch); ``owned``: the global rows this rank
-    holds, in local order; ``lengths``: (prompt, response) tokens of its rows.
+    ``micro_batch_tokens`` padded tokens (0: one per minibatch; ``packed``: real tokens, for passes
+    run padding-free); ``owned``: the global rows this rank holds, in local order; ``lengths``:
+    (prompt, response) tokens of its rows.
 
     Every rank runs as many micro-batches of a minibatch as the rank with the most (under ZeRO-2/3
     a backward is a collective): one that has fewer, or none of the minibatch's rows, runs
@@ -87,7 +88,7 @@ def local_minibatches(
     local_of = local_index(owned, sum(len(rows) for rows in plan[0]))
     parts = [_local_rows(rows, local_of) for epoch in plan for rows in epoch]
     cuts = [[mine[torch.tensor(b, dtype=torch.long)] for b in token_batches([prompt[i] for i in mine.tolist()],
-             [response[i] for i in mine.tolist()], micro_batch_tokens)] for mine in parts]
+             [response[i] for i in mine.tolist()], micro_batch_tokens, packed)] for mine in parts]
     counts = collective.max(torch.tensor([float(max(len(c), 1)) for c in cuts], dtype=torch.float64))
     local = torch.tensor([[float(sum(response[i] for i in m.tolist())), float(len(m))] for m in parts],
                          dtype=torch.float64)
@@ -195,13 +196,15 @@ def ppo_update(
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
     gaps: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # the first minibatch's (row max, generator, share x mean)
     tokens = torch.zeros(2, dtype=torch.float64)  # (processed, real) by the policy's passes, padding included
+    packed = False  # whether the passes ran on padding-free rows (learner.packing)
     for i, micro_batches in enumerate(minibatches):
         for mb in micro_batches:
             # The first minibatch's value forward is the experience pass's (kept graph) when it is one
             # micro-batch: its backward goes first, which frees that graph before the policy's forward.
             kept = exp.first_values if i == 0 else None
             part = exp.rows(mb.rows) if kept is not None else exp.micro(mb.rows)
-            tokens += torch.tensor([part.batch.input_ids.numel(), part.batch.attention_mask.sum().item()])
+            tokens += torch.tensor([part.batch.processed_tokens, part.batch.attention_mask.sum().item()])
+            packed = packed or part.batch.packing is not None
             value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
             objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature, max_length)
             if i == 0 and not asynchronous:
@@ -222,6 +225,7 @@ def ppo_update(
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
     # Every rank's passes over the whole update (all epochs): what padding costs the learner.
     out["tokens/learn_processed"], out["tokens/learn_real"] = float(summed[-2]), float(summed[-1])
+    out["tokens/learn_packed"] = float(packed)
     summed = summed[:-2]
     if asynchronous:
         return out | mismatch

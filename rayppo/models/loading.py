@@ -143,9 +143,10 @@ class Critic(torch.nn.Module):
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        """``[B, L] -> [B, L]`` float32 values, one per position."""
+        """``[B, L] -> [B, L]`` float32 values, one per position (``attention_mask`` None: packed
+        rows, read from ``position_ids``; ``models.packing``)."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state

@@ -11,12 +11,14 @@ at column ``P - 1 + len``: its value is the bootstrap for truncated responses.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
 import torch
 
 from rayppo.learner.ppo import entropy_from_logits, logprobs_from_logits
+from rayppo.models.packing import RowPacking, pack_sequences, unpack
 from rayppo.models.vocab_head import token_logprobs
 
 
@@ -36,6 +38,12 @@ class PackedBatch:
     """[B, T] float: 1 on real response tokens."""
     prompt_width: int
     """P: the column where every response starts."""
+    packing: RowPacking | None = None
+    """When set, the model runs on these padding-free rows (``packed``) and its outputs are put
+    back in this layout; ``rows`` and ``trimmed`` drop it (``trimmed`` packs again, by ``pack_mode``)."""
+    pack_mode: str = ""
+    """How ``trimmed`` packs its rows: ``""`` not at all, ``"rows"`` in rows as wide as the longest
+    sequence (SDPA, eager), ``"one_row"`` all in one row (flash-attention's varlen kernel)."""
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         return PackedBatch(
@@ -45,7 +53,29 @@ class PackedBatch:
             self.response_ids.to(device),
             self.mask.to(device),
             self.prompt_width,
+            None if self.packing is None else self.packing.to(device),
+            self.pack_mode,
         )
+
+    def packed(self, one_row: bool = False) -> "PackedBatch":
+        """The same batch, its forward run on padding-free rows (``models.packing``)."""
+        return dataclasses.replace(self, packing=pack_sequences(self.input_ids, self.attention_mask, one_row))
+
+    @property
+    def processed_tokens(self) -> int:
+        """Tokens the forward pass runs on, padding included."""
+        return self.input_ids.numel() if self.packing is None else self.packing.processed_tokens
+
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The keyword inputs of one forward: the packed rows (no mask: packing is read from the
+        position ids) or the padded ones."""
+        if self.packing is not None:
+            return {"input_ids": self.packing.input_ids, "attention_mask": None, "position_ids": self.packing.position_ids}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
+    def unpacked(self, outputs: torch.Tensor) -> torch.Tensor:
+        """A forward's ``[rows, width, ...]`` outputs in this batch's ``[B, P + T, ...]`` layout."""
+        return outputs if self.packing is None else unpack(outputs, self.packing)
 
     def rows(self, index: torch.Tensor | slice) -> "PackedBatch":
         """The sub-batch of the given rows (columns are kept, so P stays the same)."""
@@ -56,23 +86,27 @@ class PackedBatch:
             self.response_ids[index],
             self.mask[index],
             self.prompt_width,
+            pack_mode=self.pack_mode,
         )
 
     def trimmed(self) -> "PackedBatch":
         """The same rows without the columns that are padding in every row: the prompt part cut
         to its longest prompt, the response part to its longest response (at least one column).
-        Position ids count from each row's first real token, so no row's numbers change."""
+        Position ids count from each row's first real token, so no row's numbers change. With a
+        ``pack_mode`` the rows are also packed without padding (``packed``)."""
         prompt_width = int(self.attention_mask[:, : self.prompt_width].sum(dim=1).max())
         response_width = max(int(self.mask.sum(dim=1).max()), 1)
         columns = slice(self.prompt_width - prompt_width, self.prompt_width + response_width)
-        return PackedBatch(
+        cut = PackedBatch(
             self.input_ids[:, columns],
             self.attention_mask[:, columns],
             self.position_ids[:, columns],
             self.response_ids[:, :response_width],
             self.mask[:, :response_width],
             prompt_width,
+            pack_mode=self.pack_mode,
         )
+        return cut.packed(one_row=self.pack_mode == "one_row") if self.pack_mode else cut
 
     def lengths(self) -> tuple[list[int], list[int]]:
         """``(prompt lengths, response lengths)`` of the rows, in tokens."""
@@ -136,12 +170,11 @@ def policy_forward(
     captured: list[torch.Tensor] = []
     handle = lm.get_decoder().register_forward_hook(lambda _m, _args, out: captured.append(_last_hidden(out)))
     try:
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-              use_cache=False, logits_to_keep=_NO_POSITIONS.to(batch.input_ids.device))
+        model(**batch.model_inputs(), use_cache=False, logits_to_keep=_NO_POSITIONS.to(batch.input_ids.device))
     finally:
         handle.remove()
     valid = batch.mask.bool()
-    hidden = captured[-1][:, _response_slice(batch)][valid]  # [N, H]: the valid response positions
+    hidden = batch.unpacked(captured[-1])[:, _response_slice(batch)][valid]  # [N, H]: the valid response positions
     logprobs, entropy = token_logprobs(hidden, head, batch.response_ids[valid], temperature, with_entropy,
                                        entropy_grad)
     zeros = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=batch.mask.device)
@@ -178,13 +211,8 @@ def _full_logits_forward(
     model: torch.nn.Module, batch: PackedBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``policy_forward`` through the model's own ``[B, P + T, V]`` logits."""
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
-    logits = out.logits[:, _response_slice(batch)].float() / temperature
+    out = model(**batch.model_inputs(), use_cache=False)
+    logits = batch.unpacked(out.logits)[:, _response_slice(batch)].float() / temperature
     logprobs = logprobs_from_logits(logits, batch.response_ids) * batch.mask
     entropy = None
     if with_entropy:
@@ -199,7 +227,8 @@ def critic_forward(critic: torch.nn.Module, batch: PackedBatch) -> tuple[torch.T
     ``last_values`` is the value of the state after each row's last valid token; the caller
     uses it as the bootstrap of truncated rows (and 0 for rows that ended with EOS).
     """
-    all_values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)  # [B, P + T]
+    inputs = batch.model_inputs()
+    all_values = batch.unpacked(critic(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]))  # [B, P + T]
     values = all_values[:, _response_slice(batch)] * batch.mask
     last_column = batch.prompt_width - 1 + batch.mask.sum(dim=1).long()
     last_values = all_values.gather(1, last_column.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,109 @@
+"""Padding-free rows: several sequences end to end in one row, each with positions from 0.
+
+The padded layout of ``models/sequences.py`` processes rows x (longest prompt + longest response)
+tokens; packed, a pass processes little more than the real tokens. transformers 5.19 reads
+packing from the position ids alone when no attention mask is given
+(``masking_utils._preprocess_mask_arguments`` -> ``find_packed_sequence_indices``: a new sequence
+starts wherever the position does not grow by 1): SDPA and eager attention then get a
+block-diagonal causal mask, and flash-attention 2 its varlen kernel with ``cu_seqlens``
+(``modeling_flash_attention_utils._is_packed_sequence``, which takes a single packed row only).
+No sequence sees another's tokens, and rotary embeddings see each sequence's own positions, so a
+packed row's outputs are the padded rows' outputs: only the order of floating-point sums changes.
+
+The model's outputs are put back in the padded layout (``unpack``), so everything after the
+model's trunk (the vocabulary head, the value head, the losses) is the padded path's, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PACKING_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                            "gemma", "gemma2", "gemma3_text", "olmo2", "gpt2"})
+"""Model types whose transformers 5.19 forward builds its attention mask with ``masking_utils``
+(``create_causal_mask`` and its sliding-window sibling), which reads packing from the position ids;
+``learner.packing=auto`` packs these only."""
+
+
+def pack_mode(setting: str, config: Any) -> str:
+    """``PackedBatch.pack_mode`` for ``learner.packing`` (``auto``, ``packed``, ``padded``) and a
+    model's transformers config: ``one_row`` under flash-attention 2 (its varlen kernel takes one
+    packed row, ``_is_packed_sequence``), ``rows`` otherwise, ``""`` when padded.
+
+    ``auto`` packs under flash-attention 2 only. SDPA and eager attention take packing as an
+    explicit block mask, which on the CPU leaves torch's fused causal kernel: measured on
+    ``small-varlen`` (docs/benchmarks.md), packed passes were no faster than the token-budget
+    micro-batches' (6.61 against 6.72 s per 1k tokens) and one packed pass per minibatch slower
+    (8.07), so the padded micro-batches stay."""
+    flash = getattr(config, "_attn_implementation", None) == "flash_attention_2"
+    if setting == "padded" or (setting == "auto" and not (flash and getattr(config, "model_type", None) in PACKING_MODELS)):
+        return ""
+    return "one_row" if flash else "rows"
+
+
+@dataclass
+class RowPacking:
+    """One packed forward pass over the B rows of a padded ``[B, L]`` batch."""
+
+    input_ids: torch.Tensor
+    """[R, W] long: the rows' real tokens end to end (R packed rows of W tokens); the rest filler."""
+    position_ids: torch.Tensor
+    """[R, W] long: 0, 1, ... from each sequence's first token (and from each row's filler)."""
+    index: torch.Tensor
+    """[B, L] long: where each column of the padded layout sits in the flattened ``[R * W]`` packed
+    rows; padding columns point at their row's first token (their outputs are never read)."""
+
+    def to(self, device: torch.device | str) -> "RowPacking":
+        return RowPacking(self.input_ids.to(device), self.position_ids.to(device), self.index.to(device))
+
+    @property
+    def processed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, one_row: bool = False) -> RowPacking:
+    """Pack the real tokens of each row of ``input_ids`` [B, L] (``attention_mask`` 1 on them, one
+    contiguous run per row, as ``sequences.pack`` lays them out).
+
+    ``one_row``: every sequence in one row (flash-attention's varlen kernel); else rows as wide as
+    the longest sequence, filled first-fit longest first, so no packed row is wider than a padded
+    one (attention over a packed row costs what the padded row's did) while the filler shrinks to
+    what the fit leaves.
+    """
+    lengths = attention_mask.sum(dim=1).tolist()
+    starts = attention_mask.argmax(dim=1).tolist()  # the first real column of each row
+    width = sum(lengths) if one_row else max(max(lengths), 1)
+    bins: list[list[int]] = []  # rows of each packed row
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fit = next((j for j, free in enumerate(room) if free >= lengths[row]), None)
+        if fit is None:
+            bins.append([])
+            room.append(width)
+            fit = len(bins) - 1
+        bins[fit].append(row)
+        room[fit] -= lengths[row]
+    packed = torch.zeros((len(bins), width), dtype=torch.long)
+    positions = torch.zeros((len(bins), width), dtype=torch.long)
+    index = torch.zeros(attention_mask.shape, dtype=torch.long)
+    for r, rows in enumerate(bins):
+        offset = 0
+        for row in rows:
+            n, start = lengths[row], starts[row]
+            packed[r, offset : offset + n] = input_ids[row, start : start + n]
+            positions[r, offset : offset + n] = torch.arange(n)
+            index[row] = r * width + offset  # padding columns: the row's first token
+            index[row, start : start + n] = r * width + offset + torch.arange(n)
+            offset += n
+        positions[r, offset:] = torch.arange(width - offset)  # filler: a sequence of its own
+    return RowPacking(packed, positions, index)
+
+
+def unpack(outputs: torch.Tensor, packing: RowPacking) -> torch.Tensor:
+    """``[R, W, ...]`` outputs of the packed rows -> ``[B, L, ...]`` in the padded layout
+    (a gather: gradients flow back to the packed positions)."""
+    flat = outputs.reshape(-1, *outputs.shape[2:])
+    return flat[packing.index.reshape(-1)].reshape(*packing.index.shape, *outputs.shape[2:])
