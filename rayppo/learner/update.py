@@ -195,16 +195,15 @@ def ppo_update(
     asynchronous = exp.prox_logprobs is not None
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
     gaps: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # the first minibatch's (row max, generator, share x mean)
-    tokens = torch.zeros(2, dtype=torch.float64)  # (processed, real) by the policy's passes, padding included
-    packed = False  # whether the passes ran on padding-free rows (learner.packing)
+    processed, real = 0, torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # the policy's passes
     for i, micro_batches in enumerate(minibatches):
         for mb in micro_batches:
             # The first minibatch's value forward is the experience pass's (kept graph) when it is one
             # micro-batch: its backward goes first, which frees that graph before the policy's forward.
             kept = exp.first_values if i == 0 else None
             part = exp.rows(mb.rows) if kept is not None else exp.micro(mb.rows)
-            tokens += torch.tensor([part.batch.processed_tokens, part.batch.attention_mask.sum().item()])
-            packed = packed or part.batch.packing is not None
+            processed += part.batch.processed_tokens  # padding included; real tokens stay on the device (no sync)
+            real = real + part.batch.attention_mask.sum()
             value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
             objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature, max_length)
             if i == 0 and not asynchronous:
@@ -220,12 +219,13 @@ def ppo_update(
         steps.step()
     keys = list(weighted)
     first_mean = [sum(m for _, _, m in gaps).double()] if gaps else []
-    summed = collective.sum(torch.cat([torch.stack([weighted[k] for k in keys] + first_mean), tokens]))
+    stacked = torch.stack([weighted[k] for k in keys] + first_mean)
+    summed = collective.sum(torch.cat([stacked, stacked.new_tensor([float(processed)]), real.to(stacked)[None]]))
     denominator = collective.world_size * len(minibatches)
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
     # Every rank's passes over the whole update (all epochs): what padding costs the learner.
     out["tokens/learn_processed"], out["tokens/learn_real"] = float(summed[-2]), float(summed[-1])
-    out["tokens/learn_packed"] = float(packed)
+    out["tokens/learn_packed"] = float(bool(exp.batch.pack_mode))
     summed = summed[:-2]
     if asynchronous:
         return out | mismatch
