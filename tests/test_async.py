@@ -38,7 +38,8 @@ def test_rows_older_than_k_versions_are_dropped_and_counted():
 
 
 def test_staleness_stats_are_versions_behind_the_learner():
-    assert staleness_stats(_rollout([3, 2, 2, 0]), 3) == {"async/staleness_mean": 1.25, "async/staleness_max": 3.0}
+    assert staleness_stats(_rollout([3, 2, 2, 0]), 3) == {"async/staleness_mean": 1.25, "async/staleness_max": 3.0,
+                                                          "async/token_staleness_mean": 1.25}
 
 
 def test_busy_clock_counts_the_busy_seconds_inside_a_window(monkeypatch):

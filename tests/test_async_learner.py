@@ -222,7 +222,8 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
                                  proximal=ProximalPolicy(policy, TEMPERATURE, 3))
     batch, mask = exp.batch, exp.batch.mask
     assert torch.equal(exp.prox_logprobs, policy_forward(policy, batch, TEMPERATURE)[0])  # the learner's weights
-    assert exp.same_version.tolist() == [True, False, True, False, False, True]
+    # Per token, on the response tokens only: a row sampled by version 3 has all of them.
+    assert torch.equal(exp.same_version, mask.bool() & torch.tensor([v == 3 for v in versions])[:, None])
 
     _, last_values = critic_forward(critic, batch)
     returned, bootstrap = ppo.truncation_targets(exp.scores, last_values, rollout.truncated(), "bootstrap")
@@ -314,6 +315,24 @@ class ThreadCollective:
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(x, lambda s: s.amax(dim=0))
+
+
+def test_a_row_continued_with_newer_weights_is_compared_on_its_newer_tokens_only(models, tokenizer):
+    """Partial rollouts: a row whose first tokens came from version 4 and the rest from 5 (the
+    learner's) is compared on the version-5 tokens; the version-4 ones are 3 nats off and neither
+    trip the guard nor enter the figures, and a 2e-4 gap on a version-5 token does."""
+    cfg = PPOConfig(epochs=1, minibatches=1)
+    rollout = _mixed_rollout(tokenizer, models, cfg, versions=[5, 5, 5, 5], learner_version=5)
+    cut = 2
+    rollout.token_versions = [[4] * cut + [5] * (len(ids) - cut) for ids in rollout.response_ids]
+    rollout.policy_version = [4] * 4  # the oldest token's
+    for row in rollout.logprobs:
+        row[:cut] = [x - 3.0 for x in row[:cut]]
+    rollout.logprobs[2][cut] += 2e-4  # row 2 has 7 tokens
+    guard = MismatchGuard(limit=1e-3, iteration=0)
+    _, stats, *_ = _train(models, rollout, tokenizer.pad_token_id, cfg, 1, version=5, guard=guard)
+    assert stats["logprob_mismatch/rows"] == 3  # row 1 has 2 tokens, both of version 4
+    assert 1.5e-4 < stats["logprob_mismatch/max"] < 3e-4  # the 2e-4 gap, plus rounding (~1e-6)
 
 
 def test_mismatch_is_global_over_ranks_when_a_rank_compares_no_row(models, tokenizer):

@@ -135,17 +135,17 @@ class _HFBackend:
         return False
 
     @torch.no_grad()
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None = None):
         # The in-process trainer samples from the module it trains: eval mode here keeps the KV
         # cache on (transformers turns it off under gradient checkpointing in train mode).
         training = self.model.training
         self.model.eval()
         try:
-            return self._sample(prompt_ids, s, seed)
+            return self._sample(prompt_ids, s, seed, limits)
         finally:
             self.model.train(training)
 
-    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None):
         tok = self.tokenizer
         batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id).to(self.device)
         width = batch.prompt_width
@@ -155,11 +155,16 @@ class _HFBackend:
             attention_mask=batch.attention_mask[:, :width],
             # temperature 0: greedy decoding (evaluation); its log-probs below are at T = 1.
             do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=1.0, top_k=0,
-            max_new_tokens=s.max_new_tokens, min_new_tokens=s.max_new_tokens if s.ignore_eos else 0,
+            max_new_tokens=max(limits or [s.max_new_tokens]),
+            min_new_tokens=max(limits or [s.max_new_tokens]) if s.ignore_eos else 0,
             eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
         )
         eos_ids = [] if s.ignore_eos else self.eos_ids
-        rows = [split_response(row.tolist(), eos_ids, tok.pad_token_id) for row in out[:, width:]]
+        # One generate() for the batch, each row then cut at its own limit: the tokens a row would
+        # have sampled past it are dropped, which changes nothing before the cut.
+        limits = limits or [s.max_new_tokens] * len(prompt_ids)
+        rows = [split_response(row[:limit].tolist(), eos_ids, tok.pad_token_id)
+                for row, limit in zip(out[:, width:], limits)]
         response_ids = [ids for ids, _ in rows]
         nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
         logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
@@ -272,7 +277,7 @@ class _VLLMBackend:
         self.llm.wake_up(tags=tags)
         return True
 
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int):
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -285,10 +290,15 @@ class _VLLMBackend:
         self.llm.collective_rpc(_reseed_worker, args=((self.seed * 1_000_003 + seed) % 2**63,))
         # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
         # detokenisation (rayppo decodes once itself): less Python work per generated token.
-        params = SamplingParams(temperature=s.temperature, max_tokens=s.max_new_tokens, ignore_eos=s.ignore_eos,
-                                stop_token_ids=None if s.ignore_eos else self.eos_ids,
-                                logprobs=0, flat_logprobs=True, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        # With per-row limits (partial rollouts) each request gets its own max_tokens: LLM.generate
+        # takes one SamplingParams per prompt (vllm/entrypoints/llm.py, 0.32).
+        params = [SamplingParams(temperature=s.temperature, max_tokens=limit, ignore_eos=s.ignore_eos,
+                                 stop_token_ids=None if s.ignore_eos else self.eos_ids,
+                                 logprobs=0, flat_logprobs=True, detokenize=False)
+                  for limit in sorted(set(limits or [s.max_new_tokens]))]
+        by_limit = {p.max_tokens: p for p in params}
+        per_row = [by_limit[limit] for limit in limits] if limits else params[0]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], per_row, use_tqdm=False)
         response_ids, logprobs, reasons = [], [], []
         for out in outputs:
             sample = out.outputs[0]
@@ -439,6 +449,36 @@ class GeneratorEngine(Engine):
                     f"generator {self.generator_id} returned an empty response for prompt {text!r}"
                 )
         return self._rollout(prompts, response_ids, logprobs, reasons)
+
+    def generate_partial(self, prompts: PromptBatch, carry: Rollout, seed: int, budget: int) -> Rollout:
+        """Partial rollouts (``rollout.partial_tokens`` = ``budget``): continue the unfinished rows of
+        ``carry`` and start one response per row of ``prompts``, each by at most ``budget`` new
+        tokens sampled with the weights held now. Rows come back carry first, every token's
+        version in ``token_versions``; a response the budget cut before ``max_new_tokens`` has
+        finish reason ``partial`` (the driver continues it in a later call)."""
+        limit = self.sampling.max_new_tokens
+        done = [len(ids) for ids in carry.response_ids] + [0] * len(prompts)
+        contexts = [p + r for p, r in zip(carry.prompt_ids, carry.response_ids)] + [list(p) for p in prompts.ids]
+        caps = [min(budget, limit - n) for n in done]
+        new_ids, new_logprobs, reasons = self.backend.sample(contexts, self.sampling, seed, caps)
+        for i, ids in enumerate(new_ids):
+            if not ids:
+                text = (carry.prompt_text + list(prompts.texts))[i]
+                raise EmptyResponseError(f"generator {self.generator_id} returned no tokens for prompt {text!r}")
+        reasons = ["partial" if r == "length" and n + len(ids) < limit else r
+                   for r, n, ids in zip(reasons, done, new_ids)]
+        old = len(carry)
+        v = self.policy_version
+        continued = replace(
+            carry, response_ids=[a + b for a, b in zip(carry.response_ids, new_ids)],
+            logprobs=[a + b for a, b in zip(carry.logprobs, new_logprobs)],
+            token_versions=[a + [v] * len(b) for a, b in zip(carry.versions(), new_ids)],
+            finish_reason=reasons[:old], response_text=[""] * old)  # decoded below, with the new rows
+        fresh = self._rollout(prompts, new_ids[old:], new_logprobs[old:], reasons[old:])
+        fresh.token_versions = [[v] * len(ids) for ids in fresh.response_ids]
+        out = Rollout.concat([continued, fresh]) if old else fresh
+        out.response_text = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        return out
 
     def evaluate(self, prompts: PromptBatch, temperature: float, samples: int, seed: int) -> Rollout:
         """``samples`` responses per held-out prompt (rows prompt-major) at ``temperature``

@@ -20,8 +20,14 @@ def _require(ok: bool, name: str, message: str, value: Any) -> None:
 
 def _check_async(cfg: Config) -> None:
     """``rollout.max_staleness``: what the asynchronous pipeline needs."""
-    k = cfg.rollout.max_staleness
+    k, partial = cfg.rollout.max_staleness, cfg.rollout.partial_tokens
     _require(k >= 0, "rollout.max_staleness", "must be >= 0", k)
+    _require(partial >= 0, "rollout.partial_tokens", "must be >= 0 (0: off)", partial)
+    _require(partial == 0 or k >= 1, "rollout.partial_tokens",
+             "continues responses with newer weights, which needs the asynchronous pipeline "
+             "(rollout.max_staleness >= 1); use 0", partial)
+    _require(partial < cfg.rollout.max_new_tokens, "rollout.partial_tokens",
+             f"must be below rollout.max_new_tokens={cfg.rollout.max_new_tokens} (0: off)", partial)
     if k == 0:
         return
     _require(cfg.trainer == "distributed", "rollout.max_staleness",

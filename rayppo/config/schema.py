@@ -157,6 +157,14 @@ class RolloutConfig:
     learner trains, scoring runs as its own stage, and the learner corrects for the lag
     (``ppo.is_clip``, ``ppo.value_targets``); a row older than k versions is dropped and
     counted (``async/dropped_rows``). Distributed trainer, weights through the object store."""
+    partial_tokens: int = 0
+    """Partial rollouts (asynchronous mode): a generator call samples at most this many tokens of
+    each response; the unfinished ones are continued in its next call with the weights it then
+    holds, so no call waits on the longest response of a long-tailed batch. A batch then trains the
+    groups finished in its calls (its row count varies around ``batch_size``); every token records
+    the version that sampled it (``Rollout.token_versions``) and a row whose oldest token lags more
+    than ``max_staleness`` versions is dropped with its group. Pays when lengths are long-tailed
+    (p99 several times the median); 0 (off) otherwise. Must be below ``max_new_tokens``."""
 
 
 @dataclass

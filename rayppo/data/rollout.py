@@ -26,7 +26,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("ref_logprobs", pa.list_(pa.float32())),  # log pi_ref(y_t | S_{t-1})
         pa.field("score", pa.float32()),  # r_phi(x, y)
         pa.field("finish_reason", pa.string()),  # "stop" (EOS) or "length" (truncated)
-        pa.field("policy_version", pa.int64()),  # version of the weights that sampled y
+        pa.field("policy_version", pa.int64()),  # version of the weights that sampled y (its first token)
+        pa.field("token_versions", pa.list_(pa.int64())),  # version that sampled each y_t (partial rollouts)
         pa.field("generator_id", pa.int32()),  # which generator produced the row
         pa.field("group_id", pa.int32()),  # the prompt draw of the batch the row answers (its group)
         pa.field("prompt_text", pa.string()),
@@ -56,7 +57,8 @@ class Rollout:
     response_text: list[str]
     """[B] response text without special tokens."""
     policy_version: list[int] = field(default_factory=list)
-    """[B] version of the policy weights that generated the row."""
+    """[B] version of the policy weights that generated the row; of its first (oldest) token when
+    the row was continued across generator calls (``token_versions``)."""
     generator_id: list[int] = field(default_factory=list)
     """[B] index of the generator that produced the row."""
     group_id: list[int] = field(default_factory=list)
@@ -78,6 +80,10 @@ class Rollout:
     filled after the update when ``output.save_rollouts`` is on, so users can check the estimator."""
     returns: list[list[float]] = field(default_factory=list)
     """[B][T_b] the critic's value targets (``ppo.advantage=gae`` only; else empty), as ``advantages``."""
+    token_versions: list[list[int]] = field(default_factory=list)
+    """[B][T_b] the version that sampled each token. Filled only with partial rollouts
+    (``rollout.partial_tokens``), where a response continued by a later call holds tokens of several
+    versions; empty: every token has its row's ``policy_version``."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -100,12 +106,25 @@ class Rollout:
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        """Rows of several rollouts, one after the other."""
+        """Rows of several rollouts, one after the other. A column one part left empty that another
+        filled takes its neutral value there when it has one (plain prompts, no extra fields, the
+        row's version on every token); any other such mix is an error."""
+        parts = [p for p in parts if len(p)]
         merged = {f.name: [] for f in dataclasses.fields(Rollout)}
-        for part in parts:
-            for name, column in merged.items():
-                column.extend(getattr(part, name))
+        for name, column in merged.items():
+            filled = any(getattr(p, name) for p in parts)
+            for part in parts:
+                values = getattr(part, name)
+                if filled and not values:
+                    values = _neutral(part, name)
+                column.extend(values)
         return Rollout(**merged)
+
+    def versions(self) -> list[list[int]]:
+        """[B][T_b] the policy version that sampled each token (``token_versions``, else the row's)."""
+        if self.token_versions:
+            return self.token_versions
+        return [[v] * len(ids) for v, ids in zip(self.policy_version, self.response_ids)]
 
     # -- the prompt rows, decoded ----------------------------------------------------------------
     def conversations(self) -> list[list[dict[str, Any]] | None]:
@@ -141,9 +160,13 @@ class Rollout:
 
     @staticmethod
     def from_arrow(table: pa.Table) -> "Rollout":
-        """Inverse of ``to_arrow``; all-null columns come back empty."""
+        """Inverse of ``to_arrow``; all-null columns, and columns a table written by an older
+        rayppo lacks, come back empty."""
         data = {}
         for f in ROLLOUT_SCHEMA:
+            if f.name not in table.column_names:
+                data[f.name] = []
+                continue
             column = table.column(f.name)
             data[f.name] = [] if column.null_count == len(column) else column.to_pylist()
         return Rollout(**data)
@@ -152,6 +175,17 @@ class Rollout:
         """Write the rollout (for audit and replay)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(self.to_arrow(), str(path))
+
+
+def _neutral(part: Rollout, name: str) -> list:
+    """``part``'s empty column ``name`` as its neutral values (``Rollout.concat``)."""
+    if name == "prompt_messages":
+        return [""] * len(part)
+    if name == "prompt_fields":
+        return ["{}"] * len(part)
+    if name == "token_versions":
+        return part.versions()
+    raise ValueError(f"Rollout.concat: column {name!r} is filled in some parts and empty in others")
 
 
 def padded(rows: list[list[float]], dtype: torch.dtype, value: float = 0.0) -> torch.Tensor:

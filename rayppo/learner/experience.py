@@ -29,7 +29,7 @@ import torch
 from rayppo.config.derived import truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
-from rayppo.data.rollout import Rollout
+from rayppo.data.rollout import Rollout, padded
 from rayppo.learner import ppo
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -108,8 +108,9 @@ class Experience:
     recomputed once without gradient (0 on padding). Asynchronous mode only; None in the
     synchronous iteration, where pi_prox is pi_old."""
     same_version: torch.Tensor | None = None
-    """[B] bool: the row was sampled by pi_prox's version, so mu = pi_prox and their log-probs
-    must agree up to rounding (the rows ``logprob_mismatch`` compares). Asynchronous mode only."""
+    """[B, T] bool: the token was sampled by pi_prox's version, so mu = pi_prox and their log-probs
+    must agree up to rounding (the tokens ``logprob_mismatch`` compares; a row continued across
+    generator calls can have both kinds). Asynchronous mode only."""
     first_values: torch.Tensor | None = None
     """[b, T] V(S_{t-1}) of the first minibatch's rows (``make_experience(first_rows=...)``), in
     that order, with the autograd graph of the critic's experience pass: the critic's weights
@@ -144,7 +145,8 @@ class Experience:
         return dataclasses.replace(part, batch=batch, **cut)
 
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs",
+                "same_version")
 """The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
 
 
@@ -250,7 +252,7 @@ def _asynchronous_inputs(
     rollout: Rollout, batch: PackedBatch, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
     budget: int, collective: Collective,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(prox_logprobs [B, T], same_version [B] bool)`` in asynchronous mode (k > 0); ``(None,
+    """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0); ``(None,
     None)`` in the synchronous iteration, which needs neither."""
     if max_staleness == 0:
         return None, None
@@ -259,7 +261,9 @@ def _asynchronous_inputs(
     if len(rollout.policy_version) != len(rollout):
         raise ValueError(f"asynchronous mode needs every row's policy_version: {len(rollout.policy_version)} "
                          f"versions for {len(rollout)} rows")
-    same_version = torch.tensor(rollout.policy_version, dtype=torch.long, device=batch.mask.device) == proximal.version
+    # Per token: a partial rollout's row holds tokens of several versions (Rollout.token_versions).
+    versions = padded(rollout.versions(), torch.long, value=-1).to(batch.mask.device)
+    same_version = (versions == proximal.version) & batch.mask.bool()
     return proximal_logprobs(proximal, batch, chunks, budget, collective), same_version
 
 

@@ -244,17 +244,18 @@ def _critic_backward(critic: torch.nn.Module, part: Experience, mb: Minibatch, c
 def same_version_mismatch(exp: Experience, collective: Collective, guard: MismatchGuard | None) -> dict[str, float]:
     """``logprob_mismatch/mean|max|rows`` of asynchronous mode, checked by ``guard``.
 
-    mu = pi_prox only on the rows sampled by the learner's own version (``exp.same_version``):
+    mu = pi_prox only on the tokens sampled by the learner's own version (``exp.same_version``):
     there |log mu - log pi_prox| is rounding, elsewhere it is staleness (``async/staleness_*``
-    measures that), so the other rows enter with gap 0 and never trip the guard. Call before the
+    measures that), so the other tokens enter with gap 0 and never trip the guard. Call before the
     first optimiser step. Collective: every rank calls it, with or without such rows. Mean and max
-    are over the compared tokens of all ranks (NaN when no rank compared any); rows is their count.
+    are over the compared tokens of all ranks (NaN when no rank compared any); rows counts the
+    rows with a compared token.
     """
-    mask = exp.batch.mask * exp.same_version[:, None].to(exp.batch.mask.dtype)
+    mask = exp.batch.mask * exp.same_version.to(exp.batch.mask.dtype)
     gap = (exp.prox_logprobs - exp.old_logprobs).abs() * mask
     if guard is not None:
         guard.check(gap, exp.generator_ids, collective)
-    local = torch.stack([mask.double().sum(), gap.double().sum(), exp.same_version.double().sum()])
+    local = torch.stack([mask.double().sum(), gap.double().sum(), (mask.sum(-1) > 0).double().sum()])
     tokens, gap_sum, rows = collective.sum(local).tolist()
     # gap >= 0 and is 0 off the compared tokens, so a rank that compared none adds a harmless 0.
     worst = float(collective.max(gap.max().double()))

@@ -19,6 +19,13 @@ Checkpoints record the learner (as in the synchronous trainer) and the prompt sa
 *before the next batch to train*; the batches in flight are not saved. After ``--resume`` (or a
 learner restart) they are drawn again from the same prompts and sampled with the restored
 weights, so nothing is lost or trained twice.
+
+Partial rollouts (``rollout.partial_tokens = n > 0``): a generator samples at most ``n`` tokens
+per call; responses still running are carried to its next call and continued with the weights it
+then holds, each token recording its version (``token_versions``). A row joins a batch once every
+row of its group has finished; the staleness rule then applies to a row's *oldest* token. The
+rows in flight at a checkpoint (``carry_states``) are saved with it, so ``--resume`` continues
+them rather than drawing their prompts again.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import get, get_within
 from rayppo.config.schema import Config
+from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, oldest_versions, renumber_groups, settle,
+                                          unfinished, with_unique_groups)
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.errors import LearnerFailedError
@@ -45,15 +54,39 @@ POLL_S = 0.2
 
 
 def drop_stale(rollout: Rollout, version: int, max_staleness: int) -> tuple[Rollout, int]:
-    """``(rows at most max_staleness versions behind version, rows dropped)``."""
-    keep = [i for i, v in enumerate(rollout.policy_version) if version - v <= max_staleness]
+    """``(rows at most max_staleness versions behind version, rows dropped)``. A row's lag is its
+    oldest token's (partial rollouts continue a row with newer weights); a group goes whole, so a
+    group estimator never sees part of one."""
+    oldest = oldest_versions(rollout)
+    stale = {i for i, v in enumerate(oldest) if version - v > max_staleness}
+    if rollout.group_id:
+        stale_groups = {rollout.group_id[i] for i in stale}
+        stale = {i for i, g in enumerate(rollout.group_id) if g in stale_groups}
+    keep = [i for i in range(len(rollout)) if i not in stale]
     return (rollout, 0) if len(keep) == len(rollout) else (rollout.select(keep), len(rollout) - len(keep))
 
 
 def staleness_stats(rollout: Rollout, version: int) -> dict[str, float]:
-    """``async/staleness_mean|max``: versions between each row's sampler and the learner."""
-    lags = [version - v for v in rollout.policy_version] or [0]
-    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+    """``async/staleness_mean|max``: versions between each row's (oldest token's) sampler and the
+    learner; ``async/token_staleness_mean``: the same per token."""
+    lags = [version - v for v in oldest_versions(rollout)] or [0]
+    token_lags = [version - v for row in rollout.versions() for v in row] or [0]
+    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags)),
+            "async/token_staleness_mean": sum(token_lags) / len(token_lags)}
+
+
+def generator_lead(max_staleness: int, partial_tokens: int, max_new_tokens: int) -> int:
+    """How many batches a generator may sample ahead of the learner's published version.
+
+    k without partial rollouts. With them a response spans up to R = ceil(max_new_tokens /
+    partial_tokens) calls, one per batch, so a row started with version w >= b - lead in batch b
+    is trained by version <= b + R - 1: lead = k - (R - 1) keeps every row within the window
+    (none dropped), and the lead stays at least 1 (with k < R the longest rows may be dropped,
+    counted in ``async/dropped_rows``)."""
+    if not partial_tokens:
+        return max_staleness
+    calls = -(-max_new_tokens // partial_tokens)
+    return max(1, max_staleness - (calls - 1))
 
 
 class BusyClock:
@@ -112,6 +145,10 @@ class Stages:
     batches: dict[int, Batch] = field(default_factory=dict)
     prompt_states: dict[int, dict[str, int]] = field(default_factory=dict)
     """The sampler's position before each batch was drawn (what a checkpoint records)."""
+    carry: list[Rollout] = field(default_factory=list)
+    """Partial rollouts: each generator's rows not yet delivered (``rayppo/data/partial_rollouts.py``)."""
+    carry_states: dict[int, list[Rollout]] = field(default_factory=dict)
+    """Every generator's carry before its call for each batch (what a checkpoint records)."""
     to_score: "queue.Queue[int]" = field(default_factory=queue.Queue)
     scored: queue.Queue = field(default_factory=queue.Queue)
     """(batch, scored rollout, scoring seconds), bounded to k + 1 batches."""
@@ -128,6 +165,11 @@ class PipelinedTrainer(DistributedTrainer):
 
     def __init__(self, cfg: Config):
         self.k = cfg.rollout.max_staleness
+        self.partial = cfg.rollout.partial_tokens
+        self.lead = generator_lead(self.k, self.partial, cfg.rollout.max_new_tokens)
+        # A partial-rollout call goes on with its unfinished rows until the batch can be trained:
+        # every rank needs rows in each minibatch.
+        self._min_rows = -(-cfg.ppo.minibatches * cfg.learner.num_ranks // cfg.generators.num)
         self._cond = threading.Condition()
         self._stages = Stages(first=0)  # before super().__init__, which asks for driver_state()
         self._payload_nbytes: int | None = None
@@ -167,6 +209,7 @@ class PipelinedTrainer(DistributedTrainer):
         with self._cond:
             self._stages.batches.pop(it, None)
             self._stages.prompt_states.pop(it, None)
+            self._stages.carry_states.pop(it, None)
         self.supervisor.progress()
         self._last_return = t_end
         wall = t_end - t0
@@ -178,6 +221,7 @@ class PipelinedTrainer(DistributedTrainer):
                    "sync/verified": self._verified(),
                    "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - (t_learn - t_data) / wall,
                    "async/dropped_rows": float(dropped), "async/queue_depth": float(depth),
+                   "async/carried_rows": float(sum(len(c) for c in self._stages.carry)),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
         return {**stats, **rollout_stats(rollout, wall), **timings, **staleness, "kl_coef": kl_coef}
@@ -217,8 +261,13 @@ class PipelinedTrainer(DistributedTrainer):
         return (self._payload_nbytes or 0) * len(self.generators)
 
     # ------------------------------------------------------------------------------ the stages
-    def _start_stages(self) -> None:
-        self._stages = stages = Stages(first=self.iteration_count, scored=queue.Queue(maxsize=self.k + 1))
+    def _start_stages(self, carry: list[Rollout] | None = None) -> None:
+        """Start the stage threads at batch ``iteration_count``, the generators' carries ``carry``
+        (default: what they were before that batch, or empty)."""
+        old = self._stages.carry_states.get(self.iteration_count)
+        carry = carry or old or [Rollout.concat([]) for _ in range(len(self.generators))]
+        self._stages = stages = Stages(first=self.iteration_count, scored=queue.Queue(maxsize=self.k + 1),
+                                       carry=list(carry), carry_states={self.iteration_count: list(carry)})
         workers = [threading.Thread(target=self._guarded, args=(stages, self._generate_loop, g), daemon=True,
                                     name=f"rayppo-generator-{g}") for g in range(len(self.generators))]
         workers.append(threading.Thread(target=self._guarded, args=(stages, self._score_loop), daemon=True,
@@ -258,9 +307,7 @@ class PipelinedTrainer(DistributedTrainer):
                 if published.version > self._held[g]:
                     self._load(g, published)
                 shares = group_shares(batch.prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
-                part = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate,
-                                                (shares[g], iteration_seed(seed, b) + 7919 * g),
-                                                refresh=self._refresh)
+                part = self._sample(stages, g, b, shares[g], iteration_seed(seed, b) + 7919 * g)
             finally:
                 self._clocks[g].stop()
             with self._cond:
@@ -269,10 +316,33 @@ class PipelinedTrainer(DistributedTrainer):
                     stages.to_score.put(b)
             b += 1
 
-    def _wait_for_window(self, stages: Stages, b: int) -> Published:
-        """Block until batch b may be sampled (b <= published version + k); the newest weights."""
+    def _sample(self, stages: Stages, g: int, b: int, share: PromptBatch, seed: int) -> Rollout:
+        """Generator g's part of batch b: its share sampled whole, or with partial rollouts the
+        groups finished by its calls (the carry continued, the share started)."""
+        if not self.partial:
+            return self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate,
+                                            (share, seed), refresh=self._refresh)
+        share.groups = with_unique_groups(share.groups, b, self.cfg.rollout.batch_size)
+        waiting = stages.carry[g]
+        while True:  # a round: every unfinished row gets up to partial_tokens more
+            todo = unfinished(waiting)
+            done = sorted(set(range(len(waiting))) - set(todo))
+            out = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate_partial,
+                                           (share, waiting.select(todo), seed, self.partial), refresh=self._refresh)
+            ready, waiting = settle(Rollout.concat([waiting.select(done), out]))
+            if len(ready) >= self._min_rows or not unfinished(waiting):
+                break
+            waiting = Rollout.concat([ready, waiting])  # too few to train: another round, no new prompts
+            share, seed = share.select([]), seed + 1
         with self._cond:
-            while b > self._published.version + self.k:
+            stages.carry[g] = waiting
+            stages.carry_states.setdefault(b + 1, list(stages.carry))[g] = waiting
+        return ready
+
+    def _wait_for_window(self, stages: Stages, b: int) -> Published:
+        """Block until batch b may be sampled (b <= published version + lead); the newest weights."""
+        with self._cond:
+            while b > self._published.version + self.lead:
                 if stages.stop.is_set():
                     raise _Stopped
                 self._cond.wait(POLL_S)
@@ -333,7 +403,8 @@ class PipelinedTrainer(DistributedTrainer):
                 continue
             self._scoring_clock.start()
             try:
-                rollout, times = self.score(Rollout.concat(stages.batches[b].parts))
+                parts = Rollout.concat(stages.batches[b].parts)
+                rollout, times = self.score(renumber_groups(parts) if self.partial else parts)
             finally:
                 self._scoring_clock.stop()
             while True:  # the queue is bounded: wait for the learner
@@ -372,7 +443,11 @@ class PipelinedTrainer(DistributedTrainer):
         train (batches in flight are drawn again on resume)."""
         with self._cond:
             prompts = self._stages.prompt_states.get(self.iteration_count) or self.prompts.state_dict()
-        return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": dict(prompts)}
+            carry = self._stages.carry_states.get(self.iteration_count) or self._stages.carry
+        state = {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": dict(prompts)}
+        if self.partial:  # the rows in flight between calls are kept: none is lost or sampled twice
+            state["partial_rows"] = carry_to_json(carry)
+        return state
 
     def restore(self, path: Path | None, state: dict[str, Any]) -> None:
         """Stop the stages, load the checkpoint, publish its weights and start again from it: every
@@ -386,7 +461,8 @@ class PipelinedTrainer(DistributedTrainer):
         self.prompts.load_state_dict(state["prompts"])
         self._publish(version)
         self._held = [-1] * len(self.generators)
-        self._start_stages()
+        carry = carry_from_json(state.get("partial_rows"), len(self.generators)) if self.partial else None
+        self._start_stages(carry)
         self.phase = "idle"
 
     def recover(self, failure: LearnerFailedError) -> int:
