@@ -30,7 +30,7 @@ train: install
 	$(VENV)/bin/rayppo train $(ARGS)
 
 test: install-test
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

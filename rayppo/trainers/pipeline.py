@@ -307,7 +307,7 @@ class PipelinedTrainer(DistributedTrainer):
                 if published.version > self._held[g]:
                     self._load(g, published)
                 shares = group_shares(batch.prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
-                part = self._sample(stages, g, b, shares[g], iteration_seed(seed, b) + 7919 * g)
+                part = self._sample_share(stages, g, b, shares[g], iteration_seed(seed, b) + 7919 * g)
             finally:
                 self._clocks[g].stop()
             with self._cond:
@@ -316,7 +316,7 @@ class PipelinedTrainer(DistributedTrainer):
                     stages.to_score.put(b)
             b += 1
 
-    def _sample(self, stages: Stages, g: int, b: int, share: PromptBatch, seed: int) -> Rollout:
+    def _sample_share(self, stages: Stages, g: int, b: int, share: PromptBatch, seed: int) -> Rollout:
         """Generator g's part of batch b: its share sampled whole, or with partial rollouts the
         groups finished by its calls (the carry continued, the share started)."""
         if not self.partial:
