@@ -147,6 +147,8 @@ class _HFBackend:
 
     def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None):
         tok = self.tokenizer
+        limits = limits or [s.max_new_tokens] * len(prompt_ids)
+        longest = max(limits, default=s.max_new_tokens)
         batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id).to(self.device)
         width = batch.prompt_width
         torch.manual_seed(seed)
@@ -155,14 +157,12 @@ class _HFBackend:
             attention_mask=batch.attention_mask[:, :width],
             # temperature 0: greedy decoding (evaluation); its log-probs below are at T = 1.
             do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=1.0, top_k=0,
-            max_new_tokens=max(limits or [s.max_new_tokens]),
-            min_new_tokens=max(limits or [s.max_new_tokens]) if s.ignore_eos else 0,
+            max_new_tokens=longest, min_new_tokens=longest if s.ignore_eos else 0,
             eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
         )
         eos_ids = [] if s.ignore_eos else self.eos_ids
         # One generate() for the batch, each row then cut at its own limit: the tokens a row would
         # have sampled past it are dropped, which changes nothing before the cut.
-        limits = limits or [s.max_new_tokens] * len(prompt_ids)
         rows = [split_response(row[:limit].tolist(), eos_ids, tok.pad_token_id)
                 for row, limit in zip(out[:, width:], limits)]
         response_ids = [ids for ids, _ in rows]
@@ -443,12 +443,15 @@ class GeneratorEngine(Engine):
         """One response per prompt row, sampled at the configured temperature; the rows of a group
         (``PromptBatch.groups_of``) are separate requests, each with its own noise."""
         response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, seed)
-        for text, ids in zip(prompts.texts, response_ids):
+        self._check_nonempty(prompts.texts, response_ids)
+        return self._rollout(prompts, response_ids, logprobs, reasons)
+
+    def _check_nonempty(self, texts: list[str], response_ids: list[list[int]]) -> None:
+        for text, ids in zip(texts, response_ids):
             if not ids:
                 raise EmptyResponseError(
                     f"generator {self.generator_id} returned an empty response for prompt {text!r}"
                 )
-        return self._rollout(prompts, response_ids, logprobs, reasons)
 
     def generate_partial(self, prompts: PromptBatch, carry: Rollout, seed: int, budget: int) -> Rollout:
         """Partial rollouts (``rollout.partial_tokens`` = ``budget``): continue the unfinished rows of
@@ -461,10 +464,7 @@ class GeneratorEngine(Engine):
         contexts = [p + r for p, r in zip(carry.prompt_ids, carry.response_ids)] + [list(p) for p in prompts.ids]
         caps = [min(budget, limit - n) for n in done]
         new_ids, new_logprobs, reasons = self.backend.sample(contexts, self.sampling, seed, caps)
-        for i, ids in enumerate(new_ids):
-            if not ids:
-                text = (carry.prompt_text + list(prompts.texts))[i]
-                raise EmptyResponseError(f"generator {self.generator_id} returned no tokens for prompt {text!r}")
+        self._check_nonempty(carry.prompt_text + list(prompts.texts), new_ids)
         reasons = ["partial" if r == "length" and n + len(ids) < limit else r
                    for r, n, ids in zip(reasons, done, new_ids)]
         old = len(carry)
@@ -476,7 +476,7 @@ class GeneratorEngine(Engine):
             finish_reason=reasons[:old], response_text=[""] * old)  # decoded below, with the new rows
         fresh = self._rollout(prompts, new_ids[old:], new_logprobs[old:], reasons[old:])
         fresh.token_versions = [[v] * len(ids) for ids in fresh.response_ids]
-        out = Rollout.concat([continued, fresh]) if old else fresh
+        out = Rollout.concat([continued, fresh])  # concat skips an empty carry
         out.response_text = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         return out
 
