@@ -99,22 +99,56 @@ def workload_config(workload: Workload, policy: Path, reward_model: Path, extra:
 
 
 # ------------------------------------------------------------------------------- measurement
-def run_rayppo(cfg: Config, warmup: int, iterations: int) -> tuple[list[dict[str, float]], dict[str, int], Any]:
-    """W warm-up + M measured iterations of the distributed system; also peak memory per role."""
+def run_rayppo(cfg: Config, warmup: int, iterations: int, label: str = "rayppo"
+               ) -> tuple[list[dict[str, float]], dict[str, int], Any]:
+    """W warm-up + M measured iterations of the distributed system; also peak memory per role.
+    One progress bar for the run (the actors' output is in the run's logs/, as for train)."""
+    from tqdm import tqdm
+
     from rayppo.trainers.pipeline import distributed_trainer
 
     trainer = distributed_trainer(cfg)
+    bar = tqdm(total=warmup + iterations, desc=label, unit="it", file=sys.stderr, dynamic_ncols=True)
     try:
-        for i in range(warmup):
-            trainer.iteration()
-            print(f"  warm-up {i + 1}/{warmup} done", file=sys.stderr)
         records = []
-        for i in range(iterations):
-            records.append(trainer.iteration())
-            print(f"  iteration {i + 1}/{iterations}: {records[-1]['time/iteration']:.2f} s", file=sys.stderr)
+        for i in range(warmup + iterations):
+            record = trainer.iteration()
+            if i >= warmup:
+                records.append(record)
+            bar.set_postfix({"phase": "warm-up" if i < warmup else "measured",
+                             "s/it": f"{record['time/iteration']:.2f}"}, refresh=False)
+            bar.update()
         return records, trainer.peak_memory(), trainer.last_rollout
     finally:
+        bar.close()
         trainer.close()
+
+
+def _child_output(name: str):
+    """Where a child process's output goes: ``logs/NAME.log`` of the bench folder (the terminal
+    with ``--verbose``, or when nothing set the console up)."""
+    from rayppo.console import console
+
+    if console.verbose or console.log_dir is None:
+        return None
+    return (console.log_dir / f"{name}.log").open("a", encoding="utf-8")
+
+
+def _run_child(name: str, what: str, command: list[str]) -> None:
+    """``command`` to its end, one phase line saying what runs and where its output is."""
+    from rayppo.console import console
+
+    log = _child_output(name)
+    where = f" (its output: {console.shown(Path(log.name))})" if log else ""
+    console.phase(f"{what}{where}")
+    try:
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT if log else None)
+    finally:
+        if log:
+            log.close()
+    if result.returncode:
+        raise RayppoError(f"{what} failed (exit {result.returncode})" + (f"; see {console.shown(Path(log.name))}"
+                                                                       if log else ""))
 
 
 def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
@@ -178,7 +212,8 @@ def stages_alone(cfg: Config, rollout) -> dict[str, float]:
         work = Path(tmp)
         (work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
         rollout.write_parquet(work / "rollout.parquet")
-        subprocess.run([sys.executable, __file__, "--stages-alone", str(work)], check=True)
+        _run_child("stages-alone", "each stage alone on the measured batch, in a child process",
+                   [sys.executable, __file__, "--stages-alone", str(work)])
         return json.loads((work / "alone.json").read_text())
 
 
@@ -355,8 +390,9 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
             "bf16": cfg.model.dtype == "bfloat16",
             "output_dir": str(out_dir / "trl_output")}
     (out_dir / "trl_spec.json").write_text(json.dumps(spec))
-    subprocess.run([str(python), str(HERE / script), "--spec", str(out_dir / "trl_spec.json"),
-                    "--out", str(out_dir / "trl.json")], check=True)
+    _run_child("trl", f"TRL on the same workload ({script})", [str(python), str(HERE / script), "--spec",
+                                                                 str(out_dir / "trl_spec.json"), "--out",
+                                                                 str(out_dir / "trl.json")])
     return json.loads((out_dir / "trl.json").read_text())["iterations"]
 
 
@@ -515,6 +551,8 @@ def print_table(s: dict[str, Any]) -> None:
         print(f"  learner arithmetic   {s['learn_gflop']:,.0f} GFLOP in {s['stage_s']['learn']['median']:.1f} s = "
               f"{s['learn_gflop_per_s']:.0f} GFLOP/s; a {' x '.join(map(str, s['matmul_shape']))} matmul "
               f"{s['matmul_gflop_per_s']:.0f} GFLOP/s -> learn_efficiency {s['learn_efficiency']:.2f}")
+        print("  (learn_efficiency: the learner's FLOP rate over a plain matmul's on the same threads; 1.0 is the "
+              "machine's arithmetic limit)")
     if "overhead_ratio" in s:
         alone = s["stages_alone_s"]
         print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
@@ -595,13 +633,18 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     iterations = w.iterations if iterations is None else iterations
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from rayppo.console import console
+
+    console.phase(f"rayppo bench {w.name}: {w.description}; {warmup} warm-up + {iterations} measured iterations"
+                  + (f" per point of {' x '.join(sweep)}" if sweep else "") + f"; output {out}/")
     policy, reward_model = prepare_models(w)
+    overrides = [f"output.dir={out}", *overrides]  # the runs' placement.json and logs/ go with bench.json
     if sweep:
         points = []
         for point in sweep_points(sweep):
             cfg = workload_config(w, policy, reward_model, overrides + [f"{k}={v}" for k, v in point.items()])
-            print(f"sweep point {point}", file=sys.stderr)
-            records, memory, rollout = run_rayppo(cfg, warmup, iterations)
+            label = " ".join(f"{k}={v}" for k, v in point.items())
+            records, memory, rollout = run_rayppo(cfg, warmup, iterations, label)
             points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None,
                                                        plan_estimate(cfg, rollout), learn_arithmetic(cfg, rollout),
                                                        rollout)})
@@ -615,8 +658,7 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
         print_sweep(points)
         return summary
     cfg = workload_config(w, policy, reward_model, overrides)
-    print(f"rayppo bench {w.name}: {w.description}", file=sys.stderr)
-    records, memory, rollout = run_rayppo(cfg, warmup, iterations)
+    records, memory, rollout = run_rayppo(cfg, warmup, iterations, w.name)
     arithmetic = learn_arithmetic(cfg, rollout)
     alone = None if skip_alone else stages_alone(cfg, rollout)
     trl = run_trl(cfg, rollout, warmup, iterations, out) if compare == "trl" else None

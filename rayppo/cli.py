@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
                       help="memory of one GPU (default: from the connected cluster's accelerator type, else 80)")
     plan.add_argument("--prompt-tokens", type=int, metavar="N",
-                      help="longest prompt in tokens (default: the embedded prompts', else max_model_len - "
+                      help="longest prompt in tokens (default: the longest of data.prompts by the policy's "
+                           "tokenizer; the embedded prompts' for the embedded model; else max_model_len - "
                            "rollout.max_new_tokens)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     bench = sub.add_parser(
@@ -111,10 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                        help="scaling sweep, e.g. --sweep generators.num=1,2 learner.num_ranks=1,2")
     bench.add_argument("--skip-alone", action="store_true", help="do not measure the stages alone")
+    bench.add_argument("--verbose", "-v", action="store_true",
+                       help="show the libraries' output here too (by default it goes to DIR/logs/)")
     _submit_parser(sub)
-    for name, text in (("status", "show a job's status"), ("logs", "print a job's logs"), ("stop", "stop a running job")):
+    for name, text in (("status", "show a job's status (no JOB: list the cluster's jobs)"),
+                       ("logs", "print a job's logs"), ("stop", "stop a running job")):
         job = sub.add_parser(name, help=text)
-        job.add_argument("job_id", metavar="JOB")
+        job.add_argument("job_id", metavar="JOB", **({"nargs": "?"} if name == "status" else {}))
         _address(job)
         if name == "logs":
             job.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
@@ -235,6 +239,10 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     if not path.is_file():
         print(f"rayppo: error: {path} not found: rayppo bench runs from a source checkout", file=sys.stderr)
         return 2
+    from rayppo.console import console
+
+    console.setup(args.output, args.verbose)  # as for train: the libraries' output to DIR/logs/
+    _quiet_libraries(args.verbose)
     spec = importlib.util.spec_from_file_location("rayppo_benchmarks", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -257,26 +265,34 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
         env[key] = value
     from pathlib import Path
 
-    job_id = jobs.submit(cfg, args.address, env, ship_code=not args.no_ship_code, bench=args.bench,
-                         submission_id=args.job_id, working_dir=None if args.no_working_dir else Path(args.working_dir))
-    print(f"submitted {job_id}")
-    if not args.wait:
-        print(f"follow it with: rayppo logs {job_id} --follow   (status: rayppo status {job_id})")
-        return 0
-    final = jobs.wait(job_id, args.address)
-    print(f"job {job_id}: {final}")
+    note = jobs.pin_output_dir(cfg)
+    if note:
+        print(note)
+    with jobs.answered(args.address):
+        job_id = jobs.submit(cfg, args.address, env, ship_code=not args.no_ship_code, bench=args.bench,
+                             submission_id=args.job_id,
+                             working_dir=None if args.no_working_dir else Path(args.working_dir))
+        print(f"submitted {job_id}")
+        if not args.wait:
+            print(f"follow it with: rayppo logs {job_id} --follow   (status: rayppo status {job_id})")
+            return 0
+        final = jobs.wait(job_id, args.address)
+    print(f"job {job_id}: {final}; its outputs: {cfg.output.dir}/")
     return 0 if final == "SUCCEEDED" else 1
 
 
 def cmd_job(args: argparse.Namespace) -> int:
     from rayppo.cluster import jobs
 
-    if args.command == "status":
-        print(f"{args.job_id}: {jobs.status(args.job_id, args.address)}")
-    elif args.command == "logs":
-        jobs.logs(args.job_id, args.address, args.follow)
-    else:
-        print(f"{args.job_id}: {jobs.stop(args.job_id, args.address)}")
+    with jobs.answered(args.address):
+        if args.command == "status" and args.job_id is None:
+            print("\n".join(jobs.list_jobs(args.address)) or "no jobs on this cluster")
+        elif args.command == "status":
+            print(f"{args.job_id}: {jobs.status(args.job_id, args.address)}")
+        elif args.command == "logs":
+            jobs.logs(args.job_id, args.address, args.follow)
+        else:
+            print(f"{args.job_id}: {jobs.stop(args.job_id, args.address)}")
     return 0
 
 

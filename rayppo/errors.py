@@ -2,12 +2,13 @@
 the culprit (field, file and row, function, URL, role and actor), and ``rayppo`` prints it and
 exits 2 with no traceback. Raised mid-run, the run first stops with a checkpoint where it can.
 
-This module imports only ``re``, so the command line can catch them before loading anything heavy.
+This module imports only ``re`` and ``pathlib``, so the command line can catch them before loading anything heavy.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 
 class RayppoError(Exception):
@@ -59,9 +60,32 @@ def plain(text: str) -> str:
     return RAY_HEADER.sub("", " ".join(ANSI.sub("", text).split()))
 
 
+def restated(exc: BaseException, suffix: str) -> BaseException:
+    """An error an actor raised about its input (a ``RayppoError``, e.g. a reward function's failure),
+    as its own type with its own one line and ``suffix`` (where the actor's log is): never Ray's
+    header, colour codes or remote traceback."""
+    cause = unwrapped(exc)
+    text = plain(str(cause)) + suffix
+    try:
+        return type(cause)(text)
+    except Exception:  # noqa: BLE001 - a type that takes other arguments: the message is what counts
+        return RayppoError(text)
+
+
 def brief(exc: BaseException) -> str:
     """``TypeName: first line`` of an exception, the one an actor raised when Ray wraps it (Ray's
     actor errors run to many lines, behind a header naming pid, ip and actor id)."""
     exc = unwrapped(exc)
     lines = [plain(line) for line in str(exc).splitlines()]
     return f"{type(exc).__name__}: {next((line for line in lines if line), '')}"
+
+
+def new_path(path: Path, suffix: str) -> Path:
+    """A file next to ``path`` named ``stem + suffix`` that does not exist yet, for the output of
+    a command an error message suggests: a shell truncates a redirection target before the command
+    reads its input, so a hint writing to its own input (``jq ... a.jsonl > a.jsonl``) would
+    destroy the user's file."""
+    candidate, n = path.with_name(path.stem + suffix), 2
+    while candidate.exists() or candidate == path:
+        candidate, n = path.with_name(f"{path.stem}-{n}{suffix}"), n + 1
+    return candidate

@@ -25,8 +25,9 @@ from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError, brief
 from rayppo.learner.guard import CorrectnessError
 from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state, write_checkpoint
+from rayppo.run.folder import release_output_dir
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
-from rayppo.run.samples import format_samples, pick_samples
+from rayppo.run.samples import format_samples, pick_samples, shown_prompt
 from rayppo.run.tracking import make_trackers
 from rayppo.trainers.evaluation import due
 
@@ -66,13 +67,16 @@ class TrainResult:
     eval_reward: float | None = None
     """The last ``eval/reward/mean`` (None without evaluation)."""
     seconds: float = 0.0
-    """Wall-clock seconds of the iterations (start-up excluded)."""
+    """Wall-clock seconds of this invocation's iterations (start-up excluded)."""
+    resumed_at: int = 0
+    """Iterations the checkpoint it resumed from held (0: a new run)."""
 
     def summary(self) -> str:
         """The closing line: what was done, how reward moved, where everything is."""
         n = self.iterations
         evaluated = f", held-out {self.eval_reward:.3f}" if self.eval_reward is not None else ""
-        return (f"{self.stop_reason}: {n} iteration{'s' if n != 1 else ''} in {self.seconds:.0f} s; mean reward "
+        here = f" ({n - self.resumed_at} after resuming at {self.resumed_at})" if self.resumed_at else ""
+        return (f"{self.stop_reason}: {n} iteration{'s' if n != 1 else ''}{here} in {self.seconds:.0f} s; mean reward "
                 f"{self.reward_start:.3f} (first iteration) -> {self.reward_end:.3f} "
                 f"({'last' if n == 1 else f'mean of the last {min(n, 5)}'}){evaluated}. Outputs in {self.out_dir}/ "
                 f"({', '.join(self.outputs())})")
@@ -207,10 +211,13 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
     finally:
         loop.bar.close()
         logger.close()
-    _finish(cfg, trainer, out, stop_reason, loop.it, at_once)
+    if resume is None and loop.it == 0 and stop_reason != "completed":
+        _nothing_done(trainer, out, stop_reason)
+    else:
+        _finish(cfg, trainer, out, stop_reason, loop.it, at_once)
     if failure is not None:
         raise failure
-    return _result(cfg, out, loop.it, stop_reason, time.monotonic() - started)
+    return _result(cfg, out, loop.it, stop_reason, time.monotonic() - started, first if resume is not None else 0)
 
 
 @dataclass
@@ -268,14 +275,14 @@ class _Loop:
         return metrics
 
 
-def _result(cfg: Config, out: Path, done: int, stop_reason: str, seconds: float) -> TrainResult:
+def _result(cfg: Config, out: Path, done: int, stop_reason: str, seconds: float, resumed_at: int) -> TrainResult:
     """The run's summary (and its plot) from metrics.jsonl."""
     records = read_metrics(out / "metrics.jsonl")
     if records:
         plot_metrics(records, out / "plot.png", cfg.stop.kl_budget)
     evals = [r["eval/reward/mean"] for r in records if "eval/reward/mean" in r]
     return TrainResult(done, stop_reason, _mean_reward(records[:1]), _mean_reward(records[-5:]), out,
-                       evals[-1] if evals else None, seconds)
+                       evals[-1] if evals else None, seconds, resumed_at)
 
 
 def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int:
@@ -310,10 +317,14 @@ def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics:
         rollout.write_parquet(out / "rollouts" / f"iter_{it:05d}.parquet")
     every = cfg.output.samples_every
     if every and (it + 1) % every == 0 and rollout is not None:
-        samples = pick_samples(rollout.prompt_text, rollout.response_text, rollout.score, cfg.output.samples_shown)
-        logger.log_samples(it, samples)
+        n = cfg.output.samples_shown
+        logger.log_samples(it, pick_samples(rollout.prompt_text, rollout.response_text, rollout.score, n))
+        # The same picks (they depend on the rewards only), each chat prompt shown by its question.
+        questions = [shown_prompt(text, messages) for text, messages in zip(rollout.prompt_text,
+                                                                            rollout.conversations())]
         console.write(f"samples of iteration {it} (highest to lowest reward):")
-        for line in format_samples(samples, shutil.get_terminal_size().columns):
+        for line in format_samples(pick_samples(questions, rollout.response_text, rollout.score, n),
+                                   shutil.get_terminal_size().columns):
             console.write(line)
 
 
@@ -368,6 +379,19 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
             write_checkpoint(out, trainer, cfg.output.keep_checkpoints)
         if cfg.output.save_model and stop_reason != "preempted":  # a preempted run saves when it completes
             trainer.save(out)
+    finally:
+        trainer.close()
+
+
+def _nothing_done(trainer: Trainer, out: Path, stop_reason: str) -> None:
+    """A new run stopped before its first iteration completed: there is nothing to resume, so no
+    checkpoint is written and the folder is not claimed (the same command can run again into it);
+    its logs stay, for the error that stopped it."""
+    try:
+        release_output_dir(out)
+        said = STOPS.get(stop_reason, "Stopped")
+        console.write(f"{said} before the first iteration completed: nothing to resume, so no checkpoint was "
+                      f"written; the same command can run again into {out} (its logs/ are kept)")
     finally:
         trainer.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,14 +35,37 @@ LOCAL = ["trainer=reference", "rollout.batch_size=4", "rollout.max_new_tokens=4"
 RUN = ["generators.backend=hf", "generators.num=1", *LOCAL[1:]]
 
 VERIFIERS = '''
+# Each fails only on a real response: the check before start-up calls it with an empty one.
 def raises(prompt, response):
-    raise ValueError("no digits in " + response)
+    if response:
+        raise ValueError("no digits in " + response)
+    return 0.0
 
 def nan(prompt, response):
-    return float("nan")
+    return float("nan") if response else 0.0
 
 def text(prompt, response):
-    return "high"
+    return "high" if response else 0.0
+
+# Each wrong from the start: answered before anything starts.
+def wants_label(prompt, response, label):
+    return float(response == label)
+
+def takes_one(response):
+    return 1.0
+
+def says_yes(prompt, response, answer):
+    return "yes"
+
+def always_nan(prompt, response):
+    return float("nan")
+
+def crashes(prompt, response, answer):
+    return {"1": 1.0}[response]
+
+def hangs(prompt, response):
+    import time
+    time.sleep(3600)
 
 not_callable = 3
 '''
@@ -72,6 +96,7 @@ def inputs(tmp_path_factory, embedded_dir) -> Path:
     (d / "number.jsonl").write_text('{"prompt": 12}\n')
     (d / "long.jsonl").write_text('{"prompt": "add 1 2 :"}\n' + json.dumps({"prompt": "7 " * 5000}) + "\n")
     (d / "prompts.csv").write_text("prompt\nadd 1 2 :\n")
+    (d / "answers.jsonl").write_text('{"prompt": "say 1 :", "answer": "1"}\n{"prompt": "say 2 :", "answer": "2"}\n')
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -154,6 +179,12 @@ CASES: dict[str, Case] = {
     "reward_function_not_importable": Case(["reward.function=no_such_module:score"], "reward.function: cannot import module 'no_such_module'"),
     "reward_function_missing": Case(["reward.function=bad_verifiers:nothing"], "reward.function: module 'bad_verifiers' has no 'nothing'"),
     "reward_function_not_callable": Case(["reward.function=bad_verifiers:not_callable"], "reward.function: 'bad_verifiers:not_callable' is not callable"),
+    "reward_function_wrong_signature": Case(["reward.function=bad_verifiers:takes_one"], "reward.function: bad_verifiers:takes_one(response) cannot be called on embedded prompts row 1: too many positional arguments"),
+    "reward_function_column_missing": Case(["reward.function=bad_verifiers:wants_label", "data.prompts={d}/answers.jsonl", "rollout.batch_size=2"], "reward.function: bad_verifiers:wants_label(prompt, response, label) cannot be called on {d}/answers.jsonl row 1: missing a required argument: 'label' (rayppo calls it as fn(prompt, response, **the row's columns it names), plus messages= for a conversation; the row's other columns: answer)"),
+    "reward_function_not_a_number": Case(["reward.function=bad_verifiers:says_yes", "data.prompts={d}/answers.jsonl", "rollout.batch_size=2"], "reward.function: bad_verifiers:says_yes failed on {d}/answers.jsonl row 1 (prompt 'say 1 :', a placeholder empty response): TypeError: returned 'yes' (str), not a number"),
+    "reward_function_not_finite": Case(["reward.function=bad_verifiers:always_nan"], "reward.function: bad_verifiers:always_nan returned nan on embedded prompts row 1"),
+    "reward_function_crashes": Case(["reward.function=bad_verifiers:crashes", "data.prompts={d}/answers.jsonl", "rollout.batch_size=2"], "reward.function: bad_verifiers:crashes failed on {d}/answers.jsonl row 1 (prompt 'say 1 :', a placeholder empty response): KeyError: ''"),
+    "reward_function_hangs": Case(["reward.function=bad_verifiers:hangs", "reward.timeout_s=1"], "reward.function: bad_verifiers:hangs did not answer within reward.timeout_s=1 s on embedded prompts row 1"),
     "reward_url_not_http": Case(["reward.function=null", "reward.url=file:///etc/passwd"], "reward.url: must be an http:// or https:// URL"),
     "reward_function_raises": Case(["reward.function=bad_verifiers:raises", *RUN], "reward function bad_verifiers:raises failed on prompt", False),
     "reward_function_raises_said_once": Case(["reward.function=bad_verifiers:raises", *LOCAL], "): ValueError: no digits in", False),
@@ -234,4 +265,12 @@ def _check(case: Case, inputs: Path, tmp_path: Path, where: dict[str, str]) -> N
     if case.before_ray:
         assert proc.stderr.strip() == errors[0]  # nothing else printed
         assert imported == "", f"imported {imported} before answering"
+    if not case.before_ray and "generators.backend=hf" in args:  # an actor's error: then where its log is
+        assert re.search(r" \(details: \S+/logs/reward-0\.log\)$", errors[0]), errors[0]
+    if not case.before_ray and "--resume" not in args:  # a run that completed no iteration: nothing to resume, the folder not claimed
+        assert "--resume" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists(), proc.stderr[-3000:]
+        from rayppo.config.load import load_config
+        from rayppo.run.folder import claim_output_dir
+
+        claim_output_dir(load_config(None, [f"output.dir={tmp_path / 'run'}"]))  # the next try is not refused
     assert _ray_processes(str(ray_tmp)) == []  # no raylet, GCS or worker of this run is left

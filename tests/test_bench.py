@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rayppo.cli import main
 from rayppo.config.load import load_config
 from rayppo.errors import RayppoError
 
@@ -217,10 +217,23 @@ def test_trl_venv_leftovers_are_replaced_and_nothing_else_is(bench, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_bench_tiny_writes_json_and_plot(tmp_path):
+def test_bench_tiny_writes_json_and_plot_with_a_quiet_terminal(tmp_path):
+    """...and the terminal of train: phases, a bar, the table; vLLM's, DeepSpeed's and Ray's
+    output in the bench folder's logs/ (the stages-alone child's included)."""
     out = tmp_path / "bench"
-    assert main(["bench", "--workload", "tiny", "--warmup", "1", "--iters", "2", "--output", str(out),
-                 "generators.enforce_eager=true"]) == 0
+    result = subprocess.run([sys.executable, "-m", "rayppo.cli", "bench", "--workload", "tiny", "--warmup", "1",
+                             "--iters", "2", "--output", str(out), "generators.enforce_eager=true"],
+                            capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    terminal = (result.stdout + result.stderr).splitlines()
+    assert not any("INFO" in line or "Initializing a V1 LLM engine" in line or "[WARNING]" in line
+                   for line in terminal), "\n".join(terminal)
+    assert len(terminal) <= 45, "\n".join(terminal)  # phases, 4 ready lines, the table (~20 lines)
+    assert any("(learn_efficiency: the learner's FLOP rate over a plain matmul's" in line for line in terminal)
+    logs = out / "logs"
+    assert "Initializing a V1 LLM engine" in (logs / "generator-0.log").read_text()
+    assert (logs / "stages-alone.log").stat().st_size > 0 and (logs / "driver.log").exists()
+    assert (out / "placement.json").is_file()
     summary = json.loads((out / "bench.json").read_text())
     for key in ("workload", "end_to_end_tokens_per_s", "overhead_ratio", "sync_share", "stage_s", "peak_memory_bytes",
                 "learn_efficiency"):

@@ -67,18 +67,25 @@ def submitted_id(output: str) -> str:
     return re.search(r"submitted (\S+)", output).group(1)
 
 
-def test_job_runs_on_the_requested_nodes_and_reward_rises(cluster, tmp_path, capsys):
+def test_job_runs_on_the_requested_nodes_and_reward_rises(cluster, tmp_path, capsys, monkeypatch):
+    """...with its outputs where the terminal says: a relative output.dir is the submitting
+    directory's, not one in Ray's temporary copy of the working directory."""
     out = tmp_path / "job"
+    monkeypatch.chdir(tmp_path)
     # The user's own reward module lives in their project folder only: --working-dir ships it.
     project = tmp_path / "project"
     project.mkdir()
     (project / "my_reward.py").write_text("from rayppo.tasks.digits import reward as digits\n\n"
                                           "def score(prompt, response):\n    return digits(prompt, response)\n")
     overrides = FAST + ["generators.resources={generator_node: 1}", "learner.num_ranks=2",
-                        "learner.resources={learner_node: 1}", "stop.iterations=12", f"output.dir={out}",
+                        "learner.resources={learner_node: 1}", "stop.iterations=12", "output.dir=job",
                         "reward.function=my_reward:score"]
     assert main(["submit", "--address", cluster, "--wait", "--working-dir", str(project), *overrides]) == 0
-    job_id = submitted_id(capsys.readouterr().out)
+    said = capsys.readouterr().out
+    job_id = submitted_id(said)
+    assert "output.dir=job is relative" in said and f"it writes to {out} " in said, said
+    assert said.rstrip().endswith(f"SUCCEEDED; its outputs: {out}/"), said
+    assert (out / "policy" / "config.json").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in records]
     assert len(records) == 12 and sum(rewards[-3:]) / 3 > rewards[0] + 0.1, rewards
@@ -89,8 +96,12 @@ def test_job_runs_on_the_requested_nodes_and_reward_rises(cluster, tmp_path, cap
     assert all("learner_node" in nodes[n]["resources"] for n in placement["roles"]["learner"])
     assert main(["status", job_id, "--address", cluster]) == 0
     assert "SUCCEEDED" in capsys.readouterr().out
+    assert main(["status", "--address", cluster]) == 0  # no job named: the cluster's jobs, one line each
+    assert any(line.startswith(f"{job_id}  SUCCEEDED") and line.endswith("rayppo train")
+               for line in capsys.readouterr().out.splitlines())
     assert main(["logs", job_id, "--address", cluster]) == 0
-    assert "completed: 12 iterations" in capsys.readouterr().out
+    logged = capsys.readouterr().out
+    assert "completed: 12 iterations" in logged and f"Outputs in {out}/" in logged
 
 
 def test_job_fails_clearly_when_the_cluster_lacks_resources(cluster, tmp_path, capsys):

@@ -414,3 +414,33 @@ def test_token_budgets_bound_the_passes_the_plan_counts(tmp_path):
     # The scorers: 64 (reference) and reward.batch_size rows a pass without a budget, 8192 tokens with one.
     assert cut["reference"].peak < whole["reference"].peak and cut["reward"].peak < whole["reward"].peak
     assert pass_tokens(10, 50, 0) == 500 and pass_tokens(10, 50, 128) == 128 and pass_tokens(10, 500, 128) == 500
+
+
+def test_plan_sizes_the_jobs_own_prompts_and_flags_fp32_billions_and_idle_gpus(tmp_path, embedded_dir, capsys):
+    """Without --prompt-tokens the plan counts the job's own prompt file with the policy's
+    tokenizer (not the embedded task's 4 tokens), says so, and notes what fits but is probably not
+    meant: an fp32 policy of billions of parameters on GPUs, a model role on CPU while GPUs stay free."""
+    policy = tmp_path / "llama"
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps(LLAMA_7B))
+    (policy / "tokenizer.json").write_bytes((embedded_dir / "tokenizer.json").read_bytes())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say 1 :"}) + "\n" + json.dumps({"prompt": " ".join(["say"] * 300)}) + "\n")
+    args = ["plan", f"model.policy={policy}", f"data.prompts={prompts}", "rollout.max_new_tokens=1024",
+            "rollout.batch_size=2", "learner.gpus_per_rank=1", "generators.gpus_per_worker=1",
+            "--cluster-resources", '{"GPU": 8, "CPU": 64}', "--gpu-memory-gib", "141"]
+    main(args)
+    out = capsys.readouterr().out
+    assert f"301 prompt tokens (the longest of the 2 prompts of {prompts}) + 1024 response tokens" in out, out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert any("model.dtype=float32 for a 6.7B-parameter policy on GPUs" in n and "model.dtype=bfloat16" in n
+               for n in notes), notes
+    assert "note: reference runs on CPU while 5 GPUs stay free (reference.gpus=1)" in notes, notes
+    main(args + ["model.dtype=bfloat16", "reference.gpus=1", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["advice"] == [] and plan["prompt_tokens"] == 301
+    # A user's model on the embedded toy task: the longest the context allows, said.
+    main(["plan", f"model.policy={policy}", "rollout.max_new_tokens=1024", "--cluster-resources", '{"CPU": 64}'])
+    out = capsys.readouterr().out
+    assert "3072 prompt tokens (upper bound max_model_len - rollout.max_new_tokens" in out, out
+    assert "note: planned for 3072 prompt tokens, the longest the context allows" in out

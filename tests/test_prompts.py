@@ -2,6 +2,7 @@
 the row's other columns kept, and errors that name file, row and field."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -59,15 +60,22 @@ def test_invalid_json_names_the_row(tmp_path):
         read_prompt_rows(path)
 
 
-@pytest.mark.parametrize("text", ['[{"prompt": "say 1 :"}, {"prompt": "say 2 :"}]', '[\n  {"prompt": "say 1 :"}\n]\n'])
-def test_a_json_array_file_is_named_as_such_with_the_fix(tmp_path, text):
-    path = tmp_path / "p.json"
+@pytest.mark.parametrize("name, text", [("p.json", '[{"prompt": "say 1 :"}, {"prompt": "say 2 :"}]'),
+                                        ("arr.jsonl", '[\n  {"prompt": "say 1 :"}\n]\n')])
+def test_a_json_array_file_is_named_as_such_with_a_fix_that_writes_a_new_file(tmp_path, name, text):
+    """The suggested command's output is a file that does not exist yet: never the input (a shell
+    truncates `> arr.jsonl` before jq reads arr.jsonl), never a file already there."""
+    path = tmp_path / name
     path.write_text(text)
+    (tmp_path / f"{path.stem}.lines.jsonl").write_text("the user's other file\n")
     with pytest.raises(PromptDataError) as caught:
         read_prompt_rows(path)
     message = str(caught.value)
-    assert "expected JSON Lines (one object per line), found a JSON array" in message
-    assert "jq -c '.[]' p.json > p.jsonl" in message and "missing field" not in message
+    assert "expected JSON Lines (one object per line), found a JSON array" in message and "missing field" not in message
+    command = re.search(r"convert it with: (.*)$", message).group(1)
+    source, target = re.fullmatch(r"jq -c '\.\[\]' (\S+) > (\S+)", command).groups()
+    assert source == name and target == f"{path.stem}-2.lines.jsonl"
+    assert not (tmp_path / target).exists()
 
 
 @pytest.mark.parametrize("prompt, says", [
@@ -151,6 +159,31 @@ def test_prompt_too_long_names_the_row(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "say 1 :"}, {"prompt": long_prompt}])
     with pytest.raises(PromptDataError, match=r"row 2: prompt is 61 tokens, longer than the 52"):
         load_prompt_set(str(path), "prompt", tokenizer, max_tokens=52)
+
+
+def test_a_prompt_the_tokenizer_encodes_to_nothing_names_file_row_and_tokenizer_class(tmp_path, embedded_dir):
+    """A word-level tokenizer saved into a folder whose config.json says qwen2, its tokenizer_config
+    naming no class: transformers loads it as Qwen2Tokenizer, which turns every word into nothing
+    (the generators would fail deep in vLLM: "The decoder prompt cannot be empty")."""
+    from rayppo.models.loading import load_tokenizer
+
+    folder = tmp_path / "qwen2-ish"
+    folder.mkdir()
+    config = json.loads((embedded_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2",
+                                                    "architectures": ["Qwen2ForCausalLM"]}))
+    settings = json.loads((embedded_dir / "tokenizer_config.json").read_text())
+    settings.pop("tokenizer_class", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "tokenizer.json").write_bytes((embedded_dir / "tokenizer.json").read_bytes())
+    tokenizer = load_tokenizer(folder)
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "say 1 :"}])
+    with pytest.raises(PromptDataError, match=rf"p.jsonl: row 1: prompt encodes to no tokens .* with the policy's "
+                                              rf"tokenizer {type(tokenizer).__name__} from .*qwen2-ish"):
+        load_prompt_set(str(path), "prompt", tokenizer, max_tokens=52)
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"  # the case as met, not another failure
+    # the same prompts with the tokenizer as saved load
+    assert load_prompt_set(str(path), "prompt", load_tokenizer(embedded_dir), max_tokens=52).ids[0]
 
 
 def test_sampler_covers_every_prompt_each_pass_and_resumes():

@@ -315,6 +315,20 @@ def test_pick_samples_spreads_over_rewards(n, picked):
     assert all(s.response == "r" + s.prompt[1:] and s.reward == REWARDS[int(s.prompt[1:])] for s in samples)
 
 
+def test_a_chat_prompt_is_shown_by_its_last_user_message():
+    """Rendered whole, a chat prompt's system message and template tokens fill the line and cut
+    the question out; a plain prompt is shown as it is."""
+    from rayppo.run.samples import shown_prompt
+
+    messages = [{"role": "system", "content": "answer with a digit ." * 5}, {"role": "user", "content": "say 3 :"},
+                {"role": "assistant", "content": "3"}, {"role": "user", "content": "what is 2 + 2 ?"}]
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert shown_prompt(rendered, messages) == "what is 2 + 2 ?"
+    line = format_samples([Sample(shown_prompt(rendered, messages), "4", 1.0)], width=60)[0]
+    assert line.endswith("what is 2 + 2 ?")
+    assert shown_prompt("say 7 :", None) == "say 7 :"
+
+
 def test_pick_samples_ranks_nan_lowest_and_checks_lengths():
     assert [s.prompt for s in pick_samples(["a", "b", "c"], ["x"] * 3, [math.nan, 0.0, 1.0], 2)] == ["c", "a"]
     with pytest.raises(ValueError, match="2 prompts, 1 responses, 2 rewards"):

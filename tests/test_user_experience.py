@@ -82,13 +82,44 @@ def test_train_help_names_verbose_and_the_log_folder():
     assert "--verbose" in result.stdout and "logs/" in result.stdout
 
 
+def _on_a_terminal(code: str) -> str:
+    """What ``python -c code`` writes to a terminal (a pseudo-terminal: libraries that draw
+    progress bars only on a tty draw them here)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([PYTHON, "-c", code], stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # the child closed the terminal (EIO)
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, out[-2000:]
+    return out.decode(errors="replace")
+
+
+def test_building_the_embedded_tokenizer_draws_no_progress_bars_on_the_terminal():
+    """tokenizers' trainer draws four "Pre-processing sequences" bars on a tty, the next line glued on."""
+    shown = _on_a_terminal("from rayppo.models.embedded import build_tokenizer; build_tokenizer(['say', '1']); "
+                           "print('next line')")
+    assert "Pre-processing" not in shown and shown.strip().endswith("next line"), shown[-500:]
+
+
 def test_summary_line_grammar(tmp_path):
     from rayppo.train import TrainResult
 
     one = TrainResult(1, "completed", 0.3, 0.3, tmp_path, None, 2.0).summary()
     assert "1 iteration in" in one and "(last)" in one and "held-out" not in one
     many = TrainResult(40, "completed", 0.35, 0.92, tmp_path, 0.97, 30.0).summary()
-    assert "40 iterations" in many and "mean of the last 5" in many and "held-out 0.970" in many
+    assert "40 iterations in 30 s" in many and "mean of the last 5" in many and "held-out 0.970" in many
+    resumed = TrainResult(40, "completed", 0.35, 0.92, tmp_path, 0.97, 17.0, resumed_at=13).summary()
+    assert resumed.startswith("completed: 40 iterations (27 after resuming at 13) in 17 s;"), resumed
 
 
 # ------------------------------------------------------------------------------- submit

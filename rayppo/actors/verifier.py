@@ -68,6 +68,16 @@ def row_caller(fn: Callable[..., float]) -> RowCall:
     parameters (all of them when it takes ``**kwargs``), and ``messages`` (the conversation, None
     for a plain prompt) when it names a ``messages`` parameter. A ``(prompt, response)`` function
     gets neither. A field named like the first two parameters, or ``messages``, is not passed."""
+    arguments = row_arguments(fn)
+
+    def call(prompt: str, response: str, fields: dict[str, Any], messages: list | None) -> float:
+        return fn(prompt, response, **arguments(fields, messages))
+
+    return call
+
+
+def row_arguments(fn: Callable[..., float]) -> Callable[[dict[str, Any], list | None], dict[str, Any]]:
+    """``arguments(fields, messages)``: the keyword arguments ``row_caller`` passes ``fn`` for a row."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no introspectable signature (some builtins): two arguments only
@@ -77,14 +87,24 @@ def row_caller(fn: Callable[..., float]) -> RowCall:
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     reserved = {p.name for p in params[:2]} | {"messages"}
 
-    def call(prompt: str, response: str, fields: dict[str, Any], messages: list | None) -> float:
-        kwargs = {key: value for key, value in fields.items()
-                  if key not in reserved and (takes_all or key in named)}
+    def arguments(fields: dict[str, Any], messages: list | None) -> dict[str, Any]:
+        kwargs = {key: value for key, value in fields.items() if key not in reserved and (takes_all or key in named)}
         if "messages" in named:
             kwargs["messages"] = messages
-        return fn(prompt, response, **kwargs)
+        return kwargs
 
-    return call
+    return arguments
+
+
+def number(value: Any) -> float:
+    """A reward function's return value as a float; ``TypeError`` saying what it returned when that
+    is not a number (a string that parses as one, ``"0.5"``, is a bug too: it is refused)."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"returned {value!r} ({type(value).__name__}), not a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"returned {value!r} ({type(value).__name__}), not a number") from None
 
 
 class VerifierError(ValueError):
@@ -177,7 +197,7 @@ def _serve(spec: str) -> None:
     for line in sys.stdin.buffer:
         call = json.loads(line)
         try:
-            score = float(fn(call["prompt"], call["response"], call.get("fields") or {}, call.get("messages")))
+            score = number(fn(call["prompt"], call["response"], call.get("fields") or {}, call.get("messages")))
             send({"score": score if math.isfinite(score) else str(score)})
         except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
             send({"error": f"{type(exc).__name__}: {exc}"})

@@ -22,13 +22,17 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import yaml
+from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from rayppo.cluster.session import ACTOR_ENV
 from rayppo.config.schema import Config, ConfigError, to_dict
+from rayppo.errors import RayppoError, plain
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -49,9 +53,43 @@ def stop_wait_s(cfg: Config) -> int:
     return math.ceil(cfg.stop.sigterm_grace_s) + STOP_MARGIN_S
 
 
-def client(address: str | None) -> JobSubmissionClient:
+class JobsApiError(RayppoError):
+    """The cluster's Jobs API could not be reached or refused this client; one line saying which."""
+
+
+def jobs_url(address: str | None) -> str:
     """The Jobs API of a cluster: ``address`` or ``$RAY_ADDRESS`` or the local dashboard."""
-    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
+    return address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+
+
+def client(address: str | None) -> JobSubmissionClient:
+    return JobSubmissionClient(jobs_url(address))
+
+
+@contextmanager
+def answered(address: str | None) -> Iterator[None]:
+    """Ray's errors of Jobs API calls as rayppo's one line (``JobsApiError``): a cluster that wants
+    its token (Ray's ``AuthenticationError`` runs to 28 lines), one that cannot be reached."""
+    url = jobs_url(address)
+    try:
+        yield
+    except AuthenticationError:
+        raise JobsApiError(f"the Ray cluster at {url} refused this client: it needs the cluster's token (export "
+                           "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=..., or RAY_AUTH_TOKEN_PATH=FILE)") from None
+    except ConnectionError as exc:
+        raise JobsApiError(f"cannot reach the Ray cluster's Jobs API at {url} ({plain(str(exc))}); is its dashboard "
+                           "running there (--address, or $RAY_ADDRESS)?") from None
+
+
+def list_jobs(address: str | None) -> list[str]:
+    """One line per job of the cluster, the newest first: id, status, what it runs, since when."""
+    lines = []
+    for info in sorted(client(address).list_jobs(), key=lambda i: i.start_time or 0, reverse=True):
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.start_time / 1000)) if info.start_time else "-"
+        what = (info.metadata or {}).get("rayppo", "")
+        lines.append(f"{info.submission_id or info.job_id}  {info.status.value:<9} {started}  "
+                     f"{('rayppo ' + what) if what else info.entrypoint}")
+    return lines
 
 
 LEFT_BEHIND = (".git", ".venv", ".venv-*", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info",
@@ -88,10 +126,28 @@ def _staging_dir(cfg: Config, ship_code: bool, with_benchmarks: bool, working_di
     return staging
 
 
+def pin_output_dir(cfg: Config) -> str | None:
+    """Make a relative ``output.dir`` absolute (from the current directory), and say so.
+
+    A job runs in Ray's temporary copy of its working directory (under the session's
+    ``runtime_resources/working_dir_files/``): a relative ``output.dir`` would put the trained
+    policy there, where nobody looks and Ray deletes it. Returns the note to print, or None."""
+    given = Path(cfg.output.dir)
+    if given.is_absolute():
+        return None
+    cfg.output.dir = str(given.resolve())
+    return (f"output.dir={given} is relative, and a job runs in a temporary copy of its working directory: it "
+            f"writes to {cfg.output.dir} (on a cluster of several machines, give a folder they all share with you)")
+
+
 def submit(cfg: Config, address: str | None, env: dict[str, str], ship_code: bool = True,
            bench: str | None = None, submission_id: str | None = None, working_dir: Path | None = None) -> str:
     """Submit ``rayppo train`` (or ``rayppo bench --workload BENCH``) with ``cfg``, shipping
-    ``working_dir`` (None: only job.yaml and the code); returns the job id."""
+    ``working_dir`` (None: only job.yaml and the code); returns the job id. ``output.dir`` must be
+    absolute (``pin_output_dir``)."""
+    if not Path(cfg.output.dir).is_absolute():
+        raise ConfigError(f"output.dir: {cfg.output.dir} is relative; a job runs in a temporary copy of its working "
+                          "directory (give an absolute path, on storage the cluster shares)")
     staging = _staging_dir(cfg, ship_code, bench is not None, working_dir)
     # With the code shipped, `python -m rayppo.cli` imports it from the job's working directory.
     program = "python -m rayppo.cli" if ship_code else "rayppo"

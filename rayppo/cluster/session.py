@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import stat
+from pathlib import Path
 
 import ray
 
@@ -59,6 +62,8 @@ class RaySession:
                 log.warning("RAY_AUTH_MODE=disabled: the local Ray instance accepts anyone who can reach this "
                             "machine's Ray ports (they listen on every interface); unset it to keep token "
                             "authentication on")
+            else:
+                private_token_file()
             cpus = self.num_cpus or local_cpus(self.cpus_asked)
             cores = os.cpu_count() or 1
             over = f" on {cores} cores (oversubscribed: the stages of an iteration take turns)" if cpus > cores else ""
@@ -74,3 +79,29 @@ class RaySession:
         if self.started and ray.is_initialized():
             ray.shutdown()
         self.started = False
+
+
+def private_token_file() -> Path | None:
+    """Make the local instance's token file readable by this user only (0600 in a 0700 folder).
+
+    Ray 2.60 writes ``~/.ray/auth_token`` with the process umask (usually 0644 in a 0755 folder;
+    ray/_private/authentication/authentication_token_setup.py, ``generate_and_save_token``), and
+    whoever reads the token can run code in the cluster as this user. A missing token is created
+    here first, 0600 from its first byte (the same 256-bit hex token Ray would generate), so no
+    other user can ever read it; an existing one is tightened. ``RAY_AUTH_TOKEN`` in the
+    environment (no file) or ``RAY_AUTH_TOKEN_PATH`` (the user's own file) are left alone.
+    Returns the token file handled, or None.
+    """
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return None
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, stat.S_IMODE(path.parent.stat().st_mode) & 0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        os.chmod(path, 0o600)
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path

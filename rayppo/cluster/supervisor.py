@@ -33,7 +33,7 @@ from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.engine import Engine
-from rayppo.errors import ActorFailedError, brief
+from rayppo.errors import ActorFailedError, RayppoError, brief, restated
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ class Supervisor:
             i = f.actor_at(pos)
             try:
                 f.results[pos] = get(ready[0])
+            except RayppoError as exc:  # the actor's own error about its input: one line, then its log
+                raise restated(exc, console.details(f.role, i)) from None
             except RayActorError as exc:
                 if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
                     raise  # another actor's death reached this call (an argument it produced)

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rayppo.errors import RayppoError
+from rayppo.errors import RayppoError, new_path
 
 Message = dict[str, Any]
 """One chat turn: ``{"role": str, "content": str}`` (other keys kept for the chat template)."""
@@ -84,7 +84,7 @@ def _read_json_lines(path: Path, column: str) -> list[dict[str, Any]]:
     if text.lstrip().startswith("["):
         # A common export (pandas, many dataset hubs): one array, not one object per line.
         raise PromptDataError(f"{path}: expected JSON Lines (one object per line), found a JSON array; convert "
-                              f"it with: jq -c '.[]' {path.name} > {path.stem}.jsonl")
+                              f"it with: jq -c '.[]' {path.name} > {new_path(path, '.lines.jsonl').name}")
     records = []
     for row, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -208,7 +208,7 @@ def render_prompts(rows: PromptRows, tokenizer, max_tokens: int) -> tuple[list[s
     """``([N] prompt texts, [N][P_n] token ids)``. A string is tokenised with the tokenizer's special
     tokens; a conversation is rendered by the tokenizer's chat template with its generation
     prompt and tokenised without them (the template writes its own). A prompt over
-    ``max_tokens`` is an error naming its row."""
+    ``max_tokens``, or one that encodes to special tokens only, is an error naming its row."""
     texts = [p if isinstance(p, str) else "" for p in rows.prompts]
     chats = [i for i, p in enumerate(rows.prompts) if not isinstance(p, str)]
     if chats and not getattr(tokenizer, "chat_template", None):
@@ -228,7 +228,16 @@ def render_prompts(rows: PromptRows, tokenizer, max_tokens: int) -> tuple[list[s
             encoded = tokenizer([texts[i] for i in group], add_special_tokens=special)["input_ids"]
             for i, prompt_ids in zip(group, encoded):
                 ids[i] = list(prompt_ids)
+    special = set(getattr(tokenizer, "all_special_ids", []))
     for row, prompt_ids in enumerate(ids, start=1):
+        if not any(i not in special for i in prompt_ids):
+            # vLLM would refuse it deep in a generator ("The decoder prompt cannot be empty"); the usual
+            # cause is a tokenizer loaded as another class than it was saved as (transformers picks
+            # the class from tokenizer_config.json, else from config.json's model_type).
+            raise PromptDataError(
+                f"{rows.source}: row {row}: prompt encodes to no tokens (only special ones: {prompt_ids}) with the "
+                f"policy's tokenizer {type(tokenizer).__name__} from {getattr(tokenizer, 'name_or_path', '?')}; "
+                "check that its tokenizer_config.json names the tokenizer_class it was saved with")
         if len(prompt_ids) > max_tokens:
             raise PromptDataError(
                 f"{rows.source}: row {row}: prompt is {len(prompt_ids)} tokens, longer than the "

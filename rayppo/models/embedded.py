@@ -29,7 +29,8 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
+    # show_progress off: its bars reach a terminal even from the first-use build (4 per build, the next line glued on)
+    tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, show_progress=False))
     bos = tok.token_to_id("<bos>")
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
     return PreTrainedTokenizerFast(

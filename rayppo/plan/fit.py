@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,8 @@ class Plan:
     """Where ``available`` came from."""
     missing: list[str]
     """One line per missing thing, with its fix; empty when the job fits."""
+    advice: list[str] = field(default_factory=list)
+    """What fits but is probably not meant (``advice``)."""
 
 
 def make_plan(cfg: Config, available: dict[str, float], source: str, gpu_memory_gib: float = 80.0,
@@ -248,7 +250,38 @@ def make_plan(cfg: Config, available: dict[str, float], source: str, gpu_memory_
     instance rayppo would start, whose CPUs ``cluster.num_cpus`` sets)."""
     target = Target(available, gpu_memory_gib, source == THIS_MACHINE, prompt_tokens)
     m = target.inputs(cfg)
-    return Plan(m, estimates(cfg, m), available, gpu_memory_gib, source, fit_lines(cfg, target))
+    return Plan(m, estimates(cfg, m), available, gpu_memory_gib, source, fit_lines(cfg, target),
+                advice(cfg, m, available))
+
+
+BILLION = 1e9
+
+
+def advice(cfg: Config, m: Inputs, available: dict[str, float]) -> list[str]:
+    """Lines about a job that fits but is probably not the one meant: a policy of billions of
+    parameters in fp32 on GPUs (bf16 halves weights, gradients and activations), a model role left
+    on CPU while the cluster's GPUs stay free, lengths the plan could not take from the job."""
+    out = []
+    on_gpus = any(role_gpus(cfg, role) > 0 for role in ROLES)
+    params = param_count(m.policy)
+    if cfg.model.dtype == "float32" and params >= BILLION and on_gpus:
+        out.append(f"model.dtype=float32 for a {params / BILLION:.1f}B-parameter policy on GPUs: bfloat16 halves its "
+                   "weights, gradients and activations (model.dtype=bfloat16)")
+    free = available.get("GPU", 0.0) - requested_resources(cfg).get("GPU", 0.0)
+    if free >= 1 and not cfg.cluster.colocate_all:
+        counts = _counts(cfg)
+        holds_a_model = {"generators": True, "reference": True, "reward": cfg.reward.model is not None,
+                         "learner": True}
+        for role in ROLES:
+            if counts[role] and holds_a_model[role] and role_gpus(cfg, role) == 0:
+                field_name = {"generators": "generators.gpus_per_worker", "learner": "learner.gpus_per_rank"}.get(
+                    role, f"{role}.gpus")
+                out.append(f"{role} run{'s' if counts[role] == 1 else ''} on CPU while {free:g} GPU"
+                           f"{'s' if free != 1 else ''} stay free ({field_name}=1)")
+    if m.prompt_note.startswith("upper bound"):
+        out.append(f"planned for {m.prompt_tokens} prompt tokens, the longest the context allows: give --prompt-tokens "
+                   "or data.prompts for the job's own lengths")
+    return out
 
 
 def _size(n: float) -> str:
@@ -274,6 +307,7 @@ def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
                        "vocab": m.policy.vocab, "dtype": cfg.model.dtype},
             "prompt_tokens": m.prompt_tokens, "prompt_tokens_from": m.prompt_note,
             "response_tokens": cfg.rollout.max_new_tokens, "demand": requested_resources(cfg),
+            "advice": plan.advice,
             "available": plan.available, "resources_from": plan.source, "gpu_memory_gib": plan.gpu_memory_gib,
             "gpus": [{"phase": phase, "roles": load} for phase, load in gpu_loads(cfg, plan.roles)]}
 
@@ -303,6 +337,7 @@ def render(cfg: Config, plan: Plan) -> str:
     source = f"{plan.source}, {os.cpu_count() or 1} cores" if plan.source == THIS_MACHINE else plan.source
     out += ["", f"cluster ({source}): {have}", f"needs: {need}, RSS {_size(rss)} in total"
             + (f", busiest GPU {_size(max(gpus))} of {plan.gpu_memory_gib:g} GiB" if gpus else "")]
+    out += [f"note: {line}" for line in plan.advice]
     return "\n".join(out + (["fits"] if not plan.missing else ["does not fit:"] + [f"  {x}" for x in plan.missing]))
 
 

@@ -169,16 +169,38 @@ def inputs(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib: float 
     longest = context - cfg.rollout.max_new_tokens
     if prompt_tokens:
         note = "--prompt-tokens"
-    elif cfg.data.prompts == "embedded":
-        from rayppo.tasks import digits
-
-        prompt_tokens, note = max(len(p.split()) for p in digits.prompts()) + 1, "embedded prompts: words + BOS"
     else:
-        prompt_tokens, note = longest, "upper bound: max_model_len - rollout.max_new_tokens (--prompt-tokens to set)"
+        prompt_tokens, note = job_prompt_tokens(cfg, model_dir(m.policy, m.cache_dir), longest)
     critic = (shape(m.critic) if m.critic else policy) if has_critic(cfg.ppo) else None
     return Inputs(policy, shape(m.reference) if m.reference else policy, critic,
                   shape(cfg.reward.model) if cfg.reward.model else None, max(1, min(prompt_tokens, longest)), note,
                   gpu_memory_gib * GiB)
+
+
+def job_prompt_tokens(cfg: Config, policy_dir: Path, longest: int) -> tuple[int, str]:
+    """``(P, where it comes from)`` when ``--prompt-tokens`` is not given: the longest prompt of the
+    job's own prompt file by the policy's tokenizer; the embedded task's for the embedded model;
+    else (a user's model on the embedded toy task, a file not readable here) the longest a prompt
+    may be, ``longest``."""
+    bound = "max_model_len - rollout.max_new_tokens (--prompt-tokens to set)"
+    if cfg.data.prompts == "embedded":
+        if cfg.model.policy != "embedded":
+            return longest, f"upper bound {bound}: data.prompts is the embedded toy task; give your prompt file"
+        from rayppo.tasks import digits
+
+        return max(len(p.split()) for p in digits.prompts()) + 1, "embedded prompts: words + BOS"
+    from rayppo.data.prompts import PromptDataError, read_prompt_rows
+    from rayppo.plan.inputs import longest_prompt_tokens
+
+    try:
+        rows = read_prompt_rows(cfg.data.prompts, cfg.data.prompt_column, cfg.data.split)
+    except PromptDataError as exc:
+        return longest, f"upper bound {bound}; data.prompts not read here: {exc}"
+    found = longest_prompt_tokens(rows, policy_dir)
+    if found is None:
+        return longest, f"upper bound {bound}: the policy folder has no tokenizer.json to count with"
+    chat = " (chat template estimated)" if any(not isinstance(p, str) for p in rows.prompts) else ""
+    return found, f"the longest of the {len(rows.prompts)} prompts of {rows.source}{chat}"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
 from rayppo.models.shape import context_of, is_moe
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files, safetensors_tensors
+from rayppo.plan.reward_check import ROWS_TRIED, check_reward_function
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,12 @@ def check_inputs(cfg: Config) -> None:
         check_model_meets_embedded_task(cfg, policy_dir)
     if (policy_dir / "config.json").is_file():  # the embedded model is built later: a Llama, no experts
         check_policy_for_generators(cfg, policy_dir)
+    train_rows = None
     for spec, split in ((cfg.data.prompts, cfg.data.split), (cfg.eval.prompts, cfg.eval.split)):
         if spec is None or spec == "embedded":
             continue
         rows = read_prompt_rows(spec, cfg.data.prompt_column, split)
+        train_rows = train_rows or rows  # the rows the reward function is tried on
         check_chat_template(rows, policy_dir)
         policy_config = configs.get("model.policy") or _read_config("model.policy", policy_dir, must_exist=False)
         positions = cfg.generators.max_model_len or (context_of(policy_config) if policy_config else None)
@@ -54,9 +57,12 @@ def check_inputs(cfg: Config) -> None:
                         "(lower rollout.batch_size to sample each prompt at most once per iteration)",
                         rows.source, len(rows.prompts), cfg.rollout.batch_size)
     if cfg.reward.function is not None:
-        from rayppo.actors.verifier import load_reward_function  # light: no torch
+        if train_rows is None:  # the embedded task's prompts
+            from rayppo.tasks import digits
 
-        load_reward_function(cfg.reward.function)
+            texts = digits.prompts(ROWS_TRIED)
+            train_rows = PromptRows("embedded prompts", cfg.data.prompt_column, texts, [{} for _ in texts])
+        check_reward_function(cfg.reward.function, train_rows, cfg.reward.timeout_s)
 
 
 def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:
@@ -186,20 +192,46 @@ def check_prompt_lengths(rows: PromptRows, policy_dir: Path, max_tokens: int) ->
     special tokens transformers adds, runs when the tokenizer loads). A conversation's bound is
     the sum of its messages' contents (its chat template only adds to them), less one token at
     each edge of a content, where a subword merge with the template's text may save one."""
+    counts = content_tokens(rows, policy_dir)
+    if counts is None:
+        return
+    for row, (count, prompt) in enumerate(zip(counts, rows.prompts), start=1):
+        bound = count - (0 if isinstance(prompt, str) else 2 * len(prompt))
+        if bound > max_tokens:
+            raise PromptDataError(f"{rows.source}: row {row}: prompt is at least {bound} tokens, longer than "
+                                  f"the {max_tokens} the model allows with rollout.max_new_tokens reserved")
+
+
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+"""What a chat template adds per message, for planning (ChatML: ``<|im_start|>role⏎ … <|im_end|>⏎``,
+5 tokens; Llama 3's header and end-of-turn tokens, 5; a margin for system preambles)."""
+
+
+def longest_prompt_tokens(rows: PromptRows, policy_dir: Path) -> int | None:
+    """The longest prompt of ``rows`` in the policy's tokens, for planning (``rayppo plan``): a plain
+    prompt's tokens and a BOS, a conversation's contents and ``TEMPLATE_TOKENS_PER_MESSAGE`` per
+    message (and its generation prompt). None without the policy's ``tokenizer.json``."""
+    counts = content_tokens(rows, policy_dir)
+    if counts is None:
+        return None
+    return max(count + (1 if isinstance(prompt, str) else TEMPLATE_TOKENS_PER_MESSAGE * (len(prompt) + 1))
+               for count, prompt in zip(counts, rows.prompts))
+
+
+def content_tokens(rows: PromptRows, policy_dir: Path) -> list[int] | None:
+    """[N] tokens of each prompt's text (a conversation's: its messages' contents, summed), without
+    special tokens, by the policy's ``tokenizer.json``; None when the folder has none."""
     file = policy_dir / "tokenizer.json"
     if not file.is_file():
-        return
+        return None
     from tokenizers import Tokenizer  # Rust, no torch: a fraction of a second
 
     pieces, owner = [], []  # every text to count, and the row it belongs to
-    for row, prompt in enumerate(rows.prompts, start=1):
+    for row, prompt in enumerate(rows.prompts):
         texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
         pieces.extend(texts)
         owner.extend([row] * len(texts))
-    counts = [0] + [0 if isinstance(p, str) else -2 * len(p) for p in rows.prompts]
+    counts = [0] * len(rows.prompts)
     for row, encoding in zip(owner, Tokenizer.from_file(str(file)).encode_batch(pieces, add_special_tokens=False)):
         counts[row] += len(encoding.ids)
-    for row, count in enumerate(counts[1:], start=1):
-        if count > max_tokens:
-            raise PromptDataError(f"{rows.source}: row {row}: prompt is at least {count} tokens, longer than "
-                                  f"the {max_tokens} the model allows with rollout.max_new_tokens reserved")
+    return counts

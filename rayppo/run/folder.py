@@ -33,11 +33,21 @@ def claim_output_dir(cfg: Config) -> Path:
                           f"'rayppo train --resume {out}', choose another output.dir, or replace it with "
                           "output.overwrite=true")
     if found:
-        for name in RUN_OUTPUTS:
-            path = out / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
+        _remove_outputs(out, RUN_OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def release_output_dir(out: Path) -> None:
+    """Remove what a run that completed no iteration wrote, its logs excepted, so the folder holds
+    no run (``claim_output_dir`` found none there, or replaced it, before this run began)."""
+    _remove_outputs(out, tuple(name for name in RUN_OUTPUTS if name != "logs"))
+
+
+def _remove_outputs(out: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import unicodedata
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,13 @@ def pick_samples(prompts: Sequence[str], responses: Sequence[str], rewards: Sequ
     else:  # k * (m - 1) / (n - 1), rounded half up: n <= m keeps the positions distinct
         positions = [(2 * k * (m - 1) + n - 1) // (2 * (n - 1)) for k in range(n)]
     return [Sample(prompts[i], responses[i], float(rewards[i])) for i in (ranked[p] for p in positions)]
+
+
+def shown_prompt(text: str, messages: list[dict[str, Any]] | None) -> str:
+    """A prompt as a terminal line shows it: a conversation by its last user message (rendered
+    whole, its system prompt and template tokens fill the line and the question is cut out)."""
+    asked = [m.get("content") for m in messages or [] if m.get("role") == "user"]
+    return asked[-1] if asked and isinstance(asked[-1], str) else text
 
 
 def _rank_value(reward: float) -> float:

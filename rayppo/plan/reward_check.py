@@ -1,0 +1,92 @@
+"""The user's reward function, tried before anything starts.
+
+A reward function with a wrong signature, one that reads a column the prompt file does not have,
+or one that returns ``"yes"`` would otherwise be found by the reward actor after the whole start-up
+(Ray, vLLM, DeepSpeed: half a minute on the quick-start machine). ``check_reward_function`` finds
+each in well under a second, in one line naming the function, the file and row, and the value:
+
+1. its signature is bound to the first rows' columns exactly as the reward actor will call it
+   (``rayppo.actors.verifier.row_arguments``), so a required parameter no column fills is named
+   with the columns the rows have;
+2. it is called on those rows with a placeholder response, in the verifier's own child process
+   under ``reward.timeout_s`` (it runs user code: a hang or a crash there stops nothing else);
+3. what it returns must be a finite number.
+
+Imports no torch, transformers or Ray (``rayppo.plan.inputs`` runs it before they load).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function, row_arguments
+from rayppo.config.schema import ConfigError
+from rayppo.data.prompts import PromptRows
+
+ROWS_TRIED = 2
+"""How many of the prompt file's first rows the function is called on."""
+PLACEHOLDER_RESPONSE = ""
+"""The response it is called with: the one any policy can produce (EOS first), so a function that
+cannot take it would also fail mid-run."""
+
+
+def check_reward_function(spec: str, rows: PromptRows, timeout_s: float) -> None:
+    """Raise a ``ConfigError`` naming ``reward.function`` when ``spec`` cannot score ``rows``."""
+    fn = load_reward_function(spec)
+    tried = range(min(ROWS_TRIED, len(rows.prompts)))
+    for i in tried:
+        _check_binds(spec, fn, rows, i)
+    verifier = VerifierProcess(spec, timeout_s)
+    try:
+        for i in tried:
+            value = _call(verifier, spec, rows, i, timeout_s)
+            if not math.isfinite(value):
+                raise ConfigError(f"reward.function: {spec} returned {value} on {_where(rows, i)} with a placeholder "
+                                  "empty response: a reward must be a finite number")
+    finally:
+        verifier.close()
+
+
+def _where(rows: PromptRows, i: int) -> str:
+    return f"{rows.source} row {i + 1}"
+
+
+def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """A plain prompt as it is; a conversation by its last message (the template renders it later)."""
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+
+
+def _check_binds(spec: str, fn: Callable[..., Any], rows: PromptRows, i: int) -> None:
+    """``fn`` accepts the arguments the reward actor passes for row ``i``, or the error says which
+    parameter no column fills."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: only calling it can tell
+        return
+    prompt = rows.prompts[i]
+    messages = None if isinstance(prompt, str) else prompt
+    kwargs = row_arguments(fn)(rows.fields[i], messages)
+    try:
+        signature.bind(_prompt_text(prompt), PLACEHOLDER_RESPONSE, **kwargs)
+    except TypeError as exc:
+        columns = ", ".join(sorted(rows.fields[i])) or "none besides the prompt"
+        raise ConfigError(f"reward.function: {spec}{signature} cannot be called on {_where(rows, i)}: {exc} (rayppo "
+                          "calls it as fn(prompt, response, **the row's columns it names), plus messages= for a "
+                          f"conversation; the row's other columns: {columns})") from None
+
+
+def _call(verifier: VerifierProcess, spec: str, rows: PromptRows, i: int, timeout_s: float) -> float:
+    prompt = rows.prompts[i]
+    messages = None if isinstance(prompt, str) else prompt
+    try:
+        return verifier(_prompt_text(prompt), PLACEHOLDER_RESPONSE, rows.fields[i], messages)
+    except VerifierTimeout:
+        raise ConfigError(f"reward.function: {spec} did not answer within reward.timeout_s={timeout_s:g} s on "
+                          f"{_where(rows, i)} with a placeholder empty response") from None
+    except VerifierError as exc:
+        raise ConfigError(f"reward.function: {spec} failed on {_where(rows, i)} (prompt {_prompt_text(prompt)!r}, "
+                          f"a placeholder empty response): {exc}") from None
+    except (ImportError, RuntimeError) as exc:  # the child could not import it, or died
+        raise ConfigError(f"reward.function: {spec} in its child process: {exc}") from None
