@@ -34,6 +34,8 @@ from rayppo.trainers.evaluation import due
 
 class Trainer(Protocol):
     last_rollout: Rollout | None
+    iteration_count: int
+    """Iterations whose update the trainer holds (a checkpoint is named after them)."""
 
     def iteration(self) -> dict[str, float]: ...
 
@@ -211,7 +213,9 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
     finally:
         loop.bar.close()
         logger.close()
-    if resume is None and loop.it == 0 and stop_reason != "completed":
+    # Nothing trained yet (a stop during iteration 0 after its update, e.g. by the sync guard, has
+    # something to keep): no checkpoint, and the folder is free again.
+    if resume is None and trainer.iteration_count == 0 and stop_reason != "completed":
         _nothing_done(trainer, out, stop_reason)
     else:
         _finish(cfg, trainer, out, stop_reason, loop.it, at_once)

@@ -228,7 +228,8 @@ def render_prompts(rows: PromptRows, tokenizer, max_tokens: int) -> tuple[list[s
             encoded = tokenizer([texts[i] for i in group], add_special_tokens=special)["input_ids"]
             for i, prompt_ids in zip(group, encoded):
                 ids[i] = list(prompt_ids)
-    special = set(getattr(tokenizer, "all_special_ids", []))
+    # <unk> is a token the model reads (a prompt of unknown words still reaches it); BOS, EOS, pad are not text.
+    special = set(getattr(tokenizer, "all_special_ids", [])) - {getattr(tokenizer, "unk_token_id", None)}
     for row, prompt_ids in enumerate(ids, start=1):
         if not any(i not in special for i in prompt_ids):
             # vLLM would refuse it deep in a generator ("The decoder prompt cannot be empty"); the usual
