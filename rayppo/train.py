@@ -221,7 +221,7 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         _finish(cfg, trainer, out, stop_reason, loop.it, at_once)
     if failure is not None:
         raise failure
-    return _result(cfg, out, loop.it, stop_reason, time.monotonic() - started, first if resume is not None else 0)
+    return _result(cfg, out, loop.it, stop_reason, time.monotonic() - started, first)  # first: 0 for a new run
 
 
 @dataclass

@@ -58,6 +58,11 @@ def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
     return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
 
 
+def _messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation a reward function gets as ``messages``: None for a plain prompt."""
+    return None if isinstance(prompt, str) else prompt
+
+
 def _check_binds(spec: str, fn: Callable[..., Any], rows: PromptRows, i: int) -> None:
     """``fn`` accepts the arguments the reward actor passes for row ``i``, or the error says which
     parameter no column fills."""
@@ -66,8 +71,7 @@ def _check_binds(spec: str, fn: Callable[..., Any], rows: PromptRows, i: int) ->
     except (TypeError, ValueError):  # a builtin without one: only calling it can tell
         return
     prompt = rows.prompts[i]
-    messages = None if isinstance(prompt, str) else prompt
-    kwargs = row_arguments(fn)(rows.fields[i], messages)
+    kwargs = row_arguments(fn)(rows.fields[i], _messages(prompt))
     try:
         signature.bind(_prompt_text(prompt), PLACEHOLDER_RESPONSE, **kwargs)
     except TypeError as exc:
@@ -79,9 +83,8 @@ def _check_binds(spec: str, fn: Callable[..., Any], rows: PromptRows, i: int) ->
 
 def _call(verifier: VerifierProcess, spec: str, rows: PromptRows, i: int, timeout_s: float) -> float:
     prompt = rows.prompts[i]
-    messages = None if isinstance(prompt, str) else prompt
     try:
-        return verifier(_prompt_text(prompt), PLACEHOLDER_RESPONSE, rows.fields[i], messages)
+        return verifier(_prompt_text(prompt), PLACEHOLDER_RESPONSE, rows.fields[i], _messages(prompt))
     except VerifierTimeout:
         raise ConfigError(f"reward.function: {spec} did not answer within reward.timeout_s={timeout_s:g} s on "
                           f"{_where(rows, i)} with a placeholder empty response") from None
