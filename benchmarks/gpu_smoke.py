@@ -15,7 +15,11 @@ reset per iteration, not per stage, since the stages run inside ``iteration()``)
 figures that say the run is sane: ``reward/mean``, ``kl/ref_mean`` and ``logprob_mismatch/max``
 against the guard's limit (0.1 nats in bf16). It asserts that the generator's, reference's,
 reward model's, critic's and policy's weights all sit on the requested device, and ends with one
-JSON line of everything (also written to ``--out``). Exits non-zero when CUDA is missing for
+JSON line of everything (also written to ``--out``). Then it builds one learner rank as the
+learner group does (``--zero-stage``, 3 by default: DeepSpeed ZeRO-3 engines with rayppo's bucket
+and live-parameter sizes, the models loaded under ``deepspeed.zero.Init``), runs one update on the
+last rollout and prints its memory beside ``rayppo plan``'s learner estimate (the ``zero`` entry of
+the JSON line). Exits non-zero when CUDA is missing for
 ``--device cuda``, an engine is on the wrong device, or an iteration fails.
 """
 
@@ -134,6 +138,56 @@ def stage_medians(records: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in measured) for k in (*(f"{s}_s" for s in STAGES), "iteration_s")}
 
 
+# --------------------------------------------------------------- ZeRO: buckets and loading
+def current_rss() -> int:
+    """This process's resident set now (bytes; /proc/self/statm, Linux)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_bytes(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else current_rss()
+
+
+def zero_check(cfg, rollout, device: str) -> dict[str, Any]:
+    """One learner rank as the learner group builds it (``LearnerEngine``, world size 1): ZeRO-3
+    engines with rayppo's bucket and live-parameter sizes (``learner/zero_sizes.py``), the models
+    loaded under ``deepspeed.zero.Init`` (``partitioned_loading``). Measured against ``rayppo
+    plan``'s learner estimate: host RSS growth while loading, device memory after loading, after
+    one update (states, buckets) and at its peak. With one rank the partition is the whole model;
+    what loading under ``zero.Init`` shows here is that the weights go to the device without a
+    whole host copy. Bytes are deltas over what the process held before."""
+    from rayppo.learner.engine import LearnerEngine
+    from rayppo.learner.weight_sync import free_port
+    from rayppo.plan.footprint import inputs, learner_estimate
+
+    plan = learner_estimate(cfg, inputs(cfg, prompt_tokens=max(len(p) for p in rollout.prompt_ids)))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base, rss0 = device_bytes(device), current_rss()
+    start = time.perf_counter()
+    engine = LearnerEngine(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    loaded = {"load_s": time.perf_counter() - start, "host_rss_growth": current_rss() - rss0,
+              "after_load": device_bytes(device) - base}
+    start = time.perf_counter()
+    engine.train(rollout, list(range(len(rollout))), len(rollout), kl_coef=0.05, iteration=0)
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else memory(device)["max_rss"]) - base
+    measured = {**loaded, "update_s": time.perf_counter() - start, "after_update": device_bytes(device) - base,
+                "update_peak": peak}
+    planned = {k: v for k, v in plan.parts.items() if k != "CUDA context"}
+    resident = sum(v for k, v in planned.items() if k in ("params", "grads", "optimizer") or k.startswith("ZeRO"))
+    table = {"measured_bytes": measured, "plan_bytes": planned,
+             "plan_resident_bytes": resident, "plan_peak_bytes": sum(planned.values()),
+             "ratio_after_update_to_plan_resident": measured["after_update"] / resident,
+             "ratio_peak_to_plan_peak": peak / sum(planned.values())}
+    print(f"  ZeRO-{cfg.learner.zero_stage} rank (1 of 1): loaded in {loaded['load_s']:.1f} s, host RSS "
+          f"+{loaded['host_rss_growth'] / GIB:.2f} GiB, device +{loaded['after_load'] / GIB:.2f} GiB; after one "
+          f"update +{measured['after_update'] / GIB:.2f} GiB (plan: states + buckets {resident / GIB:.2f} GiB, "
+          f"{table['ratio_after_update_to_plan_resident']:.2f}x); peak +{peak / GIB:.2f} GiB (plan "
+          f"{sum(planned.values()) / GIB:.2f} GiB, {table['ratio_peak_to_plan_peak']:.2f}x)", flush=True)
+    del engine
+    return table
+
+
 # -------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -144,6 +198,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompts per iteration, a multiple of 4 (default: 64 for 0.5b, 16 for tiny)")
     parser.add_argument("--new-tokens", type=int, help="tokens per response (default: 128 for 0.5b, 16 for tiny)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
+                        help="after the iterations, build one learner rank with DeepSpeed ZeRO at this stage and "
+                             "measure its memory against rayppo plan's estimate (default 3; 0 skips it)")
     parser.add_argument("--out", help="also write the JSON summary to this file")
     parser.add_argument("overrides", nargs="*", help="extra rayppo config overrides (key=value)")
     return parser.parse_args(argv)
@@ -188,13 +245,22 @@ def main(argv: list[str] | None = None) -> int:
         records, error = [], f"engines not on {args.device}: {misplaced}"
     else:
         records, error = run_iterations(trainer, args.iters, args.device, summary["logprob_mismatch_limit"])
+    zero = None
+    if not error and args.zero_stage:
+        try:
+            zero_cfg = smoke_config(Path(summary["policy"]), Path(trainer.cfg.reward.model), args.device,
+                                    summary["batch"], summary["new_tokens"],
+                                    args.overrides + [f"learner.zero_stage={args.zero_stage}", "learner.num_ranks=1"])
+            zero = zero_check(zero_cfg, trainer.last_rollout, args.device)
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON line, then exit 1
+            error = f"ZeRO-{args.zero_stage} learner rank: {type(exc).__name__}: {exc}"
     held = sizes(trainer)
     after_load = summary["memory_after_load_bytes"]
     print("  sizes: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in held.items())
           + (f"; {after_load / GIB:.2f} GiB allocated after loading the engines" if after_load is not None else ""))
     summary |= {"engine_devices": devices, "sizes_bytes": held, "iterations": len(records),
                 "stage_s_median": stage_medians(records) if records else None, "per_iteration": records,
-                "wall_s": time.perf_counter() - start, "error": error}
+                "zero": zero, "wall_s": time.perf_counter() - start, "error": error}
     if error:
         print(f"gpu_smoke: error: {error}", file=sys.stderr)
     line = json.dumps(summary)

@@ -89,8 +89,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     parser.add_argument("--lengths", default="fixed", help="response lengths: fixed (rollout.max_new_tokens each), "
                         "long-tail (geometric, mean 34, cut at max_new_tokens) or fixed:N (N each)")
+    parser.add_argument("--pass-overhead-tokens", type=int,
+                        help="the token-budget cut's price of one more pass, in tokens (rayppo's "
+                             "data/micro_batches.py PASS_OVERHEAD_TOKENS; default: its value)")
     parser.add_argument("overrides", nargs="*", help="section.field=value config overrides")
     args = parser.parse_args()
+    import rayppo.data.micro_batches as micro_batches
+
+    if args.pass_overhead_tokens is not None:  # the learner rank runs in this process
+        micro_batches.PASS_OVERHEAD_TOKENS = args.pass_overhead_tokens
     from rayppo.cluster.learner_group import LearnerGroup
 
     w = load_workloads()[args.workload]
@@ -120,7 +127,7 @@ def main() -> None:
     print(json.dumps({"workload": w.name, "advantage": cfg.ppo.advantage, "rows": len(rollout),
                       "lengths": args.lengths, "response_tokens": real, "s_per_1k_response_tokens":
                       round(1000 * seconds / real, 4), "micro_batch_tokens": cfg.learner.micro_batch_tokens,
-                      "packing": cfg.learner.packing,
+                      "packing": cfg.learner.packing, "pass_overhead_tokens": micro_batches.PASS_OVERHEAD_TOKENS,
                       "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
                       "parts_s": {k: round(v, 2) for k, v in parts.items()}, "learn_gflop": round(flops / 1e9),
                       "learn_gflop_per_s": round(flops / seconds / 1e9, 1), "matmul_gflop_per_s": round(matmul, 1),

@@ -39,6 +39,10 @@ class LearnerFailedError(ActorFailedError):
     (its collectives and ZeRO partitions are gone) and is rebuilt from the latest checkpoint."""
 
 
+class RunClosedError(RuntimeError):
+    """A call that lost its actor while the run was closing (``Supervisor.close``): nothing to replace."""
+
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RAY_HEADER = re.compile(r"^ray::[\w.]+\(\)(?: \(pid=[^)]*\))?:? ?")
 """Ray's header of an error raised in an actor: ``ray::GeneratorEngine.load_weights() (pid=..., ip=...,

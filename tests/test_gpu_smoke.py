@@ -75,7 +75,7 @@ def summary_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_cpu_self_test_prints_stage_times_and_ppo_figures(env, tmp_path):
+def test_cpu_self_test_prints_stage_times_ppo_figures_and_a_zero_rank_against_the_plan(env, tmp_path):
     out = tmp_path / "gpu_smoke.json"
     run = subprocess.run([sys.executable, str(SCRIPT), *SELF_TEST, "--out", str(out)], env=env,
                          capture_output=True, text=True, timeout=300)
@@ -97,6 +97,14 @@ def test_cpu_self_test_prints_stage_times_and_ppo_figures(env, tmp_path):
     # AdamW: two moments per trained weight (and a step counter per tensor).
     trained = s["sizes_bytes"]["policy"] + s["sizes_bytes"]["critic"]
     assert s["sizes_bytes"]["optimizer_state"] == pytest.approx(2 * trained, rel=1e-3)
+    # One ZeRO-3 learner rank (the GPU path's buckets and partitioned loading), beside the plan's
+    # count of the same: on CPU the device figures are RSS, only their presence is checked here.
+    zero = s["zero"]
+    assert "ZeRO-3 rank (1 of 1): loaded in" in run.stdout
+    assert set(zero["measured_bytes"]) == {"load_s", "host_rss_growth", "after_load", "update_s", "after_update",
+                                           "update_peak"}
+    assert any(k.startswith("ZeRO buckets") for k in zero["plan_bytes"]) and zero["plan_resident_bytes"] > 0
+    assert zero["measured_bytes"]["update_s"] > 0 and zero["ratio_peak_to_plan_peak"] > 0
 
 
 def test_runs_where_vllm_and_ray_are_not_installed(env):

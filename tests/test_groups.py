@@ -128,10 +128,12 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
-def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version(tmp_path):
+def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version_and_closes_its_stages(tmp_path):
     """rollout.max_staleness = 1 with GRPO and LoRA: the pipeline's generators sample ahead, and
     every group's rows carry one policy version (a group is one generator's call), so the
-    off-policy loss weighs a group's rows alike; three iterations complete with no critic."""
+    off-policy loss weighs a group's rows alike; three iterations complete with no critic.
+    ``close`` ends the stage threads (sampling ahead when it is called) before it returns: one
+    left calling Ray after ``ray.shutdown`` ends the whole process with exit 1."""
     cfg = load_config(None, ["generators.backend=hf", "generators.num=2", "rollout.batch_size=4",
                              "rollout.samples_per_prompt=4", "ppo.advantage=grpo", "ppo.minibatches=2",
                              "rollout.max_new_tokens=6", "learner.num_ranks=1", "rollout.max_staleness=1",
@@ -151,6 +153,8 @@ def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version(t
     finally:
         trainer.close()
     assert stats["async/staleness_max"] <= 1
+    assert [t.name for t in trainer._stages.threads if t.is_alive()] == []
+    assert trainer.supervisor.restarts == 0  # the actors close killed under calls in flight were not replaced
 
 
 def test_the_plan_counts_no_critic_and_no_reference():

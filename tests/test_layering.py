@@ -29,12 +29,12 @@ LAYERS: list[tuple[str, ...]] = [
 
 THIRD_PARTY = {
     "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.engine"),
-    "vllm": ("rayppo.actors.generator", "rayppo.actors.weight_receiver"),
+    "vllm": ("rayppo.actors.generator", "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe"),
     "deepspeed": ("rayppo.learner.engine",),
 }
 """Who may import them: Ray where actors are spawned or called, in the engine base (an actor asks
-Ray for its own GPUs and node); vLLM in the generator engine and its weight-transfer plugin, DeepSpeed in the learner
-engine."""
+Ray for its own GPUs and node); vLLM in the generator engine, its weight-transfer plugin and its CPU MoE patch, DeepSpeed in
+the learner engine."""
 
 
 def _modules() -> dict[str, Path]:

@@ -7,11 +7,10 @@ then every sent tensor must be verified by its fingerprint, the generator must s
 new weights (log-probs equal to the transformers forward's within the fp32 bound the suite uses,
 1e-4: a healthy sync measures ~5e-7), and a perturbed tensor must fail the check.
 
-Families vLLM's CPU backend cannot run this way are checked where they can be: GPT-NeoX (vLLM
-runs it through its transformers fallback: the weight check, not the log-probs), mixture-of-experts
-models (``plan/inputs.py`` refuses them on CPU generators; their sync stream and expert
-fingerprints are tested without an engine); GPT-2 not at all (vLLM 0.32's CPU engine crashes in
-native code on it).
+Mixture-of-experts models run the same test: vLLM's CPU kernel repacks their experts after every
+update (``actors/cpu_moe.py``). Families vLLM's CPU backend cannot run this way are checked where
+they can be: GPT-NeoX (vLLM runs it through its transformers fallback: the weight check, not the
+log-probs); GPT-2 not at all (vLLM 0.32's CPU engine crashes in native code on it).
 """
 
 from __future__ import annotations
@@ -44,6 +43,11 @@ FAMILIES = {  # name -> (model class, config fields): head_dim 32, the smallest 
     "gemma2": ("Gemma2ForCausalLM", TINY | {"head_dim": 32}),  # tied head, no lm_head in vLLM
     "phi3": ("Phi3ForCausalLM", TINY),  # fused qkv and gate_up in the checkpoint itself
     "opt": ("OPTForCausalLM", {**TINY, "ffn_dim": 96, "word_embed_proj_dim": 128}),  # LayerNorm, learned positions
+    # Granite 3's scales (embeddings, residuals, attention, logits), as its 8B config sets them.
+    "granite": ("GraniteForCausalLM", TINY | {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                             "attention_multiplier": 0.0078125, "logits_scaling": 16.0}),
+    # Sliding-window layers (8 tokens: the prompts and responses are longer), q/k norms, tied head.
+    "gemma3": ("Gemma3ForCausalLM", TINY | {"head_dim": 32, "sliding_window": 8}),
 }
 MOE = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", TINY | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -93,11 +97,11 @@ def _caught(generator: GeneratorEngine, named: dict[str, torch.Tensor], hit: str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(FAMILIES | MOE))
 def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_perturbed_tensor(
         name, tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model, folder = _model(FAMILIES, name, tokenizer, tmp_path / "start")
+    model, folder = _model(FAMILIES | MOE, name, tokenizer, tmp_path / "start")
     generator = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="vllm",
                                 vllm=VLLMSettings(kv_cache_gib=1))
     try:
@@ -110,7 +114,9 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
         shutil.copy(tmp_path / "start" / "tokenizer.json", tmp_path / "updated")
         shutil.copy(tmp_path / "start" / "tokenizer_config.json", tmp_path / "updated")
         assert _mismatch(generator, str(tmp_path / "updated"), tokenizer) < 1e-4  # it samples the new weights
-        hit = next(n for n in named if ".layers.1." in n and ("mlp" in n or "fc1" in n) and n.endswith("weight"))
+        mlp = [n for n in named if ".layers.1." in n and n.endswith("weight")
+               and any(part in n for part in ("mlp", "fc1", "block_sparse_moe"))]  # Mixtral's MoE block
+        hit = next((n for n in mlp if ".experts." in n), mlp[0])  # an expert's matrix where there are experts
         _caught(generator, named, hit)
     finally:
         del generator
@@ -188,16 +194,11 @@ def test_moe_sync_stream_is_the_checkpoint_and_fused_experts_fingerprint_per_exp
     assert down is not None and all(len(row) == 1 for row in down)
 
 
-def test_what_the_generators_cannot_do_with_a_policy_is_refused_before_anything_starts(tokenizer, tmp_path):
+def test_a_fault_tensor_the_policy_lacks_is_refused_before_anything_starts(tokenizer, tmp_path):
     from rayppo.config.load import load_config
     from rayppo.config.schema import ConfigError
     from rayppo.plan.inputs import check_policy_for_generators
 
-    _, moe = _model(MOE, "mixtral", tokenizer, tmp_path / "moe")
-    with pytest.raises(ConfigError, match=r"^generators.backend: .* is a mixture-of-experts model, which vLLM's CPU "
-                                          r"backend cannot update in place"):
-        check_policy_for_generators(load_config(None, [f"model.policy={moe}"]), tmp_path / "moe")
-    check_policy_for_generators(load_config(None, [f"model.policy={moe}", "generators.backend=hf"]), tmp_path / "moe")
     _, dense = _model(FAMILIES, "opt", tokenizer, tmp_path / "opt")
     # The default fault tensor is a Llama name: OPT's MLP is fc1/fc2, so the fault would hit nothing.
     with pytest.raises(ConfigError, match=r"^checks.sync_fault_tensor: .* has no tensor "

@@ -105,6 +105,75 @@ def test_sync_makes_generator_sample_from_the_new_weights(backend, sync, long_co
     assert _mismatch(after, old_model, pad) > 1e-2  # and they are not the old ones (the check can fail)
 
 
+@pytest.mark.slow
+def test_a_tied_head_of_its_own_in_vllm_is_loaded_by_the_broadcast_too(tokenizer, tmp_path, monkeypatch):
+    """Gemma ties its head to the embedding: the learner sends the tensor once, under the
+    embedding's name, and vLLM's Gemma holds the head as a module of its own sharing that
+    parameter. The receiver loads the embedding under the head's name too; without it the head
+    (not reprocessed on reload) keeps computing the logits from the old embedding on CPU."""
+    import transformers
+
+    from rayppo.learner.full_weights import full_tensors
+    from rayppo.models.checkpoint_names import checkpoint_tensors
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=96, head_dim=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = transformers.GemmaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    old_model = transformers.GemmaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # the tied matrix once
+            param.add_(0.1 * param.std() * torch.randn_like(param))
+    stream = {name: t.clone() for name, t in checkpoint_tensors(model, full_tensors(model))}
+    assert "lm_head.weight" not in stream  # sent once, under the embedding's name
+    generator = GeneratorEngine(str(tmp_path), SAMPLING, backend="vllm", seed=0,
+                                vllm=VLLMSettings(kv_cache_gib=1, collective_sync=True))
+    prompts = [tokenizer(t)["input_ids"] for t in ("say 7 :", "write 3 :", "give 1 :", "repeat 5 :")]
+    _sync_once(generator, stream)
+    after = generator.generate(PromptBatch(["p"] * 4, prompts), seed=0)
+    assert _mismatch(after, model, tokenizer.pad_token_id) < 1e-4  # the head's logits moved with it
+    assert _mismatch(after, old_model, tokenizer.pad_token_id) > 1e-2
+
+
+def test_a_tied_head_is_streamed_under_every_name_the_engine_shares_it_by():
+    """The stream (broadcast) and a CUDA-IPC run both gain the alias right after its source; an
+    IPC alias reuses its source's handle; a run without the source is unchanged."""
+    from rayppo.learner.weight_sync import IpcChunk
+    from rayppo.models.weights import with_aliases
+
+    aliases = {"lm_head.weight": "model.embed_tokens.weight"}
+    stream = [("model.embed_tokens.weight", "E"), ("model.norm.weight", "N")]
+    assert list(with_aliases(stream, aliases)) == [("model.embed_tokens.weight", "E"), ("lm_head.weight", "E"),
+                                                   ("model.norm.weight", "N")]
+    chunk = IpcChunk(["model.embed_tokens.weight"], ["float32"], [[8, 4]], [{"0": ("handle",)}], nbytes=128)
+    aliased = chunk.with_aliases(aliases)
+    assert aliased.names == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert aliased.ipc_handles == [{"0": ("handle",)}] * 2 and aliased.shapes == [[8, 4]] * 2
+    assert aliased.nbytes == 128  # the same memory, mapped once
+    layer = IpcChunk(["model.layers.0.mlp.up_proj.weight"], ["float32"], [[4, 4]], [{}])
+    assert layer.with_aliases(aliases) is layer
+
+
+def test_a_tie_is_a_parameter_of_two_modules_not_one_module_under_two_names():
+    """vLLM's Qwen2-MoE registers one gate module twice (``mlp.shared_expert_gate`` and inside
+    ``mlp.shared_expert``): not a tie. A head module sharing the embedding's parameter is one."""
+    from rayppo.actors.held_weights import tied_aliases
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(8, 4)
+    model.head = torch.nn.Linear(4, 8, bias=False)
+    model.head.weight = model.embed.weight
+    model.gate = torch.nn.Linear(4, 1, bias=False)
+    model.shared = torch.nn.Module()
+    model.shared.gate = model.gate
+    assert tied_aliases(model) == {"head.weight": "embed.weight"}
+
+
 def test_sender_refuses_a_stream_whose_layout_changed():
     endpoint = _endpoint(world_size=2)
     named = {"a": torch.ones(3), "b": torch.zeros(2, 2)}

@@ -33,7 +33,7 @@ from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint, open_s
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
-from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
+from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights, with_aliases
 
 
 class EmptyResponseError(RayppoError, RuntimeError):
@@ -185,6 +185,9 @@ class _VLLMBackend:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
         from vllm import LLM
 
+        from rayppo.actors import cpu_moe
+
+        cpu_moe.patch()  # before the model loads: its MoE layers take weight updates on CPU too
         extra = {}
         if settings.ipc_sync:
             extra["weight_transfer_config"] = {"backend": "ipc"}
@@ -222,12 +225,9 @@ class _VLLMBackend:
         # non-persistent buffer computed from the config (rotary_embedding/base.py), which no
         # checkpoint holds: it is restored unchanged. (The weight fingerprints checked after
         # every sync, checks.verify_sync, cover every real weight.)
-        # A tied head that is a module of its own here (Gemma, OPT: vLLM's ParallelLMHead sharing
-        # the embedding's parameter) is given the embedding under its name too: the learner sends
-        # the tensor once, and a layer that receives nothing is not reprocessed on reload (on CPU
-        # it would keep the repacked copy of the old embedding that computes the logits).
-        named = {**named, **{alias: named[source] for alias, source in self.aliases.items()
-                             if source in named and alias not in named}}
+        # A tied head that is a module of its own here gets the embedding under its name too
+        # (models/weights.py, with_aliases); a head the learner did send keeps its own tensor.
+        named = {**dict(with_aliases(named.items(), self.aliases)), **named}
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
@@ -257,7 +257,7 @@ class _VLLMBackend:
     def load_ipc(self, chunk) -> None:
         # vLLM's IPC engine rebuilds each tensor from its handle on this GPU and loads it
         # (vllm/distributed/weight_transfer/ipc_engine.py, receive_weights, 0.32).
-        self.llm.update_weights({"update_info": chunk.update_info()})
+        self.llm.update_weights({"update_info": chunk.with_aliases(self.aliases).update_info()})
 
     def finish_ipc(self) -> None:
         self.llm.finish_weight_update()  # vLLM post-processes the reloaded layers

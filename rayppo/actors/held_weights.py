@@ -10,20 +10,32 @@ from __future__ import annotations
 
 import torch
 
+from rayppo.actors.cpu_moe import expert_probes
 from rayppo.models.fingerprint import matrix_shape, probe_rows, probes, split_rows
 
 
-def worker_tied_aliases(worker) -> dict[str, str]:
-    """Runs inside a vLLM worker: parameters the engine's model shares between modules (a tied
-    LM head), as ``{second name: first name}``."""
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Parameters ``model`` shares between modules (a tied LM head), as ``{second name: first name}``.
+
+    Modules count once: one module reachable under two names (vLLM's Qwen2-MoE registers its
+    ``shared_expert_gate`` also inside ``shared_expert``; vllm/model_executor/models/qwen2_moe.py,
+    0.32) is not a tie, and loading it twice would hit the emptied weight of a CPU linear layer
+    that the first load already repacked."""
     first: dict[int, str] = {}
     aliases = {}
-    for name, param in worker.get_model().named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
+    for module_name, module in model.named_modules():  # each module once
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if id(param) in first:
+                aliases[name] = first[id(param)]
+            else:
+                first[id(param)] = name
     return aliases
+
+
+def worker_tied_aliases(worker) -> dict[str, str]:
+    """Runs inside a vLLM worker: ``tied_aliases`` of the engine's model."""
+    return tied_aliases(worker.get_model())
 
 
 @torch.no_grad()
@@ -41,8 +53,9 @@ def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[
         for param_name, param in module.named_parameters(recurse=False):
             experts = expert_names(module_name, param_name, shapes, param.shape[0]) if param.dim() == 3 else None
             if experts is not None:  # one expert's fused matrices at a time
+                loaded = expert_probes(module, param_name)  # repacked on CPU: its probes as loaded
                 for e, names in enumerate(experts):
-                    out.update(split_rows(probe_rows(param[e]), names, shapes))
+                    out.update(split_rows(loaded[e] if loaded is not None else probe_rows(param[e]), names, shapes))
                 continue
             full = f"{module_name}.{param_name}" if module_name else param_name
             names = next(([full.replace(f".{fused}.", f".{part}.") for part in parts]

@@ -27,8 +27,9 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from rayppo.actors.held_weights import tied_aliases
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
-from rayppo.models.weights import SyncFault
+from rayppo.models.weights import SyncFault, with_aliases
 
 BACKEND = "rayppo"
 
@@ -62,6 +63,9 @@ class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, Collectiv
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
+        # Read now: once a layerwise reload has begun, the layers' parameters are placeholders and
+        # a tied head no longer shares the embedding's.
+        self.aliases = tied_aliases(model)  # a tied head that is a module of its own gets its tensor too
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         p = self.parallel_config
@@ -79,7 +83,7 @@ class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, Collectiv
         specs = [ParamSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in update_info.specs]
         fault = SyncFault(**(update_info.fault or {}))
         # Every broadcast is received (the group is collective); the fault drops or alters loads.
-        for name, tensor in fault.apply(receive_stream(self.group, specs, self.device)):
+        for name, tensor in with_aliases(fault.apply(receive_stream(self.group, specs, self.device)), self.aliases):
             self.model.load_weights([(name, tensor)])
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -98,7 +102,11 @@ class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, Collectiv
 
 
 def register() -> None:
-    """Make ``weight_transfer_config={"backend": "rayppo"}`` known to vLLM (idempotent)."""
+    """Make ``weight_transfer_config={"backend": "rayppo"}`` known to vLLM, and let CPU MoE layers
+    take weight updates (``cpu_moe.patch``) in every process vLLM starts (idempotent)."""
+    from rayppo.actors import cpu_moe
+
+    cpu_moe.patch()
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, CollectiveReceiveEngine)
     except ValueError:  # already registered in this process

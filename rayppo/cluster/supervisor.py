@@ -33,7 +33,7 @@ from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.engine import Engine
-from rayppo.errors import ActorFailedError, RayppoError, brief, restated
+from rayppo.errors import ActorFailedError, RayppoError, RunClosedError, brief, restated
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,13 @@ class Supervisor:
         self._recent: deque[int] = deque()  # ``completed`` at each restart still inside the window
         self._lock = threading.Lock()
         self._where: dict[tuple[int, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
+        self.closed = False
+        """Set by ``close``: the run is ending and its actors are being killed."""
+
+    def close(self) -> None:
+        """No replacements from now on: a call whose actor dies (killed by the run's own
+        ``close``) raises ``RunClosedError`` instead of starting a new actor."""
+        self.closed = True
 
     def watch(self, group: ActorGroup) -> None:
         """Note where each actor of ``group`` runs (waits until they are built)."""
@@ -165,6 +172,8 @@ class Supervisor:
                 refresh: Callable[[int], None] | None = None) -> None:
         """Replace actor ``i`` of ``group`` (counted against the budget; a hung one's stacks
         dumped first), wait until it is built, bring it up to date with ``refresh``."""
+        if self.closed:
+            raise RunClosedError(f"{role} actor {i} {cause} after the run was closed: not replaced")
         self.spend(f"{role} actor {i} {cause}", hint=console.details(role, i))
         if hung:
             dump_stacks(*self._where.get((id(group), i), (None, None)))

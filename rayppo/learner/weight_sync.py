@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rayppo.models.weights import with_aliases
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -189,6 +191,19 @@ class IpcChunk:
     def update_info(self) -> dict:
         """The ``update_info`` of vLLM's ``LLM.update_weights``."""
         return {k: v for k, v in asdict(self).items() if k not in ("nbytes", "held")}
+
+    def with_aliases(self, aliases: dict[str, str]) -> "IpcChunk":
+        """This run with each tensor also under the names ``aliases`` (``{alias: source}``) shares
+        with it (a tied head: ``models/weights.py``, ``with_aliases``). An alias reuses the handle:
+        torch rebuilds a handle it already opened from its cache of shared storages
+        (torch/multiprocessing/reductions.py, ``rebuild_cuda_tensor``, torch 2.13), so the tensor
+        is mapped once, not copied."""
+        rows = list(with_aliases(((name, i) for i, name in enumerate(self.names)), aliases))
+        if len(rows) == len(self.names):
+            return self
+        pick = [i for _, i in rows]
+        return IpcChunk([name for name, _ in rows], [self.dtype_names[i] for i in pick], [self.shapes[i] for i in pick],
+                        [self.ipc_handles[i] for i in pick], self.nbytes, self.held)
 
     def __reduce__(self):  # crossing processes: the handles, never the tensors
         return IpcChunk, (self.names, self.dtype_names, self.shapes, self.ipc_handles, self.nbytes)

@@ -144,11 +144,6 @@ def context_of(c: dict[str, Any]) -> int | None:
     return int(positions) if positions else None
 
 
-def is_moe(c: dict[str, Any]) -> bool:
-    """Whether a parsed ``config.json`` describes a mixture-of-experts model."""
-    return int(_first(c.get("text_config", c), "experts", 0) or 0) > 0
-
-
 def max_positions(path: str | Path) -> int | None:
     """The context length of the model in folder ``path`` (None: its config names none)."""
     return context_of(json.loads((Path(path) / "config.json").read_text()))

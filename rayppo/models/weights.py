@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,6 +47,25 @@ def unpack_weights(payload: WeightsPayload) -> dict[str, torch.Tensor]:
         t = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
         out[name] = t.view(torch.bfloat16) if payload.dtypes[name] == "bfloat16" else t
     return out
+
+
+def with_aliases(named: Iterable[tuple[str, T]], aliases: dict[str, str]) -> Iterator[tuple[str, T]]:
+    """Each ``(name, item)`` of ``named``, followed by the same item under every name that
+    ``aliases`` (``{alias: source}``) shares with it.
+
+    The learner sends a tied head once, under the embedding's name. An engine whose head is a module
+    of its own sharing that parameter (vLLM's Gemma, OPT: ``ParallelLMHead``) must receive it under
+    the head's name too: vLLM's layerwise reload (model_executor/model_loader/reload/layerwise.py,
+    0.32) reprocesses only the layers that received tensors, so on CPU a head that received
+    nothing keeps the repacked copy of the old embedding that computes the logits.
+    """
+    by_source: dict[str, list[str]] = {}
+    for alias, source in aliases.items():
+        by_source.setdefault(source, []).append(alias)
+    for name, item in named:
+        yield name, item
+        for alias in by_source.get(name, ()):
+            yield alias, item
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
 from rayppo.errors import ModelFolderError
 from rayppo.models.paths import embedded_path
-from rayppo.models.shape import context_of, is_moe
+from rayppo.models.shape import context_of
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files, safetensors_tensors
 from rayppo.plan.reward_check import ROWS_TRIED, check_reward_function
 
@@ -68,23 +68,14 @@ def check_inputs(cfg: Config) -> None:
 def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:
     """What the generators cannot do with this policy, said before anything starts: a
     ``checks.sync_fault_tensor`` the policy does not have (the fault would hit nothing, and a
-    test of the guard would pass for the wrong reason), and a mixture-of-experts policy on vLLM's
-    CPU backend, whose fused-MoE kernel keeps the experts it repacked at start-up when the weights
-    are reloaded (vLLM 0.32: the synced experts reach ``w13_weight``/``w2_weight``, the logits do
-    not change; the log-prob guard would stop the run after its first update)."""
-    if cfg.checks.sync_fault != "none":
-        names = {name for file in sorted(policy_dir.glob("*.safetensors"))
-                 for name in safetensors_tensors("model.policy", file)}
-        if names and cfg.checks.sync_fault_tensor not in names:
-            near = sorted(n for n in names if n.endswith(cfg.checks.sync_fault_tensor.rsplit(".", 2)[-2] + ".weight"))
-            raise ConfigError(f"checks.sync_fault_tensor: {policy_dir} has no tensor {cfg.checks.sync_fault_tensor!r}"
-                              + (f" (it has e.g. {near[0]!r})" if near else ""))
-    config = _read_config("model.policy", policy_dir, must_exist=False) or {}
-    on_cpu = cfg.generators.gpus_per_worker == 0 and cfg.generators.tensor_parallel_layout == "one_node"
-    if cfg.generators.backend == "vllm" and on_cpu and is_moe(config):
-        raise ConfigError(f"generators.backend: {policy_dir} is a mixture-of-experts model, which vLLM's CPU backend "
-                          "cannot update in place (its fused-MoE kernel keeps the experts of start-up): use "
-                          "generators.backend=hf on CPUs, or generators with GPUs")
+    test of the guard would pass for the wrong reason)."""
+    if cfg.checks.sync_fault == "none":
+        return
+    names = {name for file in sorted(policy_dir.glob("*.safetensors")) for name in safetensors_tensors("model.policy", file)}
+    if names and cfg.checks.sync_fault_tensor not in names:
+        near = sorted(n for n in names if n.endswith(cfg.checks.sync_fault_tensor.rsplit(".", 2)[-2] + ".weight"))
+        raise ConfigError(f"checks.sync_fault_tensor: {policy_dir} has no tensor {cfg.checks.sync_fault_tensor!r}"
+                          + (f" (it has e.g. {near[0]!r})" if near else ""))
 
 
 def check_model_meets_embedded_task(cfg: Config, policy_dir: Path) -> None:

@@ -364,13 +364,21 @@ class DistributedTrainer:
         return self.iteration_count
 
     def close(self) -> None:
+        """Kill every actor, then end the Ray session if this trainer started it. Background
+        threads are joined in between: Ray ends the whole process (exit 1, no message on the
+        terminal) when a thread calls into it after ``ray.shutdown``."""
+        self.supervisor.close()  # an actor killed under a call in flight is not replaced
         for group in ("generators", "reference", "rewards", "learner"):
             if hasattr(self, group):
                 getattr(self, group).kill()
+        self._join_background()
         if self.placements:
             release(self.placements)
             self.placements = {}
         self.session.close()
+
+    def _join_background(self) -> None:
+        """Wait for threads that call actors (none here; the pipelined trainer's stages)."""
 
 
 def check_pairing(path: Path | None, version: int, state: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ them rather than drawing their prompts again.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -49,8 +50,12 @@ from rayppo.learner.guard import check_weights
 from rayppo.trainers.distributed import DistributedTrainer, check_pairing
 from rayppo.trainers.iteration import group_shares, iteration_seed, rollout_stats
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the stages' errors."""
+CLOSE_JOIN_S = 60.0
+"""How long ``close`` waits for each stage thread once the actors are killed (their calls fail at once)."""
 
 
 def drop_stale(rollout: Rollout, version: int, max_staleness: int) -> tuple[Rollout, int]:
@@ -277,14 +282,16 @@ class PipelinedTrainer(DistributedTrainer):
         for thread in workers:
             thread.start()
 
-    def _stop_stages(self) -> None:
+    def _stop_stages(self, timeout_s: float | None = None) -> None:
         """Stop the stage threads and wait for them (each finishes at most the call it is in)."""
         stages = self._stages
         with self._cond:
             stages.stop.set()
             self._cond.notify_all()
         for thread in stages.threads:
-            thread.join()
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("%s still running %.0f s after the pipeline was stopped", thread.name, timeout_s)
 
     def _guarded(self, stages: Stages, loop, *args: Any) -> None:
         """Run a stage loop; its first error (while running) is raised on the caller's thread."""
@@ -470,10 +477,13 @@ class PipelinedTrainer(DistributedTrainer):
         return super().recover(failure)
 
     def close(self) -> None:
-        stages = getattr(self, "_stages", None)
-        if stages is not None:
-            stages.stop.set()  # the threads end with the actors' errors or at their next check
+        self._stages.stop.set()  # first: the errors of the actors killed next end the stages quietly
         super().close()
+
+    def _join_background(self) -> None:
+        # The actors are gone: a stage thread's call fails at once (and is not redone: the
+        # supervisor is closed), one waiting for the window sees the stop.
+        self._stop_stages(timeout_s=CLOSE_JOIN_S)
 
 
 def trainer_class(cfg: Config) -> type[DistributedTrainer]:
