@@ -35,8 +35,11 @@ def expert_probes(layer: torch.nn.Module, param_name: str) -> list[torch.Tensor]
 
 def patch() -> None:
     """Repack the CPU experts after every weight update, recording their probes first (idempotent)."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM build or version without these: nothing of it to patch
+        return
 
     if getattr(CPUUnquantizedExperts, "_rayppo_patched", False):
         return

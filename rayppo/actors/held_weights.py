@@ -2,8 +2,9 @@
 
 These functions run inside a vLLM worker (through ``LLM.collective_rpc``) and read the engine's
 model as vLLM laid it out: fused parameters (q/k/v, gate/up, the experts' ``w13``/``w2``), names
-its loader mapped (``hf_to_vllm_mapper``), parameters shared between modules (a tied head). Only
-``torch`` and rayppo's fingerprint math are imported; the vLLM objects come in as arguments.
+its loader mapped (``hf_to_vllm_mapper``), parameters shared between modules (a tied head), CPU
+MoE experts repacked by vLLM (their probes as loaded, ``cpu_moe.py``). Only ``torch`` and rayppo's
+fingerprint math are imported; the vLLM objects come in as arguments.
 """
 
 from __future__ import annotations
