@@ -164,12 +164,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
     console.setup(cfg.output.dir, args.verbose)
     console.phase(_headline(cfg, resume))
-    from rayppo.models.paths import embedded_path
+    from rayppo.models.paths import EMBEDDED_MODELS, embedded_path
 
-    if "embedded" in (cfg.model.policy, cfg.model.reference) and not (embedded_path(cfg.model.cache_dir) /
-                                                                   "config.json").is_file():
-        console.phase(f"building the embedded model in {embedded_path(cfg.model.cache_dir)} (first use only: "
-                      "tokenizer, 2-layer Llama, ~10 s of warm-up training)")
+    for name in {cfg.model.policy, cfg.model.reference} & set(EMBEDDED_MODELS):
+        if not (embedded_path(cfg.model.cache_dir, name) / "config.json").is_file():
+            console.phase(f"building the {name} model in {embedded_path(cfg.model.cache_dir, name)} (first use only: "
+                          "tokenizer, 2-layer Llama, ~10 s of warm-up training)")
     _quiet_libraries(args.verbose)
     from rayppo.train import run
 

@@ -322,12 +322,12 @@ def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics:
     every = cfg.output.samples_every
     if every and (it + 1) % every == 0 and rollout is not None:
         n = cfg.output.samples_shown
-        logger.log_samples(it, pick_samples(rollout.prompt_text, rollout.response_text, rollout.score, n))
+        logger.log_samples(it, pick_samples(rollout.prompt_text, rollout.response_text, rollout.total_rewards(), n))
         # The same picks (they depend on the rewards only), each chat prompt shown by its question.
         questions = [shown_prompt(text, messages) for text, messages in zip(rollout.prompt_text,
                                                                             rollout.conversations())]
         console.write(f"samples of iteration {it} (highest to lowest reward):")
-        for line in format_samples(pick_samples(questions, rollout.response_text, rollout.score, n),
+        for line in format_samples(pick_samples(questions, rollout.response_text, rollout.total_rewards(), n),
                                    shutil.get_terminal_size().columns):
             console.write(line)
 

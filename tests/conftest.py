@@ -21,6 +21,14 @@ def embedded_dir() -> Path:
     return embedded_model_dir()
 
 
+@pytest.fixture(scope="session")
+def guess_dir() -> Path:
+    """The embedded multi-turn model (``embedded-guess``), built once per cache."""
+    from rayppo.models.loading import resolve_model_path
+
+    return resolve_model_path("embedded-guess")
+
+
 @pytest.fixture(scope="module")
 def local_ray(embedded_dir):
     """One local Ray instance (2 logical CPUs, like this machine) for a test module that asks for

@@ -18,6 +18,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayppo.trainers", "rayppo.plan"),                 # the iterations; the checks before a run
     ("rayppo.cluster",),                                # Ray plumbing
     ("rayppo.actors",),                                 # the roles' engines
+    ("rayppo.episodes",),                               # multi-turn episodes: the turn loop, environments
+    ("rayppo.usercode",),                               # the user's code: imported, in child processes
     ("rayppo.learner", "rayppo.run"),                   # DeepSpeed learner; what a run writes
     ("rayppo.config",),                                 # the dataclass tree, its checks and loading
     ("rayppo.engine", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts

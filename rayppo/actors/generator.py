@@ -28,8 +28,12 @@ from rayppo.actors.held_weights import worker_held_prints, worker_tied_aliases
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
+from rayppo.episodes.environment import EnvironmentPool
+from rayppo.episodes.loop import EpisodeSettings
+from rayppo.episodes.play import play_episodes
 from rayppo.errors import RayppoError
 from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.models.chat_tokens import check_template
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.sequences import pack, policy_forward
@@ -344,6 +348,7 @@ class GeneratorEngine(Engine):
         num_threads: int | None = None,
         sync_fault: SyncFault = SyncFault(),
         gpus: float = 0.0,
+        episodes: EpisodeSettings | None = None,
     ):
         self.set_threads(num_threads)
         # vLLM places its own workers on the actor's GPUs; CUDA stays uninitialised here so that
@@ -356,7 +361,11 @@ class GeneratorEngine(Engine):
         self.sampling = sampling
         self.generator_id = generator_id
         self.policy_version = 0
+        self.episodes = episodes  # multi-turn: every prompt starts an episode with rollout.environment
+        self._pool: EnvironmentPool | None = None
         eos_ids = stop_token_ids(self.tokenizer, model_path)
+        if episodes is not None:  # refused before the engine loads: a template that rewrites earlier turns
+            check_template(self.tokenizer, [self.tokenizer.decode([i]) for i in eos_ids], episodes.observation_role)
         if backend == "vllm":
             self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
@@ -441,7 +450,10 @@ class GeneratorEngine(Engine):
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """One response per prompt row, sampled at the configured temperature; the rows of a group
-        (``PromptBatch.groups_of``) are separate requests, each with its own noise."""
+        (``PromptBatch.groups_of``) are separate requests, each with its own noise. With an
+        environment each prompt starts a multi-turn episode (``rayppo.episodes``)."""
+        if self.episodes is not None:
+            return self._play(prompts, self.sampling, seed)
         response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, seed)
         self._check_nonempty(prompts.texts, response_ids)
         return self._rollout(prompts, response_ids, logprobs, reasons)
@@ -486,9 +498,23 @@ class GeneratorEngine(Engine):
         if not len(prompts):  # more generators than held-out prompts
             return self._rollout(prompts, [], [], [])
         repeated = prompts.select([i for i in range(len(prompts)) for _ in range(samples)])
-        response_ids, _, reasons = self.backend.sample(repeated.ids, replace(self.sampling, temperature=temperature),
-                                                       seed)
+        sampling = replace(self.sampling, temperature=temperature)
+        if self.episodes is not None:
+            return self._play(repeated, sampling, seed)
+        response_ids, _, reasons = self.backend.sample(repeated.ids, sampling, seed)
         return self._rollout(repeated, response_ids, [], reasons)
+
+    def _play(self, prompts: PromptBatch, sampling: SamplingSettings, seed: int) -> Rollout:
+        """Each prompt row's multi-turn episode, turn k sampled with seed ``seed + k``, the environment
+        in this generator's processes (started on first use, kept for the next calls)."""
+        e = self.episodes
+        if self._pool is None:
+            self._pool = EnvironmentPool(e.environment, e.workers, e.timeout_s)
+        rollout = play_episodes(lambda contexts, limits, k: self.backend.sample(contexts, sampling, seed + k, limits),
+                                self.tokenizer, self._pool, e, prompts, self.backend.eos_ids)
+        rollout.policy_version = [self.policy_version] * len(rollout)
+        rollout.generator_id = [self.generator_id] * len(rollout)
+        return rollout
 
     def _rollout(self, prompts: PromptBatch, response_ids: list[list[int]], logprobs: list[list[float]],
                  reasons: list[str]) -> Rollout:

@@ -34,12 +34,12 @@ class ReferenceEngine(Engine):
 
     @torch.no_grad()
     def ref_logprobs(self, rollout: Rollout) -> list[list[float]]:
-        """``[B][T_b]`` log pi_ref(y_t | S_{t-1}) for every response token."""
+        """``[B][T_b]`` log pi_ref(y_t | S_{t-1}) for every response token (0 on an episode's observation tokens)."""
         out: list[list[float]] = [[] for _ in range(len(rollout))]
         # Micro-batches of about equal padded tokens (``reference.micro_batch_tokens``), or fixed runs of rows.
         for rows in scoring_batches(*rollout.lengths(), self.micro_batch_tokens, self.batch_size):
             part = rollout.select(rows)
-            batch = pack(part.prompt_ids, part.response_ids, self.pad_id).to(self.device)
+            batch = pack(part.prompt_ids, part.response_ids, self.pad_id, part.action_mask).to(self.device)
             logprobs, _ = policy_forward(self.model, batch, self.temperature)
             for i, row, ids in zip(rows, logprobs, part.response_ids):
                 out[i] = row[: len(ids)].tolist()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
     from ray.util.placement_group import PlacementGroup
 
-from rayppo.config.derived import reference_actors, role_gpus, tensor_parallel_size
+from rayppo.config.derived import reference_actors, reward_actors, role_gpus, tensor_parallel_size
 from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError
 
@@ -101,7 +101,7 @@ def role_specs(cfg: Config) -> list[RoleSpec]:
         RoleSpec("generators", g.num, _bundle(g.cpus_per_worker, gen_gpus, g.resources)),
         RoleSpec("reference", reference_actors(cfg),  # none when ppo.kl_coef = 0
                  _bundle(cfg.reference.cpus, role_gpus(cfg, "reference"), cfg.reference.resources)),
-        RoleSpec("reward", cfg.reward.num, _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
+        RoleSpec("reward", reward_actors(cfg), _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
         RoleSpec("learner", l.num_ranks, _bundle(l.cpus_per_rank, role_gpus(cfg, "learner"), l.resources)),
     ]
 

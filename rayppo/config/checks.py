@@ -40,6 +40,24 @@ def _check_async(cfg: Config) -> None:
              f"(a broadcast stops every generator at once); got learner.weight_sync={cfg.learner.weight_sync}", k)
 
 
+def _check_episodes(cfg: Config) -> None:
+    """``rollout.environment``: multi-turn episodes and their budgets."""
+    r = cfg.rollout
+    _require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1", r.max_turns)
+    _require(0 <= r.turn_tokens <= r.max_new_tokens, "rollout.turn_tokens",
+             f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] (0: the episode's budget left)", r.turn_tokens)
+    _require(r.environment_timeout_s > 0, "rollout.environment_timeout_s", "must be > 0", r.environment_timeout_s)
+    _require(r.environment_workers >= 1, "rollout.environment_workers", "must be >= 1", r.environment_workers)
+    if r.environment is None:
+        return
+    _require(":" in r.environment, "rollout.environment", "must look like 'module:Class'", r.environment)
+    _require(r.partial_tokens == 0, "rollout.partial_tokens",
+             "cannot cut the turns of multi-turn episodes (rollout.environment); use 0", r.partial_tokens)
+    _require(not r.ignore_eos, "rollout.ignore_eos",
+             "would never end a policy turn of a multi-turn episode (rollout.environment); use false", r.ignore_eos)
+    _require(bool(r.observation_role), "rollout.observation_role", "must name a chat role", r.observation_role)
+
+
 def _check_groups(cfg: Config) -> None:
     """Groups of samples, the estimator, where the KL goes and how rows split into minibatches."""
     r, p = cfg.rollout, cfg.ppo
@@ -119,14 +137,17 @@ def validate(cfg: Config) -> Config:
              f"must be in (0, ppo.vtrace_rho_clip={p.vtrace_rho_clip:g}] (V-trace needs c-bar <= rho-bar)",
              p.vtrace_c_clip)
     _check_async(cfg)
+    _check_episodes(cfg)
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
     _require(cfg.output.checkpoint_every >= 0, "output.checkpoint_every", "must be >= 0", cfg.output.checkpoint_every)
     _require(cfg.output.keep_checkpoints >= 1, "output.keep_checkpoints", "must be >= 1", cfg.output.keep_checkpoints)
     sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
-    _require(sum(x is not None for x in sources) == 1, "reward.function",
-             "set exactly one of reward.function, reward.model and reward.url", sources)
+    chosen = sum(x is not None for x in sources)
+    _require(chosen == 1 or (chosen == 0 and r.environment is not None), "reward.function",
+             "set exactly one of reward.function, reward.model and reward.url (none only with rollout.environment, "
+             "whose turn rewards are then the whole reward)", sources)
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0", cfg.reward.timeout_s)
     _require(cfg.reward.retries >= 1, "reward.retries", "must be >= 1", cfg.reward.retries)
     if cfg.reward.url is not None:  # never file://, ftp:// or a bare path: only a scorer over HTTP

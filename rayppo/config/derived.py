@@ -112,6 +112,17 @@ def batch_rows(cfg: Config) -> int:
     return cfg.rollout.batch_size * cfg.rollout.samples_per_prompt
 
 
+def has_reward(cfg: Config) -> bool:
+    """Whether a reward function, model or endpoint scores the responses: not when an environment's
+    turn rewards are the whole reward (``rollout.environment`` with no ``reward.*`` chosen)."""
+    return any(x is not None for x in (cfg.reward.function, cfg.reward.model, cfg.reward.url))
+
+
+def reward_actors(cfg: Config) -> int:
+    """Reward actors the run starts: ``reward.num``, or none when nothing scores the responses."""
+    return cfg.reward.num if has_reward(cfg) else 0
+
+
 def reference_actors(cfg: Config) -> int:
     """Reference actors the run starts: ``reference.num``, or none when beta = 0."""
     return cfg.reference.num if uses_reference(cfg.ppo) else 0

@@ -116,7 +116,7 @@ def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:
     for name in INPUT_PATHS:
         section, key = name.split(".")
         value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
-        if isinstance(value, str) and value and value != "embedded" and not Path(value).is_absolute():
+        if isinstance(value, str) and value and not value.startswith("embedded") and not Path(value).is_absolute():
             data[section][key] = os.path.relpath(folder / value)
 
 
@@ -147,8 +147,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply(cfg, override, "")
     if path is not None and isinstance(data.get("reward"), dict):
         chosen |= {f"reward.{key}" for key in data["reward"]}
-    if "reward.function" not in chosen and (cfg.reward.model or cfg.reward.url):
-        cfg.reward.function = None  # choosing a reward model or an endpoint replaces the default verifier
+    if "reward.function" not in chosen and (cfg.reward.model or cfg.reward.url or cfg.rollout.environment):
+        # Choosing a reward model, an endpoint or an environment (whose turn rewards are a reward of
+        # their own) replaces the default verifier, which scores the embedded single-turn task only.
+        cfg.reward.function = None
     return validate(cfg)
 
 

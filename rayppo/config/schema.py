@@ -165,6 +165,29 @@ class RolloutConfig:
     the version that sampled it (``Rollout.token_versions``) and a row whose oldest token lags more
     than ``max_staleness`` versions is dropped with its group. Pays when lengths are long-tailed
     (p99 several times the median); 0 (off) otherwise. Must be below ``max_new_tokens``."""
+    environment: str | None = None
+    """Multi-turn episodes: ``module:Class`` of the environment the policy talks to (docs/multi-turn.md),
+    imported like ``reward.function`` (and shipped by ``rayppo submit``). Each prompt row (a chat
+    conversation) starts an episode: the policy's turn, the environment's observation as the next
+    message, and so on; its turn rewards add to ``reward.*`` (which an environment makes optional).
+    ``max_new_tokens`` then bounds the whole episode after the prompt. null: single-turn responses."""
+    max_turns: int = 4
+    """Multi-turn: policy turns per episode at most; an episode still going after them is cut
+    (finish reason ``length``, see ``truncation``)."""
+    turn_tokens: int = 0
+    """Multi-turn: tokens per policy turn at most (a turn cut before its end-of-turn token ends the
+    episode as cut); 0: what is left of the episode's ``max_new_tokens``."""
+    environment_timeout_s: float = 30.0
+    """Multi-turn: seconds per environment step; past it the environment's process is killed and the
+    step counts as failed."""
+    environment_timeout_reward: float | None = None
+    """Multi-turn: a failed or timed-out step ends its episode with this turn reward; null stops the
+    run with an error naming the environment, the prompt and the turn."""
+    environment_workers: int = 4
+    """Multi-turn: environment processes per generator; the steps of one turn run on them at once."""
+    observation_role: str = "user"
+    """Multi-turn: the chat role of an observation message (``tool`` for tool results, when the
+    policy's chat template has that role)."""
 
 
 @dataclass

@@ -333,14 +333,30 @@ class PromptSampler:
         self._order = self._make_order()
 
 
-def load_prompt_set(spec: str, column: str, tokenizer, max_tokens: int, split: str = "train") -> PromptSet:
-    """The prompts of ``spec`` (a file, a ``datasets`` folder with ``split``, or ``embedded`` for
-    the default task's prompts), rendered and tokenised by the policy's ``tokenizer``."""
-    if spec == "embedded":
-        from rayppo.tasks import digits
+EMBEDDED_PROMPTS = ("embedded", "embedded-guess")
+"""Prompt sets rayppo writes itself: the default "say a digit" task, and the multi-turn guessing
+game (``rayppo.tasks.guess``: one conversation, each row's hidden digit in its ``secret`` column)."""
 
-        texts = digits.eval_prompts() if split == "test" else digits.prompts()  # "test": the held-out split
-        rows = PromptRows("embedded prompts", column, list(texts), [{} for _ in texts])
+
+def embedded_rows(spec: str, column: str, split: str = "train") -> PromptRows:
+    """The rows of an embedded prompt set (``split`` ``test``: its held-out pass)."""
+    if spec == "embedded-guess":
+        from rayppo.tasks import guess
+
+        secrets = guess.eval_secrets() if split == "test" else guess.prompt_rows()
+        return PromptRows("embedded guessing game", column, [guess.conversation() for _ in secrets],
+                          [{"secret": s} for s in secrets])
+    from rayppo.tasks import digits
+
+    texts = digits.eval_prompts() if split == "test" else digits.prompts()  # "test": the held-out split
+    return PromptRows("embedded prompts", column, list(texts), [{} for _ in texts])
+
+
+def load_prompt_set(spec: str, column: str, tokenizer, max_tokens: int, split: str = "train") -> PromptSet:
+    """The prompts of ``spec`` (a file, a ``datasets`` folder with ``split``, or one of
+    ``EMBEDDED_PROMPTS``), rendered and tokenised by the policy's ``tokenizer``."""
+    if spec in EMBEDDED_PROMPTS:
+        rows = embedded_rows(spec, column, split)
     else:
         rows = read_prompt_rows(spec, column, split)
     texts, ids = render_prompts(rows, tokenizer, max_tokens)

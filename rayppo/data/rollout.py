@@ -36,6 +36,9 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("prompt_fields", pa.string()),  # the prompt row's other columns, a JSON object ("{}": none)
         pa.field("advantages", pa.list_(pa.float32())),  # A_t the learner trained on (output.save_rollouts)
         pa.field("returns", pa.list_(pa.float32())),  # value targets, with a critic (output.save_rollouts)
+        pa.field("action_mask", pa.list_(pa.int8())),  # 1 on sampled tokens, 0 on environment tokens (multi-turn)
+        pa.field("turn_ends", pa.list_(pa.int32())),  # index of each turn's last action token (multi-turn)
+        pa.field("turn_rewards", pa.list_(pa.float32())),  # the environment's reward for each turn (multi-turn)
     ]
 )
 
@@ -84,6 +87,17 @@ class Rollout:
     """[B][T_b] the version that sampled each token. Filled only with partial rollouts
     (``rollout.partial_tokens``), where a response continued by a later call holds tokens of several
     versions; empty: every token has its row's ``policy_version``."""
+    action_mask: list[list[int]] = field(default_factory=list)
+    """[B][T_b] multi-turn episodes (``rollout.environment``): 1 on the tokens the policy sampled
+    (actions), 0 on the tokens an observation added through the chat template. The response is
+    the whole episode after the prompt; ``logprobs`` are 0 on environment tokens. Empty: every
+    response token is an action (single-turn)."""
+    turn_ends: list[list[int]] = field(default_factory=list)
+    """[B][K_b] multi-turn: the response index of each of the episode's K_b turns' last action
+    token, in order; the last one is the episode's last token."""
+    turn_rewards: list[list[float]] = field(default_factory=list)
+    """[B][K_b] multi-turn: the environment's reward for each turn, placed on that turn's last
+    action token (``score`` adds the reward function's r_phi on the episode's last)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -125,6 +139,13 @@ class Rollout:
         if self.token_versions:
             return self.token_versions
         return [[v] * len(ids) for v, ids in zip(self.policy_version, self.response_ids)]
+
+    def total_rewards(self) -> list[float]:
+        """[B] each row's whole reward: r_phi (0 before the reward pass) plus, for an episode, the sum
+        of its turn rewards."""
+        if not self.turn_rewards:
+            return list(self.score)
+        return [s + sum(turns) for s, turns in zip(self.score or [0.0] * len(self), self.turn_rewards)]
 
     # -- the prompt rows, decoded ----------------------------------------------------------------
     def conversations(self) -> list[list[dict[str, Any]] | None]:
@@ -185,6 +206,12 @@ def _neutral(part: Rollout, name: str) -> list:
         return ["{}"] * len(part)
     if name == "token_versions":
         return part.versions()
+    if name == "action_mask":  # a single-turn row: every token an action, one turn
+        return [[1] * len(ids) for ids in part.response_ids]
+    if name == "turn_ends":
+        return [[len(ids) - 1] for ids in part.response_ids]
+    if name == "turn_rewards":
+        return [[0.0] for _ in part.response_ids]
     raise ValueError(f"Rollout.concat: column {name!r} is filled in some parts and empty in others")
 
 

@@ -122,7 +122,7 @@ class Experience:
     def trained_targets(self, with_returns: bool) -> tuple[list[list[float]], list[list[float]]]:
         """``(advantages, returns)`` per row over its valid tokens (``Rollout.advantages``, ``.returns``);
         returns empty when ``with_returns`` is False (no critic)."""
-        lengths = self.batch.mask.sum(-1).long().tolist()
+        lengths = self.batch.token_mask.sum(-1).long().tolist()
         advantages = [row[:n].tolist() for row, n in zip(self.advantages.float().cpu(), lengths)]
         returns = [row[:n].tolist() for row, n in zip(self.returns.float().cpu(), lengths)] if with_returns else []
         return advantages, returns
@@ -386,7 +386,8 @@ def make_experience(
     without padding (``PackedBatch.pack_mode``; ``learner.packing``).
     A rollout without ``ref_logprobs`` (kl_coef = 0: no reference was loaded) has no KL anywhere.
     """
-    batch = dataclasses.replace(pack(rollout.prompt_ids, rollout.response_ids, pad_id), pack_mode=pack_mode).to(device)
+    batch = dataclasses.replace(pack(rollout.prompt_ids, rollout.response_ids, pad_id, rollout.action_mask),
+                                pack_mode=pack_mode).to(device)
     mask = batch.mask
     old_logprobs = rollout.tensor("logprobs").to(device)
     prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal,
@@ -397,12 +398,12 @@ def make_experience(
     ref_logprobs = rollout.tensor("ref_logprobs").to(device) if has_reference else policy_logprobs
     values, last_values, first_values = _critic_values(critic, batch, first_rows, micro_batch_tokens, collective)
     scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
-    rewards, bootstrap = _shaped_rewards(rollout, scores, last_values, policy_logprobs, ref_logprobs, mask,
+    rewards, bootstrap = _shaped_rewards(rollout, scores, last_values, policy_logprobs, ref_logprobs, batch,
                                          kl_coef if cfg.kl_mode == "reward" else 0.0, cfg.kl_estimator, truncation)
     log_ratio = None if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
     group_ids = torch.tensor(rollout.group_id, dtype=torch.long, device=device) if rollout.group_id else None
-    advantages, returns = _advantages(rewards, values, mask, bootstrap, cfg, log_ratio, group_ids,
-                                      num_groups or len(rollout), collective)
+    advantages, returns = _episode_advantages(rewards, values, mask, bootstrap, cfg, log_ratio, group_ids,
+                                              num_groups or len(rollout), collective, bool(rollout.action_mask))
     stats = _experience_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
     if critic is not None:
         stats |= _value_stats(values, returns, mask, collective)
@@ -417,16 +418,39 @@ def make_experience(
 
 def _shaped_rewards(
     rollout: Rollout, scores: torch.Tensor, last_values: torch.Tensor, policy_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, kl_estimator: str, rule: TruncationRule,
+    ref_logprobs: torch.Tensor, batch: PackedBatch, kl_coef: float, kl_estimator: str, rule: TruncationRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [B, T], bootstrap [B])``: the seed's shaped reward of each row after the length
-    rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t on every token."""
-    lengths = mask.sum(-1)
+    rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t on every action token;
+    an episode's turn rewards on each turn's last action token (earned, so kept whatever the
+    truncation rule does with the final score)."""
+    mask = batch.mask
+    lengths = batch.token_mask.sum(-1)  # every token after the prompt: the length the limit counts
     scores = scores + ppo.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
     # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
     returned, bootstrap = ppo.truncation_targets(scores, last_values, rollout.truncated().to(mask.device), rule.mode,
                                                  rule.missing_eos_penalty)
-    return ppo.shape_rewards(returned, policy_logprobs, ref_logprobs, mask, kl_coef, kl_estimator), bootstrap
+    rewards = ppo.shape_rewards(returned, policy_logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+    if rollout.turn_rewards:
+        ends = padded(rollout.turn_ends, torch.long, value=-1).to(mask.device)
+        rewards = ppo.add_turn_rewards(rewards, ends, padded(rollout.turn_rewards, torch.float32).to(mask.device))
+    return rewards, bootstrap
+
+
+def _episode_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig,
+    log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int, collective: Collective,
+    multi_turn: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_advantages``; for multi-turn episodes over their action tokens only (``ppo.gather_actions``):
+    the recursions step from a turn's last action to the next turn's first, through the observation."""
+    if not multi_turn:
+        return _advantages(rewards, values, mask, bootstrap, cfg, log_ratio, group_ids, num_groups, collective)
+    compact = [ppo.gather_actions(x, mask) for x in (rewards, values)]
+    ratio = None if log_ratio is None else ppo.gather_actions(log_ratio, mask)
+    advantages, returns = _advantages(*compact, ppo.gathered_mask(mask), bootstrap, cfg, ratio, group_ids, num_groups,
+                                      collective)
+    return ppo.scatter_actions(advantages, mask), ppo.scatter_actions(returns, mask)
 
 
 def _experience_stats(

@@ -6,7 +6,11 @@ plain scalars, never config objects, and import only ``torch``.
 
 Shapes (design.md, "Tensor conventions"): per-token tensors are ``[B, T]`` over *response*
 positions. ``mask[b, t] = 1`` for a real response token (EOS included when emitted) and 0 for the
-padding after the end; the valid tokens of a row are always a prefix.
+padding after the end; in a single-turn row the valid tokens are a prefix. In a multi-turn
+episode (design.md, "Multi-turn episodes") ``mask`` is the *action* mask: 1 on the tokens the
+policy sampled, 0 on the environment's observation tokens between its turns and on the padding;
+``gather_actions`` lays such rows out as action tokens only, where every recursion below applies
+unchanged (an observation carries it through: no discount step, no value read there).
 
 - ``logprobs[b, t] = log pi(y_t | x, y_<t)``; ``ref_logprobs`` likewise under pi_ref.
 - ``values[b, t] = V(S_{t-1})``: the value of the state *before* action ``y_t``.
@@ -108,8 +112,52 @@ def kl_penalty(
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T] -> [B]``: the index of each row's last valid token (-1 for an empty row)."""
-    return mask.long().sum(dim=-1) - 1
+    """``[B, T] -> [B]``: the index of each row's last valid token (-1 for an empty row); the
+    last action token of an episode, whose mask has gaps."""
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return (mask.bool() * positions).amax(dim=-1) - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-turn episodes: the action tokens in order (design.md, "Multi-turn episodes")
+# --------------------------------------------------------------------------------------------
+def gather_actions(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T] -> [B, A]``: each row's entries at its action tokens (``mask`` 1), in order, then
+    0; A is the most action tokens of any row. Over these columns the valid entries are a prefix,
+    so GAE, V-trace and the discounted returns run unchanged: consecutive actions of one turn are
+    consecutive columns, and the last action of a turn is followed by the first of the next, so
+    V_next there is the value at the next turn's first action (the state after the observation)."""
+    keep = mask.bool()
+    width = int(keep.sum(dim=-1).max()) if keep.numel() else 0
+    out = x.new_zeros((x.shape[0], width))
+    out[gathered_mask(mask).bool()] = x[keep]  # row-major on both sides: each row's actions in order
+    return out
+
+
+def gathered_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T] -> [B, A]``: the mask of ``gather_actions``' layout (a prefix of n_b ones per row)."""
+    counts = mask.bool().sum(dim=-1)
+    width = int(counts.max()) if counts.numel() else 0
+    return (torch.arange(width, device=mask.device) < counts[:, None]).to(mask.dtype)
+
+
+def scatter_actions(compact: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, A] -> [B, T]``: the inverse of ``gather_actions``, 0 on non-action tokens."""
+    out = compact.new_zeros(mask.shape)
+    out[mask.bool()] = compact[gathered_mask(mask).bool()]
+    return out
+
+
+def add_turn_rewards(rewards: torch.Tensor, turn_ends: torch.Tensor, turn_rewards: torch.Tensor) -> torch.Tensor:
+    """``rewards [B, T]`` plus each turn's reward on its last action token.
+
+    turn_ends: [B, K] long, the response index of turn k's last action token (-1: no such turn);
+    turn_rewards: [B, K] the environment's reward for turn k (r_t += r_turn_k at t = end_k).
+    """
+    out = rewards.clone()
+    rows, turns = (turn_ends >= 0).nonzero(as_tuple=True)
+    out.index_put_((rows, turn_ends[rows, turns]), turn_rewards[rows, turns].to(out.dtype), accumulate=True)
+    return out
 
 
 def shape_rewards(

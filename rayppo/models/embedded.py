@@ -13,6 +13,7 @@ import fcntl
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -73,18 +74,19 @@ def build_embedded_model(out_dir: Path, seed: int = 0, sft: bool = True, progres
     return out_dir
 
 
-def embedded_model_dir(cache_dir: str | None = None) -> Path:
-    """The cached embedded model folder, built on first use."""
+def embedded_model_dir(cache_dir: str | None = None, version: str = BUILD_VERSION,
+                       build: Callable[[Path], Path] = build_embedded_model) -> Path:
+    """The cached embedded model folder of ``version``, built by ``build`` on first use."""
     root = cache_root(cache_dir)
-    target = root / BUILD_VERSION  # rayppo.models.paths.embedded_path
+    target = root / version  # rayppo.models.paths.embedded_path
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{BUILD_VERSION}.lock", "w") as lock:
+    with open(root / f".{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if not (target / "config.json").is_file():
-            staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{BUILD_VERSION}-"))
-            build_embedded_model(staging)
+            staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{version}-"))
+            build(staging)
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
     return target

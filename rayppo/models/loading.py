@@ -27,11 +27,18 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def resolve_model_path(name: str, cache_dir: str | None = None) -> Path:
-    """``embedded`` -> the locally built tiny model (built on first use); otherwise a folder."""
+    """``embedded`` (or ``embedded-guess``, the multi-turn task's) -> the locally built tiny model
+    (built on first use); otherwise a folder."""
     if name == "embedded":
         from rayppo.models.embedded import embedded_model_dir
 
         return embedded_model_dir(cache_dir)
+    if name == "embedded-guess":
+        from rayppo.models.embedded import embedded_model_dir
+        from rayppo.models.embedded_guess import build_guess_model
+        from rayppo.models.paths import GUESS_BUILD_VERSION
+
+        return embedded_model_dir(cache_dir, GUESS_BUILD_VERSION, build_guess_model)
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
         raise ModelFolderError(

@@ -44,6 +44,14 @@ class PackedBatch:
     pack_mode: str = ""
     """How ``trimmed`` packs its rows: ``""`` not at all, ``"rows"`` in rows as wide as the longest
     sequence (SDPA, eager), ``"one_row"`` all in one row (flash-attention's varlen kernel)."""
+    response_mask: torch.Tensor | None = None
+    """[B, T] float: 1 on every real token after the prompt, observations included (multi-turn);
+    None: ``mask`` (single-turn rows, where the two are the same)."""
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """[B, T]: 1 on every real response token (what a row's length counts)."""
+        return self.mask if self.response_mask is None else self.response_mask
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         return PackedBatch(
@@ -55,6 +63,7 @@ class PackedBatch:
             self.prompt_width,
             None if self.packing is None else self.packing.to(device),
             self.pack_mode,
+            None if self.response_mask is None else self.response_mask.to(device),
         )
 
     def packed(self, one_row: bool = False) -> "PackedBatch":
@@ -87,6 +96,7 @@ class PackedBatch:
             self.mask[index],
             self.prompt_width,
             pack_mode=self.pack_mode,
+            response_mask=None if self.response_mask is None else self.response_mask[index],
         )
 
     def trimmed(self) -> "PackedBatch":
@@ -95,7 +105,7 @@ class PackedBatch:
         Position ids count from each row's first real token, so no row's numbers change. With a
         ``pack_mode`` the rows are also packed without padding (``packed``)."""
         prompt_width = int(self.attention_mask[:, : self.prompt_width].sum(dim=1).max())
-        response_width = max(int(self.mask.sum(dim=1).max()), 1)
+        response_width = max(int(self.token_mask.sum(dim=1).max()), 1)
         columns = slice(self.prompt_width - prompt_width, self.prompt_width + response_width)
         cut = PackedBatch(
             self.input_ids[:, columns],
@@ -105,17 +115,21 @@ class PackedBatch:
             self.mask[:, :response_width],
             prompt_width,
             pack_mode=self.pack_mode,
+            response_mask=None if self.response_mask is None else self.response_mask[:, :response_width],
         )
         return cut.packed(one_row=self.pack_mode == "one_row") if self.pack_mode else cut
 
     def lengths(self) -> tuple[list[int], list[int]]:
         """``(prompt lengths, response lengths)`` of the rows, in tokens."""
         prompt = self.attention_mask[:, : self.prompt_width].sum(dim=1)
-        return prompt.tolist(), self.mask.sum(dim=1).long().tolist()
+        return prompt.tolist(), self.token_mask.sum(dim=1).long().tolist()
 
 
-def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> PackedBatch:
-    """Lay out B (prompt, response) pairs for one forward pass."""
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+         action_mask: list[list[int]] | None = None) -> PackedBatch:
+    """Lay out B (prompt, response) pairs for one forward pass. ``action_mask`` ([B][T_b], a
+    multi-turn episode's ``Rollout.action_mask``; None or empty: single-turn) makes ``mask`` the
+    action tokens and keeps every real token in ``response_mask``."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     batch = len(prompt_ids)
@@ -130,6 +144,11 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
         attention[i, width_p - len(p) : width_p + len(r)] = 1
         mask[i, : len(r)] = 1.0
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    response_mask = None
+    if action_mask:
+        response_mask, mask = mask, mask.clone()
+        for i, actions in enumerate(action_mask):
+            mask[i, : len(actions)] = torch.tensor(actions, dtype=torch.float32)
     return PackedBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -137,6 +156,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
         response_ids=input_ids[:, width_p:].clone(),
         mask=mask,
         prompt_width=width_p,
+        response_mask=response_mask,
     )
 
 
@@ -230,6 +250,6 @@ def critic_forward(critic: torch.nn.Module, batch: PackedBatch) -> tuple[torch.T
     inputs = batch.model_inputs()
     all_values = batch.unpacked(critic(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]))  # [B, P + T]
     values = all_values[:, _response_slice(batch)] * batch.mask
-    last_column = batch.prompt_width - 1 + batch.mask.sum(dim=1).long()
+    last_column = batch.prompt_width - 1 + batch.token_mask.sum(dim=1).long()
     last_values = all_values.gather(1, last_column.unsqueeze(1)).squeeze(1)
     return values, last_values

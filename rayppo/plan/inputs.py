@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from rayppo.config.schema import Config, ConfigError
-from rayppo.data.prompts import PromptDataError, PromptRows, read_prompt_rows
+from rayppo.data.prompts import EMBEDDED_PROMPTS, PromptDataError, PromptRows, embedded_rows, read_prompt_rows
 from rayppo.errors import ModelFolderError
-from rayppo.models.paths import embedded_path
+from rayppo.models.paths import EMBEDDED_MODELS, embedded_path
 from rayppo.models.shape import context_of
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files, safetensors_tensors
-from rayppo.plan.reward_check import ROWS_TRIED, check_reward_function
+from rayppo.plan.reward_check import check_environment, check_reward_function
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,10 @@ def check_inputs(cfg: Config) -> None:
     folders = {"model.policy": m.policy, "model.reference": m.reference, "model.critic": m.critic,
                "reward.model": cfg.reward.model}
     configs = {name: check_model_folder(name, path) for name, path in folders.items()
-               if path is not None and path != "embedded"}
-    policy_dir = embedded_path(m.cache_dir) if m.policy == "embedded" else Path(m.policy)
+               if path is not None and path not in EMBEDDED_MODELS}
+    policy_dir = embedded_path(m.cache_dir, m.policy) if m.policy in EMBEDDED_MODELS else Path(m.policy)
     for name in ("model.reference", "model.critic"):  # they read the policy's token ids
-        if folders[name] not in (None, "embedded"):
+        if folders[name] is not None and folders[name] not in EMBEDDED_MODELS:
             check_same_tokenizer(name, Path(folders[name]), policy_dir)
     if cfg.data.prompts == "embedded" and m.policy != "embedded":
         check_model_meets_embedded_task(cfg, policy_dir)
@@ -43,7 +43,7 @@ def check_inputs(cfg: Config) -> None:
         check_policy_for_generators(cfg, policy_dir)
     train_rows = None
     for spec, split in ((cfg.data.prompts, cfg.data.split), (cfg.eval.prompts, cfg.eval.split)):
-        if spec is None or spec == "embedded":
+        if spec is None or spec in EMBEDDED_PROMPTS:
             continue
         rows = read_prompt_rows(spec, cfg.data.prompt_column, split)
         train_rows = train_rows or rows  # the rows the reward function is tried on
@@ -56,13 +56,11 @@ def check_inputs(cfg: Config) -> None:
             log.warning("%s holds %d prompts, fewer than rollout.batch_size=%d: each iteration repeats some of them "
                         "(lower rollout.batch_size to sample each prompt at most once per iteration)",
                         rows.source, len(rows.prompts), cfg.rollout.batch_size)
+    train_rows = train_rows or embedded_rows(cfg.data.prompts, cfg.data.prompt_column)
     if cfg.reward.function is not None:
-        if train_rows is None:  # the embedded task's prompts
-            from rayppo.tasks import digits
-
-            texts = digits.prompts(ROWS_TRIED)
-            train_rows = PromptRows("embedded prompts", cfg.data.prompt_column, texts, [{} for _ in texts])
         check_reward_function(cfg.reward.function, train_rows, cfg.reward.timeout_s)
+    if cfg.rollout.environment is not None:
+        check_environment(cfg.rollout.environment, train_rows, cfg.rollout.environment_timeout_s)
 
 
 def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:

@@ -21,9 +21,10 @@ import inspect
 import math
 from typing import Any, Callable
 
-from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function, row_arguments
+from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function
 from rayppo.config.schema import ConfigError
 from rayppo.data.prompts import PromptRows
+from rayppo.usercode.imports import row_arguments
 
 ROWS_TRIED = 2
 """How many of the prompt file's first rows the function is called on."""
@@ -37,7 +38,7 @@ def check_reward_function(spec: str, rows: PromptRows, timeout_s: float) -> None
     fn = load_reward_function(spec)
     tried = range(min(ROWS_TRIED, len(rows.prompts)))
     for i in tried:
-        _check_binds(spec, fn, rows, i)
+        _check_binds("reward.function", spec, fn, rows, i, (PLACEHOLDER_RESPONSE,))
     verifier = VerifierProcess(spec, timeout_s)
     try:
         for i in tried:
@@ -63,22 +64,42 @@ def _messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]] | None
     return None if isinstance(prompt, str) else prompt
 
 
-def _check_binds(spec: str, fn: Callable[..., Any], rows: PromptRows, i: int) -> None:
-    """``fn`` accepts the arguments the reward actor passes for row ``i``, or the error says which
-    parameter no column fills."""
+def _check_binds(field: str, spec: str, fn: Callable[..., Any], rows: PromptRows, i: int, after_prompt: tuple) -> None:
+    """``fn`` accepts the arguments rayppo passes for row ``i`` (the prompt, ``after_prompt``, then
+    the row's columns it names), or the error says which parameter no column fills."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: only calling it can tell
         return
     prompt = rows.prompts[i]
-    kwargs = row_arguments(fn)(rows.fields[i], _messages(prompt))
+    kwargs = row_arguments(fn, 1 + len(after_prompt))(rows.fields[i], _messages(prompt))
     try:
-        signature.bind(_prompt_text(prompt), PLACEHOLDER_RESPONSE, **kwargs)
+        signature.bind(_prompt_text(prompt), *after_prompt, **kwargs)
     except TypeError as exc:
         columns = ", ".join(sorted(rows.fields[i])) or "none besides the prompt"
-        raise ConfigError(f"reward.function: {spec}{signature} cannot be called on {_where(rows, i)}: {exc} (rayppo "
-                          "calls it as fn(prompt, response, **the row's columns it names), plus messages= for a "
+        form = "fn(prompt, response" if after_prompt else "Class(prompt"
+        raise ConfigError(f"{field}: {spec}{signature} cannot be called on {_where(rows, i)}: {exc} (rayppo "
+                          f"calls it as {form}, **the row's columns it names), plus messages= for a "
                           f"conversation; the row's other columns: {columns})") from None
+
+
+def check_environment(spec: str, rows: PromptRows, timeout_s: float) -> None:
+    """Raise a ``ConfigError`` naming ``rollout.environment`` when ``spec`` cannot be imported, is
+    not a class with ``step``, or cannot start an episode from the first rows (started in the
+    environment's own child process, bounded by ``timeout_s``)."""
+    from rayppo.episodes.environment import EnvironmentPool, Episode, load_environment
+
+    cls = load_environment(spec)
+    tried = range(min(ROWS_TRIED, len(rows.prompts)))
+    for i in tried:
+        _check_binds("rollout.environment", spec, cls, rows, i, ())
+    pool = EnvironmentPool(spec, 1, timeout_s)
+    try:
+        pool.start([Episode(i, _prompt_text(rows.prompts[i]), rows.fields[i], _messages(rows.prompts[i])) for i in tried])
+    except Exception as exc:  # noqa: BLE001 - the user's class failed: named, with the row
+        raise ConfigError(f"rollout.environment: {exc}") from None
+    finally:
+        pool.close()
 
 
 def _call(verifier: VerifierProcess, spec: str, rows: PromptRows, i: int, timeout_s: float) -> float:

@@ -30,8 +30,8 @@ from rayppo.cluster.session import ACTOR_ENV, RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config.derived import (actor_threads, generator_context, reference_actors, role_gpus, tensor_parallel_size,
-                                   vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.derived import (actor_threads, generator_context, reference_actors, reward_actors, role_gpus,
+                                   tensor_parallel_size, vllm_memory_utilization, weight_sync_backend)
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
@@ -44,8 +44,8 @@ from rayppo.models.weights import SyncFault
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (generator_seed, group_shares, iteration_seed, make_kl_controller, rollout_stats,
-                                       round_seed, sampling_settings)
+from rayppo.trainers.iteration import (episode_settings, generator_seed, group_shares, iteration_seed,
+                                       make_kl_controller, rollout_stats, round_seed, sampling_settings)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class DistributedTrainer:
         self.generators = ActorGroup(
             GeneratorEngine,
             [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm_settings(cfg, self.context),
-              threads["generators"], fault, gpus["generators"]) for i in range(g.num)],
+              threads["generators"], fault, gpus["generators"], episode_settings(cfg)) for i in range(g.num)],
             options("generators", g.num),
             # Two vLLM engines profiling one GPU at once would each count the other's memory.
             one_by_one=Engine.ready if 0 < gpus["generators"] < 1 else None,
@@ -155,8 +155,8 @@ class DistributedTrainer:
             RewardEngine,
             [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"],
               endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus["reward"],
-              cfg.reward.timeout_s, cfg.reward.timeout_score, cfg.reward.micro_batch_tokens)] * cfg.reward.num,
-            options("reward", cfg.reward.num),
+              cfg.reward.timeout_s, cfg.reward.timeout_score, cfg.reward.micro_batch_tokens)] * reward_actors(cfg),
+            options("reward", reward_actors(cfg)),  # none when an environment's turn rewards are the reward
         )
         self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
         self.schedule.stage("spawn reference, reward, learner")
@@ -221,8 +221,7 @@ class DistributedTrainer:
 
     def rewarded(self, rollout: Rollout) -> Rollout:
         """``rollout`` with r_phi of every row (the reward pass alone)."""
-        (parts,) = self.supervisor.run([self._reward_pass(rollout)])
-        rollout.score = [x for part in parts for x in part]
+        (rollout.score,) = self._reward_scores([rollout])
         return rollout
 
     def _verify(self, version: int) -> float:
@@ -256,6 +255,13 @@ class DistributedTrainer:
         return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
                                                    refresh=self.weight_sync.refresh))
 
+    def _reward_scores(self, rollouts: list[Rollout]) -> list[list[float]]:
+        """r_phi of each rollout's rows (the reward pass alone); 0 when nothing but an environment
+        rewards them."""
+        if not len(self.rewards):
+            return [[0.0] * len(r) for r in rollouts]
+        return [[x for part in parts for x in part] for parts in self.supervisor.run([self._reward_pass(r) for r in rollouts])]
+
     def _reward_pass(self, rollout: Rollout) -> Fanout:
         """r_phi of ``rollout``'s rows, split across the reward actors."""
         rows = split_evenly(len(rollout), len(self.rewards))
@@ -264,6 +270,8 @@ class DistributedTrainer:
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
         only when no reference runs, at ppo.kl_coef = 0)."""
+        if not len(self.rewards):  # an environment's turn rewards are the whole reward
+            rollout.score = [0.0] * len(rollout)
         scored = len(rollout.score) == len(rollout)  # dynamic sampling has rewarded it already
         passes = [] if scored else [self._reward_pass(rollout)]
         if len(self.reference):
@@ -289,8 +297,8 @@ class DistributedTrainer:
         def score_pass(temperature: float, k: int) -> list[float]:
             shares = [prompts.select(rows) for rows in split_evenly(len(prompts), len(self.generators))]
             rollout = self._sample(GeneratorEngine.evaluate, shares, seed, temperature, k)
-            (scores,) = self.supervisor.run([self._reward_pass(rollout)])
-            return [x for part in scores for x in part]
+            (rollout.score,) = self._reward_scores([rollout])
+            return rollout.total_rewards()
 
         try:
             return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
@@ -398,7 +406,7 @@ def _log_env(role: str, index: int) -> dict[str, str]:
 def _actor_count(cfg: Config) -> str:
     """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
     counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): reference_actors(cfg),
-              ("reward", "reward"): cfg.reward.num, ("learner rank", "learner ranks"): cfg.learner.num_ranks}
+              ("reward", "reward"): reward_actors(cfg), ("learner rank", "learner ranks"): cfg.learner.num_ranks}
     parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items() if n]
     return f"{sum(counts.values())} actors: {', '.join(parts)}"
 

@@ -15,7 +15,7 @@ from rayppo.data.rollout import Rollout
 def informative_groups(rollout: Rollout) -> list[int]:
     """The group ids whose rows' scores are not all equal, in order of first appearance."""
     scores: dict[int, set[float]] = {}
-    for g, score in zip(rollout.group_id, rollout.score):
+    for g, score in zip(rollout.group_id, rollout.total_rewards()):
         scores.setdefault(g, set()).add(score)
     return [g for g, values in scores.items() if len(values) > 1]
 

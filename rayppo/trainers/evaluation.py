@@ -81,7 +81,7 @@ def eval_source(cfg: "Config") -> tuple[str, str] | None:
         return None
     if cfg.eval.prompts:
         return cfg.eval.prompts, cfg.eval.split
-    return ("embedded", "test") if cfg.data.prompts == "embedded" else None
+    return (cfg.data.prompts, "test") if cfg.data.prompts in ("embedded", "embedded-guess") else None
 
 
 def eval_plan(cfg: "Config") -> EvalPlan:

@@ -26,7 +26,7 @@ import torch
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.config.derived import has_critic, mismatch_limit, uses_reference
+from rayppo.config.derived import has_critic, has_reward, mismatch_limit, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
@@ -36,8 +36,8 @@ from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, min
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (group_shares, iteration_seed, make_kl_controller, rollout_stats, round_seed,
-                                       sampling_settings)
+from rayppo.trainers.iteration import (episode_settings, group_shares, iteration_seed, make_kl_controller,
+                                       rollout_stats, round_seed, sampling_settings)
 
 
 class ReferenceTrainer:
@@ -50,7 +50,8 @@ class ReferenceTrainer:
         policy_path = str(resolve_model_path(m.policy, m.cache_dir))
         # One process, one device: every engine on the learner's GPU when learner.gpus_per_rank > 0.
         gpus = cfg.learner.gpus_per_rank
-        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype, gpus=gpus)
+        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype, gpus=gpus,
+                                         episodes=episode_settings(cfg))
         self.device = self.generator.device
         self.tokenizer = self.generator.tokenizer
         self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
@@ -60,9 +61,10 @@ class ReferenceTrainer:
                           if uses_reference(cfg.ppo) else None)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         endpoint = endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
-        self.reward = RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint,
-                                   gpus=gpus, timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score,
-                                   micro_batch_tokens=cfg.reward.micro_batch_tokens)
+        self.reward = (RewardEngine(cfg.reward.function, reward_model, cfg.reward.batch_size, m.dtype, http=endpoint,
+                                    gpus=gpus, timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score,
+                                    micro_batch_tokens=cfg.reward.micro_batch_tokens)
+                       if has_reward(cfg) else None)  # an environment's turn rewards alone
         self.critic = (Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
                                               cfg.seed).to(self.device) if has_critic(cfg.ppo) else None)
         for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
@@ -96,7 +98,7 @@ class ReferenceTrainer:
         rollout.ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []
         t2 = clock()
         if len(rollout.score) != len(rollout):  # dynamic sampling has rewarded it already
-            rollout.score = self.reward.scores(rollout)
+            rollout.score = self._scores(rollout)
         t3 = clock()
         kl_coef = self.kl_ctl.value
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
@@ -134,7 +136,7 @@ class ReferenceTrainer:
 
         def rewarded(k: int) -> Rollout:
             rollout = draw(k)
-            rollout.score = self.reward.scores(rollout)
+            rollout.score = self._scores(rollout)
             return rollout
 
         return fill_batch(rewarded(0), rewarded, cfg.rollout.batch_size, cfg.rollout.dynamic_sampling_rounds)
@@ -146,9 +148,14 @@ class ReferenceTrainer:
 
         def score_pass(temperature: float, k: int) -> list[float]:
             rollout = self.generator.evaluate(self.eval_prompts, temperature, k, iteration_seed(self.cfg.seed, SEED_OFFSET))
-            return self.reward.scores(rollout)
+            rollout.score = self._scores(rollout)
+            return rollout.total_rewards()
 
         return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)
+
+    def _scores(self, rollout: Rollout) -> list[float]:
+        """``[B]`` r_phi of the rows; 0 when an environment's turn rewards are the whole reward."""
+        return self.reward.scores(rollout) if self.reward is not None else [0.0] * len(rollout)
 
     def _trained(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
         """(model, optimiser) of the policy and, with one, the critic."""

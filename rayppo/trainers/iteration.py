@@ -7,6 +7,7 @@ from rayppo.actors.generator import SamplingSettings
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly
+from rayppo.episodes.loop import EpisodeSettings, episode_stats
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 
 
@@ -18,6 +19,15 @@ def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: f
 def sampling_settings(cfg: Config) -> SamplingSettings:
     r = cfg.rollout
     return SamplingSettings(r.max_new_tokens, r.temperature, r.ignore_eos)
+
+
+def episode_settings(cfg: Config) -> EpisodeSettings | None:
+    """The multi-turn settings of ``rollout.environment``; None for single-turn responses."""
+    r = cfg.rollout
+    if r.environment is None:
+        return None
+    return EpisodeSettings(r.environment, r.max_turns, r.turn_tokens, r.max_new_tokens, r.environment_timeout_s,
+                           r.environment_timeout_reward, r.environment_workers, r.observation_role)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -48,14 +58,16 @@ def group_shares(prompts: PromptBatch, generators: int, samples_per_prompt: int)
 def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
     """Reward (mean, population std, min, max), length and throughput figures of one rollout batch."""
     lengths = [len(r) for r in rollout.response_ids]
-    mean = sum(rollout.score) / len(rollout)
+    rewards = rollout.total_rewards()  # an episode's turn rewards count too
+    mean = sum(rewards) / len(rollout)
     return {
         "reward/mean": mean,
-        "reward/std": (sum((s - mean) ** 2 for s in rollout.score) / len(rollout)) ** 0.5,
-        "reward/min": min(rollout.score),
-        "reward/max": max(rollout.score),
+        "reward/std": (sum((s - mean) ** 2 for s in rewards) / len(rollout)) ** 0.5,
+        "reward/min": min(rewards),
+        "reward/max": max(rewards),
         "response/length_mean": sum(lengths) / len(lengths),
         "response/truncated_frac": sum(r == "length" for r in rollout.finish_reason) / len(rollout),
         "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+        **(episode_stats(rollout.action_mask, rollout.turn_ends, rollout.finish_reason) if rollout.action_mask else {}),
     }
 

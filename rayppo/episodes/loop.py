@@ -1,0 +1,160 @@
+"""Many multi-turn episodes advanced turn by turn: one batched sampling call per turn for every
+active episode, then every environment step of that turn at once (``EnvironmentPool``).
+
+An episode's record (design.md, "Multi-turn episodes"): the response is everything after the
+prompt, the policy's turns (action tokens, exactly as sampled, with their log-probs) and the
+observations between them (``episodes.tokens.observation_ids``, log-prob 0, action mask 0).
+It ends when the environment says done (finish reason ``stop``), or is cut (``length``: the
+truncation rule applies) when a turn runs out of tokens before its end-of-turn token, when the
+episode's token budget (``rollout.max_new_tokens``, every token after the prompt) has no room for
+the next observation or turn, or after ``rollout.max_turns`` turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rayppo.episodes.environment import EnvironmentFailure, EnvironmentPool, Episode, Step
+from rayppo.models.chat_tokens import Message, observation_ids
+
+Sampler = Callable[[list[list[int]], list[int], int], tuple[list[list[int]], list[list[float]], list[str]]]
+"""``sample(contexts, limits, turn) -> (ids, logprobs, finish reasons)``: one batched call of a
+generator backend for turn ``turn``, each context continued by at most its limit of tokens
+(``stop``: it ended on an end-of-turn token, which its ids include)."""
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The multi-turn fields of the rollout section (``rollout.environment`` and its budgets)."""
+
+    environment: str
+    """``module:Class`` of the environment."""
+    max_turns: int = 4
+    """Turns (policy messages) per episode at most; an episode still going after them is cut."""
+    turn_tokens: int = 0
+    """Tokens per policy turn at most (0: the episode's budget left)."""
+    max_tokens: int = 64
+    """The episode's budget of tokens after the prompt, actions and observations together."""
+    timeout_s: float = 30.0
+    """Seconds per environment step (or start) before its process is killed."""
+    timeout_reward: float | None = None
+    """A step that fails or runs past ``timeout_s`` ends its episode with this turn reward; None: the
+    run stops with the error."""
+    workers: int = 4
+    """Environment processes per generator; the steps of a turn run on them at the same time."""
+    observation_role: str = "user"
+    """The chat role of an observation message (``tool`` for tool results, if the template has it)."""
+
+
+@dataclass
+class EpisodeState:
+    """One episode in progress."""
+
+    episode: Episode
+    context: list[int]
+    """prompt + response so far: what the next turn is sampled from."""
+    history: list[Message]
+    """The conversation so far (the prompt's, then the turns and observations as messages)."""
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    """"" while it is going; ``stop`` (done) or ``length`` (cut) once it ended."""
+
+    def add_turn(self, ids: list[int], logprobs: list[float]) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.action_mask += [1] * len(ids)
+        self.context += ids
+        self.turn_ends.append(len(self.response_ids) - 1)
+        self.turn_rewards.append(0.0)
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.action_mask += [0] * len(ids)
+        self.context += ids
+
+
+def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: EpisodeSettings,
+                 starts: list[tuple[Episode, list[int], list[Message]]], end_ids: list[int]) -> list[EpisodeState]:
+    """Play ``starts`` (each an episode, its prompt ids and its conversation) to their ends."""
+    states = [EpisodeState(e, list(ids), list(history)) for e, ids, history in starts]
+    pool.start([s.episode for s in states])
+    try:
+        for turn in range(1, settings.max_turns + 1):
+            active = [s for s in states if not s.finish_reason]
+            if not active:
+                break
+            _play_turn(sample, tokenizer, pool, settings, active, turn, end_ids)
+        for state in states:
+            state.finish_reason = state.finish_reason or "length"  # still going after max_turns: cut
+    finally:
+        pool.end([s.episode for s in states])
+    return states
+
+
+def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: EpisodeSettings,
+               active: list[EpisodeState], turn: int, end_ids: list[int]) -> None:
+    """One turn of every active episode: sample, then step the environments of the turns that
+    ended on an end-of-turn token, then append their observations."""
+    limits = [settings.max_tokens - len(s.response_ids) for s in active]
+    if settings.turn_tokens:
+        limits = [min(limit, settings.turn_tokens) for limit in limits]
+    ids, logprobs, reasons = sample([s.context for s in active], limits, turn)
+    stepping: list[tuple[EpisodeState, str]] = []
+    for state, turn_ids, turn_logprobs, reason in zip(active, ids, logprobs, reasons):
+        state.add_turn(turn_ids, turn_logprobs)
+        if reason != "stop" or not turn_ids or turn_ids[-1] not in end_ids:
+            state.finish_reason = "length"  # out of tokens inside the turn: no end-of-turn to answer
+        else:
+            stepping.append((state, tokenizer.decode(turn_ids[:-1], skip_special_tokens=False)))
+    if not stepping:
+        return
+    steps = pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
+    for (state, text), step in zip(stepping, steps):
+        _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings)
+
+
+def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
+    """The environment's answer, or, for a failed step, the run's rule: stop with the error, or
+    end the episode with ``timeout_reward``."""
+    if not isinstance(step, Exception):
+        return step
+    if settings.timeout_reward is None or not isinstance(step, EnvironmentFailure):
+        raise step
+    return Step(None, settings.timeout_reward, True)
+
+
+def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings: EpisodeSettings) -> None:
+    state.turn_rewards[-1] = step.reward
+    if step.done:
+        state.finish_reason = "stop"
+        return
+    end_text = tokenizer.decode(state.response_ids[-1:], skip_special_tokens=False)
+    message = {"role": settings.observation_role, "content": step.observation}
+    added = observation_ids(tokenizer, state.history, text, end_text, message)
+    state.history += [{"role": "assistant", "content": text}, message]
+    if len(state.response_ids) + len(added) >= settings.max_tokens:
+        state.finish_reason = "length"  # no room for the observation and one more token of a turn
+        return
+    state.add_observation(added)
+
+
+def episode_stats(action_mask: list[list[int]], turn_ends: list[list[int]], reasons: list[str]) -> dict[str, float]:
+    """The per-iteration figures of a batch of episodes: turns (mean, max), action and observation
+    tokens, and the episodes cut (by a budget of turns or of tokens, ``episode/cut_frac``)."""
+    turns = [len(t) for t in turn_ends]
+    actions = [sum(m) for m in action_mask]
+    cut = [r == "length" for r in reasons]
+    n = max(len(turns), 1)
+    return {
+        "episode/turns_mean": sum(turns) / n,
+        "episode/turns_max": float(max(turns, default=0)),
+        "episode/action_tokens_mean": sum(actions) / n,
+        "episode/observation_tokens_mean": sum(len(m) - a for m, a in zip(action_mask, actions)) / n,
+        "episode/cut_frac": sum(cut) / n,
+    }

@@ -1,0 +1,121 @@
+"""User code in a child Python process, one JSON line per call, each call bounded by a deadline.
+
+The reward function (``verifier.py``) and the multi-turn environment (``rayppo/episodes``) run the
+user's code here: one that hangs is killed at its deadline and started again for the next call,
+one that crashes is named, and neither can stall or take down the actor that called it. Nothing
+the child sends is unpickled (it runs untrusted code): the protocol is JSON lines on its stdin and
+stdout, and the child's own prints go to its stderr (the actor's log).
+
+A child module serves with ``serve(handler_factory)``: the factory imports the user's code (its
+failure is the first reply, ``{"error": ...}``), then every line in is one ``handler(call)`` out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+STARTUP_TIMEOUT_S = 120.0  # importing the user's module (and what it imports)
+
+
+class ChildTimeout(TimeoutError):
+    """One call ran past its deadline; the child was killed."""
+
+
+class ChildExited(RuntimeError):
+    """The child process ended (it crashed, or its code called exit) in the middle of a call."""
+
+
+class ChildProcess:
+    """``python -m module *args`` in the current directory, answering one JSON object per call."""
+
+    def __init__(self, module: str, args: list[str]):
+        self.module, self.args = module, args
+        self.directory = os.getcwd()  # where the user's module is looked up first, as in this process
+        self.proc: subprocess.Popen | None = None
+        self._buffer = b""
+
+    def call(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send ``message``, return the child's reply within ``timeout_s`` (``ChildTimeout``: the child
+        was killed; ``ChildExited``: it died). The child is started on first use."""
+        if self.proc is None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._reap()
+            raise ChildExited(f"the {self.module} process had exited") from None
+        try:
+            return self._read(timeout_s)
+        except ChildTimeout:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        # The child resolves imports as this process does: the current directory first (the
+        # user's module), then this process's sys.path.
+        path = [self.directory, *(p for p in sys.path if p and p != self.directory)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], env=env, cwd=self.directory,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self._buffer = b""
+        ready = self._read(STARTUP_TIMEOUT_S)
+        if "error" in ready:
+            self.close()
+            raise ImportError(ready["error"])
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        """One JSON line from the child within ``timeout_s``."""
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise ChildTimeout(f"no answer within {timeout_s:g} s")
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                code = self._reap()
+                raise ChildExited(f"the {self.module} process exited with code {code}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _reap(self) -> int | None:
+        code = self.proc.wait() if self.proc is not None else None
+        self.proc = None
+        return code
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def serve(make_handler: Callable[[], Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """The child's side: build the handler (importing the user's code), then answer each line."""
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # the user's prints go to the log, not into the protocol
+
+    def send(message: dict) -> None:
+        out.write(json.dumps(message).encode() + b"\n")
+        out.flush()
+
+    try:
+        handler = make_handler()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which names the field
+        send({"error": str(exc)})
+        return
+    send({"ready": True})
+    for line in sys.stdin.buffer:
+        try:
+            send(handler(json.loads(line)))
+        except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
+            send({"error": f"{type(exc).__name__}: {exc}"})

@@ -1,0 +1,339 @@
+"""Multi-turn episodes (design.md, "Multi-turn episodes"): the tokens trained on are the ones
+sampled plus the observation ids, masks and log-probs line up, values and advantages skip the
+environment's tokens, and a hanging or crashing environment is named within its deadline."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError, PPOConfig
+from rayppo.data.prompts import load_prompt_set, read_prompt_rows
+from rayppo.data.rollout import Rollout
+from rayppo.episodes.environment import EnvironmentFailure, EnvironmentPool, Episode
+from rayppo.episodes.loop import EpisodeSettings
+from rayppo.learner.experience import TruncationRule, make_experience
+from rayppo.models.chat_tokens import TemplateError, check_template, observation_ids
+from rayppo.models.embedded_guess import build_chat_tokenizer
+from rayppo.models.loading import load_causal_lm
+from rayppo.models.sequences import pack, policy_forward
+from rayppo.plan.reward_check import check_environment
+from rayppo.tasks import guess
+
+GUESS = "rayppo.tasks.guess:HigherLower"
+
+
+# ------------------------------------------------------------------------------ the MDP on the record
+class ColumnCritic(torch.nn.Module):
+    """V(S) read from a table by column: ``values[b, c]`` for the state after column c."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):  # noqa: ANN001 - the critic's call
+        return self.table[:, : input_ids.shape[1]]
+
+
+def _two_turn_rollout(finish: str) -> Rollout:
+    # prompt [1, 2] | turn 1: a0 a1 | observation: o2 o3 | turn 2: a4
+    return Rollout(prompt_ids=[[1, 2]], response_ids=[[5, 6, 7, 8, 9]], logprobs=[[-0.5, -1.0, 0.0, 0.0, -0.25]],
+                   finish_reason=[finish], prompt_text=["p"], response_text=["r"], policy_version=[0],
+                   ref_logprobs=[[-0.75, -0.5, -3.0, -4.0, -0.5]], score=[2.0], action_mask=[[1, 1, 0, 0, 1]],
+                   turn_ends=[[1, 4]], turn_rewards=[[0.5, 1.0]])
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_two_turn_episodes_advantages_step_over_the_observation(finish):
+    gamma, lam, beta = 0.9, 0.8, 0.1
+    table = torch.tensor([[0.0, 0.3, 0.6, 9.0, 9.0, 1.5, 1.8]])  # columns 3, 4: V at the observation tokens
+    cfg = PPOConfig(gamma=gamma, lam=lam, whiten_advantages=False)
+    exp, _ = make_experience(_two_turn_rollout(finish), ColumnCritic(table), 0, beta, cfg, TruncationRule("bootstrap"))
+    # Response token t is predicted at column P - 1 + t = 1 + t: V at the actions t = 0, 1, 4.
+    v0, v1, v4, v_end = 0.3, 0.6, 1.5, 1.8
+    kl = [(-0.5 + 0.75), (-1.0 + 0.5), (-0.25 + 0.5)]
+    score = 2.0 if finish == "stop" else 0.0  # a cut episode: no score, V(S_T) bootstraps
+    bootstrap = 0.0 if finish == "stop" else v_end
+    r0, r1, r4 = -beta * kl[0], -beta * kl[1] + 0.5, -beta * kl[2] + 1.0 + score
+    d4 = r4 + gamma * bootstrap - v4
+    d1 = r1 + gamma * v4 - v1  # V_next of turn 1's last action: the next turn's first action's value
+    d0 = r0 + gamma * v1 - v0
+    a4 = d4
+    a1 = d1 + gamma * lam * a4
+    a0 = d0 + gamma * lam * a1
+    expected = torch.tensor([[a0, a1, 0.0, 0.0, a4]], dtype=torch.float64)
+    # fp32 arithmetic on values below 3, about ten operations a token: rounding below 1e-6.
+    torch.testing.assert_close(exp.advantages.double(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(exp.returns.double(), expected + torch.tensor([[v0, v1, 0, 0, v4]]) * (expected != 0),
+                               atol=1e-6, rtol=0)
+    assert exp.rewards[0, 2:4].abs().max() == 0  # no KL and no reward on the environment's tokens
+    assert exp.batch.mask.tolist() == [[1, 1, 0, 0, 1]]
+
+
+def test_a_single_turn_row_with_an_all_ones_action_mask_trains_exactly_as_without_one():
+    plain = Rollout(prompt_ids=[[1, 2], [3]], response_ids=[[5, 6, 7], [8]], logprobs=[[-0.5, -1.0, -0.2], [-0.1]],
+                    finish_reason=["stop", "length"], prompt_text=["a", "b"], response_text=["", ""],
+                    policy_version=[0, 0], ref_logprobs=[[-0.7, -0.5, -0.3], [-0.4]], score=[1.0, 0.5])
+    masked = Rollout.concat([plain])
+    masked.action_mask, masked.turn_ends, masked.turn_rewards = [[1, 1, 1], [1]], [[2], [0]], [[0.0], [0.0]]
+    table = torch.tensor([[0.1, 0.2, 0.4, 0.8, 1.6, 3.2]] * 2)
+    cfg = PPOConfig(gamma=0.95, lam=0.9)
+    a, _ = make_experience(plain, ColumnCritic(table), 0, 0.05, cfg)
+    b, _ = make_experience(masked, ColumnCritic(table), 0, 0.05, cfg)
+    assert torch.equal(a.advantages, b.advantages) and torch.equal(a.returns, b.returns)
+
+
+# ------------------------------------------------------------------------------- token-in, token-out
+def _tokenizer(template: str):
+    tok = build_chat_tokenizer([" ".join(guess.DIGITS), " ".join(guess.WORDS)])
+    tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    tok.chat_template = template
+    return tok
+
+
+def test_an_observation_is_the_templates_tokens_and_keeps_the_boundary_the_policy_never_samples():
+    # The template closes every turn with <|sep|> after the end-of-turn token (as Qwen adds a newline
+    # after <|im_end|>): the policy stops at <|end|>, so <|sep|> must open the observation.
+    tok = _tokenizer("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|><|sep|>"
+                     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    ids = observation_ids(tok, guess.conversation(), "5", "<|end|>", {"role": "user", "content": "higher"})
+    assert tok.convert_ids_to_tokens(ids) == ["<|sep|>", "<|user|>", "▁higher", "<|end|>", "<|sep|>", "<|assistant|>"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    # Earlier assistant turns are rendered without their content (as templates that strip reasoning do).
+    tok = _tokenizer("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+                     "{% if m['role'] == 'assistant' and not loop.last %}{% else %}{{ m['content'] }}{% endif %}<|end|>"
+                     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(TemplateError, match="rewrites earlier turns"):
+        check_template(tok, ["<|end|>"], "user")
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused():
+    tok = _tokenizer("")
+    tok.chat_template = None
+    with pytest.raises(TemplateError, match="needs a policy tokenizer with a chat template"):
+        check_template(tok, ["<|end|>"], "user")
+
+
+def _replayed_observations(tok, rollout: Rollout, row: int) -> tuple[list[int], list[int]]:
+    """Row ``row``'s action tokens and observation tokens as an independent replay of the game makes them."""
+    secret = rollout.row_fields()[row]["secret"]
+    env, history = guess.HigherLower("", secret), guess.conversation()
+    ids, mask = rollout.response_ids[row], rollout.action_mask[row]
+    start, actions, observations = 0, [], []
+    for end in rollout.turn_ends[row]:
+        turn = ids[start : end + 1]
+        actions += turn
+        text = tok.decode(turn[:-1], skip_special_tokens=False)
+        observation, _, done = env.step(text)
+        if done or end + 1 == len(ids):
+            break
+        message = {"role": "user", "content": observation}
+        added = observation_ids(tok, history, text, "<|end|>", message)
+        history += [{"role": "assistant", "content": text}, message]
+        observations += added
+        start = end + 1 + len(added)
+        assert mask[end + 1 : start] == [0] * len(added)
+    return actions, observations
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def player(request, guess_dir):
+    """A generator of either backend playing the guessing game, and 24 of its prompts."""
+    settings = EpisodeSettings(GUESS, max_turns=guess.MAX_TURNS, max_tokens=40, timeout_s=30, workers=2)
+    engine = GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend=request.param, episodes=settings,
+                             vllm=VLLMSettings(kv_cache_gib=1))
+    prompts = load_prompt_set("embedded-guess", "prompt", engine.tokenizer, 24).select(range(24))
+    yield engine, prompts
+    del engine
+
+
+def test_the_tokens_trained_on_are_the_sampled_ids_plus_the_observation_ids(player, guess_dir):
+    engine, prompts = player
+    sampled: list[list[list[int]]] = []
+    backend_sample = engine.backend.sample
+
+    def recording(contexts, settings, seed, limits=None):  # the real sampler, its answers kept
+        out = backend_sample(contexts, settings, seed, limits)
+        sampled.append(out[0])
+        return out
+
+    engine.backend.sample = recording
+    try:
+        rollout = engine.generate(prompts, seed=3)
+    finally:
+        engine.backend.sample = backend_sample
+    tok = engine.tokenizer
+    assert max(len(t) for t in rollout.turn_ends) >= 3  # real multi-turn play, not one turn each
+    for row in range(len(rollout)):
+        ids, mask = rollout.response_ids[row], rollout.action_mask[row]
+        actions, observations = _replayed_observations(tok, rollout, row)
+        # Turn k of row i was answer i' of call k, i' counting only the rows still playing then.
+        assert [t for t, m in zip(ids, mask) if m] == actions
+        assert [t for t, m in zip(ids, mask) if not m] == observations
+        assert all(lp == 0.0 for lp, m in zip(rollout.logprobs[row], mask) if not m)
+        assert len(rollout.turn_rewards[row]) == len(rollout.turn_ends[row])
+    calls = [[ids for ids in call] for call in sampled]
+    assert sum(len(call) for call in calls) == sum(len(t) for t in rollout.turn_ends)
+    # The recorded log-probs are the policy's on the whole episode, read in one forward pass.
+    batch = pack(rollout.prompt_ids, rollout.response_ids, tok.pad_token_id, rollout.action_mask)
+    with torch.no_grad():
+        logprobs, _ = policy_forward(load_causal_lm(str(guess_dir), "float32").eval(), batch)
+    gap = ((logprobs - rollout.tensor("logprobs")).abs() * batch.mask).max()
+    # fp32 forwards of other batch layouts (HF); vLLM's CPU kernels are not the transformers ones.
+    bound = 2e-4 if engine.describe().startswith("vLLM") else 2e-5
+    assert gap < bound, f"log-prob mismatch {gap:.2e} on multi-turn rows"
+
+
+def test_solved_episodes_end_with_the_right_guess_and_their_turn_rewards_add_up(player):
+    engine, prompts = player
+    rollout = engine.generate(prompts, seed=5)
+    for row, reason in enumerate(rollout.finish_reason):
+        if reason == "stop":  # solved: the environment said done on the last turn
+            assert rollout.turn_rewards[row][-1] == 1.0
+            assert rollout.total_rewards()[row] == pytest.approx(guess.solved_return(len(rollout.turn_ends[row])))
+        assert rollout.turn_ends[row][-1] == len(rollout.response_ids[row]) - 1  # an episode ends on an action
+
+
+# ---------------------------------------------------------------------------------- faulty environments
+FAULTY = '''
+import os, time
+
+class Hangs:
+    def __init__(self, prompt):
+        pass
+    def step(self, action):
+        time.sleep(3600)
+
+class Crashes:
+    def __init__(self, prompt):
+        pass
+    def step(self, action):
+        os._exit(3)
+
+class Raises:
+    def __init__(self, prompt):
+        pass
+    def step(self, action):
+        raise ValueError("the tool broke")
+
+class Wrong:
+    def __init__(self, prompt):
+        pass
+    def step(self, action):
+        return "fine"
+'''
+
+
+@pytest.mark.parametrize("name, message", [
+    ("Hangs", "ran past rollout.environment_timeout_s=1 s; its process was killed"),
+    ("Crashes", "exited with code 3"),
+    ("Raises", "failed: ValueError: the tool broke"),
+    ("Wrong", "failed: TypeError: step returned 'fine'; expected"),
+])
+def test_a_faulty_environment_step_is_named_within_its_deadline(tmp_path, monkeypatch, name, message):
+    (tmp_path / "faulty_env.py").write_text(FAULTY)
+    monkeypatch.chdir(tmp_path)
+    pool = EnvironmentPool(f"faulty_env:{name}", 2, timeout_s=1.0)
+    try:
+        episodes = [Episode(i, f"prompt {i}", {}, None) for i in range(3)]
+        pool.start(episodes)
+        start = time.monotonic()
+        results = pool.step(episodes, ["5"] * 3, turn=1)
+        seconds = time.monotonic() - start
+    finally:
+        pool.close()
+    assert all(isinstance(r, EnvironmentFailure) for r in results)
+    assert message in str(results[0]) and "prompt 'prompt 0'" in str(results[0]) and "turn 1" in str(results[0])
+    if name in ("Hangs", "Crashes"):  # episode 2 lived in episode 0's process (2 workers): lost with it
+        assert "lost with its process, which ended on prompt 'prompt 0'" in str(results[2])
+    else:
+        assert message in str(results[2])
+    # The two workers run at once, each killed at its deadline: one deadline and start-up slack.
+    assert seconds < 1.0 + 3.0
+
+
+def test_a_hanging_environment_ends_its_episodes_with_the_timeout_reward(guess_dir, tmp_path, monkeypatch):
+    (tmp_path / "faulty_env.py").write_text(FAULTY)
+    monkeypatch.chdir(tmp_path)
+    settings = EpisodeSettings("faulty_env:Hangs", max_turns=3, max_tokens=40, timeout_s=0.5, timeout_reward=-1.0,
+                               workers=2)
+    engine = GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend="hf", episodes=settings)
+    prompts = load_prompt_set("embedded-guess", "prompt", engine.tokenizer, 24).select(range(4))
+    rollout = engine.generate(prompts, seed=0)
+    ended = [r for r, ends in zip(rollout.turn_rewards, rollout.turn_ends) if rollout.finish_reason]
+    assert all(rewards[-1] == -1.0 for rewards in ended if len(rewards) == 1)
+    assert set(rollout.finish_reason) <= {"stop", "length"}
+    with pytest.raises(EnvironmentFailure, match="faulty_env:Hangs"):
+        GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend="hf",
+                        episodes=EpisodeSettings("faulty_env:Hangs", timeout_s=0.5, max_tokens=40)).generate(prompts, 0)
+
+
+# -------------------------------------------------------------------------------------- configuration
+def test_an_environment_replaces_the_default_reward_and_its_budgets_are_checked():
+    cfg = load_config(None, [f"rollout.environment={GUESS}"])
+    assert cfg.reward.function is None  # the turn rewards are the reward
+    with pytest.raises(ConfigError, match="rollout.partial_tokens: cannot cut the turns"):
+        load_config(None, [f"rollout.environment={GUESS}", "rollout.partial_tokens=4", "rollout.max_staleness=1"])
+    with pytest.raises(ConfigError, match="rollout.ignore_eos"):
+        load_config(None, [f"rollout.environment={GUESS}", "rollout.ignore_eos=true"])
+    with pytest.raises(ConfigError, match="rollout.max_turns: must be >= 1"):
+        load_config(None, [f"rollout.environment={GUESS}", "rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match="none only with rollout.environment"):
+        load_config(None, ["reward.function=null"])
+    kept = load_config(None, [f"rollout.environment={GUESS}", "reward.function=rayppo.tasks.digits:reward"])
+    assert kept.reward.function == "rayppo.tasks.digits:reward"
+
+
+def test_an_environment_that_cannot_start_from_the_rows_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    from rayppo.plan.inputs import check_inputs
+
+    (tmp_path / "needs_label.py").write_text("class Env:\n    def __init__(self, prompt, label):\n        pass\n"
+                                             "    def step(self, action):\n        return None, 0.0, True\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["rollout.environment=needs_label:Env", "data.prompts=embedded-guess",
+                             "model.policy=embedded-guess"])
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"rollout.environment: needs_label:Env\(prompt, label\) cannot be called on "
+                                          r"embedded guessing game row 1: missing a required argument: 'label'"):
+        check_inputs(cfg)
+    assert time.monotonic() - start < 5.0
+
+
+def test_the_aimless_warm_up_and_bisection_take_the_turns_the_task_says():
+    assert guess.expected_turns(0, 9, bisect=False) == pytest.approx(3.4437, abs=1e-4)
+    assert guess.expected_turns(0, 9, bisect=True) == pytest.approx(2.9)
+    rng = random.Random(0)
+    games = [guess.aimless_game(rng.randrange(10), rng) for _ in range(4000)]
+    assert sum(len(g) for g in games) / len(games) == pytest.approx(3.44, abs=0.06)  # 4000 games: sd of mean ~0.02
+
+
+# ------------------------------------------------------------------------------------ the tool example
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_the_calculator_tool_answers_refuses_and_scores_in_its_own_process(monkeypatch):
+    monkeypatch.chdir(EXAMPLES)  # where the example's config says to run it from
+    cfg = load_config(EXAMPLES / "calculator.yaml", ["model.policy=embedded"])
+    rows = read_prompt_rows(cfg.data.prompts, "prompt")
+    check_environment(cfg.rollout.environment, rows, cfg.rollout.environment_timeout_s)
+    pool = EnvironmentPool(cfg.rollout.environment, 2, timeout_s=cfg.rollout.environment_timeout_s)
+    try:
+        episodes = [Episode(i, "q", rows.fields[i], rows.prompts[i]) for i in range(2)]
+        pool.start(episodes)
+        start = time.monotonic()
+        first = pool.step(episodes, ["calc: 1234 * 5678", "calc: 9 ** 9 ** 9"], turn=1)
+        assert time.monotonic() - start < 5.0  # the huge power is refused, not computed
+        second = pool.step(episodes, ["answer: 7006652", "answer: 1"], turn=2)
+    finally:
+        pool.close()
+    assert (first[0].observation, first[0].reward, first[0].done) == ("7006652", 0.0, False)
+    assert first[1].observation.startswith("error: exponent") and not first[1].done
+    assert [(s.reward, s.done) for s in second] == [(1.0, True), (0.0, True)]
