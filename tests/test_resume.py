@@ -39,13 +39,22 @@ def _worst_gap(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
     return gap
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo+dynamic sampling"])
+WORKLOADS = {
+    "gae": [],
+    "grpo+dynamic sampling": ["ppo.advantage=grpo", "rollout.samples_per_prompt=4",
+                              "rollout.dynamic_sampling_rounds=2", "rollout.batch_size=8"],
+    "multi-turn": ["model.policy=embedded-guess", "data.prompts=embedded-guess", "rollout.max_new_tokens=40",
+                   "rollout.environment=rayppo.tasks.guess:HigherLower", "rollout.max_turns=6"],
+}
+
+
+@pytest.mark.parametrize("estimator", list(WORKLOADS))
 def test_reference_trainer_resumes_exactly(tmp_path, small_overrides, estimator):
     """trainer=reference: 2 iterations, then --resume to 4, equals 4 uninterrupted iterations; also
     for a critic-free estimator on groups whose extra prompt draws (dynamic sampling) move the
-    prompt order that the checkpoint holds."""
-    groups = ["ppo.advantage=grpo", "rollout.samples_per_prompt=4", "rollout.dynamic_sampling_rounds=2",
-              "rollout.batch_size=8"] if estimator != "gae" else []
+    prompt order that the checkpoint holds, and for multi-turn episodes (the guessing game), whose
+    environment processes start again on resume."""
+    groups = WORKLOADS[estimator]
     base = [o for o in small_overrides if not o.startswith(("stop.", "output.dir"))] + ["output.checkpoint_every=1"]
     base += groups
     whole, part = tmp_path / "whole", tmp_path / "part"

@@ -118,6 +118,12 @@ class Rollout:
         """``(prompt lengths, response lengths)`` of the rows, in tokens."""
         return [len(p) for p in self.prompt_ids], [len(r) for r in self.response_ids]
 
+    def trained_tokens(self) -> list[int]:
+        """[B] the tokens of each row the loss counts: its actions (multi-turn), else its response."""
+        if self.action_mask:
+            return [sum(mask) for mask in self.action_mask]
+        return [len(r) for r in self.response_ids]
+
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
         """Rows of several rollouts, one after the other. A column one part left empty that another

@@ -116,7 +116,7 @@ def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Epis
         return
     steps = pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
     for (state, text), step in zip(stepping, steps):
-        _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings)
+        _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings, last_turn=turn == settings.max_turns)
 
 
 def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
@@ -129,10 +129,14 @@ def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
     return Step(None, settings.timeout_reward, True)
 
 
-def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings: EpisodeSettings) -> None:
+def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings: EpisodeSettings,
+                last_turn: bool) -> None:
     state.turn_rewards[-1] = step.reward
     if step.done:
         state.finish_reason = "stop"
+        return
+    if last_turn:
+        state.finish_reason = "length"  # rollout.max_turns: cut after the turn, no observation to answer
         return
     end_text = tokenizer.decode(state.response_ids[-1:], skip_special_tokens=False)
     message = {"role": settings.observation_role, "content": step.observation}

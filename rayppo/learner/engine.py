@@ -190,7 +190,7 @@ class LearnerEngine(Engine):
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
         budget = self.cfg.learner.micro_batch_tokens
         minibatches = local_minibatches(plan, torch.tensor(owned, dtype=torch.long), shard.lengths(), self.collective,
-                                        budget, packed=bool(self.pack_mode))
+                                        budget, packed=bool(self.pack_mode), trained=shard.trained_tokens())
         exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
                                      TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
                                      proximal, first_rows_kept(minibatches), batch_size, budget, self.pack_mode)

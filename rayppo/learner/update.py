@@ -74,29 +74,32 @@ PLACEHOLDER_ROW = torch.zeros(1, dtype=torch.long)
 
 def local_minibatches(
     plan: list[list[torch.Tensor]], owned: torch.Tensor, lengths: tuple[list[int], list[int]], collective: Collective,
-    micro_batch_tokens: int = 0, packed: bool = False,
+    micro_batch_tokens: int = 0, packed: bool = False, trained: list[int] | None = None,
 ) -> list[Minibatch]:
     """This rank's part of each planned minibatch, cut into micro-batches of at most
     ``micro_batch_tokens`` padded tokens (0: one per minibatch; ``packed``: real tokens, for passes
     run padding-free); ``owned``: the global rows this rank holds, in local order; ``lengths``:
-    (prompt, response) tokens of its rows.
+    (prompt, response) tokens of its rows; ``trained``: the tokens of each row the loss counts
+    (``Rollout.trained_tokens``: a multi-turn episode's action tokens; default its response), which
+    the token shares weigh.
 
     Every rank runs as many micro-batches of a minibatch as the rank with the most (under ZeRO-2/3
     a backward is a collective): one that has fewer, or none of the minibatch's rows, runs
     placeholder passes (row 0, share 0)."""
     prompt, response = lengths
+    counted = response if trained is None else trained
     local_of = local_index(owned, sum(len(rows) for rows in plan[0]))
     parts = [_local_rows(rows, local_of) for epoch in plan for rows in epoch]
     cuts = [[mine[torch.tensor(b, dtype=torch.long)] for b in token_batches([prompt[i] for i in mine.tolist()],
              [response[i] for i in mine.tolist()], micro_batch_tokens, packed)] for mine in parts]
     counts = collective.max(torch.tensor([float(max(len(c), 1)) for c in cuts], dtype=torch.float64))
-    local = torch.tensor([[float(sum(response[i] for i in m.tolist())), float(len(m))] for m in parts],
+    local = torch.tensor([[float(sum(counted[i] for i in m.tolist())), float(len(m))] for m in parts],
                          dtype=torch.float64)
     total = collective.sum(local.clone())
     w = collective.world_size
     out = []
     for cut, count, (all_tokens, all_rows) in zip(cuts, counts.tolist(), total.tolist()):
-        micro = [MicroBatch(rows, w * sum(response[i] for i in rows.tolist()) / max(all_tokens, 1.0),
+        micro = [MicroBatch(rows, w * sum(counted[i] for i in rows.tolist()) / max(all_tokens, 1.0),
                             w * len(rows) / all_rows) for rows in cut]
         out.append(micro + [MicroBatch(PLACEHOLDER_ROW, 0.0, 0.0)] * (int(count) - len(micro)))
     return out

@@ -103,7 +103,8 @@ class ReferenceTrainer:
         kl_coef = self.kl_ctl.value
         plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
         budget = cfg.learner.micro_batch_tokens
-        minibatches = local_minibatches(plan, torch.arange(len(rollout)), rollout.lengths(), LocalCollective(), budget)
+        minibatches = local_minibatches(plan, torch.arange(len(rollout)), rollout.lengths(), LocalCollective(), budget,
+                                        trained=rollout.trained_tokens())
         exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
                                      TruncationRule.of(cfg), device=self.device,
                                      first_rows=first_rows_kept(minibatches), micro_batch_tokens=budget)
