@@ -17,7 +17,7 @@ from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import load_prompt_set, read_prompt_rows
 from rayppo.data.rollout import Rollout
 from rayppo.episodes.environment import EnvironmentFailure, EnvironmentPool, Episode
-from rayppo.episodes.loop import EpisodeSettings
+from rayppo.episodes.loop import EpisodeSettings, episode_stats
 from rayppo.learner.experience import TruncationRule, make_experience
 from rayppo.models.chat_tokens import TemplateError, check_template, observation_ids
 from rayppo.models.embedded_guess import build_chat_tokenizer
@@ -74,6 +74,20 @@ def test_a_two_turn_episodes_advantages_step_over_the_observation(finish):
                                atol=1e-6, rtol=0)
     assert exp.rewards[0, 2:4].abs().max() == 0  # no KL and no reward on the environment's tokens
     assert exp.batch.mask.tolist() == [[1, 1, 0, 0, 1]]
+
+
+def test_a_group_estimator_takes_an_episode_as_one_sample():
+    # Two episodes of one group: returns 0.5 + 1.0 + 2.0 = 3.5 and 0.0 (turn rewards, no score).
+    first = _two_turn_rollout("stop")
+    second = Rollout.concat([first])
+    second.turn_rewards, second.score = [[0.0, 0.0]], [0.0]
+    both = Rollout.concat([first, second])
+    both.group_id, both.ref_logprobs = [0, 0], []
+    exp, _ = make_experience(both, None, 0, 0.0, PPOConfig(advantage="grpo", kl_mode="loss"))
+    # GRPO: (r_i - mean) / std over the group's two returns, 3.5 and 0: +-1.75 / (1.75 sqrt 2) (unbiased std).
+    a = 2 ** -0.5
+    expected = torch.tensor([[a, a, 0.0, 0.0, a], [-a, -a, 0.0, 0.0, -a]])
+    torch.testing.assert_close(exp.advantages, expected, atol=1e-6, rtol=0)
 
 
 def test_a_single_turn_row_with_an_all_ones_action_mask_trains_exactly_as_without_one():
@@ -372,3 +386,35 @@ def test_two_learner_ranks_train_on_multi_turn_rows_as_the_in_process_trainer_do
                 "value/explained_variance", "episode/turns_mean"):
         # Float32 sums in another order over 2 ranks and micro-batches (test_distributed's bound).
         assert got[key] == pytest.approx(expected[key], abs=1e-5, rel=1e-4), key
+
+
+def test_the_episode_figures_count_turns_tokens_and_each_budgets_cuts():
+    # Three episodes: solved in 2 turns; cut at max_turns=3; cut inside its second turn (tokens).
+    masks = [[1, 1, 0, 0, 1, 1], [1, 1, 0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 1]]
+    ends = [[1, 5], [1, 4, 7], [1, 4]]
+    stats = episode_stats(masks, ends, ["stop", "length", "length"], 3, [0.5, 1.0, 0.0])
+    assert stats["episode/turns_mean"] == pytest.approx(7 / 3) and stats["episode/turns_max"] == 3
+    assert stats["episode/action_tokens_mean"] == pytest.approx(13 / 3)
+    assert stats["episode/observation_tokens_mean"] == pytest.approx(6 / 3)
+    assert (stats["episode/cut_frac"], stats["episode/cut_by_turns_frac"], stats["episode/cut_by_budget_frac"]) == \
+        pytest.approx((2 / 3, 1 / 3, 1 / 3))
+    assert stats["episode/environment_seconds_mean"] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_the_asynchronous_pipeline_trains_on_episodes(guess_dir, tmp_path):
+    """rollout.max_staleness=1: generators play the next batch's episodes while the learner trains;
+    every row is an episode of one policy version, and the iterations' figures count its turns."""
+    from rayppo.trainers.pipeline import PipelinedTrainer
+
+    cfg = load_config(None, MULTI_TURN + ["rollout.max_staleness=1", "learner.weight_sync=object_store",
+                                          f"output.dir={tmp_path / 'run'}"])
+    trainer = PipelinedTrainer(cfg)
+    try:
+        stats = [trainer.iteration() for _ in range(3)]
+        rollout = trainer.last_rollout
+    finally:
+        trainer.close()
+    assert all(s["episode/turns_mean"] > 1 for s in stats)
+    assert rollout.action_mask and all(len(m) == len(ids) for m, ids in zip(rollout.action_mask, rollout.response_ids))
+    assert max(s["async/staleness_max"] for s in stats) <= 1 and sum(s["async/dropped_rows"] for s in stats) == 0

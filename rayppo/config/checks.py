@@ -48,6 +48,7 @@ def _check_episodes(cfg: Config) -> None:
              f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] (0: the episode's budget left)", r.turn_tokens)
     _require(r.environment_timeout_s > 0, "rollout.environment_timeout_s", "must be > 0", r.environment_timeout_s)
     _require(r.environment_workers >= 1, "rollout.environment_workers", "must be >= 1", r.environment_workers)
+    _require(r.episode_seconds >= 0, "rollout.episode_seconds", "must be >= 0 (0: no limit)", r.episode_seconds)
     if r.environment is None:
         return
     _require(":" in r.environment, "rollout.environment", "must look like 'module:Class'", r.environment)

@@ -39,6 +39,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("action_mask", pa.list_(pa.int8())),  # 1 on sampled tokens, 0 on environment tokens (multi-turn)
         pa.field("turn_ends", pa.list_(pa.int32())),  # index of each turn's last action token (multi-turn)
         pa.field("turn_rewards", pa.list_(pa.float32())),  # the environment's reward for each turn (multi-turn)
+        pa.field("environment_seconds", pa.float32()),  # seconds the episode's environment steps took (multi-turn)
     ]
 )
 
@@ -98,6 +99,8 @@ class Rollout:
     turn_rewards: list[list[float]] = field(default_factory=list)
     """[B][K_b] multi-turn: the environment's reward for each turn, placed on that turn's last
     action token (``score`` adds the reward function's r_phi on the episode's last)."""
+    environment_seconds: list[float] = field(default_factory=list)
+    """[B] multi-turn: seconds the episode's environment steps took, in its processes."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -218,6 +221,8 @@ def _neutral(part: Rollout, name: str) -> list:
         return [[len(ids) - 1] for ids in part.response_ids]
     if name == "turn_rewards":
         return [[0.0] for _ in part.response_ids]
+    if name == "environment_seconds":
+        return [0.0] * len(part)
     raise ValueError(f"Rollout.concat: column {name!r} is filled in some parts and empty in others")
 
 

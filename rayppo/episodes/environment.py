@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -49,6 +50,8 @@ class Step:
     """The turn's reward r_k (on the turn's last action token)."""
     done: bool
     """The episode ended (a true termination, like EOS for a single response)."""
+    seconds: float = 0.0
+    """How long the step took in the environment's process (the call's round trip)."""
 
 
 def load_environment(spec: str) -> type:
@@ -129,7 +132,8 @@ class EnvironmentPool:
         """Each episode's answer to its action (turn ``turn``, 1-based, for the messages), or the
         ``EnvironmentFailure`` of a step that failed, hung or answered wrongly."""
         calls = [(e, {"op": "step", "episode": e.id, "action": a}) for e, a in zip(episodes, actions)]
-        return [r if isinstance(r, Exception) else Step(r["observation"], float(r["reward"]), bool(r["done"]))
+        return [r if isinstance(r, Exception)
+                else Step(r["observation"], float(r["reward"]), bool(r["done"]), r["seconds"])
                 for r in self._run(calls, f"turn {turn}", raise_first=False)]
 
     def end(self, episodes: list[Episode]) -> None:
@@ -146,8 +150,9 @@ class EnvironmentPool:
             lost = None  # the episode whose failure ended this worker's process (and its other episodes)
             for i in by_worker[w]:
                 if lost is not None:
-                    results[i] = EnvironmentFailure(f"environment {self.spec} ({what}) on prompt {calls[i][0].prompt!r}: "
-                                                    f"lost with its process, which ended on prompt {lost!r}")
+                    prompt = calls[i][0].prompt
+                    results[i] = EnvironmentFailure(f"environment {self.spec} ({what}) on prompt {prompt!r}: lost with "
+                                                    f"its process, which ended on prompt {lost!r}")
                     continue
                 results[i] = self._call(self.workers[w], *calls[i], what)
                 if isinstance(results[i], Exception) and self.workers[w].proc is None:
@@ -162,6 +167,7 @@ class EnvironmentPool:
 
     def _call(self, worker: ChildProcess, episode: Episode, message: dict, what: str) -> dict | Exception:
         where = f"environment {self.spec} ({what}) on prompt {episode.prompt!r}"
+        start = time.monotonic()
         try:
             reply = worker.call(message, self.timeout_s)
         except ChildTimeout:
@@ -173,7 +179,7 @@ class EnvironmentPool:
             return EnvironmentFailure(f"{where}: {exc}")
         if "error" in reply:
             return EnvironmentFailure(f"{where} failed: {reply['error']}")
-        return reply
+        return {**reply, "seconds": time.monotonic() - start}
 
     def close(self) -> None:
         for worker in self.workers:

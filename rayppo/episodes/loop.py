@@ -12,6 +12,7 @@ the next observation or turn, or after ``rollout.max_turns`` turns.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,6 +46,9 @@ class EpisodeSettings:
     """Environment processes per generator; the steps of a turn run on them at the same time."""
     observation_role: str = "user"
     """The chat role of an observation message (``tool`` for tool results, if the template has it)."""
+    max_seconds: float = 0.0
+    """Seconds an episode may run (from the call's start); one still going when a turn would start
+    after them is cut. 0: no limit."""
 
 
 @dataclass
@@ -61,6 +65,8 @@ class EpisodeState:
     action_mask: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    environment_seconds: float = 0.0
+    """Seconds its environment's steps took."""
     finish_reason: str = ""
     """"" while it is going; ``stop`` (done) or ``length`` (cut) once it ended."""
 
@@ -84,8 +90,11 @@ def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Ep
     """Play ``starts`` (each an episode, its prompt ids and its conversation) to their ends."""
     states = [EpisodeState(e, list(ids), list(history)) for e, ids, history in starts]
     pool.start([s.episode for s in states])
+    start = time.monotonic()
     try:
         for turn in range(1, settings.max_turns + 1):
+            if settings.max_seconds and time.monotonic() - start > settings.max_seconds:
+                break  # the episodes still going are cut below
             active = [s for s in states if not s.finish_reason]
             if not active:
                 break
@@ -116,7 +125,8 @@ def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Epis
         return
     steps = pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
     for (state, text), step in zip(stepping, steps):
-        _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings, last_turn=turn == settings.max_turns)
+        last_turn = turn == settings.max_turns
+        _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings, last_turn)
 
 
 def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
@@ -132,6 +142,7 @@ def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
 def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings: EpisodeSettings,
                 last_turn: bool) -> None:
     state.turn_rewards[-1] = step.reward
+    state.environment_seconds += step.seconds
     if step.done:
         state.finish_reason = "stop"
         return
@@ -148,9 +159,11 @@ def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings:
     state.add_observation(added)
 
 
-def episode_stats(action_mask: list[list[int]], turn_ends: list[list[int]], reasons: list[str]) -> dict[str, float]:
+def episode_stats(action_mask: list[list[int]], turn_ends: list[list[int]], reasons: list[str],
+                  max_turns: int, environment_seconds: list[float]) -> dict[str, float]:
     """The per-iteration figures of a batch of episodes: turns (mean, max), action and observation
-    tokens, and the episodes cut (by a budget of turns or of tokens, ``episode/cut_frac``)."""
+    tokens, environment seconds, and the shares of episodes cut (all, by ``max_turns``, by the
+    token and time budgets)."""
     turns = [len(t) for t in turn_ends]
     actions = [sum(m) for m in action_mask]
     cut = [r == "length" for r in reasons]
@@ -160,5 +173,8 @@ def episode_stats(action_mask: list[list[int]], turn_ends: list[list[int]], reas
         "episode/turns_max": float(max(turns, default=0)),
         "episode/action_tokens_mean": sum(actions) / n,
         "episode/observation_tokens_mean": sum(len(m) - a for m, a in zip(action_mask, actions)) / n,
+        "episode/environment_seconds_mean": sum(environment_seconds) / n,
         "episode/cut_frac": sum(cut) / n,
+        "episode/cut_by_turns_frac": sum(c and t >= max_turns for c, t in zip(cut, turns)) / n,
+        "episode/cut_by_budget_frac": sum(c and t < max_turns for c, t in zip(cut, turns)) / n,
     }

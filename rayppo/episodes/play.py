@@ -43,4 +43,5 @@ def play_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: E
         action_mask=[s.action_mask for s in states],
         turn_ends=[s.turn_ends for s in states],
         turn_rewards=[s.turn_rewards for s in states],
+        environment_seconds=[s.environment_seconds for s in states],
     )

@@ -35,7 +35,8 @@ def render(tokenizer, messages: list[Message], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
 
-def observation_ids(tokenizer, history: list[Message], turn_text: str, end_text: str, observation: Message) -> list[int]:
+def observation_ids(tokenizer, history: list[Message], turn_text: str, end_text: str,
+                    observation: Message) -> list[int]:
     """The token ids that follow the policy's turn (``turn_text``, ended by the end-of-turn token
     whose text is ``end_text``) when ``observation`` is appended to ``history``, the generation
     prompt of the next turn included. ``TemplateError`` when the template does not render the

@@ -205,7 +205,8 @@ class DistributedTrainer:
                    "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
-        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, **dynamic, "kl_coef": kl_coef}
+        return {**stats, **rollout_stats(rollout, t4 - t0, self.cfg.rollout.max_turns), **timings, **dynamic,
+                "kl_coef": kl_coef}
 
     def fill(self, rollout: Rollout, it: int) -> tuple[Rollout, dict[str, float]]:
         """``rollout.dynamic_sampling_rounds`` > 0: the informative groups of this batch and of up

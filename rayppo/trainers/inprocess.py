@@ -120,7 +120,8 @@ class ReferenceTrainer:
         self.last_rollout = rollout
         timings = {"time/generate": t1 - t0, "time/reference": t2 - t1, "time/reward": t3 - t2,
                    "time/learn": t4 - t3, "time/sync": 0.0, "time/iteration": t4 - t0}
-        return {**stats, **rollout_stats(rollout, t4 - t0), **timings, **dynamic, "kl_coef": kl_coef}
+        return {**stats, **rollout_stats(rollout, t4 - t0, cfg.rollout.max_turns), **timings, **dynamic,
+                "kl_coef": kl_coef}
 
     def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:
         """This iteration's batch: ``rollout.batch_size`` prompts, each a group of

@@ -27,7 +27,7 @@ def episode_settings(cfg: Config) -> EpisodeSettings | None:
     if r.environment is None:
         return None
     return EpisodeSettings(r.environment, r.max_turns, r.turn_tokens, r.max_new_tokens, r.environment_timeout_s,
-                           r.environment_timeout_reward, r.environment_workers, r.observation_role)
+                           r.environment_timeout_reward, r.environment_workers, r.observation_role, r.episode_seconds)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -55,7 +55,7 @@ def group_shares(prompts: PromptBatch, generators: int, samples_per_prompt: int)
             for rows in split_evenly(len(prompts), generators)]
 
 
-def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
+def rollout_stats(rollout: Rollout, seconds: float, max_turns: int = 0) -> dict[str, float]:
     """Reward (mean, population std, min, max), length and throughput figures of one rollout batch."""
     lengths = [len(r) for r in rollout.response_ids]
     rewards = rollout.total_rewards()  # an episode's turn rewards count too
@@ -68,6 +68,7 @@ def rollout_stats(rollout: Rollout, seconds: float) -> dict[str, float]:
         "response/length_mean": sum(lengths) / len(lengths),
         "response/truncated_frac": sum(r == "length" for r in rollout.finish_reason) / len(rollout),
         "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
-        **(episode_stats(rollout.action_mask, rollout.turn_ends, rollout.finish_reason) if rollout.action_mask else {}),
+        **(episode_stats(rollout.action_mask, rollout.turn_ends, rollout.finish_reason, max_turns,
+                         rollout.environment_seconds or [0.0] * len(rollout)) if rollout.action_mask else {}),
     }
 

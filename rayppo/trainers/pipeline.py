@@ -229,7 +229,8 @@ class PipelinedTrainer(DistributedTrainer):
                    "async/carried_rows": float(sum(len(c) for c in self._stages.carry)),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
-        return {**stats, **rollout_stats(rollout, wall), **timings, **staleness, "kl_coef": kl_coef}
+        return {**stats, **rollout_stats(rollout, wall, self.cfg.rollout.max_turns), **timings, **staleness,
+                "kl_coef": kl_coef}
 
     def _next_scored(self) -> tuple[int, Rollout, dict[str, float], int]:
         """The next scored batch and how many more wait behind it; raises a stage's error."""
