@@ -4,6 +4,7 @@ environment's tokens, and a hanging or crashing environment is named within its 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -166,7 +167,7 @@ def player(request, guess_dir):
                              vllm=VLLMSettings(kv_cache_gib=1))
     prompts = load_prompt_set("embedded-guess", "prompt", engine.tokenizer, 24).select(range(24))
     yield engine, prompts
-    del engine
+    engine.close()
 
 
 def test_the_tokens_trained_on_are_the_sampled_ids_plus_the_observation_ids(player, guess_dir):
@@ -214,6 +215,19 @@ def test_solved_episodes_end_with_the_right_guess_and_their_turn_rewards_add_up(
             assert rollout.turn_rewards[row][-1] == 1.0
             assert rollout.total_rewards()[row] == pytest.approx(guess.solved_return(len(rollout.turn_ends[row])))
         assert rollout.turn_ends[row][-1] == len(rollout.response_ids[row]) - 1  # an episode ends on an action
+
+
+def test_an_episode_past_its_seconds_is_cut_after_its_turn_not_after_an_observation(player):
+    engine, prompts = player
+    settings = engine.episodes
+    engine.episodes = dataclasses.replace(settings, max_seconds=1e-9)  # over as soon as the first turn is sampled
+    try:
+        rollout = engine.generate(prompts, seed=7)
+    finally:
+        engine.episodes = settings
+    assert all(len(ends) == 1 for ends in rollout.turn_ends)
+    assert all(all(rollout.action_mask[i]) for i in range(len(rollout)))  # no observation was appended
+    assert {r for r, rewards in zip(rollout.finish_reason, rollout.turn_rewards) if rewards != [1.0]} == {"length"}
 
 
 # ---------------------------------------------------------------------------------- faulty environments
@@ -281,13 +295,19 @@ def test_a_hanging_environment_ends_its_episodes_with_the_timeout_reward(guess_d
                                workers=2)
     engine = GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend="hf", episodes=settings)
     prompts = load_prompt_set("embedded-guess", "prompt", engine.tokenizer, 24).select(range(4))
+    start = time.monotonic()
     rollout = engine.generate(prompts, seed=0)
-    ended = [r for r, ends in zip(rollout.turn_rewards, rollout.turn_ends) if rollout.finish_reason]
-    assert all(rewards[-1] == -1.0 for rewards in ended if len(rewards) == 1)
-    assert set(rollout.finish_reason) <= {"stop", "length"}
-    with pytest.raises(EnvironmentFailure, match="faulty_env:Hangs"):
-        GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend="hf",
-                        episodes=EpisodeSettings("faulty_env:Hangs", timeout_s=0.5, max_tokens=40)).generate(prompts, 0)
+    engine.close()
+    # Every episode's first step hangs: each ends there with the timeout reward, as done.
+    assert rollout.turn_rewards == [[-1.0]] * 4 and rollout.finish_reason == ["stop"] * 4
+    assert time.monotonic() - start < 2 * 0.5 + 5.0  # two workers, each killed once at its deadline
+    strict = GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend="hf",
+                             episodes=EpisodeSettings("faulty_env:Hangs", timeout_s=0.5, max_tokens=40))
+    try:
+        with pytest.raises(EnvironmentFailure, match="faulty_env:Hangs"):
+            strict.generate(prompts, 0)
+    finally:
+        strict.close()
 
 
 # -------------------------------------------------------------------------------------- configuration

@@ -364,8 +364,10 @@ class GeneratorEngine(Engine):
         self.episodes = episodes  # multi-turn: every prompt starts an episode with rollout.environment
         self._pool: EnvironmentPool | None = None
         eos_ids = stop_token_ids(self.tokenizer, model_path)
+        self.turn_end_ids: list[int] = []  # the stop tokens that end a turn of an episode
         if episodes is not None:  # refused before the engine loads: a template that rewrites earlier turns
-            check_template(self.tokenizer, [self.tokenizer.decode([i]) for i in eos_ids], episodes.observation_role)
+            texts = {self.tokenizer.decode([i]): i for i in eos_ids}
+            self.turn_end_ids = [texts[t] for t in check_template(self.tokenizer, list(texts), episodes.observation_role)]
         if backend == "vllm":
             self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
@@ -505,16 +507,24 @@ class GeneratorEngine(Engine):
         return self._rollout(repeated, response_ids, [], reasons)
 
     def _play(self, prompts: PromptBatch, sampling: SamplingSettings, seed: int) -> Rollout:
-        """Each prompt row's multi-turn episode, turn k sampled with seed ``seed + k``, the environment
-        in this generator's processes (started on first use, kept for the next calls)."""
+        """Each prompt row's multi-turn episode, each turn sampled with a seed of its own, the
+        environment in this generator's processes (started on first use, kept for the next calls)."""
         e = self.episodes
         if self._pool is None:
             self._pool = EnvironmentPool(e.environment, e.workers, e.timeout_s)
-        rollout = play_episodes(lambda contexts, limits, k: self.backend.sample(contexts, sampling, seed + k, limits),
-                                self.tokenizer, self._pool, e, prompts, self.backend.eos_ids)
+        # Turn k's seed mixes k in, as round_seed does: seed + k would be the next iteration's turn k - 1.
+        rollout = play_episodes(
+            lambda contexts, limits, k: self.backend.sample(contexts, sampling, (seed * 1_000_033 + k) % 2**62, limits),
+            self.tokenizer, self._pool, e, prompts, self.turn_end_ids)
         rollout.policy_version = [self.policy_version] * len(rollout)
         rollout.generator_id = [self.generator_id] * len(rollout)
         return rollout
+
+    def close(self) -> None:
+        """Stop the environment's processes (multi-turn); the engine itself needs no closing."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _rollout(self, prompts: PromptBatch, response_ids: list[list[int]], logprobs: list[list[float]],
                  reasons: list[str]) -> Rollout:

@@ -186,8 +186,8 @@ class RolloutConfig:
     environment_workers: int = 4
     """Multi-turn: environment processes per generator; the steps of one turn run on them at once."""
     episode_seconds: float = 0.0
-    """Multi-turn: seconds a generator call's episodes may run; those still going when a turn
-    would start after them are cut (finish reason ``length``). 0: no limit."""
+    """Multi-turn: seconds a generator call's episodes may run; those still going after a turn that
+    ends past them are cut there (finish reason ``length``, no observation appended). 0: no limit."""
     observation_role: str = "user"
     """Multi-turn: the chat role of an observation message (``tool`` for tool results, when the
     policy's chat template has that role)."""

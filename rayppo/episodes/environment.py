@@ -26,7 +26,7 @@ import inspect
 import math
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -158,7 +158,9 @@ class EnvironmentPool:
                 if isinstance(results[i], Exception) and self.workers[w].proc is None:
                     lost = calls[i][0].prompt
 
-        for future in [self._threads.submit(run_worker, w) for w in by_worker]:
+        futures = [self._threads.submit(run_worker, w) for w in by_worker]
+        wait(futures)  # every worker done before anything is raised (``end`` must not meet a busy one)
+        for future in futures:
             future.result()
         errors = [r for r in results if isinstance(r, Exception)]
         if raise_first and errors:
@@ -177,6 +179,9 @@ class EnvironmentPool:
             return EnvironmentFailure(f"{where}: {str(exc).replace('rayppo.episodes.environment', 'environment')}")
         except ImportError as exc:  # the child could not import the class
             return EnvironmentFailure(f"{where}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - e.g. an answer that is not JSON: the protocol is lost
+            worker.close()
+            return EnvironmentFailure(f"{where}: {type(exc).__name__}: {exc}; its process was stopped")
         if "error" in reply:
             return EnvironmentFailure(f"{where} failed: {reply['error']}")
         return {**reply, "seconds": time.monotonic() - start}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rayppo.episodes.environment import EnvironmentFailure, EnvironmentPool, Episode, Step
+from rayppo.errors import RayppoError
 from rayppo.models.chat_tokens import Message, observation_ids
 
 Sampler = Callable[[list[list[int]], list[int], int], tuple[list[list[int]], list[list[float]], list[str]]]
@@ -47,8 +48,8 @@ class EpisodeSettings:
     observation_role: str = "user"
     """The chat role of an observation message (``tool`` for tool results, if the template has it)."""
     max_seconds: float = 0.0
-    """Seconds an episode may run (from the call's start); one still going when a turn would start
-    after them is cut. 0: no limit."""
+    """Seconds an episode may run (from the call's start); one still going after a turn that ends
+    past them is cut there. 0: no limit."""
 
 
 @dataclass
@@ -85,20 +86,24 @@ class EpisodeState:
         self.context += ids
 
 
+class EmptyTurnError(RayppoError, RuntimeError):
+    """A generator sampled a turn with no tokens; the message names the prompt."""
+
+
 def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: EpisodeSettings,
                  starts: list[tuple[Episode, list[int], list[Message]]], end_ids: list[int]) -> list[EpisodeState]:
-    """Play ``starts`` (each an episode, its prompt ids and its conversation) to their ends."""
+    """Play ``starts`` (each an episode, its prompt ids and its conversation) to their ends.
+    ``end_ids``: the end-of-turn tokens the chat template renders (``chat_tokens.check_template``);
+    a turn that stops on another stop token ends its episode as cut."""
     states = [EpisodeState(e, list(ids), list(history)) for e, ids, history in starts]
-    pool.start([s.episode for s in states])
-    start = time.monotonic()
+    deadline = time.monotonic() + settings.max_seconds if settings.max_seconds else None
     try:
+        pool.start([s.episode for s in states])  # a class that cannot start stops the call (checked at start-up)
         for turn in range(1, settings.max_turns + 1):
-            if settings.max_seconds and time.monotonic() - start > settings.max_seconds:
-                break  # the episodes still going are cut below
             active = [s for s in states if not s.finish_reason]
             if not active:
                 break
-            _play_turn(sample, tokenizer, pool, settings, active, turn, end_ids)
+            _play_turn(sample, tokenizer, pool, settings, active, turn, end_ids, deadline)
         for state in states:
             state.finish_reason = state.finish_reason or "length"  # still going after max_turns: cut
     finally:
@@ -107,7 +112,7 @@ def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Ep
 
 
 def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: EpisodeSettings,
-               active: list[EpisodeState], turn: int, end_ids: list[int]) -> None:
+               active: list[EpisodeState], turn: int, end_ids: list[int], deadline: float | None) -> None:
     """One turn of every active episode: sample, then step the environments of the turns that
     ended on an end-of-turn token, then append their observations."""
     limits = [settings.max_tokens - len(s.response_ids) for s in active]
@@ -116,6 +121,8 @@ def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Epis
     ids, logprobs, reasons = sample([s.context for s in active], limits, turn)
     stepping: list[tuple[EpisodeState, str]] = []
     for state, turn_ids, turn_logprobs, reason in zip(active, ids, logprobs, reasons):
+        if not turn_ids:
+            raise EmptyTurnError(f"a generator returned an empty turn {turn} for prompt {state.episode.prompt!r}")
         state.add_turn(turn_ids, turn_logprobs)
         if reason != "stop" or not turn_ids or turn_ids[-1] not in end_ids:
             state.finish_reason = "length"  # out of tokens inside the turn: no end-of-turn to answer
@@ -125,7 +132,8 @@ def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Epis
         return
     steps = pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
     for (state, text), step in zip(stepping, steps):
-        last_turn = turn == settings.max_turns
+        # rollout.max_turns or rollout.episode_seconds: cut after this turn, no observation to answer.
+        last_turn = turn == settings.max_turns or (deadline is not None and time.monotonic() > deadline)
         _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings, last_turn)
 
 
@@ -147,7 +155,7 @@ def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings:
         state.finish_reason = "stop"
         return
     if last_turn:
-        state.finish_reason = "length"  # rollout.max_turns: cut after the turn, no observation to answer
+        state.finish_reason = "length"
         return
     end_text = tokenizer.decode(state.response_ids[-1:], skip_special_tokens=False)
     message = {"role": settings.observation_role, "content": step.observation}

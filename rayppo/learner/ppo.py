@@ -114,6 +114,8 @@ def kl_penalty(
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """``[B, T] -> [B]``: the index of each row's last valid token (-1 for an empty row); the
     last action token of an episode, whose mask has gaps."""
+    if mask.shape[-1] == 0:
+        return torch.full(mask.shape[:-1], -1, dtype=torch.long, device=mask.device)
     positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
     return (mask.bool() * positions).amax(dim=-1) - 1
 

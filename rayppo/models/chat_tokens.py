@@ -57,21 +57,25 @@ def observation_ids(tokenizer, history: list[Message], turn_text: str, end_text:
     return list(tokenizer(closing + after[len(with_turn):], add_special_tokens=False)["input_ids"])
 
 
-def check_template(tokenizer, end_texts: list[str], role: str) -> None:
+def check_template(tokenizer, end_texts: list[str], role: str) -> list[str]:
     """Refuse, at load, a tokenizer whose template cannot run episodes: none at all, or one that is
     not prefix-preserving on a probe conversation (``observation_ids``' rules) with any of the
-    end-of-turn tokens ``end_texts`` (the generator's stop tokens)."""
+    end-of-turn tokens ``end_texts`` (the generator's stop tokens). Returns those that it renders
+    a turn with (Qwen: ``<|im_end|>``, not ``<|endoftext|>``): only they end a turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateError("rollout.environment needs a policy tokenizer with a chat template (observations are "
                             "messages the template renders)")
     error: TemplateError | None = None
+    passed = []
     for end_text in end_texts:
         try:
             observation_ids(tokenizer, PROBE, "probe two", end_text, {"role": role, "content": "probe three"})
-            return
+            passed.append(end_text)
         except TemplateError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - the template is the model folder's Jinja code: any failure
             raise TemplateError(f"the policy's chat template failed on a {role!r} message after an assistant turn "
                                 f"(rollout.observation_role): {type(exc).__name__}: {exc}") from None
-    raise error or TemplateError("the policy has no end-of-turn token (no EOS id)")
+    if not passed:
+        raise error or TemplateError("the policy has no end-of-turn token (no EOS id)")
+    return passed

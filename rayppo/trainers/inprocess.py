@@ -201,4 +201,5 @@ class ReferenceTrainer:
         self.prompts.load_state_dict(state["prompts"])
 
     def close(self) -> None:
-        """Nothing to release in-process."""
+        """In-process, only the environment's processes of a multi-turn run to stop."""
+        self.generator.close()

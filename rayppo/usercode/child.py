@@ -66,7 +66,11 @@ class ChildProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], env=env, cwd=self.directory,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self._buffer = b""
-        ready = self._read(STARTUP_TIMEOUT_S)
+        try:
+            ready = self._read(STARTUP_TIMEOUT_S)
+        except ChildTimeout:
+            self.close()  # a late "ready" would be read as the next call's answer
+            raise
         if "error" in ready:
             self.close()
             raise ImportError(ready["error"])
@@ -99,10 +103,28 @@ class ChildProcess:
             self.proc = None
 
 
+def _die_with_parent() -> None:
+    """Linux: this process is killed when the process that started it dies (a SIGKILLed actor
+    leaves no child behind, even one hung inside the user's code). Elsewhere a no-op: the child
+    still ends when its stdin closes, unless it hangs."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(make_handler: Callable[[], Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
     """The child's side: build the handler (importing the user's code), then answer each line."""
-    out = sys.stdout.buffer
-    sys.stdout = sys.stderr  # the user's prints go to the log, not into the protocol
+    _die_with_parent()
+    # The protocol gets its own copy of stdout; file descriptor 1 then points at stderr, so the
+    # user's prints, and any process the user's code starts, write to the log, not into the protocol.
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
     def send(message: dict) -> None:
         out.write(json.dumps(message).encode() + b"\n")
