@@ -115,26 +115,46 @@ def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Epis
                active: list[EpisodeState], turn: int, end_ids: list[int], deadline: float | None) -> None:
     """One turn of every active episode: sample, then step the environments of the turns that
     ended on an end-of-turn token, then append their observations."""
-    limits = [settings.max_tokens - len(s.response_ids) for s in active]
-    if settings.turn_tokens:
-        limits = [min(limit, settings.turn_tokens) for limit in limits]
-    ids, logprobs, reasons = sample([s.context for s in active], limits, turn)
+    ids, logprobs, reasons = sample([s.context for s in active], [turn_limit(s, settings) for s in active], turn)
     stepping: list[tuple[EpisodeState, str]] = []
     for state, turn_ids, turn_logprobs, reason in zip(active, ids, logprobs, reasons):
-        if not turn_ids:
-            raise EmptyTurnError(f"a generator returned an empty turn {turn} for prompt {state.episode.prompt!r}")
-        state.add_turn(turn_ids, turn_logprobs)
-        if reason != "stop" or not turn_ids or turn_ids[-1] not in end_ids:
-            state.finish_reason = "length"  # out of tokens inside the turn: no end-of-turn to answer
-        else:
-            stepping.append((state, tokenizer.decode(turn_ids[:-1], skip_special_tokens=False)))
+        text = take_turn(state, turn_ids, turn_logprobs, reason, end_ids, tokenizer, turn)
+        if text is not None:
+            stepping.append((state, text))
     if not stepping:
         return
     steps = pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
     for (state, text), step in zip(stepping, steps):
         # rollout.max_turns or rollout.episode_seconds: cut after this turn, no observation to answer.
         last_turn = turn == settings.max_turns or (deadline is not None and time.monotonic() > deadline)
-        _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings, last_turn)
+        answer_turn(state, text, step, tokenizer, settings, last_turn)
+
+
+def turn_limit(state: EpisodeState, settings: EpisodeSettings) -> int:
+    """Tokens the episode's next turn may sample: what is left of its budget, at most
+    ``turn_tokens``."""
+    left = settings.max_tokens - len(state.response_ids)
+    return min(left, settings.turn_tokens) if settings.turn_tokens else left
+
+
+def take_turn(state: EpisodeState, ids: list[int], logprobs: list[float], reason: str, end_ids: list[int],
+              tokenizer, turn: int) -> str | None:
+    """Add a sampled turn to its episode. Returns the turn's text for the environment, or None
+    when the turn ran out of tokens before an end-of-turn token (the episode is then cut)."""
+    if not ids:
+        raise EmptyTurnError(f"a generator returned an empty turn {turn} for prompt {state.episode.prompt!r}")
+    state.add_turn(ids, logprobs)
+    if reason != "stop" or ids[-1] not in end_ids:
+        state.finish_reason = "length"  # out of tokens inside the turn: no end-of-turn to answer
+        return None
+    return tokenizer.decode(ids[:-1], skip_special_tokens=False)
+
+
+def answer_turn(state: EpisodeState, text: str, step: Step | Exception, tokenizer, settings: EpisodeSettings,
+                last_turn: bool) -> None:
+    """Apply the environment's answer to the turn ``text`` (or the run's rule for a failed step):
+    the turn's reward, then the end of the episode or its observation's tokens."""
+    _apply_step(state, text, _step_or_rule(step, settings), tokenizer, settings, last_turn)
 
 
 def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
