@@ -166,13 +166,16 @@ def zero_check(cfg, rollout, device: str) -> dict[str, Any]:
     base, rss0 = device_bytes(device), current_rss()
     start = time.perf_counter()
     engine = LearnerEngine(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
-    loaded = {"load_s": time.perf_counter() - start, "host_rss_growth": current_rss() - rss0,
-              "after_load": device_bytes(device) - base}
-    start = time.perf_counter()
-    engine.train(rollout, list(range(len(rollout))), len(rollout), kl_coef=0.05, iteration=0)
-    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else memory(device)["max_rss"]) - base
-    measured = {**loaded, "update_s": time.perf_counter() - start, "after_update": device_bytes(device) - base,
-                "update_peak": peak}
+    try:
+        loaded = {"load_s": time.perf_counter() - start, "host_rss_growth": current_rss() - rss0,
+                  "after_load": device_bytes(device) - base}
+        start = time.perf_counter()
+        engine.train(rollout, list(range(len(rollout))), len(rollout), kl_coef=0.05, iteration=0)
+        peak = (torch.cuda.max_memory_allocated() if device == "cuda" else memory(device)["max_rss"]) - base
+        measured = {**loaded, "update_s": time.perf_counter() - start,
+                    "after_update": device_bytes(device) - base, "update_peak": peak}
+    finally:
+        engine.close()
     planned = {k: v for k, v in plan.parts.items() if k != "CUDA context"}
     resident = sum(v for k, v in planned.items() if k in ("params", "grads", "optimizer") or k.startswith("ZeRO"))
     table = {"measured_bytes": measured, "plan_bytes": planned,
@@ -184,7 +187,6 @@ def zero_check(cfg, rollout, device: str) -> dict[str, Any]:
           f"update +{measured['after_update'] / GIB:.2f} GiB (plan: states + buckets {resident / GIB:.2f} GiB, "
           f"{table['ratio_after_update_to_plan_resident']:.2f}x); peak +{peak / GIB:.2f} GiB (plan "
           f"{sum(planned.values()) / GIB:.2f} GiB, {table['ratio_peak_to_plan_peak']:.2f}x)", flush=True)
-    del engine
     return table
 
 

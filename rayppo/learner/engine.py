@@ -342,6 +342,15 @@ class LearnerEngine(Engine):
                 f"over {dist.get_backend()}, policy {model_size(self.policy.module)}{lora}{' + critic' if self.critic is not None else ', no critic'}, "
                 f"{self.device_info()} each")
 
+    def close(self) -> None:
+        """Leave the process group. A rank that lives in a Ray actor is killed with it; one built
+        in a plain process (``benchmarks/gpu_smoke.py``) must leave before the interpreter exits:
+        a gloo group torn down by interpreter finalisation can abort the process ("terminate
+        called without an active exception", exit -6) after its work succeeded."""
+        self.policy = self.critic = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Follow rank 0 through a stream's gathers without using the tensors (they are collective)."""
