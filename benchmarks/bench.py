@@ -422,7 +422,8 @@ def stage_tokens(cfg: Config, rollout, learn: dict[str, float]) -> dict[str, dic
            "reward": {"real": sum(whole), "processed": padded_tokens(none, whole, reward)}}
     if "tokens/learn_real" in learn:
         out["learn"] = {"real": learn["tokens/learn_real"], "processed": learn["tokens/learn_processed"],
-                        "packed": bool(learn.get("tokens/learn_packed", 0.0))}
+                        "layout": "packed" if learn.get("tokens/learn_packed") else
+                                  "right_padded" if learn.get("tokens/learn_right_padded") else "padded"}
     return {stage: t | {"padding_factor": t["processed"] / max(t["real"], 1)} for stage, t in out.items()}
 
 

@@ -60,8 +60,9 @@ def random_rollout(batch_size: int, response_tokens: int | list[int], vocab: int
                    [i // group for i in range(n)], [row[:] for row in logprobs], torch.rand(n, generator=g).tolist())
 
 
-def _timing_hooks(parts: dict[str, float]) -> None:
-    """Accumulate the seconds of each part of ``LearnerEngine.train`` into ``parts``."""
+def _timing_hooks(parts: dict[str, float], calls: dict[str, int]) -> None:
+    """Accumulate the seconds of each part of ``LearnerEngine.train`` into ``parts``, and how many
+    times each ran into ``calls`` (the policy's forward runs once per micro-batch: the passes)."""
     import rayppo.learner.engine as engine
     import rayppo.learner.update as update
 
@@ -72,6 +73,7 @@ def _timing_hooks(parts: dict[str, float]) -> None:
                 return fn(*args, **kwargs)
             finally:
                 parts[name] += time.perf_counter() - start
+                calls[name] += 1
         return wrapper
 
     update.policy_objective = timed("policy forward", update.policy_objective)
@@ -111,10 +113,12 @@ def main() -> None:
                else int(args.lengths.split(":")[1]) if args.lengths.startswith("fixed:") else limit)
     rollout = random_rollout(rows, lengths, shape.vocab, group=cfg.rollout.samples_per_prompt)
     parts: dict[str, float] = collections.defaultdict(float)
-    _timing_hooks(parts)
+    calls: dict[str, int] = collections.defaultdict(int)
+    _timing_hooks(parts, calls)
     learner = LearnerGroup(cfg, placement=None)
     learner.train(rollout, cfg.ppo.kl_coef, 0)
     parts.clear()
+    calls.clear()
     rollout.policy_version = [1] * len(rollout)
     seconds, _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
     seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
@@ -129,7 +133,8 @@ def main() -> None:
                       round(1000 * seconds / real, 4), "micro_batch_tokens": cfg.learner.micro_batch_tokens,
                       "packing": cfg.learner.packing, "pass_overhead_tokens": micro_batches.PASS_OVERHEAD_TOKENS,
                       "threads": torch.get_num_threads(), "learn_s": round(seconds, 2),
-                      "parts_s": {k: round(v, 2) for k, v in parts.items()}, "learn_gflop": round(flops / 1e9),
+                      "parts_s": {k: round(v, 2) for k, v in parts.items()}, "passes": calls["policy forward"],
+                      "zero_stage": cfg.learner.zero_stage, "learn_gflop": round(flops / 1e9),
                       "learn_gflop_per_s": round(flops / seconds / 1e9, 1), "matmul_gflop_per_s": round(matmul, 1),
                       "learn_efficiency": round(flops / seconds / 1e9 / matmul, 3),
                       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))

@@ -192,7 +192,7 @@ CASES: dict[str, Case] = {
     "reward_function_string": Case(["reward.function=bad_verifiers:text", *LOCAL], "reward function bad_verifiers:text failed on prompt", False),
     "endpoint_refuses": Case(["reward.function=null", "reward.url=http://127.0.0.1:{closed}/score", *LOCAL], "reward endpoint http://127.0.0.1:{closed}/score failed", False),
     "endpoint_times_out": Case(["reward.function=null", "reward.url={server}/slow", "reward.timeout_s=1", *RUN], "reward endpoint {server}/slow failed", False),
-    "endpoint_garbage": Case(["reward.function=null", "reward.url={server}/garbage", *RUN], "reward endpoint {server}/garbage failed", False),
+    "endpoint_garbage": Case(["reward.function=null", "reward.url={server}/garbage", *LOCAL], "reward endpoint {server}/garbage failed", False),
     "endpoint_not_numbers": Case(["reward.function=null", "reward.url={server}/words", *LOCAL], "reward endpoint {server}/words returned 'yes', not a number, for prompt", False),
     "endpoint_wrong_count": Case(["reward.function=null", "reward.url={server}/short", *LOCAL], "reward endpoint {server}/short returned [1.0] for 4 responses", False),
     # ---- resources and runs

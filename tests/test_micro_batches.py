@@ -143,8 +143,19 @@ def test_packed_passes_fill_the_budget_with_real_tokens():
     """Padding-free passes cost their real tokens: rows (longest first) fill each pass up to the budget,
     where the padded cut would split rows of unlike lengths apart."""
     prompt, response = [4] * 6, [100, 2, 3, 90, 1, 5]
-    packed = token_batches(prompt, response, 200, packed=True)
+    packed = token_batches(prompt, response, 200, "packed")
     assert packed == [[0, 3], [5, 2, 1, 4]]  # 104 + 94 = 198 tokens; then 9 + 7 + 6 + 5 = 27
     assert all(sum(prompt[i] + response[i] for i in b) <= 200 for b in packed)
     assert len(token_batches(prompt, response, 200)) > len(packed)  # padded: 2 x 104 > 200, so 0 and 3 apart
-    assert token_batches([4], [500], 100, packed=True) == [[0]]  # a row over the budget is a pass alone
+    assert token_batches([4], [500], 100, "packed") == [[0]]  # a row over the budget is a pass alone
+
+
+def test_right_padded_passes_are_priced_by_their_longest_sequence():
+    """One sequence per row: a pass costs rows x its longest prompt + response, not its longest
+    prompt plus its longest response, so rows of like totals share a pass whatever their split."""
+    prompt, response = [2, 30, 2, 30], [30, 2, 30, 2]  # four sequences of 32 tokens
+    assert token_batches(prompt, response, 128, "right_padded") == [[0, 1, 2, 3]]  # 4 x 32 = 128
+    padded = token_batches(prompt, response, 128)
+    assert padded_tokens(prompt, response, padded) > 128 and len(padded) > 1  # 60 wide when mixed
+    with pytest.raises(ValueError, match="layout must be one of padded, right_padded, packed, got 'rows'"):
+        token_batches(prompt, response, 128, "rows")

@@ -31,14 +31,17 @@ def test_pack_sequences_lays_rows_end_to_end_and_unpack_restores_the_layout():
 
     batch = ragged_batch(50, 0)
     real = batch.attention_mask.bool()
-    for one_row in (False, True):
-        packing = pack_sequences(batch.input_ids, batch.attention_mask, one_row)
+    for mode in ("rows", "one_row", "right_padded"):
+        packing = pack_sequences(batch.input_ids, batch.attention_mask, mode)
         # sequences of 4, 15, 6, 17, 3, 13, 8 tokens: one row of all 66, or rows as wide as the longest
-        # (17) filled first-fit longest first: 17 | 15 | 13 + 4 | 8 + 6 + 3 (7 sequences in 4 rows, not 7)
-        assert packing.input_ids.shape == ((1, 66) if one_row else (4, 17))
+        # (17) filled first-fit longest first: 17 | 15 | 13 + 4 | 8 + 6 + 3 (7 sequences in 4 rows, not 7),
+        # or each alone in a row of 17 (not 6 + 12 = 18 wide, the padded layout's longest prompt + response)
+        assert packing.input_ids.shape == {"one_row": (1, 66), "rows": (4, 17), "right_padded": (7, 17)}[mode]
         restored = unpack(packing.input_ids[..., None], packing)[..., 0]
         assert torch.equal(restored[real], batch.input_ids[real])  # every real token comes back in place
         assert torch.equal(unpack(packing.position_ids[..., None], packing)[..., 0][real], batch.position_ids[real])
+        if mode == "right_padded":  # read as no packing at all (the test below)
+            continue
         # transformers' reading of the position ids: each sequence one segment of its own
         segments = unpack(find_packed_sequence_indices(packing.position_ids)[..., None], packing)[..., 0]
         for row in range(len(batch.input_ids)):
@@ -49,13 +52,30 @@ def test_pack_sequences_lays_rows_end_to_end_and_unpack_restores_the_layout():
             assert int(ids[0]) not in others
 
 
-@pytest.mark.parametrize("one_row", [False, True], ids=["rows of the longest", "one row (flash varlen)"])
-def test_packed_forward_equals_the_padded_one_with_gradients(embedded_dir, tokenizer, one_row):
+def test_right_padded_rows_start_at_column_zero_and_read_as_unpacked():
+    """One sequence per row, its filler continuing its positions: transformers finds no packing,
+    so the model runs without any attention mask (SDPA's causal kernel)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    batch = ragged_batch(50, 0)
+    packing = pack_sequences(batch.input_ids, batch.attention_mask, "right_padded")
+    width = packing.input_ids.shape[1]
+    assert torch.equal(packing.position_ids, torch.arange(width).expand(len(batch.input_ids), width))
+    assert find_packed_sequence_indices(packing.position_ids) is None
+    for row, n in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+        assert torch.equal(packing.input_ids[row, :n], batch.input_ids[row][batch.attention_mask[row].bool()])
+    with pytest.raises(ValueError, match="pack mode must be rows, one_row or right_padded, got 'columns'"):
+        pack_sequences(batch.input_ids, batch.attention_mask, "columns")
+
+
+@pytest.mark.parametrize("mode", ["rows", "one_row", "right_padded"],
+                         ids=["rows of the longest", "one row (flash varlen)", "one sequence per row, no mask"])
+def test_packed_forward_equals_the_padded_one_with_gradients(embedded_dir, tokenizer, mode):
     torch.manual_seed(0)
     policy = load_causal_lm(embedded_dir).double()
     critic = Critic.from_pretrained(embedded_dir).double()
     batch = ragged_batch(len(tokenizer), tokenizer.pad_token_id)
-    packed = batch.packed(one_row)
+    packed = batch.packed(mode)
     weights = torch.randn(batch.mask.shape, dtype=torch.float64)
     outputs, grads = [], []
     for b in (batch, packed):
@@ -73,7 +93,7 @@ def test_packed_forward_equals_the_padded_one_with_gradients(embedded_dir, token
     for name, g in grads[0].items():
         assert (g - grads[1][name]).abs().max().item() <= BOUND * (1 + g.abs().max().item()), name
     # and the packed pass really is another computation: fewer tokens than the padded rectangle
-    assert packed.packing.processed_tokens < batch.input_ids.numel() or one_row
+    assert packed.packing.processed_tokens < batch.input_ids.numel() or mode == "one_row"
 
 
 def test_a_sequence_in_a_packed_row_does_not_see_its_neighbours(embedded_dir, tokenizer):
@@ -86,8 +106,8 @@ def test_a_sequence_in_a_packed_row_does_not_see_its_neighbours(embedded_dir, to
     first = pack([rows[0], rows[2], rows[4]], [rows[1], rows[3], rows[5]], pad)
     second = pack([rows[0], rows[6], rows[8]], [rows[1], rows[7], rows[9]], pad)
     with torch.no_grad():
-        a, _ = policy_forward(policy, first.packed(one_row=True))
-        b, _ = policy_forward(policy, second.packed(one_row=True))
+        a, _ = policy_forward(policy, first.packed("one_row"))
+        b, _ = policy_forward(policy, second.packed("one_row"))
     assert (a[0] - b[0]).abs().max().item() <= BOUND  # row 0: the same tokens in both batches
 
 
@@ -100,7 +120,8 @@ def test_pack_mode_follows_the_setting_the_family_and_the_attention_kernel():
     flash = SimpleNamespace(model_type="llama", _attn_implementation="flash_attention_2")
     sdpa = SimpleNamespace(model_type="llama", _attn_implementation="sdpa")
     assert pack_mode("auto", flash) == "one_row" and pack_mode("padded", flash) == ""
-    assert pack_mode("auto", sdpa) == "" and pack_mode("packed", sdpa) == "rows"
+    assert pack_mode("auto", sdpa) == "right_padded" and pack_mode("packed", sdpa) == "rows"
+    assert pack_mode("right_padded", flash) == "right_padded" and pack_mode("padded", sdpa) == ""
     unknown = SimpleNamespace(model_type="some_remote_family", _attn_implementation="flash_attention_2")
     assert pack_mode("auto", unknown) == "" and pack_mode("packed", unknown) == "one_row"
 

@@ -275,7 +275,8 @@ def _validate_system(cfg: Config) -> Config:
     _validate_weight_sync(cfg)
     _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
-    _require(lr_.packing in ("auto", "packed", "padded"), "learner.packing", "must be auto, packed or padded",
+    _require(lr_.packing in ("auto", "packed", "right_padded", "padded"), "learner.packing",
+             "must be auto, packed, right_padded or padded",
              lr_.packing)
     for name, role in (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
         _require(role.threads is None or role.threads >= 1, f"{name}.threads", "must be >= 1 or null", role.threads)

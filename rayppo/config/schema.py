@@ -490,14 +490,15 @@ class LearnerConfig:
     padding of a batch's longest response; a row longer than this is a pass of its own. The
     experience pass (values, log pi_prox) is cut the same way. 0: one pass per minibatch."""
     packing: str = "auto"
-    """Padding-free micro-batches (with ``micro_batch_tokens`` > 0): each pass's sequences laid end
-    to end in rows, positions restarted, no attention across them (``models/packing.py``); the
-    same numbers as the padded rows. ``packed``, ``padded``, or ``auto``: packed under
-    flash-attention 2 for the model families whose transformers attention reads packing from the
-    position ids (``models.packing.PACKING_MODELS``), else padded (on the CPU, SDPA's block mask
-    measured no faster than the micro-batches: docs/benchmarks.md).
-    Under flash-attention 2 all of a pass goes in one row (its varlen kernel), else in rows as wide
-    as the pass's longest sequence."""
+    """How a micro-batch's rows are laid out (``models/packing.py``), the same numbers in each:
+    ``padded``, left-padded prompts then right-padded responses, with an attention mask;
+    ``right_padded``, each sequence from column 0, rows as wide as the pass's longest sequence, no
+    attention mask (the padding is after every real token), so SDPA keeps its fused causal kernel;
+    ``packed``, several sequences end to end in a row, positions restarted, no attention across
+    them (one row under flash-attention 2, its varlen kernel; else rows as wide as the longest
+    sequence, which SDPA takes as a block mask). ``auto``: packed under flash-attention 2, else
+    right_padded, for the families whose transformers attention reads the position ids
+    (``models.packing.PACKING_MODELS``); padded for others. Measured: docs/benchmarks.md."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute). The trained
     models run in train mode with every dropout at 0, so checkpointing is active and the first

@@ -18,13 +18,16 @@ PASS_OVERHEAD_TOKENS = 256
 fixed work per call: launches, Python, the optimiser hooks). Cutting rows of like length apart
 saves padding but adds passes; ``token_batches`` weighs one against the other with this."""
 
+LAYOUTS = ("padded", "right_padded", "packed")
+"""How a pass lays out its rows (``token_batches``): what its token count is."""
+
 _EXACT_ROWS = 1024
 """Rows up to which the cut is the exact optimum (the search is rows x rows-per-pass); longer
 sorted lists are cut in runs of this many."""
 
 
 def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
-                  packed: bool = False) -> list[list[int]]:
+                  layout: str = "padded") -> list[list[int]]:
     """Indices of the rows in micro-batches of at most ``budget`` padded tokens each.
 
     Rows are sorted longest first (prompt + response; ties in row order, so the cut is
@@ -34,22 +37,29 @@ def token_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int]
     the budget had room, and long rows are not run one at a time. A row longer than the budget is a
     micro-batch of its own. ``budget`` 0: one batch of every row, in row order (the unbucketed pass).
 
-    ``packed``: the passes run padding-free (``models/packing.py``), so a pass costs its real
-    tokens and fewer passes are cheaper: rows sorted as above fill each pass up to ``budget`` real
-    tokens.
+    ``layout`` says what a pass's rectangle is: ``padded``, rows x (longest prompt + longest
+    response) as above; ``right_padded``, each sequence from column 0, rows x the longest
+    sequence; ``packed``, padding-free (``models/packing.py``): a pass costs its real tokens and
+    fewer passes are cheaper, so rows sorted as above fill each pass up to ``budget`` real tokens.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     n = len(prompt_lengths)
     if len(response_lengths) != n:
         raise ValueError(f"{n} prompt lengths but {len(response_lengths)} response lengths")
     if budget <= 0 or n == 0:
         return [list(range(n))] if n else []
     order = sorted(range(n), key=lambda i: (-(prompt_lengths[i] + response_lengths[i]), i))
-    if packed:
+    if layout == "packed":
         return _filled(order, [prompt_lengths[i] + max(response_lengths[i], 1) for i in range(n)], budget)
+    # right_padded: one width per row, the whole sequence (a prompt of 0 and a response of p + r)
+    joint = layout == "right_padded"
+    prompt = [0 if joint else p for p in prompt_lengths]
+    response = [max(r, 1) + (p if joint else 0) for p, r in zip(prompt_lengths, response_lengths)]
     batches: list[list[int]] = []
     for start in range(0, n, _EXACT_ROWS):
         run = order[start : start + _EXACT_ROWS]
-        cuts = _best_cuts([prompt_lengths[i] for i in run], [max(response_lengths[i], 1) for i in run], budget)
+        cuts = _best_cuts([prompt[i] for i in run], [response[i] for i in run], budget)
         batches += [run[a:b] for a, b in zip(cuts, cuts[1:])]
     return batches
 

@@ -31,7 +31,7 @@ from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
-from rayppo.models.packing import pack_mode
+from rayppo.models.packing import cut_layout, pack_mode
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.weights import WeightsPayload, pack_weights
 
@@ -190,7 +190,7 @@ class LearnerEngine(Engine):
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
         budget = self.cfg.learner.micro_batch_tokens
         minibatches = local_minibatches(plan, torch.tensor(owned, dtype=torch.long), shard.lengths(), self.collective,
-                                        budget, packed=bool(self.pack_mode), trained=shard.trained_tokens())
+                                        budget, cut_layout(self.pack_mode), trained=shard.trained_tokens())
         exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
                                      TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
                                      proximal, first_rows_kept(minibatches), batch_size, budget, self.pack_mode)

@@ -31,6 +31,7 @@ from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
 from rayppo.data.rollout import Rollout, padded
 from rayppo.learner import ppo
+from rayppo.models.packing import cut_layout
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
 
@@ -199,7 +200,7 @@ def forward_batches(batch: PackedBatch, budget: int, chunks: int) -> list[torch.
     rows (the unbucketed passes)."""
     if budget > 0:
         return [torch.tensor(rows, dtype=torch.long)
-                for rows in token_batches(*batch.lengths(), budget, packed=bool(batch.pack_mode))]
+                for rows in token_batches(*batch.lengths(), budget, cut_layout(batch.pack_mode))]
     return list(torch.arange(batch.mask.shape[0]).tensor_split(chunks))  # an empty run: a placeholder pass
 
 

@@ -74,11 +74,11 @@ PLACEHOLDER_ROW = torch.zeros(1, dtype=torch.long)
 
 def local_minibatches(
     plan: list[list[torch.Tensor]], owned: torch.Tensor, lengths: tuple[list[int], list[int]], collective: Collective,
-    micro_batch_tokens: int = 0, packed: bool = False, trained: list[int] | None = None,
+    micro_batch_tokens: int = 0, layout: str = "padded", trained: list[int] | None = None,
 ) -> list[Minibatch]:
     """This rank's part of each planned minibatch, cut into micro-batches of at most
-    ``micro_batch_tokens`` padded tokens (0: one per minibatch; ``packed``: real tokens, for passes
-    run padding-free); ``owned``: the global rows this rank holds, in local order; ``lengths``:
+    ``micro_batch_tokens`` tokens as ``layout`` lays a pass out (``data.micro_batches.token_batches``;
+    0: one per minibatch); ``owned``: the global rows this rank holds, in local order; ``lengths``:
     (prompt, response) tokens of its rows; ``trained``: the tokens of each row the loss counts
     (``Rollout.trained_tokens``: a multi-turn episode's action tokens; default its response), which
     the token shares weigh.
@@ -91,7 +91,7 @@ def local_minibatches(
     local_of = local_index(owned, sum(len(rows) for rows in plan[0]))
     parts = [_local_rows(rows, local_of) for epoch in plan for rows in epoch]
     cuts = [[mine[torch.tensor(b, dtype=torch.long)] for b in token_batches([prompt[i] for i in mine.tolist()],
-             [response[i] for i in mine.tolist()], micro_batch_tokens, packed)] for mine in parts]
+             [response[i] for i in mine.tolist()], micro_batch_tokens, layout)] for mine in parts]
     counts = collective.max(torch.tensor([float(max(len(c), 1)) for c in cuts], dtype=torch.float64))
     local = torch.tensor([[float(sum(counted[i] for i in m.tolist())), float(len(m))] for m in parts],
                          dtype=torch.float64)
@@ -228,7 +228,8 @@ def ppo_update(
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
     # Every rank's passes over the whole update (all epochs): what padding costs the learner.
     out["tokens/learn_processed"], out["tokens/learn_real"] = float(summed[-2]), float(summed[-1])
-    out["tokens/learn_packed"] = float(bool(exp.batch.pack_mode))
+    out["tokens/learn_packed"] = float(exp.batch.pack_mode in ("rows", "one_row"))
+    out["tokens/learn_right_padded"] = float(exp.batch.pack_mode == "right_padded")
     summed = summed[:-2]
     if asynchronous:
         return out | mismatch

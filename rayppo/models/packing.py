@@ -29,19 +29,29 @@ PACKING_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe",
 
 
 def pack_mode(setting: str, config: Any) -> str:
-    """``PackedBatch.pack_mode`` for ``learner.packing`` (``auto``, ``packed``, ``padded``) and a
-    model's transformers config: ``one_row`` under flash-attention 2 (its varlen kernel takes one
-    packed row, ``_is_packed_sequence``), ``rows`` otherwise, ``""`` when padded.
+    """``PackedBatch.pack_mode`` for ``learner.packing`` (``auto``, ``packed``, ``right_padded``,
+    ``padded``) and a model's transformers config: ``one_row`` under flash-attention 2 (its varlen
+    kernel takes one packed row, ``_is_packed_sequence``), ``rows`` for other packed attention,
+    ``right_padded`` for one sequence per row, ``""`` for the padded layout.
 
-    ``auto`` packs under flash-attention 2 only. SDPA and eager attention take packing as an
-    explicit block mask, which on the CPU leaves torch's fused causal kernel: measured on
-    ``small-varlen`` (docs/benchmarks.md), packed passes were no faster than the token-budget
-    micro-batches' (6.61 against 6.72 s per 1k tokens) and one packed pass per minibatch slower
-    (8.07), so the padded micro-batches stay."""
+    ``auto``: ``one_row`` under flash-attention 2, else ``right_padded`` (for ``PACKING_MODELS``).
+    SDPA and eager attention take packing as an explicit block mask, which on the CPU leaves
+    torch's fused causal kernel: packed passes measured no faster than the padded micro-batches on
+    ``small-varlen`` (docs/benchmarks.md). One sequence per row needs no mask at all (the filler
+    is after every real token), so it keeps the fused causal kernel, and its rows are as wide as
+    the pass's longest sequence rather than its longest prompt plus its longest response."""
     flash = getattr(config, "_attn_implementation", None) == "flash_attention_2"
-    if setting == "padded" or (setting == "auto" and not (flash and getattr(config, "model_type", None) in PACKING_MODELS)):
+    known = getattr(config, "model_type", None) in PACKING_MODELS
+    if setting == "padded" or (setting == "auto" and not known):
         return ""
+    if setting == "right_padded" or (setting == "auto" and not flash):
+        return "right_padded"
     return "one_row" if flash else "rows"
+
+
+def cut_layout(mode: str) -> str:
+    """The ``data.micro_batches.token_batches`` layout whose token count prices a pass of ``mode``."""
+    return {"": "padded", "right_padded": "right_padded"}.get(mode, "packed")
 
 
 @dataclass
@@ -64,21 +74,25 @@ class RowPacking:
         return self.input_ids.numel()
 
 
-def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, one_row: bool = False) -> RowPacking:
+def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, mode: str = "rows") -> RowPacking:
     """Pack the real tokens of each row of ``input_ids`` [B, L] (``attention_mask`` 1 on them, one
     contiguous run per row, as ``sequences.pack`` lays them out).
 
-    ``one_row``: every sequence in one row (flash-attention's varlen kernel); else rows as wide as
-    the longest sequence, filled first-fit longest first, so no packed row is wider than a padded
-    one (attention over a packed row costs what the padded row's did) while the filler shrinks to
-    what the fit leaves.
+    ``mode``: ``one_row``, every sequence in one row (flash-attention's varlen kernel); ``rows``,
+    rows as wide as the longest sequence, filled first-fit longest first, so no packed row is
+    wider than a padded one (attention over a packed row costs what the padded row's did) while
+    the filler shrinks to what the fit leaves; ``right_padded``, each sequence alone in its row
+    from column 0 with the filler after it *continuing* its positions, so transformers sees one
+    plain sequence per row (no packing, no mask: causal attention never reads a later column).
     """
+    if mode not in ("rows", "one_row", "right_padded"):
+        raise ValueError(f"pack mode must be rows, one_row or right_padded, got {mode!r}")
     lengths = attention_mask.sum(dim=1).tolist()
     starts = attention_mask.argmax(dim=1).tolist()  # the first real column of each row
-    width = sum(lengths) if one_row else max(max(lengths), 1)
-    bins: list[list[int]] = []  # rows of each packed row
+    width = sum(lengths) if mode == "one_row" else max(max(lengths), 1)
+    bins: list[list[int]] = [[row] for row in range(len(lengths))] if mode == "right_padded" else []
     room: list[int] = []
-    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for row in [] if bins else sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         fit = next((j for j, free in enumerate(room) if free >= lengths[row]), None)
         if fit is None:
             bins.append([])
@@ -98,7 +112,9 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, one_ro
             index[row] = r * width + offset  # padding columns: the row's first token
             index[row, start : start + n] = r * width + offset + torch.arange(n)
             offset += n
-        positions[r, offset:] = torch.arange(width - offset)  # filler: a sequence of its own
+        # filler: a sequence of its own; right_padded: the row's sequence going on (no packing seen)
+        first = offset if mode == "right_padded" else 0
+        positions[r, offset:] = torch.arange(first, first + width - offset)
     return RowPacking(packed, positions, index)
 
 

@@ -43,7 +43,8 @@ class PackedBatch:
     back in this layout; ``rows`` and ``trimmed`` drop it (``trimmed`` packs again, by ``pack_mode``)."""
     pack_mode: str = ""
     """How ``trimmed`` packs its rows: ``""`` not at all, ``"rows"`` in rows as wide as the longest
-    sequence (SDPA, eager), ``"one_row"`` all in one row (flash-attention's varlen kernel)."""
+    sequence (SDPA, eager), ``"one_row"`` all in one row (flash-attention's varlen kernel),
+    ``"right_padded"`` one sequence per row from column 0 (no attention mask)."""
     response_mask: torch.Tensor | None = None
     """[B, T] float: 1 on every real token after the prompt, observations included (multi-turn);
     None: ``mask`` (single-turn rows, where the two are the same)."""
@@ -66,9 +67,9 @@ class PackedBatch:
             None if self.response_mask is None else self.response_mask.to(device),
         )
 
-    def packed(self, one_row: bool = False) -> "PackedBatch":
-        """The same batch, its forward run on padding-free rows (``models.packing``)."""
-        return dataclasses.replace(self, packing=pack_sequences(self.input_ids, self.attention_mask, one_row))
+    def packed(self, mode: str = "rows") -> "PackedBatch":
+        """The same batch, its forward run on the rows of ``models.packing.pack_sequences(mode)``."""
+        return dataclasses.replace(self, packing=pack_sequences(self.input_ids, self.attention_mask, mode))
 
     @property
     def processed_tokens(self) -> int:
@@ -117,7 +118,7 @@ class PackedBatch:
             pack_mode=self.pack_mode,
             response_mask=None if self.response_mask is None else self.response_mask[:, :response_width],
         )
-        return cut.packed(one_row=self.pack_mode == "one_row") if self.pack_mode else cut
+        return cut.packed(self.pack_mode) if self.pack_mode else cut
 
     def lengths(self) -> tuple[list[int], list[int]]:
         """``(prompt lengths, response lengths)`` of the rows, in tokens."""
