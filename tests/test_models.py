@@ -102,7 +102,9 @@ def test_reference_engine_equals_policy_forward(embedded_dir, tokenizer, policy)
     prompt_ids, response_ids = pairs(tokenizer)
     rollout = Rollout(prompt_ids, response_ids, [[0.0] * len(r) for r in response_ids], ["stop"] * 3,
                       PROMPTS, ["", "", ""])
-    ref = ReferenceEngine(str(embedded_dir), temperature=1.0, batch_size=2).ref_logprobs(rollout)
+    engine = ReferenceEngine(str(embedded_dir), temperature=1.0, batch_size=2)
+    assert engine.layout == "right_padded"  # a Llama: one sequence per row, no mask (the padded path below)
+    ref = engine.ref_logprobs(rollout)
     with torch.no_grad():
         expected, _ = policy_forward(policy, pack(prompt_ids, response_ids, tokenizer.pad_token_id))
     for i, r in enumerate(response_ids):

@@ -8,6 +8,7 @@ from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from rayppo.models.packing import cut_layout, scoring_layout
 from rayppo.models.sequences import pack, policy_forward
 
 
@@ -28,6 +29,7 @@ class ReferenceEngine(Engine):
         self.temperature = temperature
         self.batch_size = batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.layout = scoring_layout(getattr(self.model.config, "model_type", None))
 
     def describe(self) -> str:
         return f"transformers, {model_size(self.model)}, {self.device_info()}"
@@ -36,10 +38,12 @@ class ReferenceEngine(Engine):
     def ref_logprobs(self, rollout: Rollout) -> list[list[float]]:
         """``[B][T_b]`` log pi_ref(y_t | S_{t-1}) for every response token (0 on an episode's observation tokens)."""
         out: list[list[float]] = [[] for _ in range(len(rollout))]
-        # Micro-batches of about equal padded tokens (``reference.micro_batch_tokens``), or fixed runs of rows.
-        for rows in scoring_batches(*rollout.lengths(), self.micro_batch_tokens, self.batch_size):
+        # Micro-batches of about equal processed tokens (``reference.micro_batch_tokens``), or fixed runs of rows.
+        lengths = rollout.lengths()
+        for rows in scoring_batches(*lengths, self.micro_batch_tokens, self.batch_size, cut_layout(self.layout)):
             part = rollout.select(rows)
-            batch = pack(part.prompt_ids, part.response_ids, self.pad_id, part.action_mask).to(self.device)
+            batch = pack(part.prompt_ids, part.response_ids, self.pad_id, part.action_mask)
+            batch = (batch.packed(self.layout) if self.layout else batch).to(self.device)
             logprobs, _ = policy_forward(self.model, batch, self.temperature)
             for i, row, ids in zip(rows, logprobs, part.response_ids):
                 out[i] = row[: len(ids)].tolist()

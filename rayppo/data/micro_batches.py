@@ -99,11 +99,11 @@ def _best_cuts(prompt: list[int], response: list[int], budget: int) -> list[int]
 
 
 def scoring_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
-                    rows_per_batch: int) -> list[list[int]]:
-    """The forward passes of a scorer (reference, reward model): ``token_batches`` of ``budget``,
-    or with ``budget`` 0 runs of ``rows_per_batch`` consecutive rows."""
+                    rows_per_batch: int, layout: str = "padded") -> list[list[int]]:
+    """The forward passes of a scorer (reference, reward model): ``token_batches`` of ``budget``
+    for passes laid out as ``layout``, or with ``budget`` 0 runs of ``rows_per_batch`` consecutive rows."""
     if budget > 0:
-        return token_batches(prompt_lengths, response_lengths, budget)
+        return token_batches(prompt_lengths, response_lengths, budget, layout)
     n = len(prompt_lengths)
     return [list(range(start, min(start + rows_per_batch, n))) for start in range(0, n, rows_per_batch)]
 

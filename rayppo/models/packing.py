@@ -49,6 +49,13 @@ def pack_mode(setting: str, config: Any) -> str:
     return "one_row" if flash else "rows"
 
 
+def scoring_layout(model_type: str | None) -> str:
+    """How a scorer without gradients (the reference) lays out its passes: one sequence per row
+    for ``PACKING_MODELS`` (no attention mask, rows as wide as the longest sequence; also fine
+    under flash-attention, whose causal kernel needs no mask either), else the padded layout."""
+    return "right_padded" if model_type in PACKING_MODELS else ""
+
+
 def cut_layout(mode: str) -> str:
     """The ``data.micro_batches.token_batches`` layout whose token count prices a pass of ``mode``."""
     return {"": "padded", "right_padded": "right_padded"}.get(mode, "packed")
