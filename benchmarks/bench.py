@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -412,20 +413,23 @@ def stage_tokens(cfg: Config, rollout, learn: dict[str, float]) -> dict[str, dic
     (``tokens/learn_*``, every epoch). Generation pads nothing (vLLM's paged KV cache)."""
     from rayppo.data.micro_batches import padded_tokens, scoring_batches
     from rayppo.models.loading import resolve_model_path
-    from rayppo.models.packing import scoring_layout
+    from rayppo.models.packing import cut_layout, scoring_layout
 
     prompt, response = rollout.lengths()
     whole = [a + b for a, b in zip(prompt, response)]
     none = [0] * len(whole)  # the reward model scores each text whole (re-tokenised; here the same tokenizer)
     reward = scoring_batches(none, whole, cfg.reward.micro_batch_tokens, cfg.reward.batch_size)
-    # The reference engine's layout (``ReferenceEngine.layout``): right-padded rows cost their whole sequence.
+    # The reference engine's layout (``ReferenceEngine.layout``): right-padded rows cost their whole
+    # sequence, packed ones (varlen, flash-attention's one row) their real tokens.
     reference_config = resolve_model_path(cfg.model.reference or cfg.model.policy) / "config.json"
-    right_padded = scoring_layout(json.loads(reference_config.read_text()).get("model_type")) == "right_padded"
-    split = (none, whole) if right_padded else (prompt, response)
-    reference = scoring_batches(*split, cfg.reference.micro_batch_tokens, 64)
+    mode = scoring_layout(SimpleNamespace(**json.loads(reference_config.read_text())))
+    layout = mode or "padded"
+    split = (none, whole) if mode else (prompt, response)
+    reference = scoring_batches(*split, cfg.reference.micro_batch_tokens, 64, cut_layout(mode))
+    packed = mode in ("varlen", "one_row")
     out = {"generate": {"real": sum(response), "processed": sum(response)},
-           "reference": {"real": sum(whole), "processed": padded_tokens(*split, reference),
-                         "layout": "right_padded" if right_padded else "padded"},
+           "reference": {"real": sum(whole), "processed": sum(whole) if packed else padded_tokens(*split, reference),
+                         "layout": layout},
            "reward": {"real": sum(whole), "processed": padded_tokens(none, whole, reward)}}
     if "tokens/learn_real" in learn:
         out["learn"] = {"real": learn["tokens/learn_real"], "processed": learn["tokens/learn_processed"],

@@ -1,7 +1,7 @@
 """Learner seconds per response token: long-tailed against fixed lengths, per pass layout.
 
     python benchmarks/learner_layouts.py [--workload small-varlen] [--repeats 3]
-        [--layouts padded,right_padded] [--out results.jsonl]
+        [--layouts padded,right_padded,packed] [--out results.jsonl]
 
 Runs ``learner_step.py`` (one PPO update of 256 rows, timed after a warm-up update) for every
 (lengths, ``learner.packing``) pair, interleaved round by round so that a slow spell of a shared
@@ -35,7 +35,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="small-varlen")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; every pair runs once per round")
-    parser.add_argument("--layouts", default="padded,right_padded", help="learner.packing values, comma-separated")
+    parser.add_argument("--layouts", default="padded,right_padded,packed",
+                        help="learner.packing values, comma-separated (packed: one row, attention per sequence on SDPA)")
     parser.add_argument("--out", type=Path, help="append every run's JSON line here")
     args = parser.parse_args()
     pairs = [(lengths, layout) for layout in args.layouts.split(",") for lengths in ("long-tail", "fixed:35")]

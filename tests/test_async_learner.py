@@ -432,6 +432,30 @@ def test_first_minibatch_reuses_the_experience_value_pass(models, tokenizer):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_the_kept_first_minibatch_runs_at_its_own_width(models, tokenizer):
+    """The experience pass's kept value forward of the first minibatch, and the update's policy
+    pass over those rows, are cut to the rows' own widths like every other pass (they ran at the
+    whole batch's widths: on long-tailed lengths a first minibatch padded to the longest row)."""
+    cfg = PPOConfig(epochs=1, minibatches=3)
+    rollout = _rollout(tokenizer, versions=[0] * 6)
+    policy, critic = _copies(models)
+    _set_logprobs(rollout, _learner_logprobs(policy, rollout, tokenizer.pad_token_id, 1).float())
+    plan = minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)
+    minibatches = local_minibatches(plan, torch.arange(6), rollout.lengths(), LocalCollective())
+    first = first_rows_kept(minibatches)
+    prompt, response = rollout.lengths()
+    own = max(prompt[i] for i in first.tolist()) + max(response[i] for i in first.tolist())
+    assert own < max(prompt) + max(response)  # the first minibatch lacks the longest row: the test can fail
+    shapes: dict[str, list[tuple[int, ...]]] = {"critic": [], "policy": []}
+    for name, model in (("critic", critic), ("policy", policy)):
+        model.register_forward_pre_hook(lambda _m, args, kwargs, name=name: shapes[name].append(
+            tuple((args[0] if args else kwargs["input_ids"]).shape)), with_kwargs=True)
+    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=first)
+    assert shapes["critic"][-1] == (len(first), own)  # the kept forward, the experience pass's last
+    ppo_update(policy, critic, exp, minibatches, cfg, TEMPERATURE, _stepper(policy, critic))
+    assert shapes["policy"][0] == (len(first), own)
+
+
 def test_a_rank_without_first_minibatch_rows_still_runs_one_placeholder_row():
     """Under ZeRO-3 every rank must run the kept forward: a rank owning none of the first
     minibatch's rows keeps its row 0 (share 0), as ``local_minibatches`` does."""

@@ -88,10 +88,9 @@ def test_summary_counts_real_tokens_and_what_padding_costs(bench):
     assert s["lengths"] == {"mean": 5.0, "p50": 8, "p90": 8, "max": 8, "truncated_share": 0.5}
     t = s["stage_tokens"]
     assert t["generate"] == {"real": 20, "processed": 20, "padding_factor": 1.0}
-    # The reference (a Llama: one sequence per row): one pass of 4 rows x the longest sequence (2 + 8),
-    # not x (the longest prompt 3 + the longest response 8), over 28 real tokens.
-    assert t["reference"]["real"] == 28 and t["reference"]["processed"] == 4 * 10
-    assert t["reference"]["layout"] == "right_padded"
+    # The reference (a Llama on SDPA: the sequences end to end in one row, attention per sequence)
+    # processes its 28 real tokens, not 4 rows x (the longest prompt 3 + the longest response 8).
+    assert t["reference"] == {"real": 28, "processed": 28, "layout": "varlen", "padding_factor": 1.0}
     # The reward model: runs of 2 whole texts, (10, 4) then (4, 10) tokens, each padded to 10.
     assert t["reward"]["processed"] == 2 * 10 + 2 * 10
     assert t["learn"] == {"real": 30.0, "processed": 45.0, "layout": "padded", "padding_factor": 1.5}

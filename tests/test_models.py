@@ -103,7 +103,7 @@ def test_reference_engine_equals_policy_forward(embedded_dir, tokenizer, policy)
     rollout = Rollout(prompt_ids, response_ids, [[0.0] * len(r) for r in response_ids], ["stop"] * 3,
                       PROMPTS, ["", "", ""])
     engine = ReferenceEngine(str(embedded_dir), temperature=1.0, batch_size=2)
-    assert engine.layout == "right_padded"  # a Llama: one sequence per row, no mask (the padded path below)
+    assert engine.layout == "varlen"  # a Llama on SDPA: one packed row, attention per sequence (the padded path below)
     ref = engine.ref_logprobs(rollout)
     with torch.no_grad():
         expected, _ = policy_forward(policy, pack(prompt_ids, response_ids, tokenizer.pad_token_id))

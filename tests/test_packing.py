@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayppo.models.loading import Critic, load_causal_lm
+from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.packing import pack_sequences, unpack
 from rayppo.models.sequences import critic_forward, pack, policy_forward
+from rayppo.models.varlen_attention import use_varlen_attention
 
 # fp64 on both paths: a wrong mask, position or gather shows as O(0.1) differences, while the
 # packed and padded passes only sum the same terms in another order. Each output is a chain of
@@ -31,12 +32,13 @@ def test_pack_sequences_lays_rows_end_to_end_and_unpack_restores_the_layout():
 
     batch = ragged_batch(50, 0)
     real = batch.attention_mask.bool()
-    for mode in ("rows", "one_row", "right_padded"):
+    for mode in ("rows", "one_row", "varlen", "right_padded"):
         packing = pack_sequences(batch.input_ids, batch.attention_mask, mode)
         # sequences of 4, 15, 6, 17, 3, 13, 8 tokens: one row of all 66, or rows as wide as the longest
         # (17) filled first-fit longest first: 17 | 15 | 13 + 4 | 8 + 6 + 3 (7 sequences in 4 rows, not 7),
         # or each alone in a row of 17 (not 6 + 12 = 18 wide, the padded layout's longest prompt + response)
-        assert packing.input_ids.shape == {"one_row": (1, 66), "rows": (4, 17), "right_padded": (7, 17)}[mode]
+        assert packing.input_ids.shape == {"one_row": (1, 66), "varlen": (1, 66), "rows": (4, 17),
+                                           "right_padded": (7, 17)}[mode]
         restored = unpack(packing.input_ids[..., None], packing)[..., 0]
         assert torch.equal(restored[real], batch.input_ids[real])  # every real token comes back in place
         assert torch.equal(unpack(packing.position_ids[..., None], packing)[..., 0][real], batch.position_ids[real])
@@ -64,16 +66,22 @@ def test_right_padded_rows_start_at_column_zero_and_read_as_unpacked():
     assert find_packed_sequence_indices(packing.position_ids) is None
     for row, n in enumerate(batch.attention_mask.sum(dim=1).tolist()):
         assert torch.equal(packing.input_ids[row, :n], batch.input_ids[row][batch.attention_mask[row].bool()])
-    with pytest.raises(ValueError, match="pack mode must be rows, one_row or right_padded, got 'columns'"):
+    with pytest.raises(ValueError, match="pack mode must be rows, one_row, varlen or right_padded, got 'columns'"):
         pack_sequences(batch.input_ids, batch.attention_mask, "columns")
 
 
-@pytest.mark.parametrize("mode", ["rows", "one_row", "right_padded"],
-                         ids=["rows of the longest", "one row (flash varlen)", "one sequence per row, no mask"])
+@pytest.mark.parametrize("mode", ["rows", "one_row", "varlen", "varlen checkpointed", "right_padded"],
+                         ids=["rows of the longest", "one row (flash varlen)", "one row, SDPA per sequence",
+                              "the same under activation checkpointing", "one sequence per row, no mask"])
 def test_packed_forward_equals_the_padded_one_with_gradients(embedded_dir, tokenizer, mode):
     torch.manual_seed(0)
-    policy = load_causal_lm(embedded_dir).double()
-    critic = Critic.from_pretrained(embedded_dir).double()
+    checkpointed = mode.endswith(" checkpointed")  # the layers' recompute must get the segments again
+    mode = mode.split()[0]
+    policy = prepare_for_training(load_causal_lm(embedded_dir).double(), gradient_checkpointing=checkpointed)
+    critic = prepare_for_training(Critic.from_pretrained(embedded_dir).double(), gradient_checkpointing=checkpointed)
+    if mode == "varlen":  # the padded pass below then runs through it too, as SDPA (its fallback)
+        use_varlen_attention(policy)
+        use_varlen_attention(critic)
     batch = ragged_batch(len(tokenizer), tokenizer.pad_token_id)
     packed = batch.packed(mode)
     weights = torch.randn(batch.mask.shape, dtype=torch.float64)
@@ -93,21 +101,24 @@ def test_packed_forward_equals_the_padded_one_with_gradients(embedded_dir, token
     for name, g in grads[0].items():
         assert (g - grads[1][name]).abs().max().item() <= BOUND * (1 + g.abs().max().item()), name
     # and the packed pass really is another computation: fewer tokens than the padded rectangle
-    assert packed.packing.processed_tokens < batch.input_ids.numel() or mode == "one_row"
+    assert packed.packing.processed_tokens < batch.input_ids.numel()
 
 
-def test_a_sequence_in_a_packed_row_does_not_see_its_neighbours(embedded_dir, tokenizer):
+@pytest.mark.parametrize("mode", ["one_row", "varlen"])
+def test_a_sequence_in_a_packed_row_does_not_see_its_neighbours(embedded_dir, tokenizer, mode):
     """The same sequence packed beside different neighbours gives the same log-probs (a leak of
     attention across sequences would change them)."""
     policy = load_causal_lm(embedded_dir).double().eval()
+    if mode == "varlen":
+        use_varlen_attention(policy)
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (5, 12, 3, 4, 2, 2, 6, 1, 4, 3)]
     pad = tokenizer.pad_token_id
     first = pack([rows[0], rows[2], rows[4]], [rows[1], rows[3], rows[5]], pad)
     second = pack([rows[0], rows[6], rows[8]], [rows[1], rows[7], rows[9]], pad)
     with torch.no_grad():
-        a, _ = policy_forward(policy, first.packed("one_row"))
-        b, _ = policy_forward(policy, second.packed("one_row"))
+        a, _ = policy_forward(policy, first.packed(mode))
+        b, _ = policy_forward(policy, second.packed(mode))
     assert (a[0] - b[0]).abs().max().item() <= BOUND  # row 0: the same tokens in both batches
 
 
@@ -116,12 +127,24 @@ def test_pack_mode_follows_the_setting_the_family_and_the_attention_kernel():
 
     from rayppo.models.packing import pack_mode
 
-    # auto: packed under flash-attention 2 for the known families; SDPA measured no faster packed on the CPU
+    # auto: one packed row where attention runs per sequence without a mask (flash-attention's varlen
+    # kernel, or SDPA per sequence), one sequence per row for the other known families, else padded
     flash = SimpleNamespace(model_type="llama", _attn_implementation="flash_attention_2")
     sdpa = SimpleNamespace(model_type="llama", _attn_implementation="sdpa")
     assert pack_mode("auto", flash) == "one_row" and pack_mode("padded", flash) == ""
-    assert pack_mode("auto", sdpa) == "right_padded" and pack_mode("packed", sdpa) == "rows"
+    assert pack_mode("auto", sdpa) == "varlen" and pack_mode("packed", sdpa) == "varlen"
     assert pack_mode("right_padded", flash) == "right_padded" and pack_mode("padded", sdpa) == ""
+    # Gemma 2 soft-caps its attention scores (not plain SDPA): a block mask only when asked to pack
+    capped = SimpleNamespace(model_type="gemma2", _attn_implementation="sdpa")
+    assert pack_mode("auto", capped) == "right_padded" and pack_mode("packed", capped) == "rows"
+    # a sliding window shorter than the positions: SDPA per sequence would ignore it
+    windowed = SimpleNamespace(model_type="mistral", _attn_implementation="sdpa", sliding_window=64,
+                               max_position_embeddings=4096)
+    wide = SimpleNamespace(model_type="mistral", _attn_implementation="sdpa", sliding_window=4096,
+                           max_position_embeddings=4096)
+    assert pack_mode("auto", windowed) == "right_padded" and pack_mode("auto", wide) == "varlen"
+    eager = SimpleNamespace(model_type="llama", _attn_implementation="eager")
+    assert pack_mode("auto", eager) == "right_padded"
     unknown = SimpleNamespace(model_type="some_remote_family", _attn_implementation="flash_attention_2")
     assert pack_mode("auto", unknown) == "" and pack_mode("packed", unknown) == "one_row"
 

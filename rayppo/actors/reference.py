@@ -10,6 +10,7 @@ from rayppo.engine import Engine, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.packing import cut_layout, scoring_layout
 from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.varlen_attention import use_varlen_attention
 
 
 class ReferenceEngine(Engine):
@@ -29,7 +30,9 @@ class ReferenceEngine(Engine):
         self.temperature = temperature
         self.batch_size = batch_size
         self.micro_batch_tokens = micro_batch_tokens
-        self.layout = scoring_layout(getattr(self.model.config, "model_type", None))
+        self.layout = scoring_layout(self.model.config)
+        if self.layout == "varlen":
+            use_varlen_attention(self.model)
 
     def describe(self) -> str:
         return f"transformers, {model_size(self.model)}, {self.device_info()}"

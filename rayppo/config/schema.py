@@ -495,10 +495,12 @@ class LearnerConfig:
     ``right_padded``, each sequence from column 0, rows as wide as the pass's longest sequence, no
     attention mask (the padding is after every real token), so SDPA keeps its fused causal kernel;
     ``packed``, several sequences end to end in a row, positions restarted, no attention across
-    them (one row under flash-attention 2, its varlen kernel; else rows as wide as the longest
-    sequence, which SDPA takes as a block mask). ``auto``: packed under flash-attention 2, else
-    right_padded, for the families whose transformers attention reads the position ids
-    (``models.packing.PACKING_MODELS``); padded for others. Measured: docs/benchmarks.md."""
+    them: one row under flash-attention 2 (its varlen kernel) and under SDPA for the plain-causal
+    families of ``models.varlen_attention.VARLEN_MODELS`` (attention per sequence, fused kernel,
+    no block mask), else rows as wide as the longest sequence, which SDPA takes as a block mask.
+    ``auto``: packed where no block mask is needed, else right_padded for the families whose
+    transformers attention reads the position ids (``models.packing.PACKING_MODELS``), else padded.
+    The reference's passes follow the same choice. Measured: docs/benchmarks.md."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute). The trained
     models run in train mode with every dropout at 0, so checkpointing is active and the first

@@ -32,6 +32,7 @@ from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.packing import cut_layout, pack_mode
+from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.weights import WeightsPayload, pack_weights
 
@@ -161,6 +162,10 @@ class LearnerEngine(Engine):
         modes = {pack_mode(cfg.learner.packing, getattr(getattr(model, "backbone", model), "config", None))
                  for model in (policy, critic) if model is not None}
         self.pack_mode = modes.pop() if len(modes) == 1 else ""
+        if self.pack_mode == "varlen":
+            for model in (policy, critic):
+                if model is not None:
+                    use_varlen_attention(model)
         self.policy, *_ = deepspeed.initialize(
             model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad], config=policy_ds)
         self.critic = None  # a critic-free estimator: no model, optimizer, value pass or checkpoint

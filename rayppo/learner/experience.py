@@ -346,8 +346,9 @@ def _critic_values(critic: torch.nn.Module | None, batch: PackedBatch, first_row
                                           forward_batches(others, budget, 1), collective, budget > 0)
     if first_rows is None:
         return values, last_values, None
-    with torch.enable_grad():
-        first_values, first_last = critic_forward(critic, batch.rows(first_rows))
+    with torch.enable_grad():  # at the rows' own widths (and packed, by pack_mode), as the update's pass would be
+        first_values, first_last = critic_forward(critic, batch.rows(first_rows).trimmed())
+        first_values = torch.nn.functional.pad(first_values, (0, batch.mask.shape[1] - first_values.shape[1]))
     all_values, all_last = first_values.new_zeros(batch.mask.shape), first_last.new_zeros(batch.mask.shape[0])
     if rest.any():
         all_values[rest], all_last[rest] = values, last_values

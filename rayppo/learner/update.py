@@ -203,8 +203,8 @@ def ppo_update(
         for mb in micro_batches:
             # The first minibatch's value forward is the experience pass's (kept graph) when it is one
             # micro-batch: its backward goes first, which frees that graph before the policy's forward.
-            kept = exp.first_values if i == 0 else None
-            part = exp.rows(mb.rows) if kept is not None else exp.micro(mb.rows)
+            part = exp.micro(mb.rows)
+            kept = exp.first_values[:, : part.batch.mask.shape[1]] if i == 0 and exp.first_values is not None else None
             processed += part.batch.processed_tokens  # padding included; real tokens stay on the device (no sync)
             real = real + part.batch.attention_mask.sum()
             value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
@@ -228,7 +228,7 @@ def ppo_update(
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
     # Every rank's passes over the whole update (all epochs): what padding costs the learner.
     out["tokens/learn_processed"], out["tokens/learn_real"] = float(summed[-2]), float(summed[-1])
-    out["tokens/learn_packed"] = float(exp.batch.pack_mode in ("rows", "one_row"))
+    out["tokens/learn_packed"] = float(exp.batch.pack_mode in ("rows", "one_row", "varlen"))
     out["tokens/learn_right_padded"] = float(exp.batch.pack_mode == "right_padded")
     summed = summed[:-2]
     if asynchronous:

@@ -150,12 +150,13 @@ class Critic(torch.nn.Module):
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
         """``[B, L] -> [B, L]`` float32 values, one per position (``attention_mask`` None: packed
-        rows, read from ``position_ids``; ``models.packing``)."""
+        rows, read from ``position_ids``; ``kwargs``: the attention's, e.g. ``rayppo_segments`` of
+        ``models.varlen_attention``)."""
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 

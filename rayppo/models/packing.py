@@ -17,9 +17,12 @@ model's trunk (the vocabulary head, the value head, the losses) is the padded pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from rayppo.models.varlen_attention import VARLEN_MODELS, VARLEN_SDPA, Segments, segments
 
 PACKING_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
                             "gemma", "gemma2", "gemma3_text", "olmo2", "gpt2"})
@@ -31,29 +34,44 @@ PACKING_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe",
 def pack_mode(setting: str, config: Any) -> str:
     """``PackedBatch.pack_mode`` for ``learner.packing`` (``auto``, ``packed``, ``right_padded``,
     ``padded``) and a model's transformers config: ``one_row`` under flash-attention 2 (its varlen
-    kernel takes one packed row, ``_is_packed_sequence``), ``rows`` for other packed attention,
+    kernel takes one packed row, ``_is_packed_sequence``), ``varlen`` under SDPA for the families of
+    ``VARLEN_MODELS`` without a short sliding window (one packed row, attention per sequence:
+    ``models/varlen_attention.py``), ``rows`` for other packed attention (a block mask),
     ``right_padded`` for one sequence per row, ``""`` for the padded layout.
 
-    ``auto``: ``one_row`` under flash-attention 2, else ``right_padded`` (for ``PACKING_MODELS``).
-    SDPA and eager attention take packing as an explicit block mask, which on the CPU leaves
-    torch's fused causal kernel: packed passes measured no faster than the padded micro-batches on
-    ``small-varlen`` (docs/benchmarks.md). One sequence per row needs no mask at all (the filler
-    is after every real token), so it keeps the fused causal kernel, and its rows are as wide as
-    the pass's longest sequence rather than its longest prompt plus its longest response."""
-    flash = getattr(config, "_attn_implementation", None) == "flash_attention_2"
-    known = getattr(config, "model_type", None) in PACKING_MODELS
-    if setting == "padded" or (setting == "auto" and not known):
+    ``auto`` packs wherever the kernels do no masked work: ``one_row`` or ``varlen``, else
+    ``right_padded`` for ``PACKING_MODELS``, else padded. A block mask (``rows``) leaves torch's
+    fused causal kernel on the CPU and measured no faster than the padded micro-batches on
+    ``small-varlen`` (docs/benchmarks.md), so ``auto`` never picks it. One sequence per row needs
+    no mask (the filler is after every real token) but is as wide as the pass's longest sequence."""
+    implementation = getattr(config, "_attn_implementation", None)
+    model_type = getattr(config, "model_type", None)
+    flash = implementation == "flash_attention_2"
+    varlen = implementation in ("sdpa", VARLEN_SDPA) and model_type in VARLEN_MODELS and not _short_window(config)
+    if setting == "padded" or (setting == "auto" and model_type not in PACKING_MODELS):
         return ""
-    if setting == "right_padded" or (setting == "auto" and not flash):
+    if setting == "right_padded" or (setting == "auto" and not (flash or varlen)):
         return "right_padded"
-    return "one_row" if flash else "rows"
+    return "one_row" if flash else "varlen" if varlen else "rows"
 
 
-def scoring_layout(model_type: str | None) -> str:
-    """How a scorer without gradients (the reference) lays out its passes: one sequence per row
-    for ``PACKING_MODELS`` (no attention mask, rows as wide as the longest sequence; also fine
-    under flash-attention, whose causal kernel needs no mask either), else the padded layout."""
-    return "right_padded" if model_type in PACKING_MODELS else ""
+def _short_window(config: Any) -> bool:
+    """Whether some layer attends through a sliding window shorter than the model's positions
+    (Mistral's ``sliding_window``, or ``layer_types`` naming ``sliding_attention``)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= getattr(config, "max_position_embeddings", 0):
+        return False
+    types = getattr(config, "layer_types", None) or []
+    return "sliding_attention" in types or getattr(config, "model_type", None) in ("mistral", "mixtral", "phi3")
+
+
+def scoring_layout(config: Any) -> str:
+    """How a scorer without gradients (the reference) lays out its passes: ``auto``'s choice for
+    its model (``pack_mode``), taking an unset attention implementation as SDPA (transformers'
+    default where torch has it: a ``config.json`` read before loading)."""
+    if getattr(config, "_attn_implementation", None) is None:
+        config = SimpleNamespace(**{**vars(config), "_attn_implementation": "sdpa"})
+    return pack_mode("auto", config)
 
 
 def cut_layout(mode: str) -> str:
@@ -72,9 +90,22 @@ class RowPacking:
     index: torch.Tensor
     """[B, L] long: where each column of the padded layout sits in the flattened ``[R * W]`` packed
     rows; padding columns point at their row's first token (their outputs are never read)."""
+    segments: Segments | None = None
+    """``varlen`` mode: where each sequence of the one packed row sits, for the attention of
+    ``models/varlen_attention.py`` (a forward's ``rayppo_segments``)."""
 
     def to(self, device: torch.device | str) -> "RowPacking":
-        return RowPacking(self.input_ids.to(device), self.position_ids.to(device), self.index.to(device))
+        return RowPacking(self.input_ids.to(device), self.position_ids.to(device), self.index.to(device),
+                          None if self.segments is None else self.segments.to(device))
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The keyword inputs of a forward over these rows. Packing is read from the position ids
+        (no mask), or under ``varlen`` given as ``rayppo_segments`` with an all-ones mask (which
+        transformers' SDPA mask reads as no mask: no block mask is built)."""
+        if self.segments is None:
+            return {"input_ids": self.input_ids, "attention_mask": None, "position_ids": self.position_ids}
+        return {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids),
+                "position_ids": self.position_ids, "rayppo_segments": self.segments}
 
     @property
     def processed_tokens(self) -> int:
@@ -85,18 +116,19 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, mode: 
     """Pack the real tokens of each row of ``input_ids`` [B, L] (``attention_mask`` 1 on them, one
     contiguous run per row, as ``sequences.pack`` lays them out).
 
-    ``mode``: ``one_row``, every sequence in one row (flash-attention's varlen kernel); ``rows``,
+    ``mode``: ``one_row``, every sequence in one row (flash-attention's varlen kernel); ``varlen``,
+    the same with its ``Segments`` (per-sequence SDPA, ``models/varlen_attention.py``); ``rows``,
     rows as wide as the longest sequence, filled first-fit longest first, so no packed row is
     wider than a padded one (attention over a packed row costs what the padded row's did) while
     the filler shrinks to what the fit leaves; ``right_padded``, each sequence alone in its row
     from column 0 with the filler after it *continuing* its positions, so transformers sees one
     plain sequence per row (no packing, no mask: causal attention never reads a later column).
     """
-    if mode not in ("rows", "one_row", "right_padded"):
-        raise ValueError(f"pack mode must be rows, one_row or right_padded, got {mode!r}")
+    if mode not in ("rows", "one_row", "varlen", "right_padded"):
+        raise ValueError(f"pack mode must be rows, one_row, varlen or right_padded, got {mode!r}")
     lengths = attention_mask.sum(dim=1).tolist()
     starts = attention_mask.argmax(dim=1).tolist()  # the first real column of each row
-    width = sum(lengths) if mode == "one_row" else max(max(lengths), 1)
+    width = sum(lengths) if mode in ("one_row", "varlen") else max(max(lengths), 1)
     bins: list[list[int]] = [[row] for row in range(len(lengths))] if mode == "right_padded" else []
     room: list[int] = []
     for row in [] if bins else sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -122,6 +154,8 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, mode: 
         # filler: a sequence of its own; right_padded: the row's sequence going on (no packing seen)
         first = offset if mode == "right_padded" else 0
         positions[r, offset:] = torch.arange(first, first + width - offset)
+    if mode == "varlen":
+        return RowPacking(packed, positions, index, segments([lengths[row] for row in bins[0]]))
     return RowPacking(packed, positions, index)
 
 

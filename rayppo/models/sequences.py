@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ class PackedBatch:
     pack_mode: str = ""
     """How ``trimmed`` packs its rows: ``""`` not at all, ``"rows"`` in rows as wide as the longest
     sequence (SDPA, eager), ``"one_row"`` all in one row (flash-attention's varlen kernel),
+    ``"varlen"`` all in one row with per-sequence SDPA (``models/varlen_attention.py``),
     ``"right_padded"`` one sequence per row from column 0 (no attention mask)."""
     response_mask: torch.Tensor | None = None
     """[B, T] float: 1 on every real token after the prompt, observations included (multi-turn);
@@ -76,11 +78,11 @@ class PackedBatch:
         """Tokens the forward pass runs on, padding included."""
         return self.input_ids.numel() if self.packing is None else self.packing.processed_tokens
 
-    def model_inputs(self) -> dict[str, torch.Tensor | None]:
-        """The keyword inputs of one forward: the packed rows (no mask: packing is read from the
-        position ids) or the padded ones."""
+    def model_inputs(self) -> dict[str, Any]:
+        """The keyword inputs of one forward: the packed rows' (``RowPacking.model_inputs``) or
+        the padded ones."""
         if self.packing is not None:
-            return {"input_ids": self.packing.input_ids, "attention_mask": None, "position_ids": self.packing.position_ids}
+            return self.packing.model_inputs()
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
     def unpacked(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -249,7 +251,8 @@ def critic_forward(critic: torch.nn.Module, batch: PackedBatch) -> tuple[torch.T
     uses it as the bootstrap of truncated rows (and 0 for rows that ended with EOS).
     """
     inputs = batch.model_inputs()
-    all_values = batch.unpacked(critic(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]))  # [B, P + T]
+    all_values = batch.unpacked(critic(inputs.pop("input_ids"), inputs.pop("attention_mask"), inputs.pop("position_ids"),
+                                       **inputs))  # [B, P + T]
     values = all_values[:, _response_slice(batch)] * batch.mask
     last_column = batch.prompt_width - 1 + batch.token_mask.sum(dim=1).long()
     last_values = all_values.gather(1, last_column.unsqueeze(1)).squeeze(1)
