@@ -137,12 +137,13 @@ def test_pack_mode_follows_the_setting_the_family_and_the_attention_kernel():
     # Gemma 2 soft-caps its attention scores (not plain SDPA): a block mask only when asked to pack
     capped = SimpleNamespace(model_type="gemma2", _attn_implementation="sdpa")
     assert pack_mode("auto", capped) == "right_padded" and pack_mode("packed", capped) == "rows"
-    # a sliding window shorter than the positions: SDPA per sequence would ignore it
-    windowed = SimpleNamespace(model_type="mistral", _attn_implementation="sdpa", sliding_window=64,
+    # any sliding window: transformers masks the whole packed row with it, however long the positions
+    windowed = SimpleNamespace(model_type="mistral", _attn_implementation="sdpa", sliding_window=4096,
                                max_position_embeddings=4096)
-    wide = SimpleNamespace(model_type="mistral", _attn_implementation="sdpa", sliding_window=4096,
-                           max_position_embeddings=4096)
-    assert pack_mode("auto", windowed) == "right_padded" and pack_mode("auto", wide) == "varlen"
+    unwindowed = SimpleNamespace(model_type="mistral", _attn_implementation="sdpa", sliding_window=None)
+    assert pack_mode("auto", windowed) == "right_padded" and pack_mode("auto", unwindowed) == "varlen"
+    off = SimpleNamespace(model_type="qwen2_moe", _attn_implementation="sdpa", sliding_window=0)
+    assert pack_mode("auto", off) == "right_padded"  # builds its sliding mask regardless
     eager = SimpleNamespace(model_type="llama", _attn_implementation="eager")
     assert pack_mode("auto", eager) == "right_padded"
     unknown = SimpleNamespace(model_type="some_remote_family", _attn_implementation="flash_attention_2")

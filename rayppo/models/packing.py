@@ -35,7 +35,7 @@ def pack_mode(setting: str, config: Any) -> str:
     """``PackedBatch.pack_mode`` for ``learner.packing`` (``auto``, ``packed``, ``right_padded``,
     ``padded``) and a model's transformers config: ``one_row`` under flash-attention 2 (its varlen
     kernel takes one packed row, ``_is_packed_sequence``), ``varlen`` under SDPA for the families of
-    ``VARLEN_MODELS`` without a short sliding window (one packed row, attention per sequence:
+    ``VARLEN_MODELS`` without a sliding window (one packed row, attention per sequence:
     ``models/varlen_attention.py``), ``rows`` for other packed attention (a block mask),
     ``right_padded`` for one sequence per row, ``""`` for the padded layout.
 
@@ -47,7 +47,7 @@ def pack_mode(setting: str, config: Any) -> str:
     implementation = getattr(config, "_attn_implementation", None)
     model_type = getattr(config, "model_type", None)
     flash = implementation == "flash_attention_2"
-    varlen = implementation in ("sdpa", VARLEN_SDPA) and model_type in VARLEN_MODELS and not _short_window(config)
+    varlen = implementation in ("sdpa", VARLEN_SDPA) and model_type in VARLEN_MODELS and not _sliding_window(config)
     if setting == "padded" or (setting == "auto" and model_type not in PACKING_MODELS):
         return ""
     if setting == "right_padded" or (setting == "auto" and not (flash or varlen)):
@@ -55,14 +55,13 @@ def pack_mode(setting: str, config: Any) -> str:
     return "one_row" if flash else "varlen" if varlen else "rows"
 
 
-def _short_window(config: Any) -> bool:
-    """Whether some layer attends through a sliding window shorter than the model's positions
-    (Mistral's ``sliding_window``, or ``layer_types`` naming ``sliding_attention``)."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or window >= getattr(config, "max_position_embeddings", 0):
-        return False
-    types = getattr(config, "layer_types", None) or []
-    return "sliding_attention" in types or getattr(config, "model_type", None) in ("mistral", "mixtral", "phi3")
+def _sliding_window(config: Any) -> bool:
+    """Whether the config sets a sliding window at all. Any window rules out ``varlen``: transformers
+    builds the sliding mask over the whole packed row, whose length is the pass's tokens, not one
+    sequence's (``masking_utils._ignore_causal_mask_sdpa`` keeps the mask once the row reaches the
+    window). Qwen 2/3 set ``sliding_window`` None unless ``use_sliding_window``; Qwen2-MoE sets 0 and
+    builds that mask regardless (so it is not in ``VARLEN_MODELS``)."""
+    return getattr(config, "sliding_window", None) is not None
 
 
 def scoring_layout(config: Any) -> str:
@@ -154,9 +153,9 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, mode: 
         # filler: a sequence of its own; right_padded: the row's sequence going on (no packing seen)
         first = offset if mode == "right_padded" else 0
         positions[r, offset:] = torch.arange(first, first + width - offset)
-    if mode == "varlen":
-        return RowPacking(packed, positions, index, segments([lengths[row] for row in bins[0]]))
-    return RowPacking(packed, positions, index)
+    # built on the CPU (Python loops), used where the batch lives (a GPU learner's micro-batches)
+    varlen = segments([lengths[row] for row in bins[0]]) if mode == "varlen" else None
+    return RowPacking(packed, positions, index, varlen).to(input_ids.device)
 
 
 def unpack(outputs: torch.Tensor, packing: RowPacking) -> torch.Tensor:

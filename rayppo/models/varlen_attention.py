@@ -31,10 +31,12 @@ import torch
 VARLEN_SDPA = "rayppo_varlen_sdpa"
 """The attention implementation's name in transformers' registry."""
 
-VARLEN_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2"})
+VARLEN_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"})
 """Model types whose transformers 5.19 attention is plain causal SDPA over ``ALL_ATTENTION_FUNCTIONS``
-with the keyword arguments passed through (no soft-capping, no attention sinks): ``learner.packing=auto``
-runs these in one packed row on SDPA when no sliding window is shorter than their positions."""
+with the keyword arguments passed through every layer (no soft-capping, no attention sinks; the only
+other keyword is ``sliding_window``): ``learner.packing=auto`` runs these in one packed row on SDPA
+when their config sets no sliding window (``models.packing.pack_mode``). Not Qwen2-MoE: it builds a
+sliding-window mask over the row even with the window off (``sliding_window=0``)."""
 
 
 @dataclass
