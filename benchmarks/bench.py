@@ -426,7 +426,7 @@ def stage_tokens(cfg: Config, rollout, learn: dict[str, float]) -> dict[str, dic
     layout = mode or "padded"
     split = (none, whole) if mode else (prompt, response)
     reference = scoring_batches(*split, cfg.reference.micro_batch_tokens, 64, cut_layout(mode))
-    packed = mode in ("varlen", "one_row")
+    packed = cut_layout(mode) == "packed"  # a pass processes its real tokens
     out = {"generate": {"real": sum(response), "processed": sum(response)},
            "reference": {"real": sum(whole), "processed": sum(whole) if packed else padded_tokens(*split, reference),
                          "layout": layout},

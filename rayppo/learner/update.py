@@ -22,6 +22,7 @@ from rayppo.data.micro_batches import token_batches
 from rayppo.learner import ppo
 from rayppo.learner.experience import Collective, Experience, LocalCollective
 from rayppo.learner.guard import MismatchGuard
+from rayppo.models.packing import cut_layout
 from rayppo.models.sequences import critic_forward, policy_forward
 
 
@@ -228,7 +229,7 @@ def ppo_update(
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
     # Every rank's passes over the whole update (all epochs): what padding costs the learner.
     out["tokens/learn_processed"], out["tokens/learn_real"] = float(summed[-2]), float(summed[-1])
-    out["tokens/learn_packed"] = float(exp.batch.pack_mode in ("rows", "one_row", "varlen"))
+    out["tokens/learn_packed"] = float(cut_layout(exp.batch.pack_mode) == "packed")
     out["tokens/learn_right_padded"] = float(exp.batch.pack_mode == "right_padded")
     summed = summed[:-2]
     if asynchronous:
