@@ -203,6 +203,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
                         help="after the iterations, build one learner rank with DeepSpeed ZeRO at this stage and "
                              "measure its memory against rayppo plan's estimate (default 3; 0 skips it)")
+    parser.add_argument("--mismatch", action="store_true",
+                        help="only measure the bf16 log-prob gap between KV-cache decoding and the learner's forward, "
+                             "with and without the fp32 head (benchmarks/head_mismatch.py, SmolLM2-135M's shape)")
     parser.add_argument("--out", help="also write the JSON summary to this file")
     parser.add_argument("overrides", nargs="*", help="extra rayppo config overrides (key=value)")
     return parser.parse_args(argv)
@@ -231,6 +234,26 @@ def build_trainer(args: argparse.Namespace) -> tuple[ReferenceTrainer, dict[str,
     }
 
 
+def mismatch(args: argparse.Namespace) -> int:
+    """``--mismatch``: the head-precision table of ``head_mismatch.py`` on ``--device`` (the tiny
+    shape: 2 layers, a few tokens, for the CPU self-test)."""
+    from head_mismatch import measure
+
+    tiny = args.shape == "tiny"
+    size = dict(layers=2, batch=4, new_tokens=16) if tiny else dict(layers=30, batch=args.batch or 32,
+                                                                    new_tokens=args.new_tokens or 128)
+    rows = [measure(**size, head_std=std, device=args.device) for std in (0.02, 0.05)]
+    for row in rows:
+        print(f"  head std {row['head_std']} (logit std {row['logit_std']:.2f}): " + "; ".join(
+            f"{name} mean {g['mean']:.2e} p99 {g['p99']:.2e} max {g['max']:.2e}" for name, g in row["gap"].items()))
+    line = json.dumps({"mismatch": rows, "torch": torch.__version__,
+                       "machine": torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()} CPU cores"})
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # four engines load weights: one bar each otherwise
@@ -238,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"gpu_smoke: --device cuda, but torch {torch.__version__} sees no CUDA device "
                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
                  "for the CPU self-test run --shape tiny --device cpu --iters 1")
+    if args.mismatch:
+        return mismatch(args)
     start = time.perf_counter()
     trainer, summary = build_trainer(args)
     devices = engine_devices(trainer)

@@ -209,7 +209,11 @@ class _VLLMBackend:
             logprobs_mode="processed_logprobs", trust_remote_code=False, load_format="safetensors",
             # vLLM's neutral sampling defaults, not the model's generation_config (rayppo passes
             # every sampling parameter itself); the EOS ids are passed explicitly in sample().
-            generation_config="vllm", **extra,
+            generation_config="vllm",
+            # The LM head in fp32, as the learner computes it (models/head_precision.py): vLLM 0.32's
+            # LogitsProcessor._apply_head (vllm/model_executor/layers/logits_processor.py) casts the
+            # hidden states and the weight to ModelConfig.head_dtype; the model's dtype otherwise.
+            hf_overrides={"head_dtype": "float32"}, **extra,
         )
         if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})

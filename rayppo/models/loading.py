@@ -18,6 +18,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
 from transformers.utils import logging as hf_logging
 
 from rayppo.errors import ModelFolderError
+from rayppo.models.head_precision import set_head_fp32
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -100,8 +101,11 @@ def _from_pretrained(auto: Any, path: str | Path, dtype: str, weights_elsewhere:
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", weights_elsewhere: bool = False) -> torch.nn.Module:
-    """A causal LM (policy or reference) from a local folder, with dropout off."""
-    return _from_pretrained(AutoModelForCausalLM, path, dtype, weights_elsewhere)
+    """A causal LM (policy or reference) from a local folder, with dropout off; in bf16 or fp16 its
+    head computes fp32 logits (``head_precision.py``), as the generator's does."""
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, weights_elsewhere)
+    set_head_fp32(model)
+    return model
 
 
 def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:

@@ -20,6 +20,16 @@ then ``dz`` (divided by T) goes through the projection: ``dh = dz W``, ``dW += d
 The same idea as Liger-Kernel's fused linear cross-entropy (a Triton kernel, so GPU only); this
 one is plain torch and runs on both stacks.
 
+The head in fp32. A bf16 matmul rounds every logit to bf16: 8 bits of mantissa, so a logit near
+20 moves by up to 0.06 and a log-prob by as much. The generator rounds its own logits too, in
+another kernel and order, so the two sides disagree by that much on tokens whose logits are large
+(MiniMax-M1, arXiv:2506.13585, section 3.2: most of their train/inference gap was the head's
+precision). Here the projection of a bf16 model is computed from an fp32 copy of ``W`` (made once
+per call: ``V x H x 4`` bytes, 113 MB for SmolLM2's 49k x 576 head) and fp32 hidden states, and
+the gradient flows back in fp32 before it is cast to the parameters' dtype. The generator does the
+same (``actors/generator.py``, the fp32 head of the vLLM engine), so both read the same fp32 logits
+of the same bf16 weights and hidden states: the gap left is the decoder's.
+
 Two paths, the same numbers: ``_FusedLinearLogSoftmax`` when the head's weight is a plain tensor
 (torch, ZeRO-0/1/2); activation checkpointing through the head *module* when it is not (LoRA on
 the head adds its own terms, per chunk; under ZeRO-3 the module's hooks gather the partitioned
@@ -48,9 +58,10 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[n, V]`` logits of one chunk in fp32 (fp64 for fp64 inputs), divided by the sampling
-    temperature."""
-    z = hidden @ weight.t()
-    z = z.to(_stats_dtype(z.dtype))
+    temperature. ``weight`` is already in that precision (``_FusedLinearLogSoftmax`` casts it once
+    per call); a bf16 chunk of ``hidden`` is cast here: the product is formed in fp32, never
+    rounded to bf16 (see the module docstring, "The head in fp32")."""
+    z = hidden.to(weight.dtype) @ weight.t()
     return z if temperature == 1.0 else z.div_(temperature)
 
 
@@ -79,11 +90,12 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk: int, with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _stats_dtype(hidden.dtype)
+        weight_stats = weight.to(dtype)  # once per call: every chunk's product in fp32
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         for s in range(0, n, chunk):
-            z = _logits(hidden[s:s + chunk], weight, temperature)
+            z = _logits(hidden[s:s + chunk], weight_stats, temperature)
             lse[s:s + chunk], logprobs[s:s + chunk], h = _chunk_stats(z, targets[s:s + chunk], with_entropy)
             if with_entropy:
                 entropy[s:s + chunk] = h
@@ -103,21 +115,21 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:  # neither output reached the loss
             return None, None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # Summed over chunks in fp32 (a bf16 weight's per-chunk products are bf16, as in one matmul).
-        grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        stats = _stats_dtype(weight.dtype)
+        weight_stats = weight.to(stats)  # the fp32 head of the forward, and its gradient in fp32
+        grad_weight = torch.zeros(weight.shape, dtype=stats, device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = _logits(h, weight, t)
+            z = _logits(h, weight_stats, t)
             p = z.sub(lse[s:s + chunk].unsqueeze(1)).exp_()
             shift = None if grad_entropy is None else entropy[s:s + chunk] - lse[s:s + chunk]  # H - lse
             dz = _logits_grad(p, z, targets[s:s + chunk], shift, _part(grad_logprobs, s, chunk),
                               _part(grad_entropy, s, chunk))
-            dz = (dz if t == 1.0 else dz.div_(t)).to(hidden.dtype)
+            dz = dz if t == 1.0 else dz.div_(t)
             if grad_hidden is not None:
-                grad_hidden[s:s + chunk] = dz @ weight
+                grad_hidden[s:s + chunk] = dz @ weight_stats
             if grad_weight is not None:
-                grad_weight.addmm_(dz.t(), h) if dz.dtype == grad_weight.dtype else grad_weight.add_(dz.t() @ h)
+                grad_weight.addmm_(dz.t(), h.to(stats))
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
@@ -141,6 +153,8 @@ def _logits_grad(p: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, shift:
 
 def _checkpointed_chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # The head module in its own dtype: under ZeRO-3 its hooks gather the weight only around this
+    # call, and an adapter adds its own terms (not the fp32 head of the plain path).
     z = head(hidden)
     _, logprobs, entropy = _chunk_stats(z.to(_stats_dtype(z.dtype)) / temperature, targets, with_entropy)
     return logprobs, entropy if entropy is not None else logprobs.new_empty(0)
