@@ -164,12 +164,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
     console.setup(cfg.output.dir, args.verbose)
     console.phase(_headline(cfg, resume))
-    from rayppo.models.paths import EMBEDDED_MODELS, embedded_path
-
-    for name in {cfg.model.policy, cfg.model.reference} & set(EMBEDDED_MODELS):
-        if not (embedded_path(cfg.model.cache_dir, name) / "config.json").is_file():
-            console.phase(f"building the {name} model in {embedded_path(cfg.model.cache_dir, name)} (first use only: "
-                          "tokenizer, 2-layer Llama, ~10 s of warm-up training)")
+    _build_first_use_models(cfg)
     _quiet_libraries(args.verbose)
     from rayppo.train import run
 
@@ -184,6 +179,21 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     result = run(cfg, trainer, progress=not args.no_progress, resume=resume)
     print(result.summary())
     return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as shells report
+
+
+def _build_first_use_models(cfg) -> None:
+    """Built-in models and GGUF files become folders here, once, before any actor loads them
+    (each says so on the terminal; later runs find them in ``model.cache_dir``)."""
+    from rayppo.models.paths import FIRST_USE, built_on_first_use, embedded_path
+
+    for name in dict.fromkeys((cfg.model.policy, cfg.model.reference)):
+        if not built_on_first_use(name) or (embedded_path(cfg.model.cache_dir, name) / "config.json").is_file():
+            continue
+        what = FIRST_USE.get(name, "the GGUF file dequantized to fp32 safetensors, with its tokenizer")
+        console.phase(f"building the {name} model in {embedded_path(cfg.model.cache_dir, name)} (first use only: {what})")
+        from rayppo.models.loading import resolve_model_path
+
+        resolve_model_path(name, cfg.model.cache_dir)
 
 
 def _headline(cfg, resume) -> str:

@@ -5,7 +5,10 @@ by a vLLM generator; the learner's sync stream of an updated policy (every weigh
 its RMS: ``full_tensors`` then ``checkpoint_tensors``, as ``LearnerEngine`` sends it) is loaded;
 then every sent tensor must be verified by its fingerprint, the generator must sample with the
 new weights (log-probs equal to the transformers forward's within the fp32 bound the suite uses,
-1e-4: a healthy sync measures ~5e-7), and a perturbed tensor must fail the check.
+1e-4: a healthy sync measures ~5e-7), and a perturbed tensor must fail the check. The same stream
+is then written as the run's final export (``models/export.py``): transformers reloads it to the
+learner's logits exactly (the same tensors, the same forward: a difference of 0.0), and the
+generator holding the synced weights samples the exported model's log-probs.
 
 Mixture-of-experts models run the same test: vLLM's CPU kernel repacks their experts after every
 update (``actors/cpu_moe.py``). Families vLLM's CPU backend cannot run this way are checked where
@@ -16,7 +19,7 @@ log-probs); GPT-2 not at all (vLLM 0.32's CPU engine crashes in native code on i
 from __future__ import annotations
 
 import gc
-import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from rayppo.data.prompts import PromptBatch
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.guard import WeightSyncError, check_weights
 from rayppo.models.checkpoint_names import checkpoint_tensors
+from rayppo.models.export import write_pretrained
 from rayppo.models.fingerprint import probe_rows, sent_prints, split_rows
 from rayppo.models.weights import SyncFault, pack_weights
 
@@ -36,6 +40,9 @@ TINY = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_atte
             max_position_embeddings=256)
 FAMILIES = {  # name -> (model class, config fields): head_dim 32, the smallest vLLM's CPU attention takes
     "llama": ("LlamaForCausalLM", TINY),
+    "llama_tied": ("LlamaForCausalLM", TINY | {"tie_word_embeddings": True}),  # SmolLM2, Llama 3.2 1B/3B
+    "stablelm": ("StableLmForCausalLM", TINY),  # LayerNorm, partial rotary
+    "starcoder2": ("Starcoder2ForCausalLM", TINY),  # tied head, biases
     "qwen2": ("Qwen2ForCausalLM", TINY),
     "qwen3": ("Qwen3ForCausalLM", TINY | {"head_dim": 32}),
     "mistral": ("MistralForCausalLM", TINY),
@@ -71,6 +78,21 @@ def _model(family: dict, name: str, tokenizer, folder) -> tuple[torch.nn.Module,
     model_class(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model_class.from_pretrained(folder), str(folder)
+
+
+def _exported(named: dict[str, torch.Tensor], base: str, tokenizer, folder) -> str:
+    """The sync stream ``named`` written as the learner's final export (``LearnerEngine.save``)."""
+    write_pretrained(named.items(), Path(base), Path(folder))
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _same_logits_as(model: torch.nn.Module, folder: str, tokenizer) -> float:
+    """Largest |logit| difference between ``model`` and the folder reloaded by transformers."""
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([tokenizer(t)["input_ids"] for t in PROMPTS[:4]])
+    with torch.no_grad():
+        return float((model(ids).logits - reloaded(ids).logits).abs().max())
 
 
 def _updated(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -110,10 +132,11 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
         assert not any(n.startswith("lm_head") for n in named) or not model.config.tie_word_embeddings  # sent once
         generator.load_weights(pack_weights(named, 1))
         assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) == len(named)  # all verified
-        model.save_pretrained(tmp_path / "updated")
-        shutil.copy(tmp_path / "start" / "tokenizer.json", tmp_path / "updated")
-        shutil.copy(tmp_path / "start" / "tokenizer_config.json", tmp_path / "updated")
-        assert _mismatch(generator, str(tmp_path / "updated"), tokenizer) < 1e-4  # it samples the new weights
+        # The final export: the same tensors, so transformers' forward of the reloaded folder is the
+        # learner's to the bit, and the generator holding the synced weights samples its log-probs.
+        exported = _exported(named, folder, tokenizer, tmp_path / "exported")
+        assert _same_logits_as(model, exported, tokenizer) == 0.0
+        assert _mismatch(generator, exported, tokenizer) < 1e-4  # it samples the new weights
         mlp = [n for n in named if ".layers.1." in n and n.endswith("weight")
                and any(part in n for part in ("mlp", "fc1", "block_sparse_moe"))]  # Mixtral's MoE block
         hit = next((n for n in mlp if ".experts." in n), mlp[0])  # an expert's matrix where there are experts
@@ -154,6 +177,8 @@ def test_gpt_neox_through_vllms_transformers_fallback_is_verified_under_its_own_
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, folder = _model({"gpt_neox": ("GPTNeoXForCausalLM", TINY)}, "gpt_neox", tokenizer, tmp_path)
     named = _updated(model)
+    # Its export reloads to the same logits (before the engine decorates the class; see the fixture).
+    assert _same_logits_as(model, _exported(named, folder, tokenizer, tmp_path / "exported"), tokenizer) == 0.0
     generator = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="vllm",
                                 vllm=VLLMSettings(kv_cache_gib=1))
     try:

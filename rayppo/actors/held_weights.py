@@ -61,7 +61,7 @@ def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[
             full = f"{module_name}.{param_name}" if module_name else param_name
             names = next(([full.replace(f".{fused}.", f".{part}.") for part in parts]
                           for fused, parts in packed.items() if f".{fused}." in full), [full])
-            names = [renamed.get(name, name) for name in names]
+            names = [sent for name in names for sent in renamed.get(name, [name])]
             if not all(name in shapes for name in names):
                 continue
             k = matrix_shape(shapes[names[0]])[1]
@@ -74,20 +74,30 @@ def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[
     return out
 
 
-def engine_names(model, shapes: dict[str, list[int]]) -> dict[str, str]:
-    """``{the engine's name: the sent name}`` for the sent tensors the engine's model renames on
-    load (its ``hf_to_vllm_mapper``: vLLM's transformers fallback, e.g. for GPT-NeoX, keeps
-    ``gpt_neox.layers.0...`` as ``model.layers.0...``; ``WeightsMapper._map_name``,
-    vllm/model_executor/models/utils.py, 0.32). Empty for a model that loads names as they are."""
+def engine_names(model, shapes: dict[str, list[int]]) -> dict[str, list[str]]:
+    """``{the engine's name: the sent names it holds, in row order}`` for the sent tensors the
+    engine's model renames on load (its ``hf_to_vllm_mapper``: vLLM's transformers fallback, e.g.
+    for GPT-NeoX, keeps ``gpt_neox.layers.0...`` as ``model.layers.0...``; StableLM stacks
+    ``q/k/v_proj`` into ``qkv_proj`` there rather than through ``packed_modules_mapping``, so one
+    engine parameter holds three sent tensors, split by rows in shard order;
+    ``WeightsMapper._map_name_with_shard``, vllm/model_executor/models/utils.py, 0.32). Empty for
+    a model that loads names as they are."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is None:
         return {}
-    out = {}
+    parts: dict[str, list[tuple[int, str]]] = {}
     for sent in shapes:
-        engine = mapper._map_name(sent)
-        if engine is not None and engine != sent:
-            out[engine] = sent
-    return out
+        mapped = mapper._map_name_with_shard(sent)
+        if mapped is not None and mapped[0] != sent:
+            parts.setdefault(mapped[0], []).append((_shard_order(mapped[1]), sent))
+    return {engine: [sent for _, sent in sorted(held)] for engine, held in parts.items()}
+
+
+def _shard_order(shard) -> int:  # noqa: ANN001 - vLLM's ShardIds: None, an int, "q"/"k"/"v", or a list
+    """Where a stacked shard's rows sit in the engine's parameter: q, k, v in that order; an int
+    is its own position."""
+    first = shard[0] if isinstance(shard, (list, tuple)) and shard else shard
+    return {"q": 0, "k": 1, "v": 2}.get(first, first) if isinstance(first, str) else int(first or 0)
 
 
 EXPERT_PROJECTIONS = {"w13_weight": (("gate_proj", "up_proj"), ("w1", "w3")), "w2_weight": (("down_proj",), ("w2",))}

@@ -108,6 +108,13 @@ to that file's folder (the file and its data travel together); on the command li
 current directory. ``output.dir`` is always relative to the current directory."""
 
 
+def _builtin(value: str) -> bool:
+    """A built-in name (``embedded``, ``embedded-guess``, ``smollm2-135m-instruct``), not a path."""
+    from rayppo.models.paths import EMBEDDED_MODELS
+
+    return value in EMBEDDED_MODELS or value.startswith("embedded")
+
+
 def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:
     """Rewrite the relative ``INPUT_PATHS`` of a YAML mapping as seen from the current
     directory (kept relative, so a submitted job's working directory still works)."""
@@ -116,7 +123,7 @@ def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:
     for name in INPUT_PATHS:
         section, key = name.split(".")
         value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
-        if isinstance(value, str) and value and not value.startswith("embedded") and not Path(value).is_absolute():
+        if isinstance(value, str) and value and not _builtin(value) and not Path(value).is_absolute():
             data[section][key] = os.path.relpath(folder / value)
 
 

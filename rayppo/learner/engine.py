@@ -29,6 +29,7 @@ from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, Weigh
                                         layer_runs, param_specs)
 from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.checkpoint_names import checkpoint_tensors
+from rayppo.models.export import write_pretrained
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.packing import cut_layout, pack_mode
@@ -315,16 +316,17 @@ class LearnerEngine(Engine):
         return self.version
 
     def save(self, out_dir: str) -> None:
-        """Final models in Hugging Face format (rank 0 writes; every rank joins the gathers)."""
+        """Final models in Hugging Face format: the policy is its sync stream written as
+        safetensors shards (``models/export.py``: no second copy of the model on rank 0), the critic
+        its ``save_pretrained``. Rank 0 writes; every rank joins the gathers."""
         out = Path(out_dir)
-        payload = self.policy_weights()
+        stream = self._full_policy()
         if self.rank == 0:
-            from rayppo.models.weights import unpack_weights
-
-            base = load_causal_lm(resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), self.cfg.model.dtype)
-            base.load_state_dict(unpack_weights(payload))
-            base.save_pretrained(str(out / "policy"))
+            base = resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir)
+            write_pretrained(((name, t.to("cpu", copy=True)) for name, t in stream), base, out / "policy")
             self.tokenizer.save_pretrained(str(out / "policy"))
+        else:
+            _drain(stream)
         if self.critic is None:
             return
         with self._gathered(self.critic.module):

