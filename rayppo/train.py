@@ -379,12 +379,35 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
                 return
             console.write(f"{STOPS[stop_reason]} after {int(path.name.removeprefix('iter_'))} iterations; saved a "
                           f"checkpoint to {path} (continue with: rayppo train --resume {out})")
-        elif every and done % every:
+        elif (every or cfg.output.save_model) and not _checkpointed_at(out, done):
+            # Before the export, so that a failed export loses nothing: the run goes on from here.
             write_checkpoint(out, trainer, cfg.output.keep_checkpoints)
         if cfg.output.save_model and stop_reason != "preempted":  # a preempted run saves when it completes
-            trainer.save(out)
+            _export(trainer, out)
     finally:
         trainer.close()
+
+
+def _checkpointed_at(out: Path, done: int) -> bool:
+    """The latest checkpoint holds the state after ``done`` iterations."""
+    try:
+        return latest_checkpoint(out).name == f"iter_{done:06d}"
+    except CheckpointError:
+        return False
+
+
+def _export(trainer: Trainer, out: Path) -> None:
+    """The final models; a failure is one line that says where the trained state is and how to
+    export it again (``--resume`` of a completed run trains nothing and exports)."""
+    try:
+        trainer.save(out)
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the checkpoint written before stands
+        try:
+            kept = f"the trained state is in the checkpoint {latest_checkpoint(out)}"
+        except CheckpointError:
+            kept = "no checkpoint holds the trained state"
+        raise RayppoError(f"the final export to {out}/policy failed ({brief(exc)}); {kept}: export it again with "
+                          f"rayppo train --resume {out} (the log is in {out}/logs/)") from None
 
 
 def _nothing_done(trainer: Trainer, out: Path, stop_reason: str) -> None:

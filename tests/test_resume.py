@@ -192,3 +192,23 @@ def test_sigkill_after_iteration_k_then_resume_equals_the_uninterrupted_run(tmp_
     if expected is None:  # the kill came late: compare what the uninterrupted run has
         pytest.fail(f"the driver was killed after iteration {done}, past the uninterrupted run's 4")
     assert _worst_gap(expected, records[done:]) < RELATIVE
+
+
+def test_a_failed_final_export_keeps_the_trained_state_and_resume_exports_it(tmp_path, small_overrides, capsys):
+    """The final export fails (a file stands where the policy folder goes): the trained state was
+    checkpointed before the export began, even with periodic checkpoints off, the error is one line
+    naming the checkpoint and the command, and that command exports the same policy."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "policy").write_text("in the way")
+    assert main(["train", "--no-progress", *small_overrides, "output.checkpoint_every=0"]) == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "final export" in line)
+    assert f"rayppo train --resume {out}" in line and "iter_000002" in line and "Traceback" not in err
+    assert latest_checkpoint(out).name == "iter_000002"
+    (out / "policy").unlink()
+    assert main(["train", "--no-progress", "--resume", str(out)]) == 0
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "policy").num_parameters() > 0
+    assert len(_records(out)) == 2  # the resume trained nothing more
