@@ -34,7 +34,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rayppo.models.head_precision import set_head_fp32
-from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.sequences import PackedBatch, pack, policy_forward
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0,
@@ -67,17 +67,16 @@ def decode(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, tempe
 
 
 @torch.no_grad()
-def learner_logprobs(model: torch.nn.Module, prompts: torch.Tensor, responses: torch.Tensor, temperature: float,
-                     head_fp32: bool) -> torch.Tensor:
-    """``[B, N]``: rayppo's learner forward (fp32 head) or the same hidden states through the head
-    in the model's dtype (the learner before its fp32 head)."""
-    batch = pack(prompts.tolist(), responses.tolist(), pad_id=0).to(prompts.device)
+def learner_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float, head_fp32: bool) -> torch.Tensor:
+    """``[B, T]``: rayppo's learner forward (fp32 head) or the same hidden states through the head
+    in the model's dtype (the learner before its fp32 head); 0 on padding."""
     if head_fp32:
         return policy_forward(model, batch, temperature)[0]
     hidden = model.model(**batch.model_inputs(), use_cache=False).last_hidden_state
-    columns = slice(batch.prompt_width - 1, batch.prompt_width - 1 + responses.shape[1])
+    columns = slice(batch.prompt_width - 1, batch.prompt_width - 1 + batch.response_ids.shape[1])
     logits = (hidden[:, columns] @ model.lm_head.weight.t()).float() / temperature  # rounded to bf16, then fp32
-    return torch.log_softmax(logits, dim=-1).gather(2, responses.unsqueeze(2)).squeeze(2)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(2, batch.response_ids.unsqueeze(2)).squeeze(2)
+    return logprobs * batch.mask
 
 
 def gap_stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
@@ -98,7 +97,8 @@ def measure(layers: int = 30, batch: int = 32, prompt_tokens: int = 32, new_toke
         set_head_fp32(model, fp32)
         start = time.perf_counter()
         responses, behaviour = decode(model, prompts, new_tokens, temperature, seed + 1)
-        learner = learner_logprobs(model, prompts, responses, temperature, fp32)
+        batch = pack(prompts.tolist(), responses.tolist(), pad_id=0).to(device)
+        learner = learner_logprobs(model, batch, temperature, fp32)
         rows[name] = gap_stats(behaviour, learner) | {"seconds": time.perf_counter() - start}
         del model
     return {"layers": layers, "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,

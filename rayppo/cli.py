@@ -184,6 +184,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _build_first_use_models(cfg) -> None:
     """Built-in models and GGUF files become folders here, once, before any actor loads them
     (each says so on the terminal; later runs find them in ``model.cache_dir``)."""
+    from rayppo.console import console
     from rayppo.models.paths import FIRST_USE, built_on_first_use, embedded_path
 
     for name in dict.fromkeys((cfg.model.policy, cfg.model.reference)):

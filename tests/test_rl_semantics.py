@@ -5,13 +5,14 @@ Everything here runs in this process on the embedded model (no Ray, no vLLM): a 
 
 from __future__ import annotations
 
+import math
 import json
 
 import pytest
 import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, stop_token_ids
-from rayppo.config.derived import mismatch_limit, truncation_mode
+from rayppo.config.derived import kl_limit, mismatch_limit, truncation_mode
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import PromptBatch
@@ -211,4 +212,5 @@ def test_mismatch_guard_names_iteration_and_generator():
         guard.check(gap, torch.tensor([0, 5, 1]), LocalCollective())
     MismatchGuard(limit=1e-2, iteration=7).check(gap, torch.tensor([0, 5, 1]), LocalCollective())  # under: passes
     assert mismatch_limit(load_config(None, []).checks, "float32") == 1e-3
-    assert mismatch_limit(load_config(None, []).checks, "bfloat16") == 0.1
+    assert mismatch_limit(load_config(None, []).checks, "bfloat16") == math.inf  # the k3 mean is the bf16 check
+    assert kl_limit(load_config(None, []).checks, "bfloat16") == 1e-2 and kl_limit(load_config(None, []).checks, "float32") == 1e-6

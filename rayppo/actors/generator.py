@@ -75,6 +75,9 @@ class VLLMSettings:
     """Create the engine with vLLM's CUDA-IPC weight-transfer engine (colocated mode on GPUs)."""
     sleep_mode: bool = False
     """Colocated mode: the engine can sleep (free its GPU memory) while the learner trains."""
+    head_fp32: bool = True
+    """The LM head in fp32, as the learner's (``models/head_precision.py``); False only to measure
+    what it removes (``benchmarks/real_mismatch.py``)."""
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
@@ -213,7 +216,7 @@ class _VLLMBackend:
             # The LM head in fp32, as the learner computes it (models/head_precision.py): vLLM 0.32's
             # LogitsProcessor._apply_head (vllm/model_executor/layers/logits_processor.py) casts the
             # hidden states and the weight to ModelConfig.head_dtype; the model's dtype otherwise.
-            hf_overrides={"head_dtype": "float32"}, **extra,
+            hf_overrides={"head_dtype": "float32" if settings.head_fp32 else "model"}, **extra,
         )
         if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})

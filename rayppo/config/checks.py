@@ -110,6 +110,8 @@ def validate(cfg: Config) -> Config:
              cfg.checks.sync_fault)
     limit = cfg.checks.max_logprob_mismatch
     _require(limit is None or limit > 0, "checks.max_logprob_mismatch", "must be > 0 or null", limit)
+    kl = cfg.checks.max_logprob_kl
+    _require(kl is None or kl > 0, "checks.max_logprob_kl", "must be > 0 or null", kl)
     _require(p.epochs >= 1, "ppo.epochs", "must be >= 1", p.epochs)
     _require(p.minibatches >= 1, "ppo.minibatches", "must be >= 1", p.minibatches)
     _check_groups(cfg)
@@ -128,6 +130,9 @@ def validate(cfg: Config) -> Config:
     _require(p.vf_coef >= 0, "ppo.vf_coef", "must be >= 0", p.vf_coef)
     _require(p.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"), "ppo.loss_agg",
              "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm", p.loss_agg)
+    _require(p.rollout_correction in ("auto", "none", "tis", "tis+geo_mask"), "ppo.rollout_correction",
+             "must be auto, none, tis or tis+geo_mask", p.rollout_correction)
+    _require(p.geo_mask_bound > 0, "ppo.geo_mask_bound", "must be > 0 (nats)", p.geo_mask_bound)
     _require(p.is_clip >= 1, "ppo.is_clip", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)",
              p.is_clip)
     _require(p.value_targets in ("gae", "vtrace"), "ppo.value_targets", "must be gae or vtrace", p.value_targets)

@@ -3,14 +3,34 @@ thread counts and the log-prob mismatch limit. Pure functions of the dataclass t
 
 from __future__ import annotations
 
+import math
+
 from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig, PPOConfig
 
 
 def mismatch_limit(checks: "ChecksConfig", dtype: str) -> float:
-    """``checks.max_logprob_mismatch``, or the default of ``model.dtype``."""
+    """``checks.max_logprob_mismatch``, or the default of ``model.dtype`` (inf: not checked)."""
     if checks.max_logprob_mismatch is not None:
         return checks.max_logprob_mismatch
-    return 1e-3 if dtype == "float32" else 0.1
+    return 1e-3 if dtype == "float32" else math.inf
+
+
+def kl_limit(checks: "ChecksConfig", dtype: str) -> float:
+    """``checks.max_logprob_kl``, or the default of ``model.dtype``."""
+    if checks.max_logprob_kl is not None:
+        return checks.max_logprob_kl
+    return 1e-6 if dtype == "float32" else 1e-2
+
+
+def rollout_correction(ppo: "PPOConfig", dtype: str, max_staleness: int) -> str:
+    """``ppo.rollout_correction`` with ``auto`` resolved (``none``, ``tis`` or ``tis+geo_mask``)."""
+    if ppo.rollout_correction != "auto":
+        return ppo.rollout_correction
+    if max_staleness > 0:
+        return "tis"
+    return "none" if dtype == "float32" else "tis+geo_mask"
+
+
 
 
 def actor_threads(threads: int | None, cpus: float) -> int:

@@ -109,10 +109,12 @@ current directory. ``output.dir`` is always relative to the current directory.""
 
 
 def _builtin(value: str) -> bool:
-    """A built-in name (``embedded``, ``embedded-guess``, ``smollm2-135m-instruct``), not a path."""
+    """A built-in model or prompt set (``embedded``, ``smollm2-135m-instruct``, ``arithmetic``, ...),
+    not a path."""
+    from rayppo.data.prompts import EMBEDDED_PROMPTS
     from rayppo.models.paths import EMBEDDED_MODELS
 
-    return value in EMBEDDED_MODELS or value.startswith("embedded")
+    return value in EMBEDDED_MODELS or value in EMBEDDED_PROMPTS
 
 
 def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:

@@ -333,9 +333,11 @@ class PromptSampler:
         self._order = self._make_order()
 
 
-EMBEDDED_PROMPTS = ("embedded", "embedded-guess")
-"""Prompt sets rayppo writes itself: the default "say a digit" task, and the multi-turn guessing
-game (``rayppo.tasks.guess``: one conversation, each row's hidden digit in its ``secret`` column)."""
+EMBEDDED_PROMPTS = ("embedded", "embedded-guess", "arithmetic")
+"""Prompt sets rayppo writes itself: the default "say a digit" task, the multi-turn guessing
+game (``rayppo.tasks.guess``: one conversation, each row's hidden digit in its ``secret`` column),
+and two-digit arithmetic for a real chat model (``rayppo.tasks.arithmetic``: one user message,
+the exact result in its ``answer`` column)."""
 
 
 def embedded_rows(spec: str, column: str, split: str = "train") -> PromptRows:
@@ -346,6 +348,11 @@ def embedded_rows(spec: str, column: str, split: str = "train") -> PromptRows:
         secrets = guess.eval_secrets() if split == "test" else guess.prompt_rows()
         return PromptRows("embedded guessing game", column, [guess.conversation() for _ in secrets],
                           [{"secret": s} for s in secrets])
+    if spec == "arithmetic":
+        from rayppo.tasks import arithmetic
+
+        rows = [arithmetic.row(*problem) for problem in arithmetic.problems(split)]
+        return PromptRows("arithmetic problems", column, [m for m, _ in rows], [f for _, f in rows])
     from rayppo.tasks import digits
 
     texts = digits.eval_prompts() if split == "test" else digits.prompts()  # "test": the held-out split

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayppo.config.derived import has_critic, mismatch_limit, role_gpus
+from rayppo.config.derived import has_critic, role_gpus, rollout_correction
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
@@ -191,7 +191,7 @@ class LearnerEngine(Engine):
         """
         r, p = self.cfg.rollout, self.cfg.ppo
         check_staleness(shard.policy_version, self.version, r.max_staleness)
-        # pi_prox: these weights, before this update's first step (used only when max_staleness > 0).
+        # pi_prox: these weights, before this update's first step (asynchronous mode, rollout correction).
         proximal = ProximalPolicy(self.policy, r.temperature, self.version)
         plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
         budget = self.cfg.learner.micro_batch_tokens
@@ -199,8 +199,9 @@ class LearnerEngine(Engine):
                                         budget, cut_layout(self.pack_mode), trained=shard.trained_tokens())
         exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
                                      TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
-                                     proximal, first_rows_kept(minibatches), batch_size, budget, self.pack_mode)
-        guard = MismatchGuard(mismatch_limit(self.cfg.checks, self.cfg.model.dtype), iteration)
+                                     proximal, first_rows_kept(minibatches), batch_size, budget, self.pack_mode,
+                                     rollout_correction(p, self.cfg.model.dtype, r.max_staleness))
+        guard = MismatchGuard.of(self.cfg, iteration)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
                             guard, r.max_new_tokens)
         self.version += 1

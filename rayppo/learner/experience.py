@@ -119,6 +119,9 @@ class Experience:
     loss_kl_coef: float = 0.0
     """beta of the loss's KL term (``ppo.kl_mode=loss``): the update adds beta agg(k3(log pi_theta,
     log pi_ref)); 0 when the KL shapes the reward instead, or without a reference."""
+    row_keep: torch.Tensor | None = None
+    """[B] 1.0 for rows the policy loss trains on, 0.0 for rows the geometric-mean mask of rollout
+    correction dropped (``ppo.geometric_mean_mask``); None: every row."""
 
     def trained_targets(self, with_returns: bool) -> tuple[list[list[float]], list[list[float]]]:
         """``(advantages, returns)`` per row over its valid tokens (``Rollout.advantages``, ``.returns``);
@@ -134,7 +137,8 @@ class Experience:
                    self.advantages, self.returns, self.scores, self.generator_ids, self.prox_logprobs,
                    self.same_version)
         return Experience(self.batch.rows(index), *(None if t is None else t[index] for t in tensors),
-                          loss_kl_coef=self.loss_kl_coef)
+                          loss_kl_coef=self.loss_kl_coef,
+                          row_keep=None if self.row_keep is None else self.row_keep[index])
 
     def micro(self, index: torch.Tensor) -> "Experience":
         """The rows of one micro-batch, cut to their own widths (``PackedBatch.trimmed``): the
@@ -251,14 +255,17 @@ def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int,
 
 def _asynchronous_inputs(
     rollout: Rollout, batch: PackedBatch, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
-    budget: int, collective: Collective,
+    budget: int, collective: Collective, correction: str = "none",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0); ``(None,
-    None)`` in the synchronous iteration, which needs neither."""
-    if max_staleness == 0:
+    """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0) and under
+    rollout correction (``correction`` not ``none``: every row is of the learner's version, mu its
+    generator's numerics); ``(None, None)`` in the synchronous iteration without it."""
+    if max_staleness == 0 and correction == "none":
         return None, None
     if proximal is None:
-        raise ValueError("asynchronous mode (rollout.max_staleness > 0) needs the proximal policy pi_prox")
+        raise ValueError("asynchronous mode and rollout correction need the proximal policy pi_prox")
+    if max_staleness == 0:
+        return proximal_logprobs(proximal, batch, chunks, budget, collective), batch.mask.bool()
     if len(rollout.policy_version) != len(rollout):
         raise ValueError(f"asynchronous mode needs every row's policy_version: {len(rollout.policy_version)} "
                          f"versions for {len(rollout)} rows")
@@ -372,6 +379,7 @@ def make_experience(
     num_groups: int | None = None,
     micro_batch_tokens: int = 0,
     pack_mode: str = "",
+    correction: str = "none",
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
@@ -379,7 +387,10 @@ def make_experience(
     is asynchronous mode: ``proximal`` (required then) gives log pi_prox, the policy being
     improved, which the reward's KL term uses instead of mu's; the targets are
     ``ppo.compute_offpolicy_targets``'s under ``value_targets=vtrace``. With k = 0 ``proximal`` is
-    not used. ``first_rows``: this rank's rows of the first minibatch (``update.first_local_rows``),
+    not used unless ``correction`` (``config.derived.rollout_correction``) is ``tis`` or
+    ``tis+geo_mask``: then the generator's log-probs are mu, the behaviour policy, in the synchronous
+    iteration too, and the update is the decoupled loss (rows outside the geometric-mean band masked
+    under ``tis+geo_mask``, ``cfg.geo_mask_bound``). ``first_rows``: this rank's rows of the first minibatch (``update.first_local_rows``),
     whose critic forward is kept for the update (``Experience.first_values``). ``num_groups``: an
     upper bound of the batch's group ids (default: this rollout's rows), the same on every rank.
     ``micro_batch_tokens``: the forward passes without gradient (values, log pi_prox) run in
@@ -393,7 +404,7 @@ def make_experience(
     mask = batch.mask
     old_logprobs = rollout.tensor("logprobs").to(device)
     prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal,
-                                                       micro_batch_tokens, collective)
+                                                       micro_batch_tokens, collective, correction)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
     has_reference = bool(rollout.ref_logprobs)
@@ -409,12 +420,13 @@ def make_experience(
     stats = _experience_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
     if critic is not None:
         stats |= _value_stats(values, returns, mask, collective)
+    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if correction == "tis+geo_mask" else None
     if log_ratio is not None:
-        stats |= _offpolicy_stats(log_ratio, mask, collective)
+        stats |= _offpolicy_stats(log_ratio, mask, collective, row_keep)
     generator_ids = torch.tensor(rollout.generator_id or [0] * len(rollout), dtype=torch.long)
     loss_kl_coef = kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0
     exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores, generator_ids,
-                     prox_logprobs, same_version, first_values, loss_kl_coef)
+                     prox_logprobs, same_version, first_values, loss_kl_coef, row_keep)
     return exp, stats
 
 
@@ -478,11 +490,18 @@ def _value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
                                   "returns/mean": ppo.masked_mean(returns, mask)}, float(mask.sum()), collective)
 
 
-def _offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Collective) -> dict[str, float]:
+def _offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Collective,
+                     row_keep: torch.Tensor | None = None) -> dict[str, float]:
     """``offpolicy/is_ratio_mean|max``: pi_prox / mu per valid token of the global batch, before
-    any truncation (1 on rows of the learner's version; how far the stale rows have drifted)."""
+    any truncation (1 on rows of the learner's version in fp32; how far the stale rows, or the
+    generator's numerics, have drifted); with a geometric-mean mask, ``correction/masked_rows``:
+    the share of rows it dropped."""
     ratio = torch.exp(log_ratio) * mask
-    stats = _global_means({"offpolicy/is_ratio_mean": ppo.masked_mean(ratio, mask)}, float(mask.sum()), collective)
+    means = {"offpolicy/is_ratio_mean": ppo.masked_mean(ratio, mask)}
+    stats = _global_means(means, float(mask.sum()), collective)
     # Ratios are > 0 and padding is 0, so the plain max is the max over valid tokens.
     stats["offpolicy/is_ratio_max"] = float(collective.max(ratio.max().double()))
+    if row_keep is not None:
+        stats |= _global_means({"correction/masked_rows": 1.0 - row_keep.double().mean()}, float(len(row_keep)),
+                               collective)
     return stats

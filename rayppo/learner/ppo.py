@@ -468,6 +468,19 @@ def policy_loss(
     return loss, stats
 
 
+def geometric_mean_mask(log_ratio: torch.Tensor, mask: torch.Tensor, bound: float) -> torch.Tensor:
+    """``[B]`` 1.0 for the rows to keep, 0.0 for those whose geometric-mean importance ratio leaves
+    the band: |(1/|y|) sum_t log(pi_prox / mu)_t| > ``bound`` (in nats).
+
+    The sequence-level ratio prod_t pi_prox / mu drifts with the length; its per-token geometric
+    mean does not, so one band serves short and long rows alike (veRL's "Rollout Correction"
+    docs, geometric-mean rejection; "When Speed Kills Stability", Liu et al. 2025, for masking
+    rows by their sequence ratio). ``log_ratio`` ``[B, T]`` (0 on padding); a row without a valid
+    token is kept (it weighs nothing anyway)."""
+    per_row = masked_sum_per_row(log_ratio, mask) / mask.sum(-1).clamp(min=1)
+    return (per_row.abs() <= bound).to(log_ratio.dtype)
+
+
 def decoupled_policy_loss(
     logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor,
@@ -479,20 +492,28 @@ def decoupled_policy_loss(
     agg: LossAgg = "token-mean",
     clip_eps_high: float | None = None,
     max_length: int = 0,
+    row_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled PPO loss for rows sampled by a stale behaviour policy mu (design.md,
-    "Off-policy corrections"): the trust region is around pi_prox, the learner's weights at the
-    start of the update, and each token is reweighted by the truncated importance ratio
-    w_t = min(pi_prox / mu, is_clip):
+    """Decoupled PPO loss for rows sampled by a behaviour policy mu other than the learner's
+    pi_prox (``docs/async.md``, "Off-policy corrections"; Hilton et al. 2022, "Batch size-invariance
+    for policy optimization"): the trust region is around pi_prox, the learner's weights at the start
+    of the update, and each token is reweighted by the truncated importance ratio
+    w_t = min(pi_prox / mu, is_clip) (TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training"):
 
         L = -agg(w_t * min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)),  rho_t = pi_theta / pi_prox
 
-    With ``prox_logprobs == behaviour_logprobs`` (w = 1) it is ``policy_loss(logprobs,
-    prox_logprobs, ...)`` exactly. Stats: ``policy_loss``'s plus ``is_weight_mean`` and
-    ``is_clipfrac`` (share of valid tokens whose weight was truncated)."""
+    mu is stale (asynchronous mode) or the generator's numerics (bf16 kernels; rollout correction).
+    ``row_keep`` ``[B]`` (``geometric_mean_mask``) zeroes the weights of masked rows; their tokens
+    stay in the aggregation's denominator, as every other row's do. With ``prox_logprobs ==
+    behaviour_logprobs`` and every row kept (w = 1) it is ``policy_loss(logprobs, prox_logprobs,
+    ...)`` exactly. Stats: ``policy_loss``'s plus ``is_weight_mean`` and ``is_clipfrac`` (share of
+    valid tokens whose weight was truncated)."""
     with torch.no_grad():
         raw = torch.exp((prox_logprobs - behaviour_logprobs).to(torch.float32)).to(advantages.dtype)
         weights = torch.clamp(raw, max=is_clip)
+        if row_keep is not None:
+            weights = weights * row_keep.to(weights.dtype).unsqueeze(-1)
     loss, stats = policy_loss(logprobs, prox_logprobs, weights * advantages, mask, clip_eps, agg, clip_eps_high,
                               max_length)
     with torch.no_grad():

@@ -116,10 +116,11 @@ def first_rows_kept(minibatches: list[Minibatch]) -> torch.Tensor | None:
 def policy_objective(
     policy: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, temperature: float, max_length: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """``(objective, stats, gap)`` of the policy on this rank's part of a minibatch; ``gap``
-    [b, T] is |log pi - log pi_old| per token (0 on padding), the sync check of the synchronous
-    iteration. With ``part.prox_logprobs`` (asynchronous mode) the policy loss is the decoupled
-    one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip). ``max_length``
+    """``(objective, stats, drift)`` of the policy on this rank's part of a minibatch; ``drift``
+    [b, T] is log pi - log pi_old per token (0 on padding), the log-prob check of the synchronous
+    iteration. With ``part.prox_logprobs`` (asynchronous mode, rollout correction) the policy loss
+    is the decoupled one: trust region around pi_prox, tokens weighted by min(pi_prox / mu,
+    is_clip), rows outside the geometric-mean band (``part.row_keep``) not trained on. ``max_length``
     is ``rollout.max_new_tokens``, the constant of ``loss_agg=seq-mean-token-sum-norm``."""
     mask = part.batch.mask
     logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
@@ -129,9 +130,9 @@ def policy_objective(
         pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, **clip)
     else:
         pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
-                                                      mask, is_clip=cfg.is_clip, **clip)
+                                                      mask, is_clip=cfg.is_clip, row_keep=part.row_keep, **clip)
     entropy_mean = ppo.masked_mean(entropy, mask)
-    gap = (logprobs.detach() - part.old_logprobs).abs() * mask
+    drift = (logprobs.detach() - part.old_logprobs) * mask
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
     stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
     if part.loss_kl_coef:  # kl_mode=loss: beta agg(k3), aggregated as the policy loss is
@@ -140,7 +141,7 @@ def policy_objective(
         stats["policy/kl_loss"] = kl_loss.detach()
     # token-mean weighs the minibatch's tokens; the two sequence aggregations weigh its rows.
     pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
-    return pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean, stats, gap
+    return pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean, stats, drift
 
 
 def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig,
@@ -192,13 +193,15 @@ def ppo_update(
     shares make that the gradient of the global minibatch (token-mean and row-mean alike). The first
     minibatch runs before any weight change, so its log-probs against the generator's old log-probs
     are the sync check ``logprob_mismatch``; ``guard`` stops the update there, before the first
-    step, when the check fails. In asynchronous mode (``exp.prox_logprobs`` set) the check is
+    step, when the check fails. In asynchronous mode and under rollout correction (``exp.prox_logprobs``
+    set: pi_prox was recomputed for every row) the check is
     ``same_version_mismatch``'s instead, also before the first step.
     """
     weighted: dict[str, torch.Tensor] = {}
     asynchronous = exp.prox_logprobs is not None
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
-    gaps: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # the first minibatch's (row max, generator, share x mean)
+    drifts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the first minibatch's (drift, mask, generator)
+    first_mean = torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # its share-weighted mean |drift|
     processed, real = 0, torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # the policy's passes
     for i, micro_batches in enumerate(minibatches):
         for mb in micro_batches:
@@ -209,9 +212,11 @@ def ppo_update(
             processed += part.batch.processed_tokens  # padding included; real tokens stay on the device (no sync)
             real = real + part.batch.attention_mask.sum()
             value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
-            objective, stats, gap = policy_objective(policy, part, mb, cfg, temperature, max_length)
+            objective, stats, drift = policy_objective(policy, part, mb, cfg, temperature, max_length)
             if i == 0 and not asynchronous:
-                gaps.append((gap.amax(dim=1), part.generator_ids, ppo.masked_mean(gap, part.batch.mask) * mb.token_share))
+                width = exp.batch.mask.shape[1]  # micro-batches are cut to their own widths: pad back to one
+                drifts.append((_widen(drift, width), _widen(part.batch.mask, width), part.generator_ids))
+                first_mean = first_mean + ppo.masked_mean(drift.abs(), part.batch.mask).double() * mb.token_share
             steps.policy_backward(objective)
             if critic is not None:
                 stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
@@ -219,11 +224,11 @@ def ppo_update(
                 share = mb.row_share if key in ROW_AGGREGATED and cfg.loss_agg != "token-mean" else mb.token_share
                 weighted[key] = weighted.get(key, 0.0) + value.double() * share
         if i == 0 and not asynchronous and guard is not None:
-            guard.check(torch.cat([g for g, _, _ in gaps])[:, None], torch.cat([ids for _, ids, _ in gaps]), collective)
+            drift, mask, generators = (torch.cat(column) for column in zip(*drifts))
+            guard.check(drift, generators, collective, mask)
         steps.step()
     keys = list(weighted)
-    first_mean = [sum(m for _, _, m in gaps).double()] if gaps else []
-    stacked = torch.stack([weighted[k] for k in keys] + first_mean)
+    stacked = torch.stack([weighted[k] for k in keys] + ([first_mean] if drifts else []))
     summed = collective.sum(torch.cat([stacked, stacked.new_tensor([float(processed)]), real.to(stacked)[None]]))
     denominator = collective.world_size * len(minibatches)
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
@@ -235,7 +240,7 @@ def ppo_update(
     if asynchronous:
         return out | mismatch
     out["logprob_mismatch/mean"] = float(summed[-1] / collective.world_size)
-    out["logprob_mismatch/max"] = float(collective.max(torch.cat([g for g, _, _ in gaps]).max().double().clone()))
+    out["logprob_mismatch/max"] = float(collective.max(torch.cat([d.abs().amax()[None] for d, _, _ in drifts]).max().double()))
     return out
 
 
@@ -244,6 +249,11 @@ def _critic_backward(critic: torch.nn.Module, part: Experience, mb: Minibatch, c
     objective, stats = value_objective(critic, part, mb, cfg, values)
     steps.critic_backward(objective)
     return stats
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, t]`` zero-padded on the right to ``[b, width]``."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
 def same_version_mismatch(exp: Experience, collective: Collective, guard: MismatchGuard | None) -> dict[str, float]:
@@ -257,9 +267,10 @@ def same_version_mismatch(exp: Experience, collective: Collective, guard: Mismat
     rows with a compared token.
     """
     mask = exp.batch.mask * exp.same_version.to(exp.batch.mask.dtype)
-    gap = (exp.prox_logprobs - exp.old_logprobs).abs() * mask
+    drift = (exp.prox_logprobs - exp.old_logprobs) * mask
+    gap = drift.abs()
     if guard is not None:
-        guard.check(gap, exp.generator_ids, collective)
+        guard.check(drift, exp.generator_ids, collective, mask)
     local = torch.stack([mask.double().sum(), gap.double().sum(), (mask.sum(-1) > 0).double().sum()])
     tokens, gap_sum, rows = collective.sum(local).tolist()
     # gap >= 0 and is 0 off the compared tokens, so a rank that compared none adds a harmless 0.

@@ -62,16 +62,25 @@ def convert_gguf(path: Path, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
     check_gguf_architecture(path)
     folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False)
-    # The tensors are dequantized already; what marks the model as quantized is only metadata.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the terminal has its one line for this phase
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     trust_remote_code=False)
+        # The tensors are dequantized already; what marks the model as quantized is only metadata.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return out
 
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from rayppo.data.prompts import EMBEDDED_PROMPTS
+
 if TYPE_CHECKING:
     from rayppo.config.schema import Config
 
@@ -81,7 +83,7 @@ def eval_source(cfg: "Config") -> tuple[str, str] | None:
         return None
     if cfg.eval.prompts:
         return cfg.eval.prompts, cfg.eval.split
-    return (cfg.data.prompts, "test") if cfg.data.prompts in ("embedded", "embedded-guess") else None
+    return (cfg.data.prompts, "test") if cfg.data.prompts in EMBEDDED_PROMPTS else None
 
 
 def eval_plan(cfg: "Config") -> EvalPlan:

@@ -26,11 +26,11 @@ import torch
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.config.derived import has_critic, has_reward, mismatch_limit, uses_reference
+from rayppo.config.derived import has_critic, has_reward, rollout_correction, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
+from rayppo.learner.experience import LocalCollective, ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.learner.full_weights import full_tensors
@@ -110,8 +110,10 @@ class ReferenceTrainer:
                                         trained=rollout.trained_tokens())
         exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
                                      TruncationRule.of(cfg), device=self.device,
-                                     first_rows=first_rows_kept(minibatches), micro_batch_tokens=budget)
-        guard = MismatchGuard(mismatch_limit(cfg.checks, cfg.model.dtype), it)
+                                     proximal=ProximalPolicy(self.policy, cfg.rollout.temperature, it),
+                                     first_rows=first_rows_kept(minibatches), micro_batch_tokens=budget,
+                                     correction=rollout_correction(cfg.ppo, cfg.model.dtype, 0))
+        guard = MismatchGuard.of(cfg, it)
         stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,
                             guard=guard, max_length=cfg.rollout.max_new_tokens)
         self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
