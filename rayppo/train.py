@@ -262,7 +262,10 @@ class _Loop:
         """One iteration, its evaluation when due, its records and its periodic checkpoint."""
         cfg, it, start = self.cfg, self.it, time.monotonic()
         self.stop.iteration_begins()
-        metrics = self.trainer.iteration()
+        initial = {}
+        if it == 0 and cfg.eval.at_start and cfg.eval.every:  # the policy before its first update
+            initial = {f"initial/{k}": v for k, v in self.trainer.evaluate().items()}
+        metrics = self.trainer.iteration() | initial
         if due(cfg.eval.every, it, cfg.stop.iterations):
             metrics |= self.trainer.evaluate()
         self.logger.log(it, metrics)
@@ -334,11 +337,15 @@ def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics:
 
 class Bar:
     """The progress bar: iterations, ETA, and the figures a user watches (reward, held-out
-    reward, KL, tokens/s). The last evaluation's reward stays on it until the next one."""
+    reward, KL, tokens/s). The last evaluation's reward stays on it until the next one. When
+    stderr is not a terminal (a log file, CI, nohup) there is no bar, whose redraws would fill the
+    log: one plain line every tenth of the run (and the last) says the same."""
 
     def __init__(self, total: int, first: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total, initial=first, desc="PPO", unit="it", disable=not enabled, file=sys.stderr,
-                        dynamic_ncols=True)
+        self.lines = enabled and not sys.stderr.isatty()
+        self.done, self.total, self.every = first, total, max(1, total // 10)
+        self.bar = tqdm(total=total, initial=first, desc="PPO", unit="it", disable=not enabled or self.lines,
+                        file=sys.stderr, dynamic_ncols=True)
         self.eval: str | None = None
 
     def update(self, metrics: dict[str, float]) -> None:
@@ -349,9 +356,12 @@ class Bar:
                  "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update()
+        self.done += 1  # a disabled tqdm does not count
+        if self.lines and (self.done % self.every == 0 or self.done == self.total):
+            console.write(f"PPO {self.done}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
 
     def rewind(self, iteration: int) -> None:
-        self.bar.n = iteration
+        self.done = self.bar.n = iteration
         self.bar.refresh()
 
     def close(self) -> None:

@@ -194,3 +194,19 @@ def test_a_generator_killed_mid_continuation_and_a_restored_checkpoint_lose_and_
     # k = 3 and responses of up to 3 calls: a generator leads the learner by one batch
     # (pipeline.generator_lead), so no row ever left the window.
     assert dropped == 0 and max(lags) <= 3
+
+
+def test_dropping_stale_groups_leaves_dense_group_ids_the_learner_can_train_on():
+    """n = 2, 10 groups, the 6 oldest stale: the 8 rows left are groups 0..3 again. Their old ids
+    (6..9) on 8 rows indexed past the learner's group tables (sized by its rows): IndexError on
+    CPU, a device-side assert that kills the rank on GPU."""
+    from rayppo.config.schema import PPOConfig
+    from rayppo.learner.experience import make_experience
+
+    groups = [g for g in range(10) for _ in range(2)]
+    rows = _rows(["stop"] * 20, groups, [[g // 2 + (0 if g >= 12 else -10)] * 2 for g in range(20)])
+    rows.score = [float(i % 2) for i in range(20)]  # each group one right, one wrong
+    kept, dropped = drop_stale(rows, version=5, max_staleness=2)
+    assert dropped == 12 and kept.group_id == [0, 0, 1, 1, 2, 2, 3, 3]
+    exp, _ = make_experience(kept, None, 0, 0.0, PPOConfig(advantage="grpo"))
+    assert exp.advantages[:, 0].tolist() == pytest.approx([-0.7071068, 0.7071068] * 4)

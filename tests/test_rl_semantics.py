@@ -214,3 +214,26 @@ def test_mismatch_guard_names_iteration_and_generator():
     assert mismatch_limit(load_config(None, []).checks, "float32") == 1e-3
     assert mismatch_limit(load_config(None, []).checks, "bfloat16") == math.inf  # the k3 mean is the bf16 check
     assert kl_limit(load_config(None, []).checks, "bfloat16") == 1e-2 and kl_limit(load_config(None, []).checks, "float32") == 1e-6
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_tied_rewards_gets_only_its_kl_reward_to_go_under_kl_mode_reward(estimator, tokenizer):
+    """Every response of a group scores 0.5 (all equally right or wrong) but their KL to pi_ref
+    differs, as numeric noise makes it at iteration 0: the group step must see the tied task score
+    (advantage 0), and the KL enter each token as -beta sum_{k>=t} KL_k alone. Grouping
+    r_i - beta sum_t KL_t instead gave every row |A| ~ 1 (GRPO divides the KL differences by
+    their own std): the first updates trained on noise."""
+    beta, rows = 0.05, 4
+    response = tokenizer("7 7 3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    n = len(response)
+    rollout = Rollout([tokenizer("say 7 :")["input_ids"]] * rows, [response] * rows,
+                      [[-1.0 - 0.1 * t for t in range(n)] for _ in range(rows)], ["stop"] * rows, ["say 7 :"] * rows,
+                      ["7 7 3"] * rows, [0] * rows, [0] * rows, group_id=[0] * rows)
+    rollout.ref_logprobs = [[-1.0 - 0.1 * t + 1e-5 * (i + 1) * (t + 1) for t in range(n)] for i in range(rows)]
+    rollout.score = [0.5] * rows
+    cfg = PPOConfig(advantage=estimator, kl_mode="reward")
+    exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, beta, cfg, TruncationRule("terminal"))
+    kl = kl_penalty(rollout.tensor("logprobs"), rollout.tensor("ref_logprobs"))  # [rows, n], k1
+    to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
+    assert torch.allclose(exp.advantages, to_go.to(exp.advantages.dtype), rtol=0, atol=1e-9)
+    assert float(exp.advantages.abs().max()) <= beta * float(kl.sum(-1).abs().max()) + 1e-12  # no unit advantages

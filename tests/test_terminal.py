@@ -49,3 +49,19 @@ def test_verbose_shows_the_actors_output(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(LearnerEngine pid=" in result.stdout + result.stderr  # Ray forwards each actor's lines, prefixed
     assert not (out / "logs" / "learner-0.log").exists()  # not to a log file
+
+
+def test_a_log_gets_a_line_per_phase_and_per_tenth_of_the_run(tmp_path):
+    """Output that is not a terminal (make train > log, CI, nohup): no progress bar redraws (the
+    first-use SFT warm-up's bar alone was ~200 of them), one plain line per tenth of the run."""
+    result = subprocess.run([sys.executable, "-m", "rayppo.cli", "train", "trainer=reference", "rollout.batch_size=8",
+                             "ppo.minibatches=1", "stop.iterations=20", "eval.every=0", "output.samples_every=0",
+                             "output.save_model=false", f"model.cache_dir={tmp_path / 'cache'}",
+                             f"output.dir={tmp_path / 'run'}"],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path)  # pipes: not a terminal
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "\r" not in log and "SFT warm-up" not in log and "building the embedded model" in log
+    progress = [line for line in log.splitlines() if line.startswith("PPO ")]
+    assert [line.split(":")[0] for line in progress] == [f"PPO {i}/20" for i in range(2, 21, 2)], progress
+    assert "reward " in progress[-1] and "tok/s " in progress[-1]

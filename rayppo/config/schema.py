@@ -311,6 +311,10 @@ class EvalConfig:
     greedy: bool = False
     """Also one greedy (temperature 0) response per eval prompt: ``eval/greedy/reward/mean`` and
     ``eval/greedy/pass_rate`` (the headline figures when ``samples`` is 0)."""
+    at_start: bool = False
+    """Also evaluate the policy as it starts, before the first update of a new run: the same figures
+    under ``initial/`` in iteration 0's record (``initial/eval/greedy/pass_rate``, ...), so a run
+    shows its own before and after."""
     pass_threshold: float = 1.0
     """A response passes when its reward is at least this (``eval/pass_rate``, ``eval/pass@k``)."""
 

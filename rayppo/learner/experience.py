@@ -309,11 +309,13 @@ def group_advantages(
 
 
 def _advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig,
-    log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int, collective: Collective,
+    rewards: torch.Tensor, kl_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor,
+    cfg: PPOConfig, log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int,
+    collective: Collective,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` [B, T] of ``cfg.advantage`` (design.md's table), whitened over the
-    global batch where the estimator says so; ``returns`` are 0 without a critic."""
+    """``(advantages, returns)`` [B, T] of ``cfg.advantage`` (``docs/estimators.md``), whitened over
+    the global batch where the estimator says so; ``returns`` are 0 without a critic.
+    ``kl_rewards`` [B, T] is the KL part of ``rewards`` (-beta KL_t under ``kl_mode=reward``, else 0)."""
     if cfg.advantage == "gae":
         advantages, returns = _gae_targets(rewards, values, mask, bootstrap, cfg, log_ratio)
         whiten = cfg.whiten_advantages
@@ -322,10 +324,13 @@ def _advantages(
     else:
         if group_ids is None:
             raise ValueError(f"ppo.advantage={cfg.advantage} needs each row's group id (Rollout.group_id)")
-        # The score that is grouped: sum_t r_t = r_i - beta sum_t KL_t (kl_mode=reward), r_i (loss).
-        sequence = ppo.masked_sum_per_row(rewards, mask)
+        # The group step sees the task score r_i alone: its std would turn the rounding noise of
+        # beta sum_t KL_t into unit advantages in a group of equal rewards. The KL (kl_mode=reward)
+        # then enters each token as its reward-to-go, -beta sum_{k>=t} KL_k (OpenRLHF's order).
+        sequence = ppo.masked_sum_per_row(rewards - kl_rewards, mask)
         per_row = group_advantages(sequence, group_ids, num_groups, cfg.advantage, cfg.group_std_floor, collective)
-        advantages, returns = per_row[:, None] * mask.to(per_row.dtype), torch.zeros_like(values)
+        advantages = per_row[:, None] * mask.to(per_row.dtype) + ppo.discounted_returns(kl_rewards, mask, cfg.gamma)
+        returns = torch.zeros_like(values)
         whiten = cfg.advantage == "reinforce_pp_baseline"
     if whiten:
         advantages = ppo.whiten_from_moments(advantages, mask, collective.sum(ppo.masked_moments(advantages, mask)))
@@ -411,11 +416,15 @@ def make_experience(
     ref_logprobs = rollout.tensor("ref_logprobs").to(device) if has_reference else policy_logprobs
     values, last_values, first_values = _critic_values(critic, batch, first_rows, micro_batch_tokens, collective)
     scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
+    reward_kl_coef = kl_coef if cfg.kl_mode == "reward" else 0.0
     rewards, bootstrap = _shaped_rewards(rollout, scores, last_values, policy_logprobs, ref_logprobs, batch,
-                                         kl_coef if cfg.kl_mode == "reward" else 0.0, cfg.kl_estimator, truncation)
+                                         reward_kl_coef, cfg.kl_estimator, truncation)
+    # The KL part of r_t alone (-beta KL_t): the group estimators keep it out of their statistics.
+    kl_rewards = ppo.shape_rewards(torch.zeros_like(scores), policy_logprobs, ref_logprobs, mask, reward_kl_coef,
+                                   cfg.kl_estimator)
     log_ratio = None if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
     group_ids = torch.tensor(rollout.group_id, dtype=torch.long, device=device) if rollout.group_id else None
-    advantages, returns = _episode_advantages(rewards, values, mask, bootstrap, cfg, log_ratio, group_ids,
+    advantages, returns = _episode_advantages(rewards, kl_rewards, values, mask, bootstrap, cfg, log_ratio, group_ids,
                                               num_groups or len(rollout), collective, bool(rollout.action_mask))
     stats = _experience_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
     if critic is not None:
@@ -452,15 +461,17 @@ def _shaped_rewards(
 
 
 def _episode_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig,
+    rewards: torch.Tensor, kl_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor,
+    cfg: PPOConfig,
     log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int, collective: Collective,
     multi_turn: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_advantages``; for multi-turn episodes over their action tokens only (``ppo.gather_actions``):
     the recursions step from a turn's last action to the next turn's first, through the observation."""
     if not multi_turn:
-        return _advantages(rewards, values, mask, bootstrap, cfg, log_ratio, group_ids, num_groups, collective)
-    compact = [ppo.gather_actions(x, mask) for x in (rewards, values)]
+        return _advantages(rewards, kl_rewards, values, mask, bootstrap, cfg, log_ratio, group_ids, num_groups,
+                           collective)
+    compact = [ppo.gather_actions(x, mask) for x in (rewards, kl_rewards, values)]
     ratio = None if log_ratio is None else ppo.gather_actions(log_ratio, mask)
     advantages, returns = _advantages(*compact, ppo.gathered_mask(mask), bootstrap, cfg, ratio, group_ids, num_groups,
                                       collective)

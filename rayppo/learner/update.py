@@ -201,7 +201,7 @@ def ppo_update(
     asynchronous = exp.prox_logprobs is not None
     mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
     drifts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the first minibatch's (drift, mask, generator)
-    first_mean = torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # its share-weighted mean |drift|
+    first = torch.zeros(2, dtype=torch.float64, device=exp.batch.mask.device)  # its share-weighted mean |d| and k3
     processed, real = 0, torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # the policy's passes
     for i, micro_batches in enumerate(minibatches):
         for mb in micro_batches:
@@ -216,7 +216,8 @@ def ppo_update(
             if i == 0 and not asynchronous:
                 width = exp.batch.mask.shape[1]  # micro-batches are cut to their own widths: pad back to one
                 drifts.append((_widen(drift, width), _widen(part.batch.mask, width), part.generator_ids))
-                first_mean = first_mean + ppo.masked_mean(drift.abs(), part.batch.mask).double() * mb.token_share
+                token_means = [ppo.masked_mean(x, part.batch.mask) for x in (drift.abs(), _k3(drift))]
+                first = first + torch.stack(token_means).double() * mb.token_share
             steps.policy_backward(objective)
             if critic is not None:
                 stats |= value_stats or _critic_backward(critic, part, mb, cfg, steps)
@@ -228,7 +229,7 @@ def ppo_update(
             guard.check(drift, generators, collective, mask)
         steps.step()
     keys = list(weighted)
-    stacked = torch.stack([weighted[k] for k in keys] + ([first_mean] if drifts else []))
+    stacked = torch.cat([torch.stack([weighted[k] for k in keys]), first if drifts else first[:0]])
     summed = collective.sum(torch.cat([stacked, stacked.new_tensor([float(processed)]), real.to(stacked)[None]]))
     denominator = collective.world_size * len(minibatches)
     out = {k: float(summed[i] / denominator) for i, k in enumerate(keys)}
@@ -239,7 +240,8 @@ def ppo_update(
     summed = summed[:-2]
     if asynchronous:
         return out | mismatch
-    out["logprob_mismatch/mean"] = float(summed[-1] / collective.world_size)
+    out["logprob_mismatch/mean"] = float(summed[-2] / collective.world_size)
+    out["logprob_mismatch/kl"] = float(summed[-1] / collective.world_size)
     out["logprob_mismatch/max"] = float(collective.max(torch.cat([d.abs().amax()[None] for d, _, _ in drifts]).max().double()))
     return out
 
@@ -251,13 +253,18 @@ def _critic_backward(critic: torch.nn.Module, part: Experience, mb: Minibatch, c
     return stats
 
 
+def _k3(drift: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(d) - 1 - d per token: the guard's estimate of KL(mu || pi) (``MismatchGuard``)."""
+    return torch.expm1(drift) - drift
+
+
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
     """``[b, t]`` zero-padded on the right to ``[b, width]``."""
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
 def same_version_mismatch(exp: Experience, collective: Collective, guard: MismatchGuard | None) -> dict[str, float]:
-    """``logprob_mismatch/mean|max|rows`` of asynchronous mode, checked by ``guard``.
+    """``logprob_mismatch/mean|max|kl|rows`` of asynchronous mode and rollout correction, checked by ``guard``.
 
     mu = pi_prox only on the tokens sampled by the learner's own version (``exp.same_version``):
     there |log mu - log pi_prox| is rounding, elsewhere it is staleness (``async/staleness_*``
@@ -271,10 +278,12 @@ def same_version_mismatch(exp: Experience, collective: Collective, guard: Mismat
     gap = drift.abs()
     if guard is not None:
         guard.check(drift, exp.generator_ids, collective, mask)
-    local = torch.stack([mask.double().sum(), gap.double().sum(), (mask.sum(-1) > 0).double().sum()])
-    tokens, gap_sum, rows = collective.sum(local).tolist()
+    local = torch.stack([mask.double().sum(), gap.double().sum(), (mask.sum(-1) > 0).double().sum(),
+                         (_k3(drift) * mask).double().sum()])
+    tokens, gap_sum, rows, k3_sum = collective.sum(local).tolist()
     # gap >= 0 and is 0 off the compared tokens, so a rank that compared none adds a harmless 0.
     worst = float(collective.max(gap.max().double()))
     return {"logprob_mismatch/mean": gap_sum / tokens if tokens else math.nan,
+            "logprob_mismatch/kl": k3_sum / tokens if tokens else math.nan,
             "logprob_mismatch/max": worst if tokens else math.nan,
             "logprob_mismatch/rows": rows}

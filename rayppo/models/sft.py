@@ -7,6 +7,7 @@ them) given the prompt; prompt tokens are context only. The result becomes pi_re
 from __future__ import annotations
 
 import random
+import sys
 
 import torch
 from tqdm import tqdm
@@ -47,7 +48,8 @@ def sft_train_ids(model: torch.nn.Module, pad_id: int, examples: list[TokenExamp
     steps = epochs * (len(encoded) // batch_size)
     losses: list[float] = []
     model.train()
-    with tqdm(total=steps, desc="SFT warm-up", disable=not progress, leave=False) as bar:
+    # A bar only on a terminal: in a log (make train > log, CI, nohup) its redraws are ~200 lines.
+    with tqdm(total=steps, desc="SFT warm-up", disable=not progress or not sys.stderr.isatty(), leave=False) as bar:
         for _ in range(epochs):
             rng.shuffle(encoded)
             for start in range(0, len(encoded) - batch_size + 1, batch_size):

@@ -71,6 +71,7 @@ def final_answer(response: str) -> str | None:
     return str(int(value)) if value == int(value) else text
 
 
-def reward(response: str, answer: str) -> float:
-    """1.0 when the response's final answer equals ``answer``, else 0.0."""
+def reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response's final answer equals the row's ``answer``, else 0.0 (the prompt is
+    not read: the row carries the answer)."""
     return 1.0 if final_answer(response) == str(answer).strip() else 0.0

@@ -61,14 +61,18 @@ CLOSE_JOIN_S = 60.0
 def drop_stale(rollout: Rollout, version: int, max_staleness: int) -> tuple[Rollout, int]:
     """``(rows at most max_staleness versions behind version, rows dropped)``. A row's lag is its
     oldest token's (partial rollouts continue a row with newer weights); a group goes whole, so a
-    group estimator never sees part of one."""
+    group estimator never sees part of one, and the groups left are numbered 0..G'-1 again: the
+    learner sizes its group tables by the rows it trains on."""
     oldest = oldest_versions(rollout)
     stale = {i for i, v in enumerate(oldest) if version - v > max_staleness}
     if rollout.group_id:
         stale_groups = {rollout.group_id[i] for i in stale}
         stale = {i for i, g in enumerate(rollout.group_id) if g in stale_groups}
     keep = [i for i in range(len(rollout)) if i not in stale]
-    return (rollout, 0) if len(keep) == len(rollout) else (rollout.select(keep), len(rollout) - len(keep))
+    if len(keep) == len(rollout):
+        return rollout, 0
+    kept = rollout.select(keep)
+    return (renumber_groups(kept) if kept.group_id else kept), len(rollout) - len(keep)
 
 
 def staleness_stats(rollout: Rollout, version: int) -> dict[str, float]:
