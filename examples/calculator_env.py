@@ -7,7 +7,11 @@ answer, else 0). Anything else gets a reminder of the format.
 
 The calculator is a real tool with its own limits: it evaluates arithmetic only (numbers, + - * /
 // % **, parentheses) by walking the expression's syntax tree (never ``eval``), refuses exponents
-that would build huge numbers, and stops any evaluation after ``TOOL_TIMEOUT_S`` seconds. rayppo
+that would build huge numbers, and stops any evaluation after ``TOOL_TIMEOUT_S`` seconds. Every
+way an expression can fail (not arithmetic, division by zero, overflow, a result too long to print)
+is the policy's mistake and comes back as an ``error: ...`` observation: an exception escaping
+``step`` is the environment's failure, which stops the run (or costs the episode
+``rollout.environment_timeout_reward``). rayppo
 runs this class in child processes with its own deadline per step as well
 (``rollout.environment_timeout_s``): a tool that hangs anyway is killed and named.
 
@@ -29,6 +33,15 @@ OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mu
 
 class ToolError(ValueError):
     """The expression is not one the calculator evaluates."""
+
+
+def shown(number: float | int) -> str:
+    """The result as the tool's reply; ``ToolError`` for an integer too long to print (Python
+    refuses ``str()`` of one over 4,300 digits)."""
+    try:
+        return str(number)
+    except ValueError:
+        raise ToolError("the result has too many digits to show") from None
 
 
 def evaluate(expression: str) -> float | int:
@@ -61,6 +74,8 @@ def evaluate(expression: str) -> float | int:
         return value(tree)
     except ZeroDivisionError:
         raise ToolError("division by zero") from None
+    except ArithmeticError as exc:  # OverflowError: 1e200 ** 2 and the like
+        raise ToolError(f"result out of range ({exc})") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -76,8 +91,8 @@ class Calculator:
         text = action.strip()
         if text.startswith("calc:"):
             try:
-                return str(evaluate(text[len("calc:"):].strip())), 0.0, False
-            except ToolError as exc:
+                return shown(evaluate(text[len("calc:"):].strip())), 0.0, False
+            except ToolError as exc:  # the policy's mistake: an observation, never the run's failure
                 return f"error: {exc}", 0.0, False
         if text.startswith("answer:"):
             try:

@@ -365,11 +365,16 @@ def test_the_calculator_tool_answers_refuses_and_scores_in_its_own_process(monke
         start = time.monotonic()
         first = pool.step(episodes, ["calc: 1234 * 5678", "calc: 9 ** 9 ** 9"], turn=1)
         assert time.monotonic() - start < 5.0  # the huge power is refused, not computed
-        second = pool.step(episodes, ["answer: 7006652", "answer: 1"], turn=2)
+        # An overflow and a result too long to print are the policy's mistakes: observations, not
+        # the environment's failure (which would stop the run).
+        mistakes = pool.step(episodes, ["calc: 1e200 ** 2", "calc: (10 ** 64) ** 64 * (10 ** 64) ** 4"], turn=2)
+        second = pool.step(episodes, ["answer: 7006652", "answer: 1"], turn=3)
     finally:
         pool.close()
     assert (first[0].observation, first[0].reward, first[0].done) == ("7006652", 0.0, False)
     assert first[1].observation.startswith("error: exponent") and not first[1].done
+    assert mistakes[0].observation.startswith("error: result out of range") and not mistakes[0].done
+    assert mistakes[1].observation == "error: the result has too many digits to show" and not mistakes[1].done
     assert [(s.reward, s.done) for s in second] == [(1.0, True), (0.0, True)]
 
 
@@ -438,3 +443,87 @@ def test_the_asynchronous_pipeline_trains_on_episodes(guess_dir, tmp_path):
     assert all(s["episode/turns_mean"] > 1 for s in stats)
     assert rollout.action_mask and all(len(m) == len(ids) for m, ids in zip(rollout.action_mask, rollout.response_ids))
     assert max(s["async/staleness_max"] for s in stats) <= 1 and sum(s["async/dropped_rows"] for s in stats) == 0
+
+
+HANGS_ON = '''
+import time
+
+class HangsOn:
+    """Answers every action but 'hang', on which it never returns."""
+    def __init__(self, prompt):
+        self.turns = 0
+    def step(self, action):
+        if action == "hang":
+            time.sleep(3600)
+        self.turns += 1
+        return f"turn {self.turns}", 0.0, False
+'''
+
+
+def test_a_killed_worker_loses_every_episode_it_held_and_blames_the_one_that_hung(tmp_path, monkeypatch):
+    """One worker holds episodes 0 and 1; in turn 1 episode 0 steps, then episode 1 hangs and the
+    worker's process is killed, taking episode 0's environment with it. Turn 2 must say episode 0
+    was lost with the process that ended on episode 1's prompt (it raised KeyError in the fresh
+    process before), and ending both must not start a process only to drop nothing."""
+    (tmp_path / "hangs_on_env.py").write_text(HANGS_ON)
+    monkeypatch.chdir(tmp_path)
+    pool = EnvironmentPool("hangs_on_env:HangsOn", 1, timeout_s=1.0)
+    try:
+        episodes = [Episode(i, f"prompt {i}", {}, None) for i in range(2)]
+        pool.start(episodes)
+        first = pool.step(episodes, ["go", "hang"], turn=1)
+        second = pool.step(episodes[:1], ["go"], turn=2)
+        start = time.monotonic()
+        pool.end(episodes)
+        ending = time.monotonic() - start
+        assert pool.workers[0].proc is None  # no process was started for the end
+    finally:
+        pool.close()
+    assert first[0].observation == "turn 1" and "ran past" in str(first[1])
+    assert isinstance(second[0], EnvironmentFailure)
+    assert "on prompt 'prompt 0': lost with its process, which ended on prompt 'prompt 1'" in str(second[0])
+    assert ending < 0.5
+
+
+SPAWNS = '''
+import subprocess, time
+
+class RunsAShell:
+    """A tool that starts a process of its own (as a code interpreter or a shell does), then hangs."""
+    def __init__(self, prompt):
+        pass
+    def step(self, action):
+        tool = subprocess.Popen(["sleep", "3600"])
+        with open("tool.pid", "w") as f:
+            f.write(str(tool.pid))
+        time.sleep(3600)
+'''
+
+
+def test_a_timed_out_tool_leaves_no_process_it_started(tmp_path, monkeypatch):
+    import os
+
+    (tmp_path / "spawns_env.py").write_text(SPAWNS)
+    monkeypatch.chdir(tmp_path)
+    pool = EnvironmentPool("spawns_env:RunsAShell", 1, timeout_s=1.0)
+    try:
+        episode = Episode(0, "prompt 0", {}, None)
+        pool.start([episode])
+        (result,) = pool.step([episode], ["run"], turn=1)
+    finally:
+        pool.close()
+    assert "ran past" in str(result)
+    pid = int((tmp_path / "tool.pid").read_text())
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid), "the tool's own process outlived the killed environment"
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for its (gone) parent's reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

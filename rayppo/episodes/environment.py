@@ -121,6 +121,11 @@ class EnvironmentPool:
         self.spec, self.timeout_s = spec, timeout_s
         self.workers = [ChildProcess("rayppo.episodes.environment", [spec]) for _ in range(max(1, workers))]
         self._threads = ThreadPoolExecutor(len(self.workers), thread_name_prefix="rayppo-env")
+        # A worker's process count: it goes up when a failed call leaves the process dead, which
+        # takes every episode it held (those that stepped before the failure in the same turn too).
+        self._generation = [0] * len(self.workers)
+        self._ended_on: list[str] = [""] * len(self.workers)  # the prompt whose call ended each process
+        self._homes: dict[int, int] = {}  # episode id -> the generation of its worker it was started in
 
     def start(self, episodes: list[Episode]) -> None:
         """Build each episode's environment from its prompt row."""
@@ -147,16 +152,19 @@ class EnvironmentPool:
         results: list[Any] = [None] * len(calls)
 
         def run_worker(w: int) -> None:
-            lost = None  # the episode whose failure ended this worker's process (and its other episodes)
             for i in by_worker[w]:
-                if lost is not None:
-                    prompt = calls[i][0].prompt
-                    results[i] = EnvironmentFailure(f"environment {self.spec} ({what}) on prompt {prompt!r}: lost with "
-                                                    f"its process, which ended on prompt {lost!r}")
+                episode, message = calls[i]
+                if message["op"] == "start":
+                    self._homes[episode.id] = self._generation[w]
+                elif self._homes.get(episode.id, self._generation[w]) != self._generation[w]:
+                    results[i] = self._lost(episode, message["op"], what, w)
                     continue
-                results[i] = self._call(self.workers[w], *calls[i], what)
+                results[i] = self._call(self.workers[w], episode, message, what)
+                if message["op"] == "end":
+                    self._homes.pop(episode.id, None)
                 if isinstance(results[i], Exception) and self.workers[w].proc is None:
-                    lost = calls[i][0].prompt
+                    self._generation[w] += 1
+                    self._ended_on[w] = episode.prompt
 
         futures = [self._threads.submit(run_worker, w) for w in by_worker]
         wait(futures)  # every worker done before anything is raised (``end`` must not meet a busy one)
@@ -166,6 +174,16 @@ class EnvironmentPool:
         if raise_first and errors:
             raise errors[0]
         return results
+
+    def _lost(self, episode: Episode, op: str, what: str, w: int) -> dict | Exception:
+        """An episode whose environment died with an earlier process of worker ``w``: nothing is
+        called (an ``end`` would only start a fresh process to drop nothing); a step fails naming
+        the prompt whose call ended that process, not this healthy one."""
+        if op == "end":
+            self._homes.pop(episode.id, None)
+            return {"ok": True}
+        return EnvironmentFailure(f"environment {self.spec} ({what}) on prompt {episode.prompt!r}: lost with its "
+                                  f"process, which ended on prompt {self._ended_on[w]!r}")
 
     def _call(self, worker: ChildProcess, episode: Episode, message: dict, what: str) -> dict | Exception:
         where = f"environment {self.spec} ({what}) on prompt {episode.prompt!r}"

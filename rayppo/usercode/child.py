@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -63,8 +64,10 @@ class ChildProcess:
         # user's module), then this process's sys.path.
         path = [self.directory, *(p for p in sys.path if p and p != self.directory)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        # A session (and process group) of its own: what the user's code starts (a code interpreter,
+        # a shell) is in it, so killing the group on a timeout leaves no tool process behind.
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], env=env, cwd=self.directory,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
         self._buffer = b""
         try:
             ready = self._read(STARTUP_TIMEOUT_S)
@@ -93,14 +96,23 @@ class ChildProcess:
 
     def _reap(self) -> int | None:
         code = self.proc.wait() if self.proc is not None else None
+        self._kill_group()  # what it started may outlive it
         self.proc = None
         return code
 
     def close(self) -> None:
         if self.proc is not None:
+            self._kill_group()
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the child's whole process group (its own session: ``_start``)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is empty already
+            pass
 
 
 def _die_with_parent() -> None:
