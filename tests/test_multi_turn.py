@@ -117,17 +117,77 @@ def test_an_observation_is_the_templates_tokens_and_keeps_the_boundary_the_polic
     # after <|im_end|>): the policy stops at <|end|>, so <|sep|> must open the observation.
     tok = _tokenizer("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|><|sep|>"
                      "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    ids = observation_ids(tok, guess.conversation(), "5", "<|end|>", {"role": "user", "content": "higher"})
+    ids = observation_ids(tok, guess.conversation(), "<|end|>", {"role": "user", "content": "higher"})
     assert tok.convert_ids_to_tokens(ids) == ["<|sep|>", "<|user|>", "▁higher", "<|end|>", "<|sep|>", "<|assistant|>"]
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused():
-    # Earlier assistant turns are rendered without their content (as templates that strip reasoning do).
+def test_a_template_that_drops_the_turns_text_is_refused():
+    # Assistant turns followed by another message are rendered without their content: the sampled
+    # tokens would not be the rendered ones.
     tok = _tokenizer("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
                      "{% if m['role'] == 'assistant' and not loop.last %}{% else %}{{ m['content'] }}{% endif %}<|end|>"
                      "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    with pytest.raises(TemplateError, match="rewrites earlier turns"):
+    with pytest.raises(TemplateError, match="does not render an assistant turn as its text followed by"):
         check_template(tok, ["<|end|>"], "user")
+
+
+# The rendering rules of three families' official chat templates, written here as Jinja of our own
+# (the official ones are public: Llama 3's in Meta-Llama-3-8B-Instruct, Qwen2.5's and Qwen3's in
+# their tokenizer_config.json): Llama 3 trims every message; Qwen2.5 is ChatML with a default
+# system message and tool replies in <tool_response> blocks of a user turn; Qwen3 also renders
+# an empty <think> block into an assistant turn that is the last message after the latest user
+# query, splits reasoning off at </think> and keeps it only after that query.
+TEMPLATES = {
+    "llama3": ("<|eot_id|>", "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+               "\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+    "qwen2.5": ("<|im_end|>", "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+                "<|im_end|>\n{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}"
+                "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+                "\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+                "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+                "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "qwen3": ("<|im_end|>", "{% set ns = namespace(last_query=messages | length - 1) %}"
+              "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}"
+              "{% endfor %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+              "{% set content = m['content'] %}{% set reasoning = '' %}{% if '</think>' in content %}"
+              "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+              "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+              "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+              "<|im_start|>assistant\n<think>\n{{ reasoning }}\n</think>\n\n{{ content }}<|im_end|>\n"
+              "{% else %}<|im_start|>assistant\n{{ content }}<|im_end|>\n{% endif %}"
+              "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+              "<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+}
+SEPARATORS = {  # what each template writes between a turn's end-of-turn token and the next turn
+    ("llama3", "user"): "<|start_header_id|>user<|end_header_id|>\n\nhigher<|eot_id|>"
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ("qwen2.5", "tool"): "\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    ("qwen3", "user"): "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n",
+    ("qwen3", "tool"): "\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+@pytest.mark.parametrize("name, role", sorted(SEPARATORS))
+def test_real_templates_that_rewrite_turns_give_observation_tokens_whatever_was_sampled(name, role):
+    """Sampled turns with surrounding spaces (Llama 3 trims them) and with a reasoning block (Qwen3
+    strips it from turns before the latest query, and renders the last turn with an empty one):
+    the observation's tokens are the template's separator in every case, turn after turn. Rendering
+    the sampled text instead refused these turns mid-run after the start-up probe had passed."""
+    end, template = TEMPLATES[name]
+    tok = _tokenizer(template)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                                         "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                                                         "<tool_response>", "</tool_response>"]})
+    assert check_template(tok, [end], role) == [end]
+    expected = tok(SEPARATORS[name, role], add_special_tokens=False)["input_ids"]
+    history = [{"role": "user", "content": "guess a digit"}]
+    for sampled in ["5", " 5 \n", "<think>\nlower than 7\n</think>\n\n5", "6"]:
+        observation = {"role": role, "content": "higher"}
+        assert observation_ids(tok, history, end, observation) == expected, sampled
+        history += [{"role": "assistant", "content": sampled}, observation]
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused():
@@ -151,7 +211,7 @@ def _replayed_observations(tok, rollout: Rollout, row: int) -> tuple[list[int], 
         if done or end + 1 == len(ids):
             break
         message = {"role": "user", "content": observation}
-        added = observation_ids(tok, history, text, "<|end|>", message)
+        added = observation_ids(tok, history, "<|end|>", message)
         history += [{"role": "assistant", "content": text}, message]
         observations += added
         start = end + 1 + len(added)

@@ -179,7 +179,7 @@ def _apply_step(state: EpisodeState, text: str, step: Step, tokenizer, settings:
         return
     end_text = tokenizer.decode(state.response_ids[-1:], skip_special_tokens=False)
     message = {"role": settings.observation_role, "content": step.observation}
-    added = observation_ids(tokenizer, state.history, text, end_text, message)
+    added = observation_ids(tokenizer, state.history, end_text, message)
     state.history += [{"role": "assistant", "content": text}, message]
     if len(state.response_ids) + len(added) >= settings.max_tokens:
         state.finish_reason = "length"  # no room for the observation and one more token of a turn

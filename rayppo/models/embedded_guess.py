@@ -57,7 +57,7 @@ def game_example(tokenizer, game: list[tuple[str, str | None]]) -> TokenExample:
         if reply is None:
             break
         message = {"role": "user", "content": reply}
-        added = observation_ids(tokenizer, history, move, end_text, message)
+        added = observation_ids(tokenizer, history, end_text, message)
         history = [*history, {"role": "assistant", "content": move}, message]
         response, mask = response + added, mask + [0] * len(added)
     return prompt, response, mask
