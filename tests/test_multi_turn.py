@@ -587,3 +587,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_overlong_ramp_counts_the_policys_tokens_not_the_observations():
+    """DAPO's overlong shaping over an episode of 3 action tokens and 2 observation tokens, with
+    L_max = 5 and a ramp over the last 2 tokens: the policy wrote 3 tokens, under the ramp (no
+    penalty); counting the tool's 2 tokens too would have put it at the limit (-1)."""
+    rule = TruncationRule("terminal", max_new_tokens=5, overlong_buffer=2, overlong_penalty=1.0)
+    cfg = PPOConfig(advantage="dr_grpo", whiten_advantages=False)
+    rollout = _two_turn_rollout("stop")
+    rollout.group_id = [0]
+    exp, _ = make_experience(rollout, None, 0, 0.0, cfg, rule)
+    last_action = 4
+    assert float(exp.rewards[0, last_action]) == pytest.approx(2.0 + 1.0)  # score + the last turn's reward, no ramp

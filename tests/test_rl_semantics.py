@@ -237,3 +237,29 @@ def test_a_group_of_tied_rewards_gets_only_its_kl_reward_to_go_under_kl_mode_rew
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert torch.allclose(exp.advantages, to_go.to(exp.advantages.dtype), rtol=0, atol=1e-9)
     assert float(exp.advantages.abs().max()) <= beta * float(kl.sum(-1).abs().max()) + 1e-12  # no unit advantages
+
+
+def test_the_entropy_bonus_is_aggregated_as_the_loss_is(tokenizer, embedded_dir):
+    """Under seq-mean-token-mean every row's entropy weighs the same, as its loss does: the bonus
+    is c x (mean over rows of each row's token mean), not the token mean (which weighs long rows
+    more). Two rows of 4 and 2 tokens make the two differ."""
+    from rayppo.learner.update import MicroBatch, policy_objective
+    from rayppo.models.loading import load_causal_lm
+    from rayppo.models.sequences import policy_forward
+
+    policy = load_causal_lm(embedded_dir).double()
+    rows = [tokenizer("7 7 3 1", add_special_tokens=False)["input_ids"], tokenizer("7 7", add_special_tokens=False)["input_ids"]]
+    rollout = Rollout([tokenizer("say 7 :")["input_ids"]] * 2, rows, [[-1.0] * len(r) for r in rows], ["length"] * 2,
+                      ["say 7 :"] * 2, ["r"] * 2, [0, 0], [0, 0])
+    rollout.score = [1.0, 0.0]
+    objectives = {}
+    for c in (0.0, 0.1):
+        cfg = PPOConfig(loss_agg="seq-mean-token-mean", entropy_coef=c, whiten_advantages=False)
+        exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, 0.0, cfg, TruncationRule("terminal"))
+        part = exp.micro(torch.arange(2))
+        objectives[c], *_ = policy_objective(policy, part, MicroBatch(torch.arange(2), 1.0, 1.0), cfg, 1.0)
+        _, entropy = policy_forward(policy, part.batch, with_entropy=True)
+        mask = part.batch.mask
+    row_means = (entropy * mask).sum(-1) / mask.sum(-1)
+    assert float(objectives[0.0] - objectives[0.1]) == pytest.approx(0.1 * float(row_means.mean()), rel=1e-9)
+    assert abs(float(row_means.mean()) - float((entropy * mask).sum() / mask.sum())) > 1e-3  # the two differ here

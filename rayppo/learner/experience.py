@@ -448,7 +448,9 @@ def _shaped_rewards(
     an episode's turn rewards on each turn's last action token (earned, so kept whatever the
     truncation rule does with the final score)."""
     mask = batch.mask
-    lengths = batch.token_mask.sum(-1)  # every token after the prompt: the length the limit counts
+    # The overlong ramp counts the policy's own tokens (an episode's actions): a long tool output is
+    # not the policy's length (single-turn rows: every response token is an action).
+    lengths = batch.mask.sum(-1)
     scores = scores + ppo.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
     # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
     returned, bootstrap = ppo.truncation_targets(scores, last_values, rollout.truncated().to(mask.device), rule.mode,

@@ -48,7 +48,10 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean", 
 
     ``token-mean``: the mean over every valid token of the batch, so long responses weigh more.
     ``seq-mean-token-mean``: each row's mean over its own tokens (the seed's 1/T form), then the
-    mean over rows, so every response weighs the same.
+    mean over rows, so every response weighs the same. A row with no valid token counts in that
+    mean's denominator with a 0 (veRL's mean runs over rows with at least one token); rayppo never
+    trains on such a row (every response has at least one token; a placeholder row of an empty
+    micro-batch has a share of 0), so the two agree wherever rayppo calls it.
     ``seq-mean-token-sum-norm`` (Dr. GRPO, Liu et al. 2025): sum over every valid token divided by
     the constant B x ``max_length`` (``rollout.max_new_tokens``), so no response's weight depends
     on its own length (a per-length mean shrinks a long wrong answer's gradient per token).

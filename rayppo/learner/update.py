@@ -131,7 +131,8 @@ def policy_objective(
     else:
         pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
                                                       mask, is_clip=cfg.is_clip, row_keep=part.row_keep, **clip)
-    entropy_mean = ppo.masked_mean(entropy, mask)
+    entropy_mean = ppo.masked_mean(entropy, mask)  # the figure shown; the bonus is aggregated as the loss is
+    entropy_bonus = ppo.aggregate(entropy, mask, cfg.loss_agg, max_length) if cfg.entropy_coef else entropy_mean
     drift = (logprobs.detach() - part.old_logprobs) * mask
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
     stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
@@ -141,7 +142,7 @@ def policy_objective(
         stats["policy/kl_loss"] = kl_loss.detach()
     # token-mean weighs the minibatch's tokens; the two sequence aggregations weigh its rows.
     pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
-    return pg_share * pg_loss - mb.token_share * cfg.entropy_coef * entropy_mean, stats, drift
+    return pg_share * (pg_loss - cfg.entropy_coef * entropy_bonus), stats, drift
 
 
 def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig,
