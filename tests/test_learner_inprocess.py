@@ -39,6 +39,12 @@ def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):
     assert payload.version == 1
     assert generator.load_weights(payload) == 1
     assert learner.train(rollout(), kl_coef=0.05, iteration=1)["logprob_mismatch/max"] < 1e-4
+    # A batch whose every row the pipeline dropped as too stale: nothing trained, the version advances.
+    before = {n: t.clone() for n, t in unpack_weights(learner.policy_weights()).items()}
+    empty = rollout().select([])
+    assert learner.train(empty, kl_coef=0.05, iteration=2) == {"policy/version": 3.0, "async/skipped_update": 1.0}
+    after = learner.policy_weights()
+    assert after.version == 3 and all(torch.equal(t, before[n]) for n, t in unpack_weights(after).items())
 
 
 def test_weights_payload_roundtrip_keeps_dtype_and_values():

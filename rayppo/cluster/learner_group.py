@@ -122,7 +122,12 @@ class LearnerGroup:
         return self.rank0_host, self._gather(self.ranks.call_all(LearnerEngine.free_port), "free_port")[0]
 
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
-        """One PPO iteration over ``rollout``, its rows dealt to the ranks by tokens (``shards``)."""
+        """One PPO iteration over ``rollout``, its rows dealt to the ranks by tokens (``shards``).
+        A rollout without rows (the pipeline dropped every row as too stale) trains nothing and
+        still advances the version (``LearnerEngine.skip_update``)."""
+        if len(rollout) == 0:
+            self.owned = [[] for _ in range(self.num_ranks)]
+            return self._gather(self.ranks.call_all(LearnerEngine.skip_update), "skip_update")[0]
         self.owned = self.shards(rollout, iteration)
         args = [(rollout.select(rows), rows, len(rollout), kl_coef, iteration) for rows in self.owned]
         return self._gather(self.ranks.call(LearnerEngine.train, args), "train")[0]

@@ -209,6 +209,14 @@ class LearnerEngine(Engine):
             self._targets = exp.trained_targets(self.critic is not None)
         return stats | {"policy/version": float(self.version)}
 
+    def skip_update(self) -> dict[str, float]:
+        """An iteration with no row to train on (every row too stale): the weights stay, the version
+        advances, so that the pipeline's one version per batch (its lead and staleness
+        arithmetic) holds; the weights are published again under it."""
+        self.version += 1
+        self._targets = ([], [])
+        return {"policy/version": float(self.version), "async/skipped_update": 1.0}
+
     def trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
         """``(advantages, returns)`` of this rank's rows of the last ``train`` (``Rollout.advantages``,
         ``.returns``); kept only with ``output.save_rollouts``."""

@@ -204,6 +204,7 @@ class PipelinedTrainer(DistributedTrainer):
         t_data = clock()
         version = self._published.version  # the learner's: it publishes after every update
         staleness = staleness_stats(rollout, version)
+        scored = rollout
         rollout, dropped = drop_stale(rollout, version, self.k)
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
@@ -233,7 +234,8 @@ class PipelinedTrainer(DistributedTrainer):
                    "async/carried_rows": float(sum(len(c) for c in self._stages.carry)),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
-        return {**stats, **rollout_stats(rollout, wall, self.cfg.rollout.max_turns), **timings, **staleness,
+        shown = rollout if len(rollout) else scored  # every row dropped: the batch's figures as generated
+        return {**stats, **rollout_stats(shown, wall, self.cfg.rollout.max_turns), **timings, **staleness,
                 "kl_coef": kl_coef}
 
     def _next_scored(self) -> tuple[int, Rollout, dict[str, float], int]:
