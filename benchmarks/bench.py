@@ -67,12 +67,16 @@ def load_workloads(path: Path = HERE / "workloads.yaml") -> dict[str, Workload]:
 # ------------------------------------------------------------------------------------ models
 def prepare_models(workload: Workload) -> tuple[Path, Path]:
     """(policy folder, reward-model folder) for a workload, built once and cached."""
-    from rayppo.models.embedded import build_random_llama, embedded_model_dir
+    from rayppo.models.embedded import build_random_llama
+
+    from rayppo.models.loading import resolve_model_path
+    from rayppo.models.paths import built_on_first_use
 
     key = hashlib.sha1(json.dumps(workload.model, sort_keys=True).encode()).hexdigest()[:10]
     root = cache_root() / "bench" / f"{workload.name}-{key}"
-    policy = embedded_model_dir() if workload.model == "embedded" else root / "policy"
-    if workload.model != "embedded" and not (policy / "config.json").is_file():
+    builtin = isinstance(workload.model, str) and built_on_first_use(workload.model)  # embedded, the real model
+    policy = resolve_model_path(workload.model) if builtin else root / "policy"
+    if not builtin and not (policy / "config.json").is_file():
         shape = dict(workload.model)  # eos_mean_length, eos_length_cap: long-tailed lengths (add_stop_words)
         build_random_llama(policy, shape.pop("vocab_size"), **shape)
     reward_model = root / "reward_model"

@@ -107,7 +107,7 @@ def test_packed_forward_equals_the_padded_one_with_gradients(embedded_dir, token
 @pytest.mark.parametrize("mode", ["one_row", "varlen"])
 def test_a_sequence_in_a_packed_row_does_not_see_its_neighbours(embedded_dir, tokenizer, mode):
     """The same sequence packed after different neighbours gives the same log-probs (a leak of
-    attention across sequences would change them). It is the row's last sequence: a first one
+    attention across sequences would change them). It is the row's last sequence: the first one
     has nothing before it to leak from, so a test of it passes without any block mask."""
     policy = load_causal_lm(embedded_dir).double().eval()
     if mode == "varlen":
@@ -115,12 +115,15 @@ def test_a_sequence_in_a_packed_row_does_not_see_its_neighbours(embedded_dir, to
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (5, 12, 3, 4, 2, 2, 6, 1, 4, 3)]
     pad = tokenizer.pad_token_id
-    first = pack([rows[2], rows[4], rows[0]], [rows[3], rows[5], rows[1]], pad)
-    second = pack([rows[6], rows[8], rows[0]], [rows[7], rows[9], rows[1]], pad)
+    # The tested sequence (rows 4 + 5: 4 tokens) is the shortest, so the longest-first packing puts
+    # it after its neighbours (17 and 7 tokens, then 7 and 7) in the one packed row.
+    first = pack([rows[0], rows[2], rows[4]], [rows[1], rows[3], rows[5]], pad)
+    second = pack([rows[6], rows[8], rows[4]], [rows[7], rows[9], rows[5]], pad)
     with torch.no_grad():
         a, _ = policy_forward(policy, first.packed(mode))
         b, _ = policy_forward(policy, second.packed(mode))
-    assert (a[2] - b[2]).abs().max().item() <= BOUND  # row 2: the same tokens in both, last in the packed row
+    assert first.packed(mode).packing.position_ids[0, -4:].tolist() == [0, 1, 2, 3]  # it is last in the row
+    assert (a[2, :2] - b[2, :2]).abs().max().item() <= BOUND  # row 2: the same 2 response tokens in both batches
 
 
 def test_pack_mode_follows_the_setting_the_family_and_the_attention_kernel():
