@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -53,7 +54,9 @@ SHAPES: dict[str, dict[str, Any]] = {
              "model": {"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
                        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256}},
 }
-FIGURES = ("reward/mean", "kl/ref_mean", "logprob_mismatch/max", "response/length_mean", "throughput/tokens_per_s")
+FIGURES = ("reward/mean", "kl/ref_mean", "logprob_mismatch/max", "logprob_mismatch/kl", "response/length_mean",
+           "throughput/tokens_per_s", "correction/masked_rows", "policy/is_weight_mean")
+"""Per iteration; the rollout-correction figures exist in bf16 only (NaN otherwise)."""
 GIB = 2**30
 
 
@@ -115,7 +118,7 @@ def run_iterations(trainer: ReferenceTrainer, iters: int, device: str, limit: fl
         except Exception as exc:  # noqa: BLE001 - reported in the JSON line, then exit 1
             return records, f"iteration {i + 1}: {type(exc).__name__}: {exc}"
         record = {**{f"{s}_s": metrics[f"time/{s}"] for s in STAGES}, "iteration_s": metrics["time/iteration"],
-                  **{k: metrics[k] for k in FIGURES}, "memory_bytes": memory(device)}
+                  **{k: metrics.get(k, math.nan) for k in FIGURES}, "memory_bytes": memory(device)}
         records.append(record)
         print_iteration(i, iters, record, limit)
     return records, None
@@ -129,6 +132,7 @@ def print_iteration(i: int, iters: int, r: dict[str, Any], limit: float) -> None
     print(f"iteration {i + 1}/{iters}: {r['iteration_s']:.2f} s ({stages}); {peak}")
     print(f"  reward/mean {r['reward/mean']:.4f}, kl/ref_mean {r['kl/ref_mean']:.4g}, "
           f"logprob_mismatch/max {r['logprob_mismatch/max']:.4g} (limit {limit:g}), "
+          f"logprob_mismatch/kl {r['logprob_mismatch/kl']:.3g}, is_weight_mean {r['policy/is_weight_mean']:.4f}, "
           f"{r['throughput/tokens_per_s']:,.0f} tokens/s", flush=True)
 
 
