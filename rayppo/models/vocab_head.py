@@ -153,8 +153,9 @@ def _logits_grad(p: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, shift:
 
 def _checkpointed_chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # The head module in its own dtype: under ZeRO-3 its hooks gather the weight only around this
-    # call, and an adapter adds its own terms (not the fp32 head of the plain path).
+    # The head module itself: under ZeRO-3 its hooks gather the weight only around this call, and an
+    # adapter adds its own terms. A bf16 ``nn.Linear`` head computes fp32 logits here too: the model
+    # was loaded with ``head_precision.set_head_fp32``.
     z = head(hidden)
     _, logprobs, entropy = _chunk_stats(z.to(_stats_dtype(z.dtype)) / temperature, targets, with_entropy)
     return logprobs, entropy if entropy is not None else logprobs.new_empty(0)
