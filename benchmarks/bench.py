@@ -260,7 +260,7 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     torch.set_num_threads(threads["learn"])
     # The recorded rollout was sampled by the measured run's later policy, not by this fresh
     # learner's weights: only the update's time counts here, so the mismatch limit is lifted.
-    cfg.checks.max_logprob_mismatch = float("inf")
+    cfg.checks.max_logprob_mismatch = cfg.checks.max_logprob_kl = float("inf")
     learner = LearnerGroup(cfg, placement=None)
     rollout.policy_version = [0] * len(rollout)
     learner.train(rollout, cfg.ppo.kl_coef, 0)

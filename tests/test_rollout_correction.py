@@ -25,12 +25,14 @@ BF16_RMS = 0.047
 
 
 def test_geometric_mean_mask_keeps_rows_by_their_mean_log_ratio():
-    log_ratio = torch.tensor([[0.05, 0.15, 0.0], [0.3, -0.1, 0.0], [0.5, 0.5, 0.4], [0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    # Row means: 0.1 (on the bound: kept), 0.1, 0.467 (dropped); a row without tokens is kept.
+    log_ratio = torch.tensor([[0.05, 0.11, 0.0], [0.25, -0.1, 0.0], [0.5, 0.5, 0.4], [0.0, 0.0, 0.0]],
+                             dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    # Row means over valid tokens: 0.08, 0.075, 0.467; a row without tokens is kept.
     assert ppo.geometric_mean_mask(log_ratio, mask, 0.1).tolist() == [1.0, 1.0, 0.0, 1.0]
     assert ppo.geometric_mean_mask(-log_ratio, mask, 0.1).tolist() == [1.0, 1.0, 0.0, 1.0]  # both sides of 1
-    assert ppo.geometric_mean_mask(log_ratio, mask, 0.09).tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert ppo.geometric_mean_mask(log_ratio, mask, 0.078).tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert ppo.geometric_mean_mask(log_ratio, mask, 0.07).tolist() == [0.0, 0.0, 0.0, 1.0]
 
 
 def test_decoupled_loss_trains_nothing_on_a_masked_row_and_is_unchanged_elsewhere():
@@ -74,7 +76,6 @@ def test_guard_passes_bf16_noise_that_the_max_would_stop_and_catches_a_wrong_tem
     assert float(noise.abs().max()) > 0.1  # the old bf16 bound (max |d| <= 0.1) would have stopped this
     guard.check(noise, torch.zeros(64, dtype=torch.long), LocalCollective())  # k3 ~ 1.1e-3: passes
     drift = _sampled_drift(0.7)
-    assert float((torch.expm1(drift) - drift).mean()) > 10 * guard.kl_limit * 0  # (stat shown in the error below)
     with pytest.raises(LogprobMismatchError, match=r"iteration 3: logprob_mismatch/kl = .* exceeds "
                                                    r"checks.max_logprob_kl = 0.01 on generator 0: its weights matched") as err:
         guard.check(drift, torch.zeros(64, dtype=torch.long), LocalCollective())
@@ -88,7 +89,7 @@ def test_guard_in_fp32_still_stops_on_one_token():
     guard = MismatchGuard.of(load_config(None, []), iteration=0)
     drift = torch.zeros(4, 8)
     drift[2, 5] = 2e-3  # one token off by more than fp32 rounding can explain
-    with pytest.raises(LogprobMismatchError, match="logprob_mismatch/max = 0.002 .* max_logprob_mismatch = 0.001"):
+    with pytest.raises(LogprobMismatchError, match=r"logprob_mismatch/max = 0.002 nats exceeds checks.max_logprob_mismatch = 0.001"):
         guard.check(drift, torch.tensor([0, 0, 1, 0]), LocalCollective())
 
 
