@@ -255,8 +255,9 @@ def _critic_backward(critic: torch.nn.Module, part: Experience, mb: Minibatch, c
 
 
 def _k3(drift: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(d) - 1 - d per token: the guard's estimate of KL(mu || pi) (``MismatchGuard``)."""
-    return torch.expm1(drift) - drift
+    """k3 = exp(d) - 1 - d per token, d = log pi - log mu: the guard's estimate of KL(mu || pi)
+    (``MismatchGuard``), ``ppo.kl_penalty``'s k3 with mu in the place of the policy."""
+    return ppo.kl_penalty(torch.zeros_like(drift), drift, "k3")
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
