@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayppo.engine", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
     ("rayppo.tasks",),                                  # built-in tasks and their reward functions
     ("rayppo.console", "rayppo.errors"),                # the ground floor
-    ("rayppo.learner.ppo", "rayppo.models.vocab_head"), # pure tensor math: importable from anywhere
+    ("rayppo.token_math", "rayppo.choices",            # per-token tensor helpers, the named choices,
+     "rayppo.models.vocab_head"),                       # the LM head: importable from anywhere
 ]
 """Top first. A module may import one of a lower layer, or one of its own package."""
 
@@ -148,28 +149,32 @@ def test_ray_vllm_and_deepspeed_stay_where_they_belong():
 
 
 def test_pure_math_imports_only_torch():
-    for module in LAYERS[-1]:
-        path = _modules()[module]
-        tops = {name.split(".")[0] for name, _, _ in _imports(path, set())}
+    """The bottom layer and the PPO math import torch and the standard library, the math also
+    the bottom layer's helpers and choices: no config object, no role."""
+    modules = _modules()
+    for module in (*LAYERS[-1], "rayppo.learner.ppo"):
+        names = {name for name, _, _ in _imports(modules[module], set(modules))}
+        tops = {name.split(".")[0] for name in names - set(LAYERS[-1])}
         assert tops <= {"torch", "__future__", "math", "dataclasses", "typing"}, (module, tops)
 
 
 def test_the_root_holds_entry_points_and_the_ground_floor_only():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "cli.py", "console.py", "engine.py", "errors.py", "train.py"], loose
+    assert loose == ["__init__.py", "choices.py", "cli.py", "console.py", "engine.py", "errors.py", "token_math.py",
+                     "train.py"], loose
     assert all((PACKAGE / d / "__init__.py").read_text().strip() == "" for d in
                ("actors", "cluster", "config", "data", "learner", "models", "plan", "run", "tasks", "trainers"))
 
 
 def test_the_checks_catch_a_back_arrow_and_a_circle(tmp_path):
-    """The checker itself: a learner module importing the cluster, and a math module importing
-    the config, are reported; importing down is not."""
+    """The checker itself: a learner module importing the cluster, and a bottom-layer module
+    importing the config, are reported; importing down is not."""
     modules = set(_modules())
     bad = tmp_path / "update.py"
-    bad.write_text("from rayppo.cluster.group import ActorGroup\nfrom rayppo.learner import ppo\n"
+    bad.write_text("from rayppo.cluster.group import ActorGroup\nimport torch\n"
                    "from rayppo.config.schema import PPOConfig\n")
     assert _back_arrows("rayppo.learner.update", bad, modules) == ["update.py:1 imports rayppo.cluster.group"]
-    assert _back_arrows("rayppo.learner.ppo", bad, modules) == [
+    assert _back_arrows("rayppo.choices", bad, modules) == [
         "update.py:1 imports rayppo.cluster.group", "update.py:3 imports rayppo.config.schema"]
     graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
     assert _circles(graph) == ["a -> b -> c -> a"]

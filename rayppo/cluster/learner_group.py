@@ -26,6 +26,7 @@ from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
+from rayppo.learner.step import minibatch_seed
 from rayppo.learner.update import minibatch_plan
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
 
@@ -137,7 +138,7 @@ class LearnerGroup:
         computes, ``update.minibatch_plan``) dealt by tokens, so no rank waits on another's long
         rows at every step; by rows when that would leave a rank without any."""
         p = self._spec[0].ppo
-        plan = minibatch_plan(len(rollout), p.epochs, p.minibatches, seed=self._spec[0].seed + iteration)[0]
+        plan = minibatch_plan(len(rollout), p.epochs, p.minibatches, seed=minibatch_seed(self._spec[0].seed, iteration))[0]
         prompt, response = rollout.lengths()
         owned = balanced_shards([a + b for a, b in zip(prompt, response)], [m.tolist() for m in plan], self.num_ranks)
         return owned if all(owned) else [list(rows) for rows in split_evenly(len(rollout), self.num_ranks)]

@@ -5,17 +5,43 @@ roles on CPUs and GPUs that NCCL, vLLM and DeepSpeed accept. ``validate`` runs a
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from typing import Any
 from urllib.parse import urlsplit
 
-from rayppo.config.derived import (CRITIC_FREE, GROUP_ESTIMATORS, batch_rows, role_gpus, tensor_parallel_size,
-                                   truncation_mode, weight_sync_backend)
-from rayppo.config.schema import SYNC_FAULTS, Config, ConfigError
+from rayppo.choices import GROUP_ESTIMATORS, choices_text
+from rayppo.config.derived import batch_rows, role_gpus, tensor_parallel_size, truncation_mode, weight_sync_backend
+from rayppo.config.schema import Config, ConfigError
 
 
 def _require(ok: bool, name: str, message: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{name}: {message}, got {value!r}")
+
+
+def check_choice(value: Any, hint: Any, name: str) -> Any:
+    """``value`` as the member of the ``Literal`` type ``hint`` it names (``"2"`` names 2), or a
+    ``ConfigError`` listing the choices, with the nearest one for a typo."""
+    choices = typing.get_args(hint)
+    for choice in choices:
+        if value == choice or (not isinstance(value, bool) and str(value) == str(choice)):
+            return choice
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    raise ConfigError(f"{name}: {choices_text(choices)}, got {value!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+
+
+def _check_choices(obj: Any, prefix: str = "") -> None:
+    """Every ``Literal``-typed field of the tree holds one of its choices (a config built in code
+    is checked as a loaded one is)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{f.name}.")
+        elif typing.get_origin(hints[f.name]) is typing.Literal:
+            check_choice(value, hints[f.name], f"{prefix}{f.name}")
 
 
 def _check_async(cfg: Config) -> None:
@@ -64,12 +90,9 @@ def _check_groups(cfg: Config) -> None:
     r, p = cfg.rollout, cfg.ppo
     n = r.samples_per_prompt
     _require(n >= 1, "rollout.samples_per_prompt", "must be >= 1", n)
-    _require(p.advantage in ("gae", *CRITIC_FREE), "ppo.advantage", f"must be one of gae, {', '.join(CRITIC_FREE)}",
-             p.advantage)
     _require(n >= 2 or p.advantage not in GROUP_ESTIMATORS, "rollout.samples_per_prompt",
              f"must be >= 2 with ppo.advantage={p.advantage}: its baseline is the other samples of the prompt "
              "(with one sample every advantage is 0)", n)
-    _require(p.kl_mode in ("reward", "loss"), "ppo.kl_mode", "must be reward or loss", p.kl_mode)
     _require(p.group_std_floor > 0, "ppo.group_std_floor", "must be > 0", p.group_std_floor)
     _require(r.truncation != "bootstrap" or p.advantage == "gae", "rollout.truncation",
              f"bootstrap needs a critic's V(S_T), and ppo.advantage={p.advantage} trains none: use auto or terminal",
@@ -93,6 +116,7 @@ def validate(cfg: Config) -> Config:
     """Check ranges and cross-field constraints; raise ``ConfigError`` naming the field.
 
     This part covers the algorithm's sections; ``_validate_system`` the roles and resources."""
+    _check_choices(cfg)
     r, p = cfg.rollout, cfg.ppo
     _require(r.batch_size >= 1, "rollout.batch_size", "must be >= 1", r.batch_size)
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
@@ -100,14 +124,10 @@ def validate(cfg: Config) -> Config:
     _require(r.top_p == 1.0, "rollout.top_p", "must be 1.0: nucleus sampling renormalises the sampled "
              "distribution, which the learner's and reference's log_softmax(logits / T) do not model, so the "
              "PPO ratio and KL would be silently wrong", r.top_p)
-    _require(r.truncation in ("auto", "bootstrap", "terminal"), "rollout.truncation",
-             "must be auto, bootstrap or terminal", r.truncation)
     _require(r.missing_eos_penalty >= 0, "rollout.missing_eos_penalty", "must be >= 0", r.missing_eos_penalty)
     _require(r.missing_eos_penalty == 0 or truncation_mode(cfg) == "terminal", "rollout.missing_eos_penalty",
              "applies only with rollout.truncation=terminal (under bootstrap a cut row has no score)",
              r.missing_eos_penalty)
-    _require(cfg.checks.sync_fault in SYNC_FAULTS, "checks.sync_fault", f"must be one of {', '.join(SYNC_FAULTS)}",
-             cfg.checks.sync_fault)
     limit = cfg.checks.max_logprob_mismatch
     _require(limit is None or limit > 0, "checks.max_logprob_mismatch", "must be > 0 or null", limit)
     kl = cfg.checks.max_logprob_kl
@@ -122,29 +142,20 @@ def validate(cfg: Config) -> Config:
     _require(0 < p.gamma <= 1, "ppo.gamma", "must be in (0, 1]", p.gamma)
     _require(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]", p.lam)
     _require(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0", p.kl_coef)
-    _require(p.kl_estimator in ("k1", "k2", "k3"), "ppo.kl_estimator", "must be k1, k2 or k3", p.kl_estimator)
     _require(p.kl_target > 0, "ppo.kl_target", "must be > 0", p.kl_target)
     _require(p.kl_horizon > 0, "ppo.kl_horizon", "must be > 0", p.kl_horizon)
     _require(p.lr > 0, "ppo.lr", "must be > 0", p.lr)
     _require(p.critic_lr > 0, "ppo.critic_lr", "must be > 0", p.critic_lr)
     _require(p.vf_coef >= 0, "ppo.vf_coef", "must be >= 0", p.vf_coef)
-    _require(p.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"), "ppo.loss_agg",
-             "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm", p.loss_agg)
-    _require(p.rollout_correction in ("auto", "none", "tis", "tis+geo_mask"), "ppo.rollout_correction",
-             "must be auto, none, tis or tis+geo_mask", p.rollout_correction)
     _require(p.geo_mask_bound > 0, "ppo.geo_mask_bound", "must be > 0 (nats)", p.geo_mask_bound)
     _require(p.is_clip >= 1, "ppo.is_clip", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)",
              p.is_clip)
-    _require(p.value_targets in ("gae", "vtrace"), "ppo.value_targets", "must be gae or vtrace", p.value_targets)
-    _require(p.offpolicy_advantages in ("gae", "retrace"), "ppo.offpolicy_advantages", "must be gae or retrace",
-             p.offpolicy_advantages)
     _require(p.vtrace_rho_clip > 0, "ppo.vtrace_rho_clip", "must be > 0", p.vtrace_rho_clip)
     _require(0 < p.vtrace_c_clip <= p.vtrace_rho_clip, "ppo.vtrace_c_clip",
              f"must be in (0, ppo.vtrace_rho_clip={p.vtrace_rho_clip:g}] (V-trace needs c-bar <= rho-bar)",
              p.vtrace_c_clip)
     _check_async(cfg)
     _check_episodes(cfg)
-    _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", cfg.model.dtype)
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
     _require(cfg.output.checkpoint_every >= 0, "output.checkpoint_every", "must be >= 0", cfg.output.checkpoint_every)
@@ -176,8 +187,6 @@ def _validate_outputs(cfg: Config) -> None:
              "evaluation needs eval.samples > 0 or eval.greedy=true (or eval.every=0 to turn it off)", e.samples)
     _require(o.samples_every >= 0, "output.samples_every", "must be >= 0", o.samples_every)
     _require(o.samples_shown >= 1, "output.samples_shown", "must be >= 1", o.samples_shown)
-    _require(o.wandb_mode in ("online", "offline", "disabled"), "output.wandb_mode",
-             "must be online, offline or disabled", o.wandb_mode)
 
 
 def _validate_gpus(cfg: Config) -> None:
@@ -197,8 +206,6 @@ def _validate_gpus(cfg: Config) -> None:
              tp)
     _require(g.gpus_per_worker == 0 or tp == max(1, int(g.gpus_per_worker)), "generators.tensor_parallel_size",
              f"must equal generators.gpus_per_worker={g.gpus_per_worker:g} (one GPU per tensor-parallel worker)", tp)
-    _require(g.tensor_parallel_layout in ("one_node", "across_nodes"), "generators.tensor_parallel_layout",
-             "must be one_node or across_nodes", g.tensor_parallel_layout)
     _require(g.tensor_parallel_layout == "one_node" or (g.gpus_per_worker >= 1 and g.backend == "vllm"),
              "generators.tensor_parallel_layout", "across_nodes needs vLLM generators with whole GPUs "
              "(vLLM's ray executor, which places the workers, is refused on CPU)", g.tensor_parallel_layout)
@@ -259,10 +266,8 @@ def _check_cores(cfg: Config, name: str, cores: list[int] | None) -> None:
 def _validate_system(cfg: Config) -> Config:
     """Cross-field checks of the distributed system's sections."""
     r = cfg.rollout
-    _require(cfg.trainer in ("distributed", "reference"), "trainer", "must be distributed or reference", cfg.trainer)
     g, lr_ = cfg.generators, cfg.learner
     _require(g.num >= 1, "generators.num", "must be >= 1", g.num)
-    _require(g.backend in ("vllm", "hf"), "generators.backend", "must be vllm or hf", g.backend)
     _require(g.num <= r.batch_size, "generators.num", f"must be <= rollout.batch_size={r.batch_size}", g.num)
     _require(g.cpus_per_worker > 0, "generators.cpus_per_worker", "must be > 0", g.cpus_per_worker)
     _require(g.gpus_per_worker >= 0, "generators.gpus_per_worker", "must be >= 0", g.gpus_per_worker)
@@ -275,14 +280,8 @@ def _validate_system(cfg: Config) -> Config:
     _require(lr_.num_ranks <= batch_rows(cfg), "learner.num_ranks",
              f"must be <= the batch's rows (rollout.batch_size x rollout.samples_per_prompt = {batch_rows(cfg)})",
              lr_.num_ranks)
-    _require(lr_.weight_sync in ("auto", "broadcast", "object_store", "ipc"), "learner.weight_sync",
-             "must be auto, broadcast, object_store or ipc", lr_.weight_sync)
     _validate_weight_sync(cfg)
-    _require(lr_.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3", lr_.zero_stage)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
-    _require(lr_.packing in ("auto", "packed", "right_padded", "padded"), "learner.packing",
-             "must be auto, packed, right_padded or padded",
-             lr_.packing)
     for name, role in (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
         _require(role.threads is None or role.threads >= 1, f"{name}.threads", "must be >= 1 or null", role.threads)
         _check_cores(cfg, f"{name}.cores", role.cores)

@@ -103,10 +103,6 @@ def generator_context(configured: int | None, model_positions: int | None, longe
     return min(needed, model_positions) if model_positions else needed
 
 
-CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-"""The ``ppo.advantage`` estimators that need no critic (design.md, "Groups and critic-free estimators")."""
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-"""The estimators whose baseline is the group's other samples: they need samples_per_prompt >= 2."""
 
 
 def has_critic(ppo: PPOConfig) -> bool:

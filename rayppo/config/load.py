@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from rayppo.config.checks import validate
+from rayppo.config.checks import check_choice, validate
 from rayppo.config.schema import Config, ConfigError
 
 
@@ -21,6 +21,8 @@ from rayppo.config.schema import Config, ConfigError
 def _convert(value: Any, hint: Any, name: str) -> Any:
     """Convert a YAML/CLI value to the field's annotated type, or raise naming the field."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return check_choice(value, hint, name)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

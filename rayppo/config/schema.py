@@ -15,9 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayppo.choices import (Advantage, Dtype, GeneratorBackend, KLEstimator, KLMode, LossAgg,
+                            OffpolicyAdvantages, Packing, RolloutCorrection, SyncFault, TensorParallelLayout,
+                            TrainerKind, TruncationSetting, ValueTargets, WandbMode, WeightSync, ZeroStage)
 from rayppo.errors import RayppoError
 
-SYNC_FAULTS = ("none", "skip_all", "skip_tensor", "perturb_tensor")
 """``checks.sync_fault`` values (``rayppo.models.weights.SyncFault``)."""
 
 
@@ -35,7 +37,7 @@ class ModelConfig:
     critic: str | None = None
     """Folder whose backbone initialises the critic V_w (a value head is added); default: the
     policy. A reward-model folder works too."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Parameter dtype of the trained models: ``float32`` or ``bfloat16``."""
     cache_dir: str | None = None
     """Where the embedded model is built and cached; default ``$RAYPPO_CACHE`` or
@@ -129,7 +131,7 @@ class RolloutConfig:
     the PPO ratio and every KL_t would be off by up to ``-log top_p``: refused at load."""
     ignore_eos: bool = False
     """Always generate ``max_new_tokens`` tokens (fixed-length throughput benchmarks)."""
-    truncation: str = "auto"
+    truncation: TruncationSetting = "auto"
     """How a response cut at ``max_new_tokens`` (finish reason ``length``) enters the return.
     ``auto``: ``bootstrap`` with a critic (``ppo.advantage=gae``), ``terminal`` without one (there
     is no V(S_T) to bootstrap from). ``bootstrap`` (the seed's reading): the episode was ended artificially, so its score r_phi
@@ -200,7 +202,7 @@ class PPOConfig:
     minibatches: int = 2
     """Minibatches per epoch (one optimiser step each); must divide the batch's rows,
     rollout.batch_size x rollout.samples_per_prompt."""
-    advantage: str = "gae"
+    advantage: Advantage = "gae"
     """The advantage estimator. ``gae``: GAE over a learned critic V_w (PPO). Critic-free (no
     critic model, optimizer, value pass or checkpoint): ``grpo`` (group-normalised score),
     ``dr_grpo`` (group-centred score; pair it with ``loss_agg=seq-mean-token-sum-norm``), ``rloo``
@@ -210,7 +212,7 @@ class PPOConfig:
     group_std_floor: float = 1e-6
     """sigma_min of ``advantage=grpo``: A_i = (r_i - mean) / max(std, sigma_min), so a group whose
     rewards differ by rounding only is not blown up (a group of exactly equal rewards gets 0)."""
-    kl_mode: str = "reward"
+    kl_mode: KLMode = "reward"
     """Where the KL to the reference goes. ``reward``: -kl_coef KL_t shapes the per-token reward
     (PPO; a group estimator groups r_i - kl_coef sum_t KL_t). ``loss``: kl_coef times the k3
     estimate, aggregated like the policy loss, is added to the loss and the score is r_i (GRPO).
@@ -240,7 +242,7 @@ class PPOConfig:
     """GAE lambda."""
     kl_coef: float = 0.05
     """beta: weight of the per-token KL penalty in the shaped reward (initial value if adaptive)."""
-    kl_estimator: str = "k1"
+    kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator of ``kl_mode=reward``: ``k1``, ``k2`` or ``k3`` (``kl_mode=loss``
     always uses k3, which is >= 0 and whose gradient is the KL's)."""
     adaptive_kl: bool = False
@@ -252,7 +254,7 @@ class PPOConfig:
     whiten_advantages: bool = True
     """``advantage=gae``: whiten advantages over the whole rollout batch before the update (the
     group estimators are normalised by their own formula; ``reinforce_pp*`` always whiten)."""
-    loss_agg: str = "token-mean"
+    loss_agg: LossAgg = "token-mean"
     """Policy-loss aggregation: ``token-mean`` (every valid token of the minibatch, on every rank,
     weighs the same), ``seq-mean-token-mean`` (each response's token mean, then the mean over
     responses) or ``seq-mean-token-sum-norm`` (the sum over tokens / (responses x
@@ -262,7 +264,7 @@ class PPOConfig:
     policy loss (mu: the generator's policy that sampled the row, pi_prox: the learner's at the
     start of the update; the clip applies to pi_theta / pi_prox): asynchronous mode, and rollout
     correction (``rollout_correction``)."""
-    rollout_correction: str = "auto"
+    rollout_correction: RolloutCorrection = "auto"
     """Correct for the gap between the generator's log-probs mu and the learner's pi_prox at the
     same weights (bf16 numerics; staleness in asynchronous mode): ``none``; ``tis`` (token-level
     truncated importance weights, the decoupled loss with ``is_clip``); ``tis+geo_mask`` (also
@@ -275,7 +277,7 @@ class PPOConfig:
     """``rollout_correction=tis+geo_mask``: a row is masked when |mean_t log(pi_prox / mu)| exceeds
     this many nats. Healthy bf16 rows of SmolLM2-135M measured p99 0.040, max 0.084 (std ~0.017):
     0.1 is ~6 standard deviations, so healthy rows are kept and only pathological ones go."""
-    value_targets: str = "vtrace"
+    value_targets: ValueTargets = "vtrace"
     """Asynchronous mode: ``vtrace`` computes the critic's targets with per-token truncated
     importance weights (rho_t = min(vtrace_rho_clip, pi_prox / mu), c_t = min(vtrace_c_clip,
     pi_prox / mu)) so the critic estimates V of the current policy; ``gae``: plain GAE, which on
@@ -284,7 +286,7 @@ class PPOConfig:
     """rho-bar of ``value_targets=vtrace``: truncates the current token's weight in the value target."""
     vtrace_c_clip: float = 1.0
     """c-bar of ``value_targets=vtrace``: truncates the trace (how far later tokens' errors reach back)."""
-    offpolicy_advantages: str = "gae"
+    offpolicy_advantages: OffpolicyAdvantages = "gae"
     """Asynchronous mode with ``value_targets=vtrace``: the policy's advantages. ``gae``: GAE of
     the V-trace-trained critic's TD errors along the sampled tokens (the loss's weight w_t
     corrects the current token's sampling, later tokens are not reweighted); ``retrace``:
@@ -339,7 +341,7 @@ class ChecksConfig:
     run stops, naming generator, tensor and iteration, if they differ from what learner rank 0
     sent. Metric ``sync/verified`` is 1.0 when every generator matched (0.0 when the check is off;
     NaN with tensor-parallel vLLM generators, which are not fingerprinted yet)."""
-    sync_fault: str = "none"
+    sync_fault: SyncFault = "none"
     """Testing only: make every generator break its weight loads on purpose, to show the guard
     stopping the run: ``none``, ``skip_all`` (load nothing), ``skip_tensor`` / ``perturb_tensor``
     (skip, or add 1% of its RMS to, the tensor ``sync_fault_tensor``)."""
@@ -396,7 +398,7 @@ class OutputConfig:
     wandb_project: str | None = None
     """Also log metrics, samples and the resolved config to this Weights & Biases project
     (``pip install wandb``)."""
-    wandb_mode: str = "online"
+    wandb_mode: WandbMode = "online"
     """``online``, ``offline`` (written under ``dir/wandb``; ``wandb sync`` uploads it later) or
     ``disabled``."""
     mlflow_uri: str | None = None
@@ -455,7 +457,7 @@ class ClusterConfig:
 class GeneratorConfig:
     num: int = 1
     """G: generator actors; the prompts of an iteration are split across them."""
-    backend: str = "vllm"
+    backend: GeneratorBackend = "vllm"
     """``vllm`` (vLLM engine) or ``hf`` (transformers generate, for models vLLM cannot load)."""
     cpus_per_worker: float = 0.5
     """Ray CPUs per generator (its torch/OpenMP threads follow this share)."""
@@ -468,7 +470,7 @@ class GeneratorConfig:
     tensor_parallel_size: int | None = None
     """vLLM tensor-parallel workers per generator; default: ``gpus_per_worker`` when above 1,
     else 1. With GPUs it must equal ``gpus_per_worker``; on CPUs each worker is a process."""
-    tensor_parallel_layout: str = "one_node"
+    tensor_parallel_layout: TensorParallelLayout = "one_node"
     """Where a tensor-parallel generator's GPUs are: ``one_node`` (the actor holds all its GPUs
     on one node and vLLM runs its ``mp`` executor) or ``across_nodes`` (one placement group of
     one-GPU bundles per generator, the actor holds no GPU, vLLM's ``ray`` executor places a
@@ -503,7 +505,7 @@ class LearnerConfig:
     """torch threads per rank; default: its CPU share rounded down (at least 1)."""
     gpus_per_rank: float = 0.0
     """GPUs per rank: 0, 1, or a fraction to share one GPU with other roles."""
-    zero_stage: int = 2
+    zero_stage: ZeroStage = 2
     """DeepSpeed ZeRO stage 0-3 for policy and critic."""
     offload: bool = False
     """ZeRO: keep optimizer states (and, at stage 3, parameters) in CPU memory."""
@@ -515,7 +517,7 @@ class LearnerConfig:
     minibatch's rows dealt by tokens. Bounds activation memory and pays for tokens, not for the
     padding of a batch's longest response; a row longer than this is a pass of its own. The
     experience pass (values, log pi_prox) is cut the same way. 0: one pass per minibatch."""
-    packing: str = "auto"
+    packing: Packing = "auto"
     """How a micro-batch's rows are laid out (``models/packing.py``), the same numbers in each:
     ``padded``, left-padded prompts then right-padded responses, with an attention mask;
     ``right_padded``, each sequence from column 0, rows as wide as the pass's longest sequence, no
@@ -539,7 +541,7 @@ class LearnerConfig:
     """Extra Ray resources per rank, e.g. ``{learner_node: 1}``."""
     cores: list[int] | None = None
     """CPU cores every rank is pinned to; see ``reference.cores``."""
-    weight_sync: str = "auto"
+    weight_sync: WeightSync = "auto"
     """How new weights reach the generators: ``broadcast`` (learner rank 0 broadcasts over a
     process group with the generators' inference workers: NCCL when both roles have whole GPUs,
     gloo when neither has GPUs), ``object_store`` (rank 0 puts them once in Ray's object store,
@@ -553,7 +555,7 @@ class LearnerConfig:
 class Config:
     seed: int = 0
     """Seed for model init, prompt order and sampling."""
-    trainer: str = "distributed"
+    trainer: TrainerKind = "distributed"
     """``distributed``: the Ray system (vLLM generators, reference/reward actors, DeepSpeed
     learner group). ``reference``: the in-process golden path (transformers only)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

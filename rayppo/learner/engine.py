@@ -2,8 +2,8 @@
 
 ``LearnerEngine`` is a plain class (the learner group wraps it in a Ray actor at spawn time).
 Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a shard of every
-rollout (rows dealt by tokens, ``data/micro_batches.py``), and runs ``make_experience`` (``experience.py``) + ``ppo_update`` (``update.py``) with
-DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
+rollout (rows dealt by tokens, ``data/micro_batches.py``), and runs the learn step on it
+(``step.py``, the in-process trainer's too) with DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayppo.config.derived import has_critic, role_gpus, rollout_correction
+from rayppo.config.derived import has_critic, role_gpus
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
-from rayppo.learner.experience import ProximalPolicy, TruncationRule, check_staleness, make_experience
+from rayppo.learner.experience import check_staleness
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.guard import MismatchGuard
-from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.step import LearnerModels, LearnSettings, learn
+from rayppo.learner.update import Steps
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                         layer_runs, param_specs)
 from rayppo.learner.zero_sizes import zero_sizes
@@ -32,7 +32,7 @@ from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
-from rayppo.models.packing import cut_layout, pack_mode
+from rayppo.models.packing import pack_mode
 from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.weights import WeightsPayload, pack_weights
@@ -174,6 +174,9 @@ class LearnerEngine(Engine):
             critic_ds = deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path))
             self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
                                                    config=critic_ds)
+        self.settings = LearnSettings.of(cfg)
+        self.models = LearnerModels(self.policy, self.critic, self._steps(), self.collective, self.device,
+                                    self.tokenizer.pad_token_id, self.pack_mode)
         self.version = 0
         self._targets: tuple[list[list[float]], list[list[float]]] = ([], [])
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
@@ -189,21 +192,8 @@ class LearnerEngine(Engine):
         may lag the learner by up to ``rollout.max_staleness`` versions (0: none); with a lag
         allowed, the off-policy corrections of ``experience.py`` apply.
         """
-        r, p = self.cfg.rollout, self.cfg.ppo
-        check_staleness(shard.policy_version, self.version, r.max_staleness)
-        # pi_prox: these weights, before this update's first step (asynchronous mode, rollout correction).
-        proximal = ProximalPolicy(self.policy, r.temperature, self.version)
-        plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=self.cfg.seed + iteration)
-        budget = self.cfg.learner.micro_batch_tokens
-        minibatches = local_minibatches(plan, torch.tensor(owned, dtype=torch.long), shard.lengths(), self.collective,
-                                        budget, cut_layout(self.pack_mode), trained=shard.trained_tokens())
-        exp, stats = make_experience(shard, self.critic, self.tokenizer.pad_token_id, kl_coef, p,
-                                     TruncationRule.of(self.cfg), self.collective, self.device, r.max_staleness,
-                                     proximal, first_rows_kept(minibatches), batch_size, budget, self.pack_mode,
-                                     rollout_correction(p, self.cfg.model.dtype, r.max_staleness))
-        guard = MismatchGuard.of(self.cfg, iteration)
-        stats |= ppo_update(self.policy, self.critic, exp, minibatches, p, r.temperature, self._steps(), self.collective,
-                            guard, r.max_new_tokens)
+        check_staleness(shard.policy_version, self.version, self.cfg.rollout.max_staleness)
+        stats, exp = learn(self.models, shard, owned, batch_size, kl_coef, iteration, self.version, self.settings)
         self.version += 1
         if self.cfg.output.save_rollouts:  # what the update trained on, for the rollout files
             self._targets = exp.trained_targets(self.critic is not None)

@@ -19,30 +19,17 @@ unchanged (an observation carries it through: no discount step, no value read th
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
-Truncation = Literal["bootstrap", "terminal"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-GroupEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
+from rayppo.choices import GroupEstimator, KLEstimator, LossAgg, Truncation
+
+# The per-token helpers live below the models, which use them too; callers of the math reach them here.
+from rayppo.token_math import entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum_per_row  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------
-# Masked reductions
+# Loss aggregation
 # --------------------------------------------------------------------------------------------
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over the entries where ``mask`` is 1 (0 when there are none). Any shape."""
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def masked_sum_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T] -> [B]``: the sum of each row over its valid tokens (e.g. KL nats per response)."""
-    return (x * mask.to(x.dtype)).sum(dim=-1)
-
-
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean", max_length: int = 0) -> torch.Tensor:
     """Reduce a per-token ``[B, T]`` quantity to a scalar.
 
@@ -67,29 +54,6 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean", 
             raise ValueError(f"seq-mean-token-sum-norm needs max_length >= 1, got {max_length}")
         return (x * mask).sum() / (x.shape[0] * max_length)
     raise ValueError(f"agg must be 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm', got {agg!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# Log-probabilities and entropy
-# --------------------------------------------------------------------------------------------
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[tokens]``: ``[B, T, V], [B, T] -> [B, T]``.
-
-    The caller divides ``logits`` by the sampling temperature first, so that the result is the
-    log-prob under the distribution the sampler actually drew from.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return torch.gather(logp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical policy at each position: ``[..., V] -> [...]``.
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v, which avoids log(0) for vanishing probabilities.
-    """
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rayppo.learner.ppo import entropy_from_logits, logprobs_from_logits
+from rayppo.token_math import entropy_from_logits, logprobs_from_logits
 from rayppo.models.packing import RowPacking, pack_sequences, unpack
 from rayppo.models.vocab_head import token_logprobs
 

@@ -12,7 +12,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rayppo.learner.ppo import masked_mean
+from rayppo.token_math import masked_mean
 from rayppo.models.sequences import pack, policy_forward
 
 

@@ -26,13 +26,13 @@ import torch
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
-from rayppo.config.derived import has_critic, has_reward, rollout_correction, uses_reference
+from rayppo.config.derived import has_critic, has_reward, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import LocalCollective, ProximalPolicy, TruncationRule, make_experience
-from rayppo.learner.guard import MismatchGuard
-from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.experience import LocalCollective
+from rayppo.learner.step import LearnerModels, LearnSettings, learn
+from rayppo.learner.update import Steps
 from rayppo.learner.full_weights import full_tensors
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
@@ -83,8 +83,10 @@ class ReferenceTrainer:
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
         self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr,
                                              weight_decay=cfg.ppo.weight_decay) if self.critic is not None else None)
-        self._steps = Steps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None,
-                            self._step)
+        steps = Steps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None, self._step)
+        self.models = LearnerModels(self.policy, self.critic, steps, LocalCollective(), self.device,
+                                    self.tokenizer.pad_token_id)
+        self.settings = LearnSettings.of(cfg)
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
@@ -104,18 +106,8 @@ class ReferenceTrainer:
             rollout.score = self._scores(rollout)
         t3 = clock()
         kl_coef = self.kl_ctl.value
-        plan = minibatch_plan(len(rollout), cfg.ppo.epochs, cfg.ppo.minibatches, seed=cfg.seed + it)
-        budget = cfg.learner.micro_batch_tokens
-        minibatches = local_minibatches(plan, torch.arange(len(rollout)), rollout.lengths(), LocalCollective(), budget,
-                                        trained=rollout.trained_tokens())
-        exp, stats = make_experience(rollout, self.critic, self.tokenizer.pad_token_id, kl_coef, cfg.ppo,
-                                     TruncationRule.of(cfg), device=self.device,
-                                     proximal=ProximalPolicy(self.policy, cfg.rollout.temperature, it),
-                                     first_rows=first_rows_kept(minibatches), micro_batch_tokens=budget,
-                                     correction=rollout_correction(cfg.ppo, cfg.model.dtype, 0))
-        guard = MismatchGuard.of(cfg, it)
-        stats |= ppo_update(self.policy, self.critic, exp, minibatches, cfg.ppo, cfg.rollout.temperature, self._steps,
-                            guard=guard, max_length=cfg.rollout.max_new_tokens)
+        stats, exp = learn(self.models, rollout, list(range(len(rollout))), len(rollout), kl_coef, it, it,
+                           self.settings)
         self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
         if cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
             rollout.advantages, rollout.returns = exp.trained_targets(self.critic is not None)

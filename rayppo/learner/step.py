@@ -1,0 +1,108 @@
+"""The learn step: one PPO update on a scored rollout, the same code in every trainer.
+
+The in-process trainer calls ``learn`` on the whole batch; each rank of the distributed learner
+calls it on the rows it owns (``LearnerEngine.train``), the collective making the statistics
+global. One step is:
+
+    minibatch plan (the same on every rank)  -> this rank's minibatches    (update.py)
+    values, shaped rewards, advantages, whitening, log pi_prox           (experience.py)
+    M epochs x minibatches of clipped PPO + value loss, the mismatch guard on the first  (update.py)
+
+Its settings are read from the config once (``LearnSettings.of``); what changes per call (the
+rows, beta, the iteration, the policy's version) are arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rayppo.config.derived import rollout_correction
+from rayppo.config.schema import Config, PPOConfig
+from rayppo.data.rollout import Rollout
+from rayppo.learner.experience import Collective, Experience, ProximalPolicy, TruncationRule, make_experience
+from rayppo.learner.guard import MismatchGuard
+from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.models.packing import cut_layout
+
+
+def minibatch_seed(seed: int, iteration: int) -> int:
+    """The seed of ``iteration``'s minibatch plan: every rank, and the driver dealing rows to
+    them, draws the same plan from it."""
+    return seed + iteration
+
+
+@dataclass(frozen=True)
+class LearnSettings:
+    """What the learn step reads from the config, gathered once."""
+
+    ppo: PPOConfig
+    """The update's section (epochs, minibatches, estimator, clipping, learning rates)."""
+    seed: int
+    """The run's seed; the minibatch plan of iteration i uses ``minibatch_seed(seed, i)``."""
+    temperature: float
+    """T of log_softmax(logits / T), the sampling distribution the generators used."""
+    max_new_tokens: int
+    """L_max (``rollout.max_new_tokens``): the loss aggregations that normalise by a fixed length."""
+    max_staleness: int
+    """k: how many versions a row may lag the learner (``rollout.max_staleness``; 0: lock-step)."""
+    micro_batch_tokens: int
+    """Padded tokens per micro-batch (``learner.micro_batch_tokens``; 0: one per row budget)."""
+    truncation: TruncationRule
+    """How a response's length enters its reward."""
+    correction: str
+    """Rollout correction in force (``config.derived.rollout_correction``): none, tis, tis+geo_mask."""
+    config: Config
+    """The whole config, for the mismatch guard's per-dtype bounds (``MismatchGuard.of``)."""
+
+    @staticmethod
+    def of(cfg: Config) -> "LearnSettings":
+        r = cfg.rollout
+        return LearnSettings(cfg.ppo, cfg.seed, r.temperature, r.max_new_tokens, r.max_staleness,
+                             cfg.learner.micro_batch_tokens, TruncationRule.of(cfg),
+                             rollout_correction(cfg.ppo, cfg.model.dtype, r.max_staleness), cfg)
+
+
+@dataclass
+class LearnerModels:
+    """The trained models of one process and how to step them."""
+
+    policy: torch.nn.Module
+    """pi_theta (a DeepSpeed engine on a learner rank, the plain module in-process)."""
+    critic: torch.nn.Module | None
+    """V_w, or None under a critic-free estimator."""
+    steps: Steps
+    """Backward of each model, then the optimiser step of both."""
+    collective: Collective
+    """All-reduces across the learner ranks (``LocalCollective`` in one process)."""
+    device: torch.device | str
+    pad_id: int
+    """The tokenizer's padding id."""
+    pack_mode: str = ""
+    """Sequence packing of the learner's forward passes (``models/packing.py``; "": padded rows)."""
+
+
+def learn(models: LearnerModels, rollout: Rollout, rows: list[int], batch_size: int, kl_coef: float, iteration: int,
+          version: int, settings: LearnSettings) -> tuple[dict[str, float], Experience]:
+    """One PPO update on ``rollout``, which holds the global rows ``rows`` (ascending) of a batch
+    of ``batch_size`` rows; returns the update's metrics and the experience it trained on.
+
+    ``version`` is the policy's version before the update: rows of that version were sampled by
+    pi_prox itself (asynchronous mode). Collective: every rank calls it in the same iteration.
+    """
+    p = settings.ppo
+    plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, iteration))
+    minibatches = local_minibatches(plan, torch.tensor(rows, dtype=torch.long), rollout.lengths(), models.collective,
+                                    settings.micro_batch_tokens, cut_layout(models.pack_mode),
+                                    trained=rollout.trained_tokens())
+    # pi_prox: these weights, before this update's first step (asynchronous mode, rollout correction).
+    proximal = ProximalPolicy(models.policy, settings.temperature, version)
+    exp, stats = make_experience(rollout, models.critic, models.pad_id, kl_coef, p, settings.truncation,
+                                 models.collective, models.device, settings.max_staleness, proximal,
+                                 first_rows_kept(minibatches), batch_size, settings.micro_batch_tokens,
+                                 models.pack_mode, settings.correction)
+    guard = MismatchGuard.of(settings.config, iteration)
+    stats |= ppo_update(models.policy, models.critic, exp, minibatches, p, settings.temperature, models.steps,
+                        models.collective, guard, settings.max_new_tokens)
+    return stats, exp
