@@ -1,4 +1,4 @@
-"""The learner's side of asynchronous mode (design.md, "Off-policy corrections"), in this process.
+"""The learner's side of asynchronous mode (docs/async.md, "Off-policy corrections"), in this process.
 
 Real models (the embedded tiny Llama as policy and critic) and real tensors; rollouts are built
 by hand so that the behaviour log-probs mu can be set exactly: equal to the learner's own

@@ -1,5 +1,5 @@
-"""The critic-free estimators of ``rayppo/learner/ppo.py`` on hand-computed groups, and their
-group statistics over a batch split across ranks (design.md, "Groups and critic-free estimators").
+"""The critic-free estimators of ``rayppo/learner/group_math.py`` on hand-computed groups, and their
+group statistics over a batch split across ranks (docs/estimators.md, "Correct across ranks").
 
 Hand values are exact decimals or simple surds; the comparisons allow float64 rounding of a few
 operations on numbers of order 1 (1e-12) unless stated."""
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from rayppo.learner import ppo
-from rayppo.learner.experience import LocalCollective, group_advantages
+from rayppo.learner import group_math, ppo
+from rayppo.learner.experience import LocalCollective, batch_group_advantages
 
 EXACT = 1e-12
 """A few float64 operations on O(1) values: rounding is ~1e-16 each."""
@@ -22,7 +22,7 @@ def _advantages(scores: list[float], groups: list[int], estimator: str, std_floo
     """The estimator's A_i of one batch in one process."""
     s = torch.tensor(scores, dtype=torch.float64)
     g = torch.tensor(groups)
-    return group_advantages(s, g, max(groups) + 1, estimator, std_floor, LocalCollective()).tolist()
+    return batch_group_advantages(s, g, max(groups) + 1, estimator, std_floor, LocalCollective()).tolist()
 
 
 def test_grpo_normalises_by_the_unbiased_group_std():
@@ -91,7 +91,7 @@ def _rank_advantages(rank: int, init_file: str, scores: torch.Tensor, groups: to
     try:
         half = slice(rank * 10, (rank + 1) * 10)
         collective = TorchCollective(2, torch.device("cpu"))
-        out[rank] = {e: group_advantages(scores[half], groups[half], 20, e, 1e-6, collective)
+        out[rank] = {e: batch_group_advantages(scores[half], groups[half], 20, e, 1e-6, collective)
                      for e in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")}
     finally:
         dist.destroy_process_group()
@@ -111,13 +111,13 @@ def test_group_statistics_over_two_ranks_equal_the_whole_batch_even_when_a_group
         mp.spawn(_rank_advantages, args=(str(tmp_path / "rendezvous"), scores, groups, out), nprocs=2)
         ranks = dict(out)
     for estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
-        whole = group_advantages(scores, groups, 20, estimator, 1e-6, LocalCollective())
+        whole = batch_group_advantages(scores, groups, 20, estimator, 1e-6, LocalCollective())
         split = torch.cat([ranks[0][estimator], ranks[1][estimator]])
         # Sums of 4 terms in another order: a few ulps of O(1) values.
         assert torch.allclose(split, whole, rtol=0, atol=EXACT), estimator
     # The test can tell: rank 0's half of group 2 centred on its own mean is off by ~0.06.
-    partial = group_advantages(scores[8:10], groups[8:10], 20, "dr_grpo", 1e-6, LocalCollective())
-    whole = group_advantages(scores, groups, 20, "dr_grpo", 1e-6, LocalCollective())
+    partial = batch_group_advantages(scores[8:10], groups[8:10], 20, "dr_grpo", 1e-6, LocalCollective())
+    whole = batch_group_advantages(scores, groups, 20, "dr_grpo", 1e-6, LocalCollective())
     assert (partial - whole[8:10]).abs().max() > 1e-2
 
 
@@ -126,7 +126,7 @@ def test_reinforce_pp_returns_are_gae_with_zero_values_and_lambda_one():
     rewards = torch.randn(4, 7, dtype=torch.float64)
     mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 1 + [0] * 6, [1] * 3 + [0] * 4], dtype=torch.float64)
     rewards = rewards * mask
-    returns = ppo.discounted_returns(rewards, mask, gamma=0.9)
+    returns = group_math.discounted_returns(rewards, mask, gamma=0.9)
     gae, _ = ppo.compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=0.9, lam=1.0)
     assert torch.allclose(returns, gae, rtol=0, atol=EXACT)
     # By hand for row 3: G_2 = r_2, G_1 = r_1 + 0.9 r_2, G_0 = r_0 + 0.9 r_1 + 0.81 r_2.
@@ -139,9 +139,9 @@ def test_reinforce_pp_returns_are_gae_with_zero_values_and_lambda_one():
 def test_overlong_penalty_ramps_over_the_last_buffer_tokens():
     lengths = torch.tensor([10, 12, 14, 16, 20])
     # L_max 20, buffer 8: free up to 12, then -(|y| - 12) / 8 down to -1 at 20.
-    assert ppo.overlong_penalty(lengths, 20, 8, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
-    assert ppo.overlong_penalty(lengths, 20, 8, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
-    assert ppo.overlong_penalty(lengths, 20, 0).tolist() == [0.0] * 5
+    assert group_math.overlong_penalty(lengths, 20, 8, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert group_math.overlong_penalty(lengths, 20, 8, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert group_math.overlong_penalty(lengths, 20, 0).tolist() == [0.0] * 5
 
 
 def test_seq_mean_token_sum_norm_divides_by_rows_times_the_length_limit():

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (design.md, "Multi-turn episodes"): the tokens trained on are the ones
+"""Multi-turn episodes (docs/multi-turn.md): the tokens trained on are the ones
 sampled plus the observation ids, masks and log-probs line up, values and advantages skip the
 environment's tokens, and a hanging or crashing environment is named within its deadline."""
 

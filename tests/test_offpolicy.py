@@ -1,4 +1,4 @@
-"""Off-policy corrections (design.md): the reductions to the synchronous math when mu = pi, and,
+"""Off-policy corrections (docs/async.md): the reductions to the synchronous math when mu = pi, and,
 on a small MDP whose values are known exactly, V-trace targets converging to V of the target
 policy where plain GAE targets converge to V of the behaviour policy."""
 

@@ -1,4 +1,4 @@
-"""The PPO math contract of design.md, including the seed's worked problems."""
+"""The PPO math contract of docs/algorithm.md ("Tensor conventions"), with its worked problems."""
 
 import math
 
@@ -18,8 +18,8 @@ def gae_reference(rewards, values, length, gamma, lam, bootstrap):
     return adv, [a + values[t] for t, a in enumerate(adv)]
 
 
-# ---------------------------------------------------------------------------- seed problems
-def test_seed_problem_1_shaped_rewards_and_returns_to_go():
+# ---------------------------------------------------------------------------- worked problems (docs/algorithm.md)
+def test_worked_problem_1_shaped_rewards_and_returns_to_go():
     log_ratio = torch.tensor([[0.5, -0.2, 1.0, 0.0]])
     ref = torch.zeros(1, 4)
     mask = torch.ones(1, 4)
@@ -30,7 +30,7 @@ def test_seed_problem_1_shaped_rewards_and_returns_to_go():
     torch.testing.assert_close(returns, adv)
 
 
-def test_seed_quiz_4_every_advantage_is_one():
+def test_worked_problem_2_without_a_baseline_every_advantage_is_one():
     n = 500
     mask = torch.ones(1, n)
     logprobs = torch.randn(1, n)

@@ -77,7 +77,7 @@ def test_last_token_return_of_a_one_row_rollout(reason, mode, tokenizer, critic)
 
 
 def test_truncation_config_is_checked():
-    # The seed's reading (bootstrap) is the default with a critic; without one there is no V(S_T).
+    # bootstrap (a cut is a time limit) is the default with a critic; without one there is no V(S_T).
     assert truncation_mode(load_config(None, [])) == "bootstrap"
     assert truncation_mode(load_config(None, ["ppo.advantage=grpo", "rollout.samples_per_prompt=2"])) == "terminal"
     with pytest.raises(ConfigError, match="rollout.truncation: must be auto, bootstrap or terminal"):

@@ -134,7 +134,7 @@ class RolloutConfig:
     truncation: TruncationSetting = "auto"
     """How a response cut at ``max_new_tokens`` (finish reason ``length``) enters the return.
     ``auto``: ``bootstrap`` with a critic (``ppo.advantage=gae``), ``terminal`` without one (there
-    is no V(S_T) to bootstrap from). ``bootstrap`` (the seed's reading): the episode was ended artificially, so its score r_phi
+    is no V(S_T) to bootstrap from). ``bootstrap`` (a cut is a time limit, not an end): the episode was ended artificially, so its score r_phi
     is *not* added (it is still logged in ``reward/mean``) and GAE bootstraps with V(S_T), the
     critic's estimate of everything still to come, the score included. ``terminal``: the cut
     response is final: r_phi on its last token and bootstrap 0 (TRL's and OpenRLHF's choice)."""
@@ -290,7 +290,7 @@ class PPOConfig:
     """Asynchronous mode with ``value_targets=vtrace``: the policy's advantages. ``gae``: GAE of
     the V-trace-trained critic's TD errors along the sampled tokens (the loss's weight w_t
     corrects the current token's sampling, later tokens are not reweighted); ``retrace``:
-    A_t = delta_t + gamma lam min(vtrace_c_clip, q_{t+1}) A_{t+1}, design.md's recursion.
+    A_t = delta_t + gamma lam min(vtrace_c_clip, q_{t+1}) A_{t+1}, Retrace's traces (docs/async.md).
     ``gae`` reached the default task's reward in fewer iterations at k = 1 and 2 (docs/async.md,
     "Which k"): the traces cut the end-of-response reward's way back."""
 

@@ -1,7 +1,7 @@
 """Many multi-turn episodes advanced turn by turn: one batched sampling call per turn for every
 active episode, then every environment step of that turn at once (``EnvironmentPool``).
 
-An episode's record (design.md, "Multi-turn episodes"): the response is everything after the
+An episode's record (docs/multi-turn.md, "Token-in, token-out"): the response is everything after the
 prompt, the policy's turns (action tokens, exactly as sampled, with their log-probs) and the
 observations between them (``episodes.tokens.observation_ids``, log-prob 0, action mask 0).
 It ends when the environment says done (finish reason ``stop``), or is cut (``length``: the

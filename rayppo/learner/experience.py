@@ -4,7 +4,7 @@
 advantages over the global batch, calling only the functions of ``rayppo.learner.ppo``; the PPO
 epochs that follow are ``rayppo.learner.update``.
 
-Asynchronous mode (``rollout.max_staleness`` = k > 0, design.md "Off-policy corrections"): rows
+Asynchronous mode (``rollout.max_staleness`` = k > 0, docs/async.md, "Off-policy corrections"): rows
 may come from a behaviour policy mu up to k versions older than the learner. ``make_experience``
 then recomputes log pi_prox once with the learner's weights at the start of the update, shapes
 the reward's KL term with it, and computes V-trace targets; the update uses the decoupled
@@ -30,7 +30,7 @@ from rayppo.config.derived import truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
 from rayppo.data.rollout import Rollout, padded
-from rayppo.learner import ppo
+from rayppo.learner import group_math, ppo
 from rayppo.models.packing import cut_layout
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -292,20 +292,20 @@ def _gae_targets(
     return advantages, returns
 
 
-def group_advantages(
+def batch_group_advantages(
     scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int, estimator: str, std_floor: float,
     collective: Collective,
 ) -> torch.Tensor:
     """``[B]`` the group estimator's A_i of this rank's rows, from the statistics of each group's
     rows on *every* rank (all-reduced), so a group split across ranks is still one group.
     ``group_ids`` [B] index the batch's groups, all below ``num_groups``."""
-    counts = collective.sum(ppo.group_sums(torch.ones_like(scores), group_ids, num_groups))
-    means = collective.sum(ppo.group_sums(scores, group_ids, num_groups)) / counts.clamp(min=1.0)
+    counts = collective.sum(group_math.group_sums(torch.ones_like(scores), group_ids, num_groups))
+    means = collective.sum(group_math.group_sums(scores, group_ids, num_groups)) / counts.clamp(min=1.0)
     # Centred in a second pass (not E[r^2] - E[r]^2, which cancels catastrophically).
     deviations = (scores.to(torch.float64) - means[group_ids]).square()
-    squared = collective.sum(ppo.group_sums(deviations, group_ids, num_groups))
-    extremes = collective.max(ppo.group_extremes(scores, group_ids, num_groups))
-    return ppo.group_advantages(scores, group_ids, counts, means, squared, extremes, estimator, std_floor)
+    squared = collective.sum(group_math.group_sums(deviations, group_ids, num_groups))
+    extremes = collective.max(group_math.group_extremes(scores, group_ids, num_groups))
+    return group_math.group_advantages(scores, group_ids, counts, means, squared, extremes, estimator, std_floor)
 
 
 def _advantages(
@@ -320,7 +320,7 @@ def _advantages(
         advantages, returns = _gae_targets(rewards, values, mask, bootstrap, cfg, log_ratio)
         whiten = cfg.whiten_advantages
     elif cfg.advantage == "reinforce_pp":
-        advantages, returns, whiten = ppo.discounted_returns(rewards, mask, cfg.gamma), torch.zeros_like(values), True
+        advantages, returns, whiten = group_math.discounted_returns(rewards, mask, cfg.gamma), torch.zeros_like(values), True
     else:
         if group_ids is None:
             raise ValueError(f"ppo.advantage={cfg.advantage} needs each row's group id (Rollout.group_id)")
@@ -328,8 +328,8 @@ def _advantages(
         # beta sum_t KL_t into unit advantages in a group of equal rewards. The KL (kl_mode=reward)
         # then enters each token as its reward-to-go, -beta sum_{k>=t} KL_k (OpenRLHF's order).
         sequence = ppo.masked_sum_per_row(rewards - kl_rewards, mask)
-        per_row = group_advantages(sequence, group_ids, num_groups, cfg.advantage, cfg.group_std_floor, collective)
-        advantages = per_row[:, None] * mask.to(per_row.dtype) + ppo.discounted_returns(kl_rewards, mask, cfg.gamma)
+        per_row = batch_group_advantages(sequence, group_ids, num_groups, cfg.advantage, cfg.group_std_floor, collective)
+        advantages = per_row[:, None] * mask.to(per_row.dtype) + group_math.discounted_returns(kl_rewards, mask, cfg.gamma)
         returns = torch.zeros_like(values)
         whiten = cfg.advantage == "reinforce_pp_baseline"
     if whiten:
@@ -443,7 +443,7 @@ def _shaped_rewards(
     rollout: Rollout, scores: torch.Tensor, last_values: torch.Tensor, policy_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor, batch: PackedBatch, kl_coef: float, kl_estimator: str, rule: TruncationRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rewards [B, T], bootstrap [B])``: the seed's shaped reward of each row after the length
+    """``(rewards [B, T], bootstrap [B])``: the shaped reward (docs/algorithm.md) of each row after the length
     rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t on every action token;
     an episode's turn rewards on each turn's last action token (earned, so kept whatever the
     truncation rule does with the final score)."""
@@ -451,7 +451,7 @@ def _shaped_rewards(
     # The overlong ramp counts the policy's own tokens (an episode's actions): a long tool output is
     # not the policy's length (single-turn rows: every response token is an action).
     lengths = batch.mask.sum(-1)
-    scores = scores + ppo.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
+    scores = scores + group_math.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
     # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
     returned, bootstrap = ppo.truncation_targets(scores, last_values, rollout.truncated().to(mask.device), rule.mode,
                                                  rule.missing_eos_penalty)
@@ -485,7 +485,7 @@ def _experience_stats(
     collective: Collective,
 ) -> dict[str, float]:
     """KL to the reference over the global batch (all [B, T] inputs)."""
-    # kl/ref_mean is always the k1 estimate (the seed's KL_t, summed per response): its mean is the
+    # kl/ref_mean is always the k1 estimate (docs/algorithm.md's KL_t, summed per response): its mean is the
     # sequence KL whatever estimator shapes the reward; kl/penalty_mean is the configured one.
     kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k1"), mask)
     penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, kl_estimator), mask)

@@ -1,13 +1,13 @@
-"""The PPO math of rayppo: pure functions over tensors, named after the seed's equations.
+"""The PPO math of rayppo: pure functions over tensors, named after the equations of docs/algorithm.md.
 
 Every role that does PPO arithmetic (the in-process reference trainer, the DeepSpeed learner
 ranks, the tests) calls these functions; nothing else re-implements them. They take tensors and
 plain scalars, never config objects, and import only ``torch``.
 
-Shapes (design.md, "Tensor conventions"): per-token tensors are ``[B, T]`` over *response*
+Shapes (docs/algorithm.md, "Tensor conventions"): per-token tensors are ``[B, T]`` over *response*
 positions. ``mask[b, t] = 1`` for a real response token (EOS included when emitted) and 0 for the
 padding after the end; in a single-turn row the valid tokens are a prefix. In a multi-turn
-episode (design.md, "Multi-turn episodes") ``mask`` is the *action* mask: 1 on the tokens the
+episode (docs/multi-turn.md, "The MDP on that record") ``mask`` is the *action* mask: 1 on the tokens the
 policy sampled, 0 on the environment's observation tokens between its turns and on the padding;
 ``gather_actions`` lays such rows out as action tokens only, where every recursion below applies
 unchanged (an observation carries it through: no discount step, no value read there).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rayppo.choices import GroupEstimator, KLEstimator, LossAgg, Truncation
+from rayppo.choices import KLEstimator, LossAgg, Truncation
 
 # The per-token helpers live below the models, which use them too; callers of the math reach them here.
 from rayppo.token_math import entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum_per_row  # noqa: F401
@@ -34,7 +34,7 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean", 
     """Reduce a per-token ``[B, T]`` quantity to a scalar.
 
     ``token-mean``: the mean over every valid token of the batch, so long responses weigh more.
-    ``seq-mean-token-mean``: each row's mean over its own tokens (the seed's 1/T form), then the
+    ``seq-mean-token-mean``: each row's mean over its own tokens (the 1/T form), then the
     mean over rows, so every response weighs the same. A row with no valid token counts in that
     mean's denominator with a 0 (veRL's mean runs over rows with at least one token); rayppo never
     trains on such a row (every response has at least one token; a placeholder row of an empty
@@ -57,14 +57,14 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean", 
 
 
 # --------------------------------------------------------------------------------------------
-# KL penalty and reward shaping (seed: "Per-Token KL Penalties")
+# KL penalty and reward shaping (docs/algorithm.md, "The per-token reward"; Ziegler et al. 2019)
 # --------------------------------------------------------------------------------------------
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1"
 ) -> torch.Tensor:
     """Per-token single-sample estimate of KL(pi || pi_ref), same shape as the inputs.
 
-    k1 = lp - ref                        (the seed's KL_t; unbiased, can be negative)
+    k1 = lp - ref                        (KL_t; unbiased, can be negative)
     k2 = 0.5 (lp - ref)^2                (low variance, biased)
     k3 = exp(ref - lp) - (ref - lp) - 1  (unbiased and >= 0; Schulman's estimator)
     """
@@ -88,7 +88,7 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Multi-turn episodes: the action tokens in order (design.md, "Multi-turn episodes")
+# Multi-turn episodes: the action tokens in order (docs/multi-turn.md, "The MDP on that record")
 # --------------------------------------------------------------------------------------------
 def gather_actions(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B, T] -> [B, A]``: each row's entries at its action tokens (``mask`` 1), in order, then
@@ -137,7 +137,7 @@ def shape_rewards(
     kl_coef: float,
     estimator: KLEstimator = "k1",
 ) -> torch.Tensor:
-    """The seed's shaped reward ``[B, T]``.
+    """The shaped reward ``[B, T]`` (docs/algorithm.md, "The per-token reward").
 
     r_t = -beta KL_t                   for t < T
     r_T = r_phi(x, y) - beta KL_T      on the last valid token
@@ -179,7 +179,7 @@ def truncation_targets(
 
 
 # --------------------------------------------------------------------------------------------
-# Generalised advantage estimation (seed: "Advantage Estimation and Whitening")
+# Generalised advantage estimation (Schulman et al. 2016; docs/algorithm.md)
 # --------------------------------------------------------------------------------------------
 def compute_gae(
     rewards: torch.Tensor,
@@ -235,7 +235,7 @@ def compute_offpolicy_targets(
     bootstrap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and value targets of rows sampled by a stale behaviour policy mu, both
-    ``[B, T]`` and 0 on padding (design.md, "Off-policy corrections").
+    ``[B, T]`` and 0 on padding (docs/async.md, "Off-policy corrections").
 
     ``log_ratio[b, t] = log pi_prox(y_t) - log mu(y_t)``, q_t = exp(log_ratio), and delta_t as in
     ``compute_gae``. Backwards over t:
@@ -284,7 +284,7 @@ def whiten_from_moments(
 ) -> torch.Tensor:
     """Whiten ``x`` with the (count, sum, sum of squares) of ``masked_moments`` (local or global).
 
-    x <- (x - mu) / (sigma + eps), as in the seed; with ``shift_mean=False`` the mean is added
+    x <- (x - mu) / (sigma + eps), as PPO implementations do; with ``shift_mean=False`` the mean is added
     back, so only the scale changes. sigma is the population standard deviation. Padding stays 0.
     """
     count, total, total_sq = moments.unbind()
@@ -305,99 +305,7 @@ def masked_whiten(
 
 
 # --------------------------------------------------------------------------------------------
-# Critic-free estimators (design.md, "Groups and critic-free estimators")
-# --------------------------------------------------------------------------------------------
-def group_sums(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``[B] -> [G]`` float64: the sum of ``x`` over each group's rows (0 for a group with none).
-
-    Sums add across ranks: an all-reduce of each rank's ``group_sums`` is the whole batch's, however
-    the rows of a group are spread over the ranks."""
-    out = torch.zeros(num_groups, dtype=torch.float64, device=x.device)
-    return out.index_add_(0, group_ids.long(), x.to(torch.float64))
-
-
-def group_extremes(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``[B] -> [G, 2]`` float64: (max x, -min x) of each group (-inf for a group with no row
-    here); an all-reduce with max gives the batch's. A group is all-equal when max + (-min) = 0."""
-    out = torch.full((num_groups, 2), -torch.inf, dtype=torch.float64, device=x.device)
-    x64, ids = x.to(torch.float64), group_ids.long()
-    out[:, 0].scatter_reduce_(0, ids, x64, "amax")
-    out[:, 1].scatter_reduce_(0, ids, -x64, "amax")
-    return out
-
-
-def group_advantages(
-    scores: torch.Tensor,
-    group_ids: torch.Tensor,
-    counts: torch.Tensor,
-    means: torch.Tensor,
-    squared_deviations: torch.Tensor,
-    extremes: torch.Tensor,
-    estimator: GroupEstimator,
-    std_floor: float = 1e-6,
-) -> torch.Tensor:
-    """``[B]`` sequence advantages A_i of the group estimators from whole-batch group statistics.
-
-    ``scores`` [B]: each row's r_i; ``group_ids`` [B]: its group g; per group [G] (float64, over
-    every row of the batch, e.g. all-reduced ``group_sums``): ``counts`` n_g, ``means`` mean_g r,
-    ``squared_deviations`` sum_{j in g} (r_j - mean_g r)^2, ``extremes`` [G, 2] (``group_extremes``).
-
-        grpo                   A_i = (r_i - mean_g r) / max(std_g r, std_floor)
-        dr_grpo                A_i = r_i - mean_g r
-        reinforce_pp_baseline  A_i = r_i - mean_g r   (the caller whitens over the batch)
-        rloo                   A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1) = n_g / (n_g - 1) (r_i - mean_g r)
-
-    std_g is the unbiased sample standard deviation (divisor n_g - 1), as DeepSeekMath's GRPO and
-    the implementations whose recipes users bring (TRL, veRL) compute it: the same rewards give
-    the same advantages as there. ``std_floor`` keeps a near-constant group's rounding residue
-    from being divided by ~0. A group whose rewards are all exactly equal (and a group of one row)
-    gets A = 0 under every estimator, not rounding residue over a floor.
-    """
-    g = group_ids.long()
-    n = counts.to(torch.float64)[g]
-    centred = scores.to(torch.float64) - means.to(torch.float64)[g]
-    flat = (extremes[:, 0] + extremes[:, 1] == 0)[g] | (n < 2)
-    if estimator == "grpo":
-        std = (squared_deviations.to(torch.float64)[g] / (n - 1).clamp(min=1.0)).sqrt()
-        advantages = centred / std.clamp(min=std_floor)
-    elif estimator in ("dr_grpo", "reinforce_pp_baseline"):
-        advantages = centred
-    elif estimator == "rloo":
-        advantages = centred * n / (n - 1).clamp(min=1.0)
-    else:
-        raise ValueError(f"estimator must be grpo, dr_grpo, rloo or reinforce_pp_baseline, got {estimator!r}")
-    return torch.where(flat, torch.zeros_like(advantages), advantages).to(scores.dtype)
-
-
-def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """REINFORCE++'s per-token returns ``[B, T]``: G_t = sum_{k >= t} gamma^(k - t) r_k over the
-    row's valid tokens (0 on padding); ``compute_gae`` with V = 0 and lam = 1 is the same sum."""
-    mask_f = mask.to(rewards.dtype)
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
-    for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask_f[:, t]
-        returns[:, t] = running
-    return returns
-
-
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025), ``[B]``, added to the score:
-
-        0                                         |y| <= L_max - L
-        factor ((L_max - L) - |y|) / L            L_max - L < |y| <= L_max
-
-    a linear ramp from 0 to -factor over the last ``buffer`` = L tokens before ``max_length`` =
-    L_max (responses are never longer than L_max here: the sampler stops there)."""
-    if buffer <= 0:
-        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
-    start = max_length - buffer
-    over = (lengths.to(torch.float32) - start).clamp(min=0.0)
-    return -factor * over / buffer
-
-
-# --------------------------------------------------------------------------------------------
-# The PPO objective (seed: "The PPO Objective in the Language Setting")
+# The PPO objective (Schulman et al. 2017; docs/algorithm.md)
 # --------------------------------------------------------------------------------------------
 def policy_loss(
     logprobs: torch.Tensor,
@@ -499,7 +407,7 @@ def value_loss(
     """Clipped value loss, token mean: ``max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
 
     ``clip_range=None`` turns clipping off. There is no hidden 0.5: the weight of this term in
-    the total loss is the config's ``vf_coef`` (the seed's c1).
+    the total loss is the config's ``vf_coef`` (c1 of docs/algorithm.md).
     """
     unclipped = (values - returns).square()
     if clip_range is None:

@@ -1,4 +1,4 @@
-"""The distributed trainer: the design.md iteration over Ray actor groups.
+"""The distributed trainer: the iteration of docs/algorithm.md over Ray actor groups.
 
     generate  (GeneratorActor x G, vLLM)     y ~ pi_old, log pi_old, policy version v
     reference (ReferenceActor x R)  ┐ concurrently
@@ -168,7 +168,7 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------------------------- iteration
     def iteration(self) -> dict[str, float]:
-        """One PPO iteration; returns the metrics of design.md."""
+        """One PPO iteration; returns its metrics (docs/algorithm.md, "Metrics")."""
         it, clock = self.iteration_count, time.perf_counter
         self._start_state = None
         self._start_state = self.driver_state()  # what a checkpoint holds until this iteration completes

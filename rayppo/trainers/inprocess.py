@@ -1,7 +1,7 @@
 """The in-process reference trainer: one whole PPO iteration, transformers only.
 
 No Ray, no vLLM, no DeepSpeed: the golden path that the distributed system must reproduce on
-the same seed. One iteration, as in design.md:
+the same seed. One iteration (docs/algorithm.md):
 
     prompts -> y ~ pi_old, log pi_old        (GeneratorEngine, hf backend)
             -> log pi_ref                    (ReferenceEngine; none at kl_coef = 0)
@@ -94,7 +94,7 @@ class ReferenceTrainer:
         self._prompts_at_start: dict[str, int] | None = None  # set while an iteration runs
 
     def iteration(self) -> dict[str, float]:
-        """One PPO iteration; returns the metrics of design.md."""
+        """One PPO iteration; returns its metrics (docs/algorithm.md, "Metrics")."""
         cfg, it, clock = self.cfg, self.iteration_count, time.perf_counter
         t0 = clock()
         self._prompts_at_start = self.prompts.state_dict()

@@ -1,0 +1,102 @@
+"""The critic-free estimators' math: group statistics, group advantages, REINFORCE++ returns and
+DAPO's overlong ramp. Pure functions over tensors, as ``ppo.py`` (docs/estimators.md, "The
+formulas"; the tensor conventions of docs/algorithm.md).
+
+Group statistics are sums and maxima, so an all-reduce of each rank's partial statistics is the
+whole batch's however a group's rows are spread over the learner ranks (docs/estimators.md,
+"Correct across ranks")."""
+
+from __future__ import annotations
+
+import torch
+
+from rayppo.choices import GroupEstimator
+
+
+def group_sums(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[B] -> [G]`` float64: the sum of ``x`` over each group's rows (0 for a group with none).
+
+    Sums add across ranks: an all-reduce of each rank's ``group_sums`` is the whole batch's, however
+    the rows of a group are spread over the ranks."""
+    out = torch.zeros(num_groups, dtype=torch.float64, device=x.device)
+    return out.index_add_(0, group_ids.long(), x.to(torch.float64))
+
+
+def group_extremes(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[B] -> [G, 2]`` float64: (max x, -min x) of each group (-inf for a group with no row
+    here); an all-reduce with max gives the batch's. A group is all-equal when max + (-min) = 0."""
+    out = torch.full((num_groups, 2), -torch.inf, dtype=torch.float64, device=x.device)
+    x64, ids = x.to(torch.float64), group_ids.long()
+    out[:, 0].scatter_reduce_(0, ids, x64, "amax")
+    out[:, 1].scatter_reduce_(0, ids, -x64, "amax")
+    return out
+
+
+def group_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    counts: torch.Tensor,
+    means: torch.Tensor,
+    squared_deviations: torch.Tensor,
+    extremes: torch.Tensor,
+    estimator: GroupEstimator,
+    std_floor: float = 1e-6,
+) -> torch.Tensor:
+    """``[B]`` sequence advantages A_i of the group estimators from whole-batch group statistics.
+
+    ``scores`` [B]: each row's r_i; ``group_ids`` [B]: its group g; per group [G] (float64, over
+    every row of the batch, e.g. all-reduced ``group_sums``): ``counts`` n_g, ``means`` mean_g r,
+    ``squared_deviations`` sum_{j in g} (r_j - mean_g r)^2, ``extremes`` [G, 2] (``group_extremes``).
+
+        grpo                   A_i = (r_i - mean_g r) / max(std_g r, std_floor)
+        dr_grpo                A_i = r_i - mean_g r
+        reinforce_pp_baseline  A_i = r_i - mean_g r   (the caller whitens over the batch)
+        rloo                   A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1) = n_g / (n_g - 1) (r_i - mean_g r)
+
+    std_g is the unbiased sample standard deviation (divisor n_g - 1), as DeepSeekMath's GRPO and
+    the implementations whose recipes users bring (TRL, veRL) compute it: the same rewards give
+    the same advantages as there. ``std_floor`` keeps a near-constant group's rounding residue
+    from being divided by ~0. A group whose rewards are all exactly equal (and a group of one row)
+    gets A = 0 under every estimator, not rounding residue over a floor.
+    """
+    g = group_ids.long()
+    n = counts.to(torch.float64)[g]
+    centred = scores.to(torch.float64) - means.to(torch.float64)[g]
+    flat = (extremes[:, 0] + extremes[:, 1] == 0)[g] | (n < 2)
+    if estimator == "grpo":
+        std = (squared_deviations.to(torch.float64)[g] / (n - 1).clamp(min=1.0)).sqrt()
+        advantages = centred / std.clamp(min=std_floor)
+    elif estimator in ("dr_grpo", "reinforce_pp_baseline"):
+        advantages = centred
+    elif estimator == "rloo":
+        advantages = centred * n / (n - 1).clamp(min=1.0)
+    else:
+        raise ValueError(f"estimator must be grpo, dr_grpo, rloo or reinforce_pp_baseline, got {estimator!r}")
+    return torch.where(flat, torch.zeros_like(advantages), advantages).to(scores.dtype)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++'s per-token returns ``[B, T]``: G_t = sum_{k >= t} gamma^(k - t) r_k over the
+    row's valid tokens (0 on padding); ``compute_gae`` with V = 0 and lam = 1 is the same sum."""
+    mask_f = mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask_f[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025), ``[B]``, added to the score:
+
+        0                                         |y| <= L_max - L
+        factor ((L_max - L) - |y|) / L            L_max - L < |y| <= L_max
+
+    a linear ramp from 0 to -factor over the last ``buffer`` = L tokens before ``max_length`` =
+    L_max (responses are never longer than L_max here: the sampler stops there)."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    start = max_length - buffer
+    over = (lengths.to(torch.float32) - start).clamp(min=0.0)
+    return -factor * over / buffer
