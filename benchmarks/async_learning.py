@@ -67,13 +67,13 @@ def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, 
     from rayppo.config.load import load_config
     from rayppo.run.metrics import read_metrics
     from rayppo.train import run
-    from rayppo.trainers.pipeline import distributed_trainer
+    from rayppo.trainers.choice import make_trainer
 
     folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"  # k-1-v-trace-seed0
     cfg = load_config(None, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true", "output.save_model=false",
                                          "output.checkpoint_every=0", "eval.every=0", "output.samples_every=0"])
     print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
-    run(cfg, distributed_trainer(cfg), progress=False)
+    run(cfg, make_trainer(cfg), progress=False)
     records = read_metrics(folder / "metrics.jsonl")
     seconds, iterations = time_to_target(records)
     return {"name": name, "seed": seed, "overrides": overrides, "seconds_to_target": seconds, "iterations_to_target": iterations,

@@ -110,9 +110,9 @@ def run_rayppo(cfg: Config, warmup: int, iterations: int, label: str = "rayppo"
     One progress bar for the run (the actors' output is in the run's logs/, as for train)."""
     from tqdm import tqdm
 
-    from rayppo.trainers.pipeline import distributed_trainer
+    from rayppo.trainers.choice import make_trainer
 
-    trainer = distributed_trainer(cfg)
+    trainer = make_trainer(cfg)
     bar = tqdm(total=warmup + iterations, desc=label, unit="it", file=sys.stderr, dynamic_ncols=True)
     try:
         records = []

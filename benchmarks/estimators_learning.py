@@ -40,12 +40,12 @@ def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, 
     from rayppo.config.load import load_config
     from rayppo.run.metrics import read_metrics
     from rayppo.train import run
-    from rayppo.trainers.inprocess import ReferenceTrainer
+    from rayppo.trainers.inprocess import InProcessTrainer
 
     folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"
     cfg = load_config(None, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true"])
     print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
-    run(cfg, ReferenceTrainer(cfg), progress=False)
+    run(cfg, InProcessTrainer(cfg), progress=False)
     records = read_metrics(folder / "metrics.jsonl")
     seconds, iterations = time_to_target(records)
     learn = [r["time/learn"] for r in records[1:]] or [records[0]["time/learn"]]

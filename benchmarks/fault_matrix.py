@@ -41,7 +41,7 @@ from rayppo.errors import brief
 from rayppo.run.checkpoint import CheckpointError, latest_checkpoint
 from rayppo.train import run
 from rayppo.trainers.distributed import DistributedTrainer
-from rayppo.trainers.pipeline import distributed_trainer
+from rayppo.trainers.choice import make_trainer
 
 CELLS = {
     # The synchronous trainer: each role where it has a call in flight, then two idle ones
@@ -127,7 +127,7 @@ def one_run(out: Path, trainer_kind: str, signal_name: str, names: list[str]) ->
                              # One restart per cell, cells GAP iterations apart: never a crash loop.
                              "cluster.max_actor_restarts=2", f"cluster.restart_window={GAP}",
                              f"output.dir={out}", "output.overwrite=true"])
-    trainer = distributed_trainer(cfg)
+    trainer = make_trainer(cfg)
     done = threading.Event()
     injector = threading.Thread(target=_inject, args=(trainer, cells, SIGNALS[signal_name], done), daemon=True)
     injector.start()

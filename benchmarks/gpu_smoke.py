@@ -4,7 +4,7 @@ What a GPU machine with only torch, transformers, peft and DeepSpeed installed c
 no Ray (neither is imported, directly or through rayppo; ``tests/test_gpu_smoke.py`` runs this
 script with both hidden). It builds a random-init Llama of the ``gpu-0.5b`` workload's shape and
 its one-label reward model (``bench.prepare_models``, cached and shared with ``rayppo bench``),
-then runs ``ReferenceTrainer`` (``trainer=reference``, ``generators.backend=hf``) with every
+then runs ``InProcessTrainer`` (``trainer=reference``, ``generators.backend=hf``) with every
 engine on the GPU (``learner.gpus_per_rank=1``) in bf16, on the embedded task's prompts:
 
     python benchmarks/gpu_smoke.py --out gpu_smoke.json          # 3 iterations, 64 x 128, H200
@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from rayppo.config.derived import mismatch_limit
 from rayppo.config.load import load_config
-from rayppo.trainers.inprocess import ReferenceTrainer
+from rayppo.trainers.inprocess import InProcessTrainer
 
 STAGES = ("generate", "reference", "reward", "learn")
 SHAPES: dict[str, dict[str, Any]] = {
@@ -72,7 +72,7 @@ def smoke_config(policy: Path, reward_model: Path, device: str, batch: int, new_
     return load_config(None, overrides + extra)
 
 
-def engine_devices(trainer: ReferenceTrainer) -> dict[str, str]:
+def engine_devices(trainer: InProcessTrainer) -> dict[str, str]:
     """Where each engine's weights (parameters and buffers) sit; ``mixed: ...`` when split."""
     models = {"generator": trainer.generator.backend.model, "reference": trainer.reference.model,
               "reward_model": trainer.reward.model, "critic": trainer.critic, "policy": trainer.policy}
@@ -87,7 +87,7 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def sizes(trainer: ReferenceTrainer) -> dict[str, int]:
+def sizes(trainer: InProcessTrainer) -> dict[str, int]:
     """Bytes of each model's weights, of the gradients and of both AdamW states (after a step)."""
     trained = [*trainer.policy.parameters(), *trainer.critic.parameters()]
     states = [v for opt in (trainer.policy_opt, trainer.critic_opt) for s in opt.state.values()
@@ -107,7 +107,7 @@ def memory(device: str) -> dict[str, int]:
     return {"max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def run_iterations(trainer: ReferenceTrainer, iters: int, device: str, limit: float) -> tuple[list[dict], str | None]:
+def run_iterations(trainer: InProcessTrainer, iters: int, device: str, limit: float) -> tuple[list[dict], str | None]:
     """``iters`` iterations, each with its own peak memory; stops at the first failure."""
     records = []
     for i in range(iters):
@@ -215,14 +215,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_trainer(args: argparse.Namespace) -> tuple[ReferenceTrainer, dict[str, Any]]:
+def build_trainer(args: argparse.Namespace) -> tuple[InProcessTrainer, dict[str, Any]]:
     """The models built (or found in the cache) and the trainer's engines loaded; what it took."""
     shape = SHAPES[args.shape]
     batch, new_tokens = args.batch or shape["batch"], args.new_tokens or shape["new_tokens"]
     start = time.perf_counter()
     policy, reward_model = prepare_models(Workload(shape["name"], "gpu smoke test", shape["model"], {}, 0, args.iters))
     built = time.perf_counter()
-    trainer = ReferenceTrainer(smoke_config(policy, reward_model, args.device, batch, new_tokens, args.overrides))
+    trainer = InProcessTrainer(smoke_config(policy, reward_model, args.device, batch, new_tokens, args.overrides))
     loaded = time.perf_counter()
     cfg, cuda = trainer.cfg, args.device == "cuda"
     print(f"gpu_smoke: {args.shape} Llama ({sum(p.numel() for p in trainer.policy.parameters()) / 1e6:.1f}M "

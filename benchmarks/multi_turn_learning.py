@@ -29,12 +29,12 @@ def run_seed(seed: int, iterations: int, extra: list[str], out: Path) -> dict[st
     from rayppo.config.load import load_config
     from rayppo.run.metrics import read_metrics
     from rayppo.train import run
-    from rayppo.trainers.inprocess import ReferenceTrainer
+    from rayppo.trainers.inprocess import InProcessTrainer
 
     folder = out / f"seed{seed}"
     cfg = load_config(CONFIG, COMMON + extra + [f"seed={seed}", f"stop.iterations={iterations}",
                                                 f"output.dir={folder}", "output.overwrite=true"])
-    run(cfg, ReferenceTrainer(cfg), progress=False)
+    run(cfg, InProcessTrainer(cfg), progress=False)
     records = read_metrics(folder / "metrics.jsonl")
 
     def mean(key: str, part: list[dict]) -> float:

@@ -168,14 +168,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     _quiet_libraries(args.verbose)
     from rayppo.train import run
 
-    if cfg.trainer == "reference":
-        from rayppo.trainers.inprocess import ReferenceTrainer
+    from rayppo.trainers.choice import make_trainer
 
-        trainer = ReferenceTrainer(cfg)
-    else:
-        from rayppo.trainers.pipeline import distributed_trainer
-
-        trainer = distributed_trainer(cfg)
+    trainer = make_trainer(cfg)
     result = run(cfg, trainer, progress=not args.no_progress, resume=resume)
     print(result.summary())
     return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as shells report
@@ -345,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rayppo: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        from rayppo.errors import Preempted
+        from rayppo.errors import PreemptedError
 
-        preempted = isinstance(exc, Preempted)
+        preempted = isinstance(exc, PreemptedError)
         print(f"rayppo: {'terminated (SIGTERM)' if preempted else 'interrupted'}", file=sys.stderr)
         return 143 if preempted else 130
     except BrokenPipeError:  # `rayppo config | head`: the reader has gone, nothing to say

@@ -19,14 +19,14 @@ class ModelFolderError(RayppoError, FileNotFoundError):
     """A model folder that is missing, is not a model, or cannot be used; names field and path."""
 
 
-class Preempted(KeyboardInterrupt):
+class PreemptedError(KeyboardInterrupt):
     """SIGTERM before the training loop started (its own handler takes over from there):
     ``rayppo train`` closes what it started and exits 143, as a terminated program does."""
 
 
 def raise_preempted(signum, frame) -> None:
     """A SIGTERM handler: unwind as on Ctrl-C, so that every ``finally`` and ``close`` runs."""
-    raise Preempted
+    raise PreemptedError
 
 
 class ActorFailedError(RayppoError, RuntimeError):

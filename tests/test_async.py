@@ -20,7 +20,8 @@ from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
 from rayppo.trainers import pipeline
 from rayppo.trainers.distributed import DistributedTrainer
-from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats, trainer_class
+from rayppo.trainers.choice import trainer_class
+from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats
 
 
 def _rollout(versions: list[int]) -> Rollout:

@@ -19,7 +19,7 @@ from rayppo.learner.guard import WeightSyncError
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import unpack_weights
 from rayppo.trainers.distributed import DistributedTrainer
-from rayppo.trainers.inprocess import ReferenceTrainer
+from rayppo.trainers.inprocess import InProcessTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -181,7 +181,7 @@ def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_
     # The reference takes each minibatch whole; the ranks cut theirs into micro-batches of 24 padded
     # tokens (2-4 per minibatch, counts differing between ranks), rows dealt to the ranks by tokens.
     cfg = load_config(None, _equivalence_overrides(1, 0) + ["trainer=reference", "learner.micro_batch_tokens=0"])
-    reference = ReferenceTrainer(cfg)
+    reference = InProcessTrainer(cfg)
     ref_stats = [reference.iteration() for _ in range(2)]
     ref_weights = reference.policy.state_dict()
     initial = AutoModelForCausalLM.from_pretrained(embedded_dir).state_dict()

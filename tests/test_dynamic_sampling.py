@@ -10,7 +10,7 @@ from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError
 from rayppo.data.rollout import Rollout
 from rayppo.trainers.dynamic_sampling import fill_batch, informative_groups
-from rayppo.trainers.inprocess import ReferenceTrainer
+from rayppo.trainers.inprocess import InProcessTrainer
 
 
 def _batch(scores: list[list[float]], tag: str) -> Rollout:
@@ -71,7 +71,7 @@ def test_an_iteration_with_dynamic_sampling_trains_only_informative_groups():
     cfg = load_config(None, ["trainer=reference", "ppo.advantage=grpo", "rollout.samples_per_prompt=4",
                              "rollout.batch_size=8", "ppo.minibatches=1", "rollout.dynamic_sampling_rounds=3",
                              "output.save_rollouts=true"])
-    trainer = ReferenceTrainer(cfg)
+    trainer = InProcessTrainer(cfg)
     stats = trainer.iteration()
     rollout = trainer.last_rollout
     groups = sorted(set(rollout.group_id))

@@ -137,16 +137,16 @@ def test_restarts_within_the_window_are_a_crash_loop_and_stop_the_run(tmp_path):
 
 def test_the_restart_budget_forgets_restarts_older_than_its_window():
     supervisor = Supervisor(max_restarts=2, timeout_s=1.0, window=3)
-    supervisor.spend("a")
-    supervisor.spend("b")
+    supervisor.count_restart("a")
+    supervisor.count_restart("b")
     with pytest.raises(ActorFailedError, match="restarts are spent"):
-        supervisor.spend("c")  # three restarts with no iteration in between: a crash loop
+        supervisor.count_restart("c")  # three restarts with no iteration in between: a crash loop
     for _ in range(3):
         supervisor.progress()
-    supervisor.spend("d")  # the first two are three iterations old: forgotten
-    supervisor.spend("e")
+    supervisor.count_restart("d")  # the first two are three iterations old: forgotten
+    supervisor.count_restart("e")
     with pytest.raises(ActorFailedError):
-        supervisor.spend("f")
+        supervisor.count_restart("f")
     assert supervisor.restarts == 4  # the run's count keeps every one
 
 

@@ -18,7 +18,7 @@ from rayppo.data.prompts import PromptBatch
 from rayppo.models.weights import unpack_weights
 from rayppo.plan.footprint import estimate_roles
 from rayppo.trainers.distributed import DistributedTrainer
-from rayppo.trainers.inprocess import ReferenceTrainer
+from rayppo.trainers.inprocess import InProcessTrainer
 from rayppo.trainers.iteration import group_shares
 
 
@@ -79,7 +79,7 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
     built (no critic/ in a checkpoint or the outputs, none in the plan) and at kl_coef = 0 no
     reference actor starts."""
     overrides = GROUP_RUN + ESTIMATORS[estimator]
-    reference = ReferenceTrainer(load_config(None, overrides + ["trainer=reference", "learner.num_ranks=1",
+    reference = InProcessTrainer(load_config(None, overrides + ["trainer=reference", "learner.num_ranks=1",
                                                                 "learner.micro_batch_tokens=0"]))
     assert reference.critic is None
     ref_stats = [reference.iteration() for _ in range(2)]
@@ -139,9 +139,9 @@ def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version_a
                              "rollout.max_new_tokens=6", "learner.num_ranks=1", "rollout.max_staleness=1",
                              "learner.weight_sync=object_store", "learner.lora_rank=4",
                              f"output.dir={tmp_path / 'run'}"])
-    from rayppo.trainers.pipeline import distributed_trainer
+    from rayppo.trainers.choice import make_trainer
 
-    trainer = distributed_trainer(cfg)
+    trainer = make_trainer(cfg)
     try:
         for _ in range(3):
             stats = trainer.iteration()

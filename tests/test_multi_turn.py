@@ -17,7 +17,7 @@ from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import load_prompt_set, read_prompt_rows
 from rayppo.data.rollout import Rollout
-from rayppo.episodes.environment import EnvironmentFailure, EnvironmentPool, Episode
+from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode
 from rayppo.episodes.loop import EpisodeSettings, episode_stats
 from rayppo.learner.experience import TruncationRule, make_experience
 from rayppo.models.chat_tokens import TemplateError, check_template, observation_ids
@@ -338,7 +338,7 @@ def test_a_faulty_environment_step_is_named_within_its_deadline(tmp_path, monkey
         seconds = time.monotonic() - start
     finally:
         pool.close()
-    assert all(isinstance(r, EnvironmentFailure) for r in results)
+    assert all(isinstance(r, EnvironmentFailedError) for r in results)
     assert message in str(results[0]) and "prompt 'prompt 0'" in str(results[0]) and "turn 1" in str(results[0])
     if name in ("Hangs", "Crashes"):  # episode 2 lived in episode 0's process (2 workers): lost with it
         assert "lost with its process, which ended on prompt 'prompt 0'" in str(results[2])
@@ -364,7 +364,7 @@ def test_a_hanging_environment_ends_its_episodes_with_the_timeout_reward(guess_d
     strict = GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend="hf",
                              episodes=EpisodeSettings("faulty_env:Hangs", timeout_s=0.5, max_tokens=40))
     try:
-        with pytest.raises(EnvironmentFailure, match="faulty_env:Hangs"):
+        with pytest.raises(EnvironmentFailedError, match="faulty_env:Hangs"):
             strict.generate(prompts, 0)
     finally:
         strict.close()
@@ -453,9 +453,9 @@ def test_two_learner_ranks_train_on_multi_turn_rows_as_the_in_process_trainer_do
     Adam's step bound where a gradient is at rounding noise, test_distributed.py's BULK_GAP, and an
     episode of many draws can then go another way.)"""
     from rayppo.trainers.distributed import DistributedTrainer
-    from rayppo.trainers.inprocess import ReferenceTrainer
+    from rayppo.trainers.inprocess import InProcessTrainer
 
-    reference = ReferenceTrainer(load_config(None, MULTI_TURN + ["trainer=reference", "learner.micro_batch_tokens=0"]))
+    reference = InProcessTrainer(load_config(None, MULTI_TURN + ["trainer=reference", "learner.micro_batch_tokens=0"]))
     expected = reference.iteration()
     trainer = DistributedTrainer(load_config(None, MULTI_TURN + ["learner.num_ranks=2", "learner.zero_stage=2",
                                                                  "learner.micro_batch_tokens=24"]))
@@ -540,7 +540,7 @@ def test_a_killed_worker_loses_every_episode_it_held_and_blames_the_one_that_hun
     finally:
         pool.close()
     assert first[0].observation == "turn 1" and "ran past" in str(first[1])
-    assert isinstance(second[0], EnvironmentFailure)
+    assert isinstance(second[0], EnvironmentFailedError)
     assert "on prompt 'prompt 0': lost with its process, which ended on prompt 'prompt 1'" in str(second[0])
     assert ending < 0.5
 

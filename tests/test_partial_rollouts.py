@@ -17,7 +17,7 @@ import torch
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError
 from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, deal, oldest_versions, renumber_groups,
-                                          settle, with_unique_groups)
+                                          split_finished_groups, with_unique_groups)
 from rayppo.data.rollout import Rollout
 from rayppo.trainers.pipeline import drop_stale, generator_lead, staleness_stats
 
@@ -33,7 +33,7 @@ def _rows(reasons: list[str], groups: list[int], versions: list[list[int]]) -> R
 
 def test_a_group_is_ready_only_when_every_row_has_finished():
     rows = _rows(["stop", "partial", "length", "stop", "stop"], [7, 7, 8, 9, 9], [[0], [0], [0], [1], [1]])
-    ready, waiting = settle(rows)
+    ready, waiting = split_finished_groups(rows)
     assert ready.prompt_text == ["p2", "p3", "p4"] and waiting.prompt_text == ["p0", "p1"]  # p0 waits for p1
 
 

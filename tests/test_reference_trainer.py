@@ -3,11 +3,11 @@
 import torch
 
 from rayppo.config.load import load_config
-from rayppo.trainers.inprocess import ReferenceTrainer
+from rayppo.trainers.inprocess import InProcessTrainer
 
 
 def test_one_iteration_reports_design_metrics_and_changes_the_policy(small_overrides):
-    trainer = ReferenceTrainer(load_config(None, small_overrides))
+    trainer = InProcessTrainer(load_config(None, small_overrides))
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     metrics = trainer.iteration()
     for key in ("reward/mean", "kl/ref_mean", "kl_coef", "entropy", "policy/clipfrac", "policy/approx_kl",
@@ -25,14 +25,14 @@ def test_one_iteration_reports_design_metrics_and_changes_the_policy(small_overr
 
 
 def test_truncated_responses_train_too(small_overrides):
-    trainer = ReferenceTrainer(load_config(None, small_overrides + ["rollout.max_new_tokens=4"]))
+    trainer = InProcessTrainer(load_config(None, small_overrides + ["rollout.max_new_tokens=4"]))
     metrics = trainer.iteration()
     assert 0 < metrics["response/truncated_frac"] <= 1
     assert all(len(r) <= 4 for r in trainer.last_rollout.response_ids)
 
 
 def test_adaptive_kl_controller_moves_beta(small_overrides):
-    trainer = ReferenceTrainer(load_config(None, small_overrides + ["ppo.adaptive_kl=true", "ppo.kl_horizon=100"]))
+    trainer = InProcessTrainer(load_config(None, small_overrides + ["ppo.adaptive_kl=true", "ppo.kl_horizon=100"]))
     first = trainer.iteration()
     assert first["kl_coef"] == 0.05
     # KL starts at 0 < target: the controller lowers beta by the clipped 20% x 16/100.
@@ -41,7 +41,7 @@ def test_adaptive_kl_controller_moves_beta(small_overrides):
 
 def test_reward_model_path_trains(small_overrides, reward_model_dir):
     overrides = small_overrides + ["reward.function=null", f"reward.model={reward_model_dir}"]
-    trainer = ReferenceTrainer(load_config(None, overrides))
+    trainer = InProcessTrainer(load_config(None, overrides))
     metrics = trainer.iteration()
     scores = trainer.last_rollout.score
     assert len(set(scores)) > 1 and metrics["reward/mean"] == sum(scores) / len(scores)
@@ -50,7 +50,7 @@ def test_reward_model_path_trains(small_overrides, reward_model_dir):
 def test_embedded_default_learns(tmp_path):
     """Mean reward of the embedded task rises clearly within a short run (the default recipe)."""
     cfg = load_config(None, ["stop.iterations=20", f"output.dir={tmp_path}"])
-    trainer = ReferenceTrainer(cfg)
+    trainer = InProcessTrainer(cfg)
     rewards = [trainer.iteration()["reward/mean"] for _ in range(cfg.stop.iterations)]
     start, end = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert start < 0.5 and end > start + 0.2, rewards
@@ -59,7 +59,7 @@ def test_embedded_default_learns(tmp_path):
 def test_kl_penalty_mean_reports_the_configured_estimator(small_overrides):
     """kl/ref_mean is always k1; with the k3 estimator in the reward, kl/penalty_mean is k3's sum
     (never negative, and not the k1 figure once the policy has moved)."""
-    trainer = ReferenceTrainer(load_config(None, small_overrides + ["ppo.kl_estimator=k3", "ppo.lr=0.003"]))
+    trainer = InProcessTrainer(load_config(None, small_overrides + ["ppo.kl_estimator=k3", "ppo.lr=0.003"]))
     trainer.iteration()
     stats = trainer.iteration()
     assert stats["kl/penalty_mean"] >= 0

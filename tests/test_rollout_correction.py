@@ -98,12 +98,12 @@ def test_in_process_correction_at_fp32_is_the_plain_update_up_to_the_measured_ga
     """With mu = pi_prox up to fp32 rounding, the corrected update (weights w = pi_prox / mu, every
     row inside the band) is the uncorrected one: the per-token weights differ from 1 by at most
     exp(max |d|) - 1, so the loss differs by at most that share of its size."""
-    from rayppo.trainers.inprocess import ReferenceTrainer
+    from rayppo.trainers.inprocess import InProcessTrainer
 
     stats = {}
     for mode in ("none", "tis+geo_mask"):
         cfg = load_config(None, [*small_overrides, f"ppo.rollout_correction={mode}", f"output.dir={tmp_path / mode}"])
-        trainer = ReferenceTrainer(cfg)
+        trainer = InProcessTrainer(cfg)
         try:
             stats[mode] = trainer.iteration()
         finally:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function
+from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeoutError, load_reward_function
 from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
@@ -136,7 +136,7 @@ class RewardEngine(Engine):
         for prompt, response, fields, messages in rows:
             try:
                 out.append(float(self.function(prompt, response, fields, messages)))
-            except VerifierTimeout:
+            except VerifierTimeoutError:
                 if self.timeout_score is None:
                     raise RewardError(f"reward function {self.name} ran past reward.timeout_s={self.timeout_s:g} s on "
                                       f"prompt {prompt!r} (response {response!r}); set reward.timeout_score to score "

@@ -16,7 +16,7 @@ import math
 import sys
 from typing import Any, Callable
 
-from rayppo.usercode.child import ChildExited, ChildProcess, ChildTimeout, serve
+from rayppo.usercode.child import ChildExitedError, ChildProcess, ChildTimeoutError, serve
 from rayppo.usercode.imports import import_object, number, row_caller
 
 
@@ -35,7 +35,7 @@ class VerifierError(ValueError):
     """The user's function raised in the child process; the message is its ``Type: message``."""
 
 
-class VerifierTimeout(ChildTimeout):
+class VerifierTimeoutError(ChildTimeoutError):
     """One call ran past its deadline; the child was killed."""
 
 
@@ -52,9 +52,9 @@ class VerifierProcess:
         call = {"prompt": prompt, "response": response, "fields": fields or {}, "messages": messages}
         try:
             reply = self.child.call(call, self.timeout_s)
-        except ChildTimeout as exc:
-            raise VerifierTimeout(str(exc)) from None
-        except ChildExited as exc:
+        except ChildTimeoutError as exc:
+            raise VerifierTimeoutError(str(exc)) from None
+        except ChildExitedError as exc:
             raise RuntimeError(str(exc).replace("rayppo.actors.verifier", "verifier")) from None
         if "error" in reply:
             raise VerifierError(reply["error"])

@@ -38,7 +38,10 @@ class DeviceSchedule:
     def __init__(self, colocated: bool, timeout_s: float | None = None):
         self.colocated, self.timeout_s = colocated, timeout_s
         self.generators: ActorGroup | None = None  # set once they are spawned
-        self.others: list[ActorGroup] = []  # the roles that use the GPU while vLLM sleeps
+        # The roles that use the GPU while vLLM sleeps: the scorers, and the learner's ranks (set
+        # again when a learner restart replaces them).
+        self.scorers: list[ActorGroup] = []
+        self.learner: ActorGroup | None = None
         self.events: list[str] = []
         self.asleep: set[str] = set()
         """What the generators have given back and not taken again: ``weights``, ``kv_cache``."""
@@ -48,6 +51,21 @@ class DeviceSchedule:
         """Record a stage of the iteration (only in colocated mode, where order matters)."""
         if self.colocated:
             self.events.append(name)
+
+    def before(self, stage: str) -> None:
+        """Before a stage of the iteration: the generators' weights come back for the sync."""
+        if stage == "sync":
+            self.wake_weights()
+
+    def after(self, stage: str) -> None:
+        """After a stage: it is recorded; the generators give their memory back once they have
+        generated, and take their KV cache back once the sync is checked."""
+        if stage != "verify":
+            self.stage(stage)
+        if stage == "generate":
+            self.sleep_generators()
+        elif stage == "verify":
+            self.wake_kv_cache()
 
     def sleep_generators(self) -> None:
         """Before scoring and learning: the generators give their GPU memory back."""
@@ -94,7 +112,7 @@ class DeviceSchedule:
         return get_within(futures, self.timeout_s, f"colocated mode: {step} did not complete")
 
     def _release_others(self) -> None:
-        for group in self.others:
+        for group in [*self.scorers, *([self.learner] if self.learner is not None else [])]:
             self._get(group, group.call_all(Engine.release_cached_memory), "release cached memory")
         self.events.append("others: release cached memory")
 

@@ -152,7 +152,7 @@ class Supervisor:
         with self._lock:
             self.completed += 1
 
-    def spend(self, failure: str, error: type[ActorFailedError] = ActorFailedError, hint: str = "") -> None:
+    def count_restart(self, failure: str, error: type[ActorFailedError] = ActorFailedError, hint: str = "") -> None:
         """Count one restart for ``failure``; when ``max_restarts`` happened within the last
         ``window`` completed iterations already, a crash loop: raise ``error`` saying so."""
         with self._lock:  # the asynchronous pipeline's stages call from their own threads
@@ -174,7 +174,7 @@ class Supervisor:
         dumped first), wait until it is built, bring it up to date with ``refresh``."""
         if self.closed:
             raise RunClosedError(f"{role} actor {i} {cause} after the run was closed: not replaced")
-        self.spend(f"{role} actor {i} {cause}", hint=console.details(role, i))
+        self.count_restart(f"{role} actor {i} {cause}", hint=console.details(role, i))
         if hung:
             dump_stacks(*self._where.get((id(group), i), (None, None)))
         start = time.perf_counter()

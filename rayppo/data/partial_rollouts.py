@@ -27,7 +27,7 @@ def unfinished(rollout: Rollout) -> list[int]:
     return [i for i, reason in enumerate(rollout.finish_reason) if reason == PARTIAL]
 
 
-def settle(rollout: Rollout) -> tuple[Rollout, Rollout]:
+def split_finished_groups(rollout: Rollout) -> tuple[Rollout, Rollout]:
     """``(ready, waiting)``: the rows of groups that have all finished, and the rest (every row of a
     group with an unfinished member), each in the rollout's order."""
     open_groups = {rollout.group_id[i] for i in unfinished(rollout)}

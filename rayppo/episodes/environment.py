@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rayppo.errors import RayppoError
-from rayppo.usercode.child import ChildExited, ChildProcess, ChildTimeout, serve
+from rayppo.usercode.child import ChildExitedError, ChildProcess, ChildTimeoutError, serve
 from rayppo.usercode.imports import import_object, row_arguments
 
 
-class EnvironmentFailure(RayppoError, RuntimeError):
+class EnvironmentFailedError(RayppoError, RuntimeError):
     """An environment step failed, ran past its deadline, or answered something unusable; the
     message names the environment, the episode's prompt and the turn."""
 
@@ -135,7 +135,7 @@ class EnvironmentPool:
 
     def step(self, episodes: list[Episode], actions: list[str], turn: int) -> list[Step | Exception]:
         """Each episode's answer to its action (turn ``turn``, 1-based, for the messages), or the
-        ``EnvironmentFailure`` of a step that failed, hung or answered wrongly."""
+        ``EnvironmentFailedError`` of a step that failed, hung or answered wrongly."""
         calls = [(e, {"op": "step", "episode": e.id, "action": a}) for e, a in zip(episodes, actions)]
         return [r if isinstance(r, Exception)
                 else Step(r["observation"], float(r["reward"]), bool(r["done"]), r["seconds"])
@@ -182,7 +182,7 @@ class EnvironmentPool:
         if op == "end":
             self._homes.pop(episode.id, None)
             return {"ok": True}
-        return EnvironmentFailure(f"environment {self.spec} ({what}) on prompt {episode.prompt!r}: lost with its "
+        return EnvironmentFailedError(f"environment {self.spec} ({what}) on prompt {episode.prompt!r}: lost with its "
                                   f"process, which ended on prompt {self._ended_on[w]!r}")
 
     def _call(self, worker: ChildProcess, episode: Episode, message: dict, what: str) -> dict | Exception:
@@ -190,18 +190,18 @@ class EnvironmentPool:
         start = time.monotonic()
         try:
             reply = worker.call(message, self.timeout_s)
-        except ChildTimeout:
-            return EnvironmentFailure(f"{where} ran past rollout.environment_timeout_s={self.timeout_s:g} s; "
+        except ChildTimeoutError:
+            return EnvironmentFailedError(f"{where} ran past rollout.environment_timeout_s={self.timeout_s:g} s; "
                                       "its process was killed")
-        except ChildExited as exc:
-            return EnvironmentFailure(f"{where}: {str(exc).replace('rayppo.episodes.environment', 'environment')}")
+        except ChildExitedError as exc:
+            return EnvironmentFailedError(f"{where}: {str(exc).replace('rayppo.episodes.environment', 'environment')}")
         except ImportError as exc:  # the child could not import the class
-            return EnvironmentFailure(f"{where}: {exc}")
+            return EnvironmentFailedError(f"{where}: {exc}")
         except Exception as exc:  # noqa: BLE001 - e.g. an answer that is not JSON: the protocol is lost
             worker.close()
-            return EnvironmentFailure(f"{where}: {type(exc).__name__}: {exc}; its process was stopped")
+            return EnvironmentFailedError(f"{where}: {type(exc).__name__}: {exc}; its process was stopped")
         if "error" in reply:
-            return EnvironmentFailure(f"{where} failed: {reply['error']}")
+            return EnvironmentFailedError(f"{where} failed: {reply['error']}")
         return {**reply, "seconds": time.monotonic() - start}
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rayppo.episodes.environment import EnvironmentFailure, EnvironmentPool, Episode, Step
+from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode, Step
 from rayppo.errors import RayppoError
 from rayppo.models.chat_tokens import Message, observation_ids
 
@@ -162,7 +162,7 @@ def _step_or_rule(step: Step | Exception, settings: EpisodeSettings) -> Step:
     end the episode with ``timeout_reward``."""
     if not isinstance(step, Exception):
         return step
-    if settings.timeout_reward is None or not isinstance(step, EnvironmentFailure):
+    if settings.timeout_reward is None or not isinstance(step, EnvironmentFailedError):
         raise step
     return Step(None, settings.timeout_reward, True)
 

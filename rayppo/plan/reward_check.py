@@ -21,7 +21,7 @@ import inspect
 import math
 from typing import Any, Callable
 
-from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeout, load_reward_function
+from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeoutError, load_reward_function
 from rayppo.config.schema import ConfigError
 from rayppo.data.prompts import PromptRows
 from rayppo.usercode.imports import row_arguments
@@ -106,7 +106,7 @@ def _call(verifier: VerifierProcess, spec: str, rows: PromptRows, i: int, timeou
     prompt = rows.prompts[i]
     try:
         return verifier(_prompt_text(prompt), PLACEHOLDER_RESPONSE, rows.fields[i], _messages(prompt))
-    except VerifierTimeout:
+    except VerifierTimeoutError:
         raise ConfigError(f"reward.function: {spec} did not answer within reward.timeout_s={timeout_s:g} s on "
                           f"{_where(rows, i)} with a placeholder empty response") from None
     except VerifierError as exc:

@@ -16,6 +16,8 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -164,51 +166,57 @@ class DistributedTrainer:
         self.schedule.generators = self.generators
         for group in (self.generators, self.reference, self.rewards):
             self.supervisor.watch(group)
-        self.schedule.others = [self.reference, self.rewards, self.learner.ranks]
+        self.schedule.scorers, self.schedule.learner = [self.reference, self.rewards], self.learner.ranks
 
     # ------------------------------------------------------------------------------- iteration
     def iteration(self) -> dict[str, float]:
         """One PPO iteration; returns its metrics (docs/algorithm.md, "Metrics")."""
-        it, clock = self.iteration_count, time.perf_counter
+        it, seconds = self.iteration_count, {}
         self._start_state = None
         self._start_state = self.driver_state()  # what a checkpoint holds until this iteration completes
-        t0 = clock()
-        self.phase = "generate"
-        rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
-        rollout, dynamic = self.fill(rollout, it)  # DAPO's dynamic sampling; ({} when off)
-        self.schedule.sleep_generators()  # colocated mode: vLLM frees the GPU for the learner
-        t1 = clock()
-        self.phase = "score"
-        rollout, score_times = self.score(rollout)
-        t2 = clock()
+        with self._stage("generate", seconds):
+            rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
+            rollout, dynamic = self.dynamic_sampling(rollout, it)  # DAPO's dynamic sampling ({} when off)
+        with self._stage("score", seconds):
+            rollout, score_times = self.score(rollout)
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
-            self.phase = "learn"
-            stats = self.learner.train(rollout, kl_coef, it)
-            self._learned(stats, rollout)  # from here a checkpoint holds this iteration
-            self.schedule.stage("learn")
-            t3 = clock()
-            version = int(stats["policy/version"])
-            self.schedule.wake_weights()
-            self.phase = "sync"
-            sync_bytes = self.weight_sync.sync(version)
-            self.schedule.stage("sync")
-            t_verify = clock()
-            self.phase = "verify"
-            verified = self._verify(version) if self.cfg.checks.verify_sync else 0.0
-        self.schedule.wake_kv_cache()
-        t4 = clock()
-        self.phase = "idle"
+            with self._stage("learn", seconds):
+                stats = self._learn(rollout, kl_coef, it)
+            with self._stage("sync", seconds):
+                sync_bytes = self.weight_sync.sync(int(stats["policy/version"]))
+            with self._stage("verify", seconds):
+                verified = self._verify(int(stats["policy/version"])) if self.cfg.checks.verify_sync else 0.0
         self.supervisor.progress()
-        timings = {"time/generate": t1 - t0, **score_times, "time/score": t2 - t1, "time/learn": t3 - t2,
-                   "time/sync": t4 - t3, "time/sync_verify": t4 - t_verify, "time/iteration": t4 - t0,
+        timings = {"time/generate": seconds["generate"], **score_times, "time/score": seconds["score"],
+                   "time/learn": seconds["learn"], "time/sync": seconds["sync"] + seconds["verify"],
+                   "time/sync_verify": seconds["verify"], "time/iteration": sum(seconds.values()),
                    "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
-        return {**stats, **rollout_stats(rollout, t4 - t0, self.cfg.rollout.max_turns), **timings, **dynamic,
-                "kl_coef": kl_coef}
+        return {**stats, **rollout_stats(rollout, timings["time/iteration"], self.cfg.rollout.max_turns), **timings,
+                **dynamic, "kl_coef": kl_coef}
 
-    def fill(self, rollout: Rollout, it: int) -> tuple[Rollout, dict[str, float]]:
+    @contextmanager
+    def _stage(self, name: str, seconds: dict[str, float]) -> Iterator[None]:
+        """One stage of the iteration: ``phase`` names it while it runs, its wall time goes to
+        ``seconds[name]``, and the colocated schedule frees or takes back the GPU around it
+        (``DeviceSchedule.before`` and ``.after``)."""
+        self.phase, start = name, time.perf_counter()
+        self.schedule.before(name)
+        yield
+        self.schedule.after(name)
+        seconds[name] = time.perf_counter() - start
+        self.phase = "idle"
+
+    def _learn(self, rollout: Rollout, kl_coef: float, it: int) -> dict[str, float]:
+        """The learner group's update on a scored batch; from its return a checkpoint holds this
+        iteration (``_commit_update``)."""
+        stats = self.learner.train(rollout, kl_coef, it)
+        self._commit_update(stats, rollout)
+        return stats
+
+    def dynamic_sampling(self, rollout: Rollout, it: int) -> tuple[Rollout, dict[str, float]]:
         """``rollout.dynamic_sampling_rounds`` > 0: the informative groups of this batch and of up
         to that many extra rewarded batches (``dynamic_sampling.fill_batch``); else as it is."""
         rounds = self.cfg.rollout.dynamic_sampling_rounds
@@ -216,11 +224,11 @@ class DistributedTrainer:
             return rollout, {}
 
         def draw(k: int) -> Rollout:
-            return self.rewarded(self.generate(self.prompts.next_batch(), round_seed(self.cfg.seed, it, k)))
+            return self.scored_by_reward(self.generate(self.prompts.next_batch(), round_seed(self.cfg.seed, it, k)))
 
-        return fill_batch(self.rewarded(rollout), draw, self.cfg.rollout.batch_size, rounds)
+        return fill_batch(self.scored_by_reward(rollout), draw, self.cfg.rollout.batch_size, rounds)
 
-    def rewarded(self, rollout: Rollout) -> Rollout:
+    def scored_by_reward(self, rollout: Rollout) -> Rollout:
         """``rollout`` with r_phi of every row (the reward pass alone)."""
         (rollout.score,) = self._reward_scores([rollout])
         return rollout
@@ -229,7 +237,7 @@ class DistributedTrainer:
         """The guard's check of every generator's weights after a sync (``verify_sync``)."""
         return verify_sync(self.learner, self.generators, version, self.supervisor, self.weight_sync.refresh)
 
-    def _learned(self, stats: dict[str, float], rollout: Rollout) -> None:
+    def _commit_update(self, stats: dict[str, float], rollout: Rollout) -> None:
         """The learner has taken this iteration's update: the driver's state moves with it (beta,
         the iteration count), so that a checkpoint written after a later failure of this iteration
         (the sync, its check) pairs the updated learner with the state after the iteration, never
@@ -244,9 +252,7 @@ class DistributedTrainer:
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """Each generator samples its share of the prompts, in groups (``group_shares``), with its own seed."""
         shares = group_shares(prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
-        rollout = self._sample(GeneratorEngine.generate, shares, seed)
-        self.schedule.stage("generate")
-        return rollout
+        return self._sample(GeneratorEngine.generate, shares, seed)
 
     def _sample(self, method: Callable[..., Rollout], shares: list[PromptBatch], seed: int, *options: Any) -> Rollout:
         """``method`` (generate or evaluate) on every generator with its share of the prompts,
@@ -280,7 +286,6 @@ class DistributedTrainer:
             passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
                                  [(rollout.select(r),) for r in ref_rows]))
         parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
-        self.schedule.stage("score")
         if "reward" in parts:
             rollout.score = [x for part in parts["reward"] for x in part]
         rollout.ref_logprobs = [x for part in parts.get("reference", []) for x in part]
@@ -335,18 +340,24 @@ class DistributedTrainer:
         """Load a checkpoint (None: the initial models, as built) and bring every generator to
         its policy version (sync, then check)."""
         self.phase = "restore"
-        version = self.learner.load_checkpoint(str(path)) if path is not None else 0
-        check_pairing(path, version, state)
-        self._start_state = None
-        self.iteration_count = state["iteration"]
-        self.kl_ctl.value = float(state["kl_coef"])
-        self.prompts.load_state_dict(state["prompts"])
+        version = self._load_state(path, state)
         self.schedule.wake_for_restore()  # colocated mode: a failure may have left vLLM asleep
         self.weight_sync.sync(version)
         if self.cfg.checks.verify_sync:
             self._verify(version)
         self.schedule.wake_after_restore()
         self.phase = "idle"
+
+    def _load_state(self, path: Path | None, state: dict[str, Any]) -> int:
+        """The learner's checkpoint at ``path`` (None: the initial models, as built) and the driver's
+        ``state`` with it (beta, the iteration, the prompt position); returns the policy version."""
+        version = self.learner.load_checkpoint(str(path)) if path is not None else 0
+        check_pairing(path, version, state)
+        self._start_state = None
+        self.iteration_count = state["iteration"]
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.prompts.load_state_dict(state["prompts"])
+        return version
 
     def recover(self, failure: LearnerFailedError) -> int:
         """After a learner rank died or hung: rebuild the learner group, load the latest
@@ -360,10 +371,10 @@ class DistributedTrainer:
             checkpoint = None
         hint = (f"; continue from its last checkpoint with: rayppo train --resume {out}" if checkpoint else
                 f"; no checkpoint was written yet (output.checkpoint_every={self.cfg.output.checkpoint_every})")
-        self.supervisor.spend(str(failure), LearnerFailedError, hint)
+        self.supervisor.count_restart(str(failure), LearnerFailedError, hint)
         start = time.perf_counter()
         self.learner.rebuild()
-        self.schedule.others[-1] = self.learner.ranks
+        self.schedule.learner = self.learner.ranks
         self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor)
         self.restore(checkpoint, read_driver_state(checkpoint) if checkpoint else self._initial_state)
         self.learner_restarts += 1

@@ -43,7 +43,7 @@ from rayppo.trainers.iteration import (episode_settings, group_shares, iteration
                                        rollout_stats, round_seed, sampling_settings)
 
 
-class ReferenceTrainer:
+class InProcessTrainer:
     """Policy, reference, reward and critic in one process; ``iteration()`` runs one PPO step."""
 
     def __init__(self, cfg: Config):
@@ -133,12 +133,12 @@ class ReferenceTrainer:
         if not cfg.rollout.dynamic_sampling_rounds:
             return draw(0), {}
 
-        def rewarded(k: int) -> Rollout:
+        def draw_scored(k: int) -> Rollout:
             rollout = draw(k)
             rollout.score = self._scores(rollout)
             return rollout
 
-        return fill_batch(rewarded(0), rewarded, cfg.rollout.batch_size, cfg.rollout.dynamic_sampling_rounds)
+        return fill_batch(draw_scored(0), draw_scored, cfg.rollout.batch_size, cfg.rollout.dynamic_sampling_rounds)
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts (``rayppo/trainers/evaluation.py``); {} without them."""

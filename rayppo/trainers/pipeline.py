@@ -41,13 +41,13 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import get, get_within
 from rayppo.config.schema import Config
-from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, oldest_versions, renumber_groups, settle,
-                                          unfinished, with_unique_groups)
+from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, oldest_versions, renumber_groups,
+                                          split_finished_groups, unfinished, with_unique_groups)
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.errors import LearnerFailedError
 from rayppo.learner.guard import check_weights
-from rayppo.trainers.distributed import DistributedTrainer, check_pairing
+from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.iteration import group_shares, iteration_seed, rollout_stats
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Published:
     version: int
     payload: Any = None
     """ObjectRef of rank 0's ``WeightsPayload``; None for the initial weights every generator builds."""
-    prints: dict[str, Any] | None = None
+    fingerprints: dict[str, Any] | None = None
     """Rank 0's fingerprints of those weights (the weight check after each generator's load)."""
 
 
@@ -165,7 +165,7 @@ class Stages:
     threads: list[threading.Thread] = field(default_factory=list)
 
 
-class _Stopped(Exception):
+class _StoppedError(Exception):
     """Raised inside a stage thread when its start of the pipeline was stopped."""
 
 
@@ -209,8 +209,7 @@ class PipelinedTrainer(DistributedTrainer):
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
             self.phase = "learn"
-            stats = self.learner.train(rollout, kl_coef, it)
-            self._learned(stats, rollout)  # from here a checkpoint holds this iteration
+            stats = self._learn(rollout, kl_coef, it)  # from its return a checkpoint holds this iteration
             t_learn = clock()
             self.phase = "sync"
             self._publish(int(stats["policy/version"]))
@@ -304,7 +303,7 @@ class PipelinedTrainer(DistributedTrainer):
         """Run a stage loop; its first error (while running) is raised on the caller's thread."""
         try:
             loop(stages, *args)
-        except _Stopped:
+        except _StoppedError:
             pass
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             if not stages.stop.is_set() and stages.error is None:
@@ -343,7 +342,7 @@ class PipelinedTrainer(DistributedTrainer):
             done = sorted(set(range(len(waiting))) - set(todo))
             out = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate_partial,
                                            (share, waiting.select(todo), seed, self.partial), refresh=self._refresh)
-            ready, waiting = settle(Rollout.concat([waiting.select(done), out]))
+            ready, waiting = split_finished_groups(Rollout.concat([waiting.select(done), out]))
             if len(ready) >= self._min_rows or not unfinished(waiting):
                 break
             waiting = Rollout.concat([ready, waiting])  # too few to train: another round, no new prompts
@@ -358,17 +357,17 @@ class PipelinedTrainer(DistributedTrainer):
         with self._cond:
             while b > self._published.version + self.lead:
                 if stages.stop.is_set():
-                    raise _Stopped
+                    raise _StoppedError
                 self._cond.wait(POLL_S)
             if stages.stop.is_set():
-                raise _Stopped
+                raise _StoppedError
             return self._published
 
     def _batch(self, stages: Stages, b: int) -> Batch:
         """Batch b's prompts, drawn (in order) by the first generator to reach it."""
         with self._cond:
             if stages.stop.is_set():  # a restart is about to move the sampler: draw nothing more
-                raise _Stopped
+                raise _StoppedError
             if b not in stages.batches:
                 stages.prompt_states[b] = self.prompts.state_dict()
                 stages.batches[b] = Batch(self.prompts.next_batch(), [None] * len(self.generators))
@@ -385,7 +384,7 @@ class PipelinedTrainer(DistributedTrainer):
                                            (published.payload,), refresh=refresh)
         if version != published.version:
             raise RuntimeError(f"generator {g} reports policy version {version} after loading {published.version}")
-        if published.prints is not None:
+        if published.fingerprints is not None:
             # A generator replaced during this call takes the published weights first (``_refresh``):
             # a fresh engine has loaded nothing, so it would fingerprint nothing.
             held = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.weight_fingerprints, (),
@@ -393,7 +392,7 @@ class PipelinedTrainer(DistributedTrainer):
             if held is None:  # tensor-parallel vLLM cannot be fingerprinted yet: sync/verified = NaN
                 self._unverified = True
             else:
-                check_weights(published.prints, held, g, version)
+                check_weights(published.fingerprints, held, g, version)
         self._held[g] = version
 
     def _refresh(self, i: int, published: Published | None = None) -> None:
@@ -413,7 +412,7 @@ class PipelinedTrainer(DistributedTrainer):
                 b = stages.to_score.get(timeout=POLL_S)
             except queue.Empty:
                 if stages.stop.is_set():
-                    raise _Stopped
+                    raise _StoppedError
                 continue
             self._scoring_clock.start()
             try:
@@ -427,7 +426,7 @@ class PipelinedTrainer(DistributedTrainer):
                     break
                 except queue.Full:
                     if stages.stop.is_set():
-                        raise _Stopped
+                        raise _StoppedError
 
     def evaluate(self) -> dict[str, float]:
         """Held-out evaluation of the current policy, with the stage threads stopped: one owner per
@@ -468,11 +467,7 @@ class PipelinedTrainer(DistributedTrainer):
         generator loads them (and is checked) before its first batch."""
         self.phase = "restore"
         self._stop_stages()
-        version = self.learner.load_checkpoint(str(path)) if path is not None else 0
-        check_pairing(path, version, state)
-        self.iteration_count = state["iteration"]
-        self.kl_ctl.value = float(state["kl_coef"])
-        self.prompts.load_state_dict(state["prompts"])
+        version = self._load_state(path, state)
         self._publish(version)
         self._held = [-1] * len(self.generators)
         carry = carry_from_json(state.get("partial_rows"), len(self.generators)) if self.partial else None
@@ -491,13 +486,3 @@ class PipelinedTrainer(DistributedTrainer):
         # The actors are gone: a stage thread's call fails at once (and is not redone: the
         # supervisor is closed), one waiting for the window sees the stop.
         self._stop_stages(timeout_s=CLOSE_JOIN_S)
-
-
-def trainer_class(cfg: Config) -> type[DistributedTrainer]:
-    """The synchronous trainer (``rollout.max_staleness`` = 0, unchanged), else the pipelined one."""
-    return PipelinedTrainer if cfg.rollout.max_staleness > 0 else DistributedTrainer
-
-
-def distributed_trainer(cfg: Config) -> DistributedTrainer:
-    """A started trainer of ``trainer_class(cfg)``."""
-    return trainer_class(cfg)(cfg)

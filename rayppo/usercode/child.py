@@ -24,11 +24,11 @@ from typing import Any, Callable
 STARTUP_TIMEOUT_S = 120.0  # importing the user's module (and what it imports)
 
 
-class ChildTimeout(TimeoutError):
+class ChildTimeoutError(TimeoutError):
     """One call ran past its deadline; the child was killed."""
 
 
-class ChildExited(RuntimeError):
+class ChildExitedError(RuntimeError):
     """The child process ended (it crashed, or its code called exit) in the middle of a call."""
 
 
@@ -42,8 +42,8 @@ class ChildProcess:
         self._buffer = b""
 
     def call(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send ``message``, return the child's reply within ``timeout_s`` (``ChildTimeout``: the child
-        was killed; ``ChildExited``: it died). The child is started on first use."""
+        """Send ``message``, return the child's reply within ``timeout_s`` (``ChildTimeoutError``: the child
+        was killed; ``ChildExitedError``: it died). The child is started on first use."""
         if self.proc is None:
             self._start()
         assert self.proc is not None and self.proc.stdin is not None
@@ -52,10 +52,10 @@ class ChildProcess:
             self.proc.stdin.flush()
         except BrokenPipeError:
             self._reap()
-            raise ChildExited(f"the {self.module} process had exited") from None
+            raise ChildExitedError(f"the {self.module} process had exited") from None
         try:
             return self._read(timeout_s)
-        except ChildTimeout:
+        except ChildTimeoutError:
             self.close()
             raise
 
@@ -71,7 +71,7 @@ class ChildProcess:
         self._buffer = b""
         try:
             ready = self._read(STARTUP_TIMEOUT_S)
-        except ChildTimeout:
+        except ChildTimeoutError:
             self.close()  # a late "ready" would be read as the next call's answer
             raise
         if "error" in ready:
@@ -85,11 +85,11 @@ class ChildProcess:
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                raise ChildTimeout(f"no answer within {timeout_s:g} s")
+                raise ChildTimeoutError(f"no answer within {timeout_s:g} s")
             chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
             if not chunk:
                 code = self._reap()
-                raise ChildExited(f"the {self.module} process exited with code {code}")
+                raise ChildExitedError(f"the {self.module} process exited with code {code}")
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
