@@ -19,7 +19,8 @@ import torch
 from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
-from rayppo.learner.experience import (Experience, LocalCollective, ProximalPolicy, check_staleness, make_experience,
+from rayppo.learner.collective import LocalCollective
+from rayppo.learner.experience import (Experience, ProximalPolicy, check_staleness, make_experience,
                                        proximal_logprobs)
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner.update import (Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update,
@@ -240,7 +241,7 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     # V-trace's critic targets with GAE's or the Retrace-style advantages (which differ here too).
     assert torch.equal(exp.advantages, vtrace[0] if (value_targets, advantages) == ("vtrace", "retrace") else gae[0])
     assert not torch.allclose(vtrace[0], gae[0])
-    # kl/ref_mean is pi_prox's k1 KL per response; two float64 roundings (x B, / B) in _global_means.
+    # kl/ref_mean is pi_prox's k1 KL per response; two float64 roundings (x B, / B) in experience_stats.global_means.
     kl_prox = ppo.masked_sum_per_row(exp.prox_logprobs - exp.ref_logprobs, mask).mean()
     assert stats["kl/ref_mean"] == pytest.approx(float(kl_prox), rel=2 * 2**-53, abs=0)
     assert stats["offpolicy/is_ratio_max"] == float(torch.exp(log_ratio).max())  # e, on an odd stale token

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rayppo.learner import group_math, ppo
-from rayppo.learner.experience import LocalCollective, batch_group_advantages
+from rayppo.learner.collective import LocalCollective
+from rayppo.learner.experience import batch_group_advantages
 
 EXACT = 1e-12
 """A few float64 operations on O(1) values: rounding is ~1e-16 each."""

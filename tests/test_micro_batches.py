@@ -17,7 +17,8 @@ import torch
 from rayppo.config.schema import PPOConfig
 from rayppo.data.micro_batches import balanced_parts, balanced_shards, padded_tokens, token_batches
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import LocalCollective, make_experience
+from rayppo.learner.collective import LocalCollective
+from rayppo.learner.experience import make_experience
 from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import pack, policy_forward

@@ -17,7 +17,8 @@ from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import LocalCollective, TruncationRule, make_experience
+from rayppo.learner.collective import LocalCollective
+from rayppo.learner.experience import TruncationRule, make_experience
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
 from rayppo.learner.ppo import kl_penalty, truncation_targets
 from rayppo.models.fingerprint import held_prints, probes, sent_prints, split_rows

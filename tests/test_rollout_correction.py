@@ -16,7 +16,7 @@ import torch
 from rayppo.config.derived import rollout_correction
 from rayppo.config.load import load_config
 from rayppo.learner import ppo
-from rayppo.learner.experience import LocalCollective
+from rayppo.learner.collective import LocalCollective
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
 
 BF16_RMS = 0.047

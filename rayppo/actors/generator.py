@@ -10,7 +10,7 @@ what the learner recomputes as log_softmax(logits / temperature):
   New weights are loaded in place: from the object store with ``reload_weights``, or by
   vLLM's weight-transfer engine from a broadcast of learner rank 0 (``weight_receiver.py``).
 - ``hf``: transformers ``generate`` and one forward pass for the log-probs, for models vLLM
-  cannot load, and for the bit-for-bit comparison with the reference trainer.
+  cannot load, and for the bit-for-bit comparison with the in-process trainer (``hf_backend.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
 
 from rayppo.actors.held_weights import worker_held_prints, worker_tied_aliases
+# SamplingSettings and split_response are imported from here by the roles' callers.
+from rayppo.actors.hf_backend import HFBackend, SamplingSettings, split_response, stop_token_ids  # noqa: F401
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
@@ -32,27 +33,14 @@ from rayppo.episodes.environment import EnvironmentPool
 from rayppo.episodes.loop import EpisodeSettings
 from rayppo.episodes.play import play_episodes
 from rayppo.errors import RayppoError
-from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.models.chat_tokens import check_template
-from rayppo.models.fingerprint import held_prints
-from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
-from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights, with_aliases
 
 
 class EmptyResponseError(RayppoError, RuntimeError):
     """A generator produced a response with no tokens; the message names the prompt."""
-
-
-@dataclass
-class SamplingSettings:
-    """How responses are sampled (the rollout section of the config)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    ignore_eos: bool = False
-    """Always generate ``max_new_tokens`` (fixed-length benchmarks)."""
-    # No top-p / top-k: the learner scores log_softmax(logits / T), so that is what is sampled.
 
 
 @dataclass
@@ -78,105 +66,6 @@ class VLLMSettings:
     head_fp32: bool = True
     """The LM head in fp32, as the learner's (``models/head_precision.py``); False only to measure
     what it removes (``benchmarks/real_mismatch.py``)."""
-
-
-def stop_token_ids(tokenizer, model_path: str) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS and the model's ``generation_config``
-    EOS list (what vLLM stops on), so both backends end responses on the same tokens."""
-    ids = {tokenizer.eos_token_id}
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    ids.update([eos] if isinstance(eos, int) else eos or [])
-    return sorted(i for i in ids if i is not None)
-
-
-def split_response(tokens: list[int], eos_ids: list[int], pad_id: int) -> tuple[list[int], str]:
-    """Cut a generated row after its first EOS: ``(response ids with EOS, finish reason)``."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1], "stop"
-    while tokens and tokens[-1] == pad_id and pad_id not in eos_ids:
-        tokens = tokens[:-1]
-    return tokens, "length"
-
-
-class _HFBackend:
-    def __init__(self, model_path: str, dtype: str, tokenizer, eos_ids: list[int], device: torch.device):
-        self.model = load_causal_lm(model_path, dtype).to(device).eval()
-        self.device = device
-        # transformers fills every unset field of a generate() call from the model's own
-        # generation_config (repetition_penalty, no_repeat_ngram_size, suppress_tokens, ...), and
-        # each of those would change what is sampled without changing the recorded log-probs.
-        # A fresh config holds only rayppo's settings.
-        self.model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
-        self.sync_group = None
-
-    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        # Tensors not given keep their values (what the correctness guard's weight check is for).
-        unexpected = self.model.load_state_dict(named, strict=False).unexpected_keys
-        if unexpected:
-            raise KeyError(f"weight sync: the policy has no tensors named {unexpected[:3]}")
-
-    def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
-        self.sync_group = open_sync_group(endpoint, rank_offset)
-
-    def receive(self, specs: list[ParamSpec], fault: SyncFault) -> None:
-        if self.sync_group is None:
-            raise RuntimeError("receive_weights before join_weight_sync: not in a sync group")
-        self.load_weights(dict(fault.apply(receive_stream(self.sync_group, specs, self.model.device))))
-
-    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
-        state = self.model.state_dict()
-        return held_prints({name: state[name] for name in shapes if name in state})
-
-    @staticmethod
-    def sleep() -> bool:
-        return False  # transformers keeps its weights where they are
-
-    @staticmethod
-    def wake_up(tags: list[str]) -> bool:
-        return False
-
-    @torch.no_grad()
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None = None):
-        # The in-process trainer samples from the module it trains: eval mode here keeps the KV
-        # cache on (transformers turns it off under gradient checkpointing in train mode).
-        training = self.model.training
-        self.model.eval()
-        try:
-            return self._sample(prompt_ids, s, seed, limits)
-        finally:
-            self.model.train(training)
-
-    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None):
-        tok = self.tokenizer
-        limits = limits or [s.max_new_tokens] * len(prompt_ids)
-        longest = max(limits, default=s.max_new_tokens)
-        batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id).to(self.device)
-        width = batch.prompt_width
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=batch.input_ids[:, :width],
-            attention_mask=batch.attention_mask[:, :width],
-            # temperature 0: greedy decoding (evaluation); its log-probs below are at T = 1.
-            do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=1.0, top_k=0,
-            max_new_tokens=longest, min_new_tokens=longest if s.ignore_eos else 0,
-            eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
-        )
-        eos_ids = [] if s.ignore_eos else self.eos_ids
-        # One generate() for the batch, each row then cut at its own limit: the tokens a row would
-        # have sampled past it are dropped, which changes nothing before the cut.
-        rows = [split_response(row[:limit].tolist(), eos_ids, tok.pad_token_id)
-                for row, limit in zip(out[:, width:], limits)]
-        response_ids = [ids for ids, _ in rows]
-        nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
-        logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
-                                     s.temperature or 1.0)
-        return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]
 
 
 class _VLLMBackend:
@@ -378,7 +267,7 @@ class GeneratorEngine(Engine):
         if backend == "vllm":
             self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
-            self.backend = _HFBackend(model_path, dtype, self.tokenizer, eos_ids, self.device)
+            self.backend = HFBackend(model_path, dtype, self.tokenizer, eos_ids, self.device)
         else:
             raise ValueError(f"generators.backend must be 'vllm' or 'hf', got {backend!r}")
 

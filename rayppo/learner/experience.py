@@ -1,7 +1,8 @@
 """The learner's half of an iteration, first part: a scored rollout -> the tensors PPO needs.
 
 ``make_experience`` computes values, shaped rewards, advantages and returns, and whitens the
-advantages over the global batch, calling only the functions of ``rayppo.learner.ppo``; the PPO
+advantages over the global batch, calling only the functions of ``rayppo.learner.ppo`` and
+``group_math``; the PPO
 epochs that follow are ``rayppo.learner.update``.
 
 Asynchronous mode (``rollout.max_staleness`` = k > 0, docs/async.md, "Off-policy corrections"): rows
@@ -11,8 +12,9 @@ the reward's KL term with it, and computes V-trace targets; the update uses the 
 policy loss and measures ``logprob_mismatch`` only on the rows sampled by the learner's version.
 With k = 0 both run exactly the synchronous iteration.
 
-The in-process reference trainer and the distributed learner ranks share this module. A rank
-holds a contiguous shard of the rollout's rows; a ``Collective`` sums across ranks, so that
+The learn step (``step.py``) calls it in the in-process trainer and on every learner rank; the
+rollout becomes tensors once, at its top (``rollout_tensors.py``). A rank holds a shard of the
+rollout's rows; a ``Collective`` sums across ranks, so that
 advantage whitening uses the global batch and each minibatch's loss is the global token mean:
 with N ranks the update is the one a single process would make.
 """
@@ -22,39 +24,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from rayppo.config.derived import truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
-from rayppo.data.rollout import Rollout, padded
+from rayppo.data.rollout import Rollout
 from rayppo.learner import group_math, ppo
+from rayppo.learner.collective import Collective, LocalCollective
+from rayppo.learner.experience_stats import kl_stats, offpolicy_stats, value_stats
 from rayppo.models.packing import cut_layout
-from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
-
-
-class Collective(Protocol):
-    """Reductions over the learner ranks."""
-
-    world_size: int
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def max(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class LocalCollective:
-    """One process: every reduction is the identity."""
-
-    world_size = 1
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def max(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+from rayppo.learner.rollout_tensors import RolloutTensors
+from rayppo.models.sequences import PackedBatch, critic_forward, policy_forward
 
 
 @dataclass(frozen=True)
@@ -155,13 +137,6 @@ TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advant
 """The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
 
 
-def _global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
-    """Weighted means over ranks of per-rank scalars (weight = this rank's rows or tokens)."""
-    stacked = torch.stack([v.detach().double().cpu() * weight for v in values.values()] + [torch.tensor(weight, dtype=torch.float64)])
-    summed = collective.sum(stacked)
-    return {k: float(summed[i] / summed[-1]) for i, k in enumerate(values)}
-
-
 def check_staleness(versions: Sequence[int], learner_version: int, max_staleness: int) -> None:
     """Refuse rows the learner must not train on: ``RuntimeError`` naming their policy versions.
 
@@ -254,7 +229,7 @@ def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int,
 
 
 def _asynchronous_inputs(
-    rollout: Rollout, batch: PackedBatch, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
+    rows: RolloutTensors, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
     budget: int, collective: Collective, correction: str = "none",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0) and under
@@ -262,16 +237,15 @@ def _asynchronous_inputs(
     generator's numerics); ``(None, None)`` in the synchronous iteration without it."""
     if max_staleness == 0 and correction == "none":
         return None, None
+    batch = rows.batch
     if proximal is None:
         raise ValueError("asynchronous mode and rollout correction need the proximal policy pi_prox")
     if max_staleness == 0:
         return proximal_logprobs(proximal, batch, chunks, budget, collective), batch.mask.bool()
-    if len(rollout.policy_version) != len(rollout):
-        raise ValueError(f"asynchronous mode needs every row's policy_version: {len(rollout.policy_version)} "
-                         f"versions for {len(rollout)} rows")
+    if rows.versions is None:
+        raise ValueError(f"asynchronous mode needs every row's policy_version ({len(rows)} rows)")
     # Per token: a partial rollout's row holds tokens of several versions (Rollout.token_versions).
-    versions = padded(rollout.versions(), torch.long, value=-1).to(batch.mask.device)
-    same_version = (versions == proximal.version) & batch.mask.bool()
+    same_version = (rows.versions == proximal.version) & batch.mask.bool()
     return proximal_logprobs(proximal, batch, chunks, budget, collective), same_version
 
 
@@ -404,61 +378,55 @@ def make_experience(
     without padding (``PackedBatch.pack_mode``; ``learner.packing``).
     A rollout without ``ref_logprobs`` (kl_coef = 0: no reference was loaded) has no KL anywhere.
     """
-    batch = dataclasses.replace(pack(rollout.prompt_ids, rollout.response_ids, pad_id, rollout.action_mask),
-                                pack_mode=pack_mode).to(device)
-    mask = batch.mask
-    old_logprobs = rollout.tensor("logprobs").to(device)
-    prox_logprobs, same_version = _asynchronous_inputs(rollout, batch, cfg.minibatches, max_staleness, proximal,
+    rows = RolloutTensors.of(rollout, pad_id, device, pack_mode)  # the only conversion of the rollout
+    batch, mask, old_logprobs = rows.batch, rows.batch.mask, rows.old_logprobs
+    prox_logprobs, same_version = _asynchronous_inputs(rows, cfg.minibatches, max_staleness, proximal,
                                                        micro_batch_tokens, collective, correction)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
-    has_reference = bool(rollout.ref_logprobs)
-    ref_logprobs = rollout.tensor("ref_logprobs").to(device) if has_reference else policy_logprobs
+    has_reference = rows.ref_logprobs is not None
+    ref_logprobs = rows.ref_logprobs if has_reference else policy_logprobs
     values, last_values, first_values = _critic_values(critic, batch, first_rows, micro_batch_tokens, collective)
-    scores = torch.tensor(rollout.score, dtype=torch.float32, device=device)
     reward_kl_coef = kl_coef if cfg.kl_mode == "reward" else 0.0
-    rewards, bootstrap = _shaped_rewards(rollout, scores, last_values, policy_logprobs, ref_logprobs, batch,
-                                         reward_kl_coef, cfg.kl_estimator, truncation)
+    rewards, bootstrap = _shaped_rewards(rows, last_values, policy_logprobs, ref_logprobs, reward_kl_coef,
+                                         cfg.kl_estimator, truncation)
     # The KL part of r_t alone (-beta KL_t): the group estimators keep it out of their statistics.
-    kl_rewards = ppo.shape_rewards(torch.zeros_like(scores), policy_logprobs, ref_logprobs, mask, reward_kl_coef,
+    kl_rewards = ppo.shape_rewards(torch.zeros_like(rows.scores), policy_logprobs, ref_logprobs, mask, reward_kl_coef,
                                    cfg.kl_estimator)
     log_ratio = None if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
-    group_ids = torch.tensor(rollout.group_id, dtype=torch.long, device=device) if rollout.group_id else None
-    advantages, returns = _episode_advantages(rewards, kl_rewards, values, mask, bootstrap, cfg, log_ratio, group_ids,
-                                              num_groups or len(rollout), collective, bool(rollout.action_mask))
-    stats = _experience_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
+    advantages, returns = _episode_advantages(rewards, kl_rewards, values, mask, bootstrap, cfg, log_ratio,
+                                              rows.group_ids, num_groups or len(rows), collective, rows.episodes)
+    stats = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
     if critic is not None:
-        stats |= _value_stats(values, returns, mask, collective)
+        stats |= value_stats(values, returns, mask, collective)
     row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if correction == "tis+geo_mask" else None
     if log_ratio is not None:
-        stats |= _offpolicy_stats(log_ratio, mask, collective, row_keep)
-    generator_ids = torch.tensor(rollout.generator_id or [0] * len(rollout), dtype=torch.long)
+        stats |= offpolicy_stats(log_ratio, mask, collective, row_keep)
     loss_kl_coef = kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0
-    exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, scores, generator_ids,
-                     prox_logprobs, same_version, first_values, loss_kl_coef, row_keep)
+    exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, rows.scores,
+                     rows.generator_ids, prox_logprobs, same_version, first_values, loss_kl_coef, row_keep)
     return exp, stats
 
 
 def _shaped_rewards(
-    rollout: Rollout, scores: torch.Tensor, last_values: torch.Tensor, policy_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor, batch: PackedBatch, kl_coef: float, kl_estimator: str, rule: TruncationRule,
+    rows: RolloutTensors, last_values: torch.Tensor, policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+    kl_coef: float, kl_estimator: str, rule: TruncationRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [B, T], bootstrap [B])``: the shaped reward (docs/algorithm.md) of each row after the length
     rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t on every action token;
     an episode's turn rewards on each turn's last action token (earned, so kept whatever the
     truncation rule does with the final score)."""
-    mask = batch.mask
+    mask = rows.batch.mask
     # The overlong ramp counts the policy's own tokens (an episode's actions): a long tool output is
     # not the policy's length (single-turn rows: every response token is an action).
-    lengths = batch.mask.sum(-1)
-    scores = scores + group_math.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
+    lengths = mask.sum(-1)
+    scores = rows.scores + group_math.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
     # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
-    returned, bootstrap = ppo.truncation_targets(scores, last_values, rollout.truncated().to(mask.device), rule.mode,
+    returned, bootstrap = ppo.truncation_targets(scores, last_values, rows.truncated, rule.mode,
                                                  rule.missing_eos_penalty)
     rewards = ppo.shape_rewards(returned, policy_logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
-    if rollout.turn_rewards:
-        ends = padded(rollout.turn_ends, torch.long, value=-1).to(mask.device)
-        rewards = ppo.add_turn_rewards(rewards, ends, padded(rollout.turn_rewards, torch.float32).to(mask.device))
+    if rows.turn_rewards is not None:
+        rewards = ppo.add_turn_rewards(rewards, rows.turn_ends, rows.turn_rewards)
     return rewards, bootstrap
 
 
@@ -478,43 +446,3 @@ def _episode_advantages(
     advantages, returns = _advantages(*compact, ppo.gathered_mask(mask), bootstrap, cfg, ratio, group_ids, num_groups,
                                       collective)
     return ppo.scatter_actions(advantages, mask), ppo.scatter_actions(returns, mask)
-
-
-def _experience_stats(
-    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_estimator: str,
-    collective: Collective,
-) -> dict[str, float]:
-    """KL to the reference over the global batch (all [B, T] inputs)."""
-    # kl/ref_mean is always the k1 estimate (docs/algorithm.md's KL_t, summed per response): its mean is the
-    # sequence KL whatever estimator shapes the reward; kl/penalty_mean is the configured one.
-    kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k1"), mask)
-    penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, kl_estimator), mask)
-    return _global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
-                         mask.shape[0], collective)
-
-
-def _value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                 collective: Collective) -> dict[str, float]:
-    """The critic's figures over the global batch: explained variance, mean value and return."""
-    # Over the global batch: the ranks' moments add (their explained variances would not).
-    stats = {"value/explained_variance": float(ppo.explained_variance_from_moments(
-        collective.sum(ppo.masked_moments(returns, mask)), collective.sum(ppo.masked_moments(returns - values, mask))))}
-    return stats | _global_means({"value/mean": ppo.masked_mean(values, mask),
-                                  "returns/mean": ppo.masked_mean(returns, mask)}, float(mask.sum()), collective)
-
-
-def _offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Collective,
-                     row_keep: torch.Tensor | None = None) -> dict[str, float]:
-    """``offpolicy/is_ratio_mean|max``: pi_prox / mu per valid token of the global batch, before
-    any truncation (1 on rows of the learner's version in fp32; how far the stale rows, or the
-    generator's numerics, have drifted); with a geometric-mean mask, ``correction/masked_rows``:
-    the share of rows it dropped."""
-    ratio = torch.exp(log_ratio) * mask
-    means = {"offpolicy/is_ratio_mean": ppo.masked_mean(ratio, mask)}
-    stats = _global_means(means, float(mask.sum()), collective)
-    # Ratios are > 0 and padding is 0, so the plain max is the max over valid tokens.
-    stats["offpolicy/is_ratio_max"] = float(collective.max(ratio.max().double()))
-    if row_keep is not None:
-        stats |= _global_means({"correction/masked_rows": 1.0 - row_keep.double().mean()}, float(len(row_keep)),
-                               collective)
-    return stats

@@ -21,7 +21,8 @@ import torch
 from rayppo.config.derived import rollout_correction
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import Collective, Experience, ProximalPolicy, TruncationRule, make_experience
+from rayppo.learner.collective import Collective
+from rayppo.learner.experience import Experience, ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.packing import cut_layout

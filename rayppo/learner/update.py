@@ -20,7 +20,8 @@ import torch
 from rayppo.config.schema import PPOConfig
 from rayppo.data.micro_batches import token_batches
 from rayppo.learner import ppo
-from rayppo.learner.experience import Collective, Experience, LocalCollective
+from rayppo.learner.collective import Collective, LocalCollective
+from rayppo.learner.experience import Experience
 from rayppo.learner.guard import MismatchGuard
 from rayppo.models.packing import cut_layout
 from rayppo.models.sequences import critic_forward, policy_forward

@@ -30,7 +30,7 @@ from rayppo.config.derived import has_critic, has_reward, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
-from rayppo.learner.experience import LocalCollective
+from rayppo.learner.collective import LocalCollective
 from rayppo.learner.step import LearnerModels, LearnSettings, learn
 from rayppo.learner.update import Steps
 from rayppo.learner.full_weights import full_tensors

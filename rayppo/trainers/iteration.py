@@ -3,7 +3,7 @@ of iterations and generators, and the rollout figures of the metrics line."""
 
 from __future__ import annotations
 
-from rayppo.actors.generator import SamplingSettings
+from rayppo.actors.hf_backend import SamplingSettings
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly

@@ -1,0 +1,133 @@
+"""The generator's transformers backend, and what both backends share.
+
+``HFBackend`` samples with transformers' ``generate`` and scores the sampled tokens with one
+forward pass (``models.sequences.policy_forward``), for models vLLM cannot load and for the
+bit-for-bit comparison with the in-process trainer. ``SamplingSettings``, ``stop_token_ids`` and
+``split_response`` are the vLLM backend's too (``generator.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.models.fingerprint import held_prints
+from rayppo.models.loading import load_causal_lm
+from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.weights import SyncFault
+
+
+@dataclass
+class SamplingSettings:
+    """How responses are sampled (the rollout section of the config)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    ignore_eos: bool = False
+    """Always generate ``max_new_tokens`` (fixed-length benchmarks)."""
+    # No top-p / top-k: the learner scores log_softmax(logits / T), so that is what is sampled.
+
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the model's ``generation_config``
+    EOS list (what vLLM stops on), so both backends end responses on the same tokens."""
+    ids = {tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(i for i in ids if i is not None)
+
+
+def split_response(tokens: list[int], eos_ids: list[int], pad_id: int) -> tuple[list[int], str]:
+    """Cut a generated row after its first EOS: ``(response ids with EOS, finish reason)``."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1], "stop"
+    while tokens and tokens[-1] == pad_id and pad_id not in eos_ids:
+        tokens = tokens[:-1]
+    return tokens, "length"
+
+
+class HFBackend:
+    """transformers' ``generate`` and one forward pass for the log-probs (module docstring)."""
+
+    def __init__(self, model_path: str, dtype: str, tokenizer, eos_ids: list[int], device: torch.device):
+        self.model = load_causal_lm(model_path, dtype).to(device).eval()
+        self.device = device
+        # transformers fills every unset field of a generate() call from the model's own
+        # generation_config (repetition_penalty, no_repeat_ngram_size, suppress_tokens, ...), and
+        # each of those would change what is sampled without changing the recorded log-probs.
+        # A fresh config holds only rayppo's settings.
+        self.model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.sync_group = None
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        # Tensors not given keep their values (what the correctness guard's weight check is for).
+        unexpected = self.model.load_state_dict(named, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"weight sync: the policy has no tensors named {unexpected[:3]}")
+
+    def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
+        self.sync_group = open_sync_group(endpoint, rank_offset)
+
+    def receive(self, specs: list[ParamSpec], fault: SyncFault) -> None:
+        if self.sync_group is None:
+            raise RuntimeError("receive_weights before join_weight_sync: not in a sync group")
+        self.load_weights(dict(fault.apply(receive_stream(self.sync_group, specs, self.model.device))))
+
+    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+        state = self.model.state_dict()
+        return held_prints({name: state[name] for name in shapes if name in state})
+
+    @staticmethod
+    def sleep() -> bool:
+        return False  # transformers keeps its weights where they are
+
+    @staticmethod
+    def wake_up(tags: list[str]) -> bool:
+        return False
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None = None):
+        # The in-process trainer samples from the module it trains: eval mode here keeps the KV
+        # cache on (transformers turns it off under gradient checkpointing in train mode).
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self._sample(prompt_ids, s, seed, limits)
+        finally:
+            self.model.train(training)
+
+    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None):
+        tok = self.tokenizer
+        limits = limits or [s.max_new_tokens] * len(prompt_ids)
+        longest = max(limits, default=s.max_new_tokens)
+        batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id).to(self.device)
+        width = batch.prompt_width
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=batch.input_ids[:, :width],
+            attention_mask=batch.attention_mask[:, :width],
+            # temperature 0: greedy decoding (evaluation); its log-probs below are at T = 1.
+            do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=1.0, top_k=0,
+            max_new_tokens=longest, min_new_tokens=longest if s.ignore_eos else 0,
+            eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
+        )
+        eos_ids = [] if s.ignore_eos else self.eos_ids
+        # One generate() for the batch, each row then cut at its own limit: the tokens a row would
+        # have sampled past it are dropped, which changes nothing before the cut.
+        rows = [split_response(row[:limit].tolist(), eos_ids, tok.pad_token_id)
+                for row, limit in zip(out[:, width:], limits)]
+        response_ids = [ids for ids, _ in rows]
+        nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
+        logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
+                                     s.temperature or 1.0)
+        return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]

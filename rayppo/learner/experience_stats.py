@@ -1,0 +1,57 @@
+"""The figures ``make_experience`` reports, over the global batch: the KL to the reference, the
+critic's fit, the off-policy ratios. Each rank's sums and counts are all-reduced, so N ranks
+report what one process would."""
+
+from __future__ import annotations
+
+import torch
+
+from rayppo.learner import ppo
+from rayppo.learner.collective import Collective
+
+
+def global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
+    """Weighted means over ranks of per-rank scalars (weight = this rank's rows or tokens)."""
+    stacked = torch.stack([v.detach().double().cpu() * weight for v in values.values()] + [torch.tensor(weight, dtype=torch.float64)])
+    summed = collective.sum(stacked)
+    return {k: float(summed[i] / summed[-1]) for i, k in enumerate(values)}
+
+
+def kl_stats(
+    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_estimator: str,
+    collective: Collective,
+) -> dict[str, float]:
+    """KL to the reference over the global batch (all [B, T] inputs)."""
+    # kl/ref_mean is always the k1 estimate (docs/algorithm.md's KL_t, summed per response): its mean is the
+    # sequence KL whatever estimator shapes the reward; kl/penalty_mean is the configured one.
+    kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k1"), mask)
+    penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, kl_estimator), mask)
+    return global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
+                         mask.shape[0], collective)
+
+
+def value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                 collective: Collective) -> dict[str, float]:
+    """The critic's figures over the global batch: explained variance, mean value and return."""
+    # Over the global batch: the ranks' moments add (their explained variances would not).
+    stats = {"value/explained_variance": float(ppo.explained_variance_from_moments(
+        collective.sum(ppo.masked_moments(returns, mask)), collective.sum(ppo.masked_moments(returns - values, mask))))}
+    return stats | global_means({"value/mean": ppo.masked_mean(values, mask),
+                                  "returns/mean": ppo.masked_mean(returns, mask)}, float(mask.sum()), collective)
+
+
+def offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Collective,
+                     row_keep: torch.Tensor | None = None) -> dict[str, float]:
+    """``offpolicy/is_ratio_mean|max``: pi_prox / mu per valid token of the global batch, before
+    any truncation (1 on rows of the learner's version in fp32; how far the stale rows, or the
+    generator's numerics, have drifted); with a geometric-mean mask, ``correction/masked_rows``:
+    the share of rows it dropped."""
+    ratio = torch.exp(log_ratio) * mask
+    means = {"offpolicy/is_ratio_mean": ppo.masked_mean(ratio, mask)}
+    stats = global_means(means, float(mask.sum()), collective)
+    # Ratios are > 0 and padding is 0, so the plain max is the max over valid tokens.
+    stats["offpolicy/is_ratio_max"] = float(collective.max(ratio.max().double()))
+    if row_keep is not None:
+        stats |= global_means({"correction/masked_rows": 1.0 - row_keep.double().mean()}, float(len(row_keep)),
+                               collective)
+    return stats
