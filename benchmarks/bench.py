@@ -233,8 +233,8 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     from rayppo.actors.reward import RewardEngine
     from rayppo.cluster.learner_group import LearnerGroup
     from rayppo.data.prompts import PromptBatch
-    from rayppo.trainers.distributed import vllm_settings
-    from rayppo.trainers.iteration import sampling_settings
+    from rayppo.cluster.roles import vllm_settings
+    from rayppo.actors.settings import sampling_settings
 
     g, m, lr = cfg.generators, cfg.model, cfg.learner
     threads = {"gen": g.num * actor_threads(g.threads, g.cpus_per_worker),

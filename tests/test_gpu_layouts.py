@@ -246,8 +246,8 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
     from rayppo.cluster.placement import release, reserve
     from rayppo.cluster.session import ACTOR_ENV
     from rayppo.data.prompts import PromptBatch
-    from rayppo.trainers.distributed import vllm_settings
-    from rayppo.trainers.iteration import sampling_settings
+    from rayppo.cluster.roles import vllm_settings
+    from rayppo.actors.settings import sampling_settings
 
     texts = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 4
     prompts = PromptBatch(texts, [tokenizer(t)["input_ids"] for t in texts])

@@ -12,7 +12,7 @@ from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.config.load import load_config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.models.weights import pack_weights, unpack_weights
-from rayppo.trainers.iteration import sampling_settings
+from rayppo.actors.settings import sampling_settings
 
 
 def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):

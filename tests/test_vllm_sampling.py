@@ -9,7 +9,7 @@ import pytest
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.data.prompts import PromptBatch
 from rayppo.models.sequences import pack
-from rayppo.trainers.iteration import generator_seed
+from rayppo.actors.settings import generator_seed
 
 pytestmark = pytest.mark.slow
 

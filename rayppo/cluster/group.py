@@ -2,7 +2,7 @@
 
 Calls fan out by method *reference*, never by name string typed at a call site:
 
-    group = ActorGroup(GeneratorEngine, [args_0, args_1], options)
+    group = ActorGroup(GeneratorEngine, [kwargs_0, kwargs_1], options)     # or tuples of positional arguments
     rollouts = group.get(group.call(GeneratorEngine.generate, [(prompts_0, seed), (prompts_1, seed)]))
 
 ``local=True`` builds the engines here with no Ray at all (tests, debugging); the same calls work.
@@ -22,14 +22,15 @@ R = TypeVar("R")
 
 
 class ActorGroup(Generic[E]):
-    """``len(args)`` instances of ``cls``; ``options[i]`` are the Ray actor options of actor i."""
+    """``len(args)`` instances of ``cls``, actor i built from ``args[i]`` (keyword arguments, or a
+    tuple of positional ones); ``options[i]`` are the Ray actor options of actor i."""
 
-    def __init__(self, cls: type[E], args: Sequence[tuple], options: Sequence[dict[str, Any]] | None = None,
+    def __init__(self, cls: type[E], args: Sequence[dict[str, Any] | tuple], options: Sequence[dict[str, Any]] | None = None,
                  local: bool = False, one_by_one: Callable[..., Any] | None = None):
         """``one_by_one=Engine.ready``: start each actor only once the previous one answers it."""
         self.local = local
         if local:
-            self.actors: list[Any] = [cls(*a) for a in args]
+            self.actors: list[Any] = [cls(**a) if isinstance(a, dict) else cls(*a) for a in args]
             return
         self._remote, self._args = ray.remote(cls), list(args)
         self._options = [options[i] if options else {} for i in range(len(args))]
@@ -40,7 +41,8 @@ class ActorGroup(Generic[E]):
                 get(getattr(self.actors[-1], one_by_one.__name__).remote())
 
     def _start(self, i: int) -> Any:
-        return self._remote.options(**self._options[i]).remote(*self._args[i])
+        args, actor = self._args[i], self._remote.options(**self._options[i])
+        return actor.remote(**args) if isinstance(args, dict) else actor.remote(*args)
 
     def restart(self, i: int) -> None:
         """Replace actor ``i`` (dead or hung) by a new one built with the same arguments and options."""

@@ -2,8 +2,9 @@
 
 One row per response. The generator fills the ids, the old log-probs, the finish reason and the
 policy version, and copies the prompt row (its conversation and other columns, as JSON text) for
-the reward; the reference scorer adds ``ref_logprobs``; the reward scorer adds ``score``.
-Learner-side tensors (values, advantages, returns) never leave the learner.
+the reward; the scorers add ``ref_logprobs`` and ``score`` (``Rollout.scored``). The learner's
+tensors never leave it (``learner/rollout_tensors.py``), except the advantages and returns it
+trained on when ``output.save_rollouts`` asks for them.
 """
 
 from __future__ import annotations
@@ -18,92 +19,95 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-ROLLOUT_SCHEMA = pa.schema(
-    [
-        pa.field("prompt_ids", pa.list_(pa.int32())),  # x, tokenised
-        pa.field("response_ids", pa.list_(pa.int32())),  # y_1..y_T (EOS included when emitted)
-        pa.field("logprobs", pa.list_(pa.float32())),  # log pi_old(y_t | S_{t-1}), from the sampler
-        pa.field("ref_logprobs", pa.list_(pa.float32())),  # log pi_ref(y_t | S_{t-1})
-        pa.field("score", pa.float32()),  # r_phi(x, y)
-        pa.field("finish_reason", pa.string()),  # "stop" (EOS) or "length" (truncated)
-        pa.field("policy_version", pa.int64()),  # version of the weights that sampled y (its first token)
-        pa.field("token_versions", pa.list_(pa.int64())),  # version that sampled each y_t (partial rollouts)
-        pa.field("generator_id", pa.int32()),  # which generator produced the row
-        pa.field("group_id", pa.int32()),  # the prompt draw of the batch the row answers (its group)
-        pa.field("prompt_text", pa.string()),
-        pa.field("response_text", pa.string()),
-        pa.field("prompt_messages", pa.string()),  # the chat conversation x was rendered from, JSON; "" if plain
-        pa.field("prompt_fields", pa.string()),  # the prompt row's other columns, a JSON object ("{}": none)
-        pa.field("advantages", pa.list_(pa.float32())),  # A_t the learner trained on (output.save_rollouts)
-        pa.field("returns", pa.list_(pa.float32())),  # value targets, with a critic (output.save_rollouts)
-        pa.field("action_mask", pa.list_(pa.int8())),  # 1 on sampled tokens, 0 on environment tokens (multi-turn)
-        pa.field("turn_ends", pa.list_(pa.int32())),  # index of each turn's last action token (multi-turn)
-        pa.field("turn_rewards", pa.list_(pa.float32())),  # the environment's reward for each turn (multi-turn)
-        pa.field("environment_seconds", pa.float32()),  # seconds the episode's environment steps took (multi-turn)
-    ]
-)
+def _column(arrow: pa.DataType, default: bool = True) -> Any:
+    """A field of ``Rollout`` and its Arrow type (the schema is read off the fields)."""
+    if default:
+        return field(default_factory=list, metadata={"arrow": arrow})
+    return field(metadata={"arrow": arrow})
+
+
+INT32S, INT64S, FLOAT32S = pa.list_(pa.int32()), pa.list_(pa.int64()), pa.list_(pa.float32())
 
 
 @dataclass
 class Rollout:
-    """A batch of B responses, column by column (the fields match ``ROLLOUT_SCHEMA``)."""
+    """A batch of B responses, column by column; each column is described once, here, and its
+    Arrow type is the ``ROLLOUT_SCHEMA`` the batch crosses processes and is saved with.
 
-    prompt_ids: list[list[int]]
-    """[B][P_b] prompt token ids (unpadded)."""
-    response_ids: list[list[int]]
-    """[B][T_b] response token ids, EOS included when the response stopped."""
-    logprobs: list[list[float]]
-    """[B][T_b] old log-probs log pi_old(y_t | S_{t-1}) under the sampling distribution."""
-    finish_reason: list[str]
+    A column that is not filled is empty (``[]``, null in Arrow): one its writer has not run for
+    yet (the scorers' before scoring), or one that does not apply (no groups, single-turn rows)."""
+
+    # -- written by the generator ------------------------------------------------------------
+    prompt_ids: list[list[int]] = _column(INT32S, default=False)
+    """[B][P_b] x, the prompt's token ids (unpadded)."""
+    response_ids: list[list[int]] = _column(INT32S, default=False)
+    """[B][T_b] y_1..y_T, the response's token ids, EOS included when the response stopped."""
+    logprobs: list[list[float]] = _column(FLOAT32S, default=False)
+    """[B][T_b] log pi_old(y_t | S_{t-1}) under the sampling distribution (the sampler's)."""
+    finish_reason: list[str] = _column(pa.string(), default=False)
     """[B] ``stop`` (EOS emitted: true termination) or ``length`` (cut: truncation)."""
-    prompt_text: list[str]
+    prompt_text: list[str] = _column(pa.string(), default=False)
     """[B] prompt text, for reward functions and logs."""
-    response_text: list[str]
+    response_text: list[str] = _column(pa.string(), default=False)
     """[B] response text without special tokens."""
-    policy_version: list[int] = field(default_factory=list)
+    policy_version: list[int] = _column(pa.int64())
     """[B] version of the policy weights that generated the row; of its first (oldest) token when
     the row was continued across generator calls (``token_versions``)."""
-    generator_id: list[int] = field(default_factory=list)
-    """[B] index of the generator that produced the row."""
-    group_id: list[int] = field(default_factory=list)
-    """[B] g: which of the batch's prompt draws the row answers; the n rows of one draw
-    (``rollout.samples_per_prompt``) are a group, even when two draws have the same text. Every
-    group statistic keys on it, never on a row's position or its prompt."""
-    ref_logprobs: list[list[float]] = field(default_factory=list)
-    """[B][T_b] log pi_ref(y_t | S_{t-1}); empty until the reference pass."""
-    score: list[float] = field(default_factory=list)
-    """[B] r_phi(x, y); empty until the reward pass."""
-    prompt_messages: list[str] = field(default_factory=list)
-    """[B] the chat conversation (a JSON list of ``{role, content}``) the prompt text was rendered
-    from, ``""`` for a plain-text prompt; empty: every prompt is plain."""
-    prompt_fields: list[str] = field(default_factory=list)
-    """[B] the prompt row's other columns (e.g. ``answer``) as a JSON object text, ``"{}"`` when
-    none; empty: no row has any. Read by the reward."""
-    advantages: list[list[float]] = field(default_factory=list)
-    """[B][T_b] A_t the learner trained on (after whitening; a group estimator's A_i on every token);
-    filled after the update when ``output.save_rollouts`` is on, so users can check the estimator."""
-    returns: list[list[float]] = field(default_factory=list)
-    """[B][T_b] the critic's value targets (``ppo.advantage=gae`` only; else empty), as ``advantages``."""
-    token_versions: list[list[int]] = field(default_factory=list)
+    token_versions: list[list[int]] = _column(INT64S)
     """[B][T_b] the version that sampled each token. Filled only with partial rollouts
     (``rollout.partial_tokens``), where a response continued by a later call holds tokens of several
     versions; empty: every token has its row's ``policy_version``."""
-    action_mask: list[list[int]] = field(default_factory=list)
+    generator_id: list[int] = _column(pa.int32())
+    """[B] index of the generator that produced the row."""
+    group_id: list[int] = _column(pa.int32())
+    """[B] g: which of the batch's prompt draws the row answers; the n rows of one draw
+    (``rollout.samples_per_prompt``) are a group, even when two draws have the same text. Every
+    group statistic keys on it, never on a row's position or its prompt."""
+    prompt_messages: list[str] = _column(pa.string())
+    """[B] the chat conversation (a JSON list of ``{role, content}``) the prompt text was rendered
+    from, ``""`` for a plain-text prompt; empty: every prompt is plain."""
+    prompt_fields: list[str] = _column(pa.string())
+    """[B] the prompt row's other columns (e.g. ``answer``) as a JSON object text, ``"{}"`` when
+    none; empty: no row has any. Read by the reward."""
+    action_mask: list[list[int]] = _column(pa.list_(pa.int8()))
     """[B][T_b] multi-turn episodes (``rollout.environment``): 1 on the tokens the policy sampled
     (actions), 0 on the tokens an observation added through the chat template. The response is
     the whole episode after the prompt; ``logprobs`` are 0 on environment tokens. Empty: every
     response token is an action (single-turn)."""
-    turn_ends: list[list[int]] = field(default_factory=list)
+    turn_ends: list[list[int]] = _column(INT32S)
     """[B][K_b] multi-turn: the response index of each of the episode's K_b turns' last action
     token, in order; the last one is the episode's last token."""
-    turn_rewards: list[list[float]] = field(default_factory=list)
+    turn_rewards: list[list[float]] = _column(FLOAT32S)
     """[B][K_b] multi-turn: the environment's reward for each turn, placed on that turn's last
     action token (``score`` adds the reward function's r_phi on the episode's last)."""
-    environment_seconds: list[float] = field(default_factory=list)
+    environment_seconds: list[float] = _column(pa.float32())
     """[B] multi-turn: seconds the episode's environment steps took, in its processes."""
+
+    # -- written by the scorers --------------------------------------------------------------
+    ref_logprobs: list[list[float]] = _column(FLOAT32S)
+    """[B][T_b] log pi_ref(y_t | S_{t-1}), the reference scorer's; empty before it, and at
+    ``ppo.kl_coef`` = 0 (no reference runs)."""
+    score: list[float] = _column(pa.float32())
+    """[B] r_phi(x, y), the reward scorer's; empty before it."""
+
+    # -- written by the learner (``output.save_rollouts``) -------------------------------------
+    advantages: list[list[float]] = _column(FLOAT32S)
+    """[B][T_b] A_t the learner trained on (after whitening; a group estimator's A_i on every token),
+    so users can check the estimator."""
+    returns: list[list[float]] = _column(FLOAT32S)
+    """[B][T_b] the critic's value targets (``ppo.advantage=gae`` only; else empty), as ``advantages``."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None) -> "Rollout":
+        """A new record with the scorers' columns filled (this one is left as it is)."""
+        return dataclasses.replace(self, score=list(score),
+                                   ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs))
+
+    def trained(self, advantages: list[list[float]], returns: list[list[float]]) -> "Rollout":
+        """A new record with the learner's columns filled (``output.save_rollouts``)."""
+        return dataclasses.replace(self, advantages=list(advantages), returns=list(returns))
 
     def __reduce__(self):
         # Crossing a process boundary (Ray's object store) the rollout travels as an Arrow table.
@@ -205,6 +209,10 @@ class Rollout:
         """Write the rollout (for audit and replay)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(self.to_arrow(), str(path))
+
+
+ROLLOUT_SCHEMA = pa.schema([pa.field(f.name, f.metadata["arrow"]) for f in dataclasses.fields(Rollout)])
+"""The Arrow schema of a rollout: one column per ``Rollout`` field, in the fields' order."""
 
 
 def _neutral(part: Rollout, name: str) -> list:

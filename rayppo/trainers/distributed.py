@@ -21,33 +21,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from rayppo.actors.generator import GeneratorEngine, VLLMSettings
+from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
-from rayppo.actors.reward import RewardEngine, endpoint_from
+from rayppo.actors.reward import RewardEngine
 from rayppo.cluster.colocation import DeviceSchedule
-from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
-from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve, role_specs
-from rayppo.cluster.session import ACTOR_ENV, RaySession
+from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve
+from rayppo.cluster.roles import actor_count, spawn_roles
+from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config.derived import (actor_threads, generator_context, reference_actors, reward_actors, role_gpus,
-                                   tensor_parallel_size, vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.derived import generator_context
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout, split_evenly
-from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
+from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
-from rayppo.models.weights import SyncFault
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (episode_settings, generator_seed, group_shares, iteration_seed,
-                                       make_kl_controller, rollout_stats, round_seed, sampling_settings)
+from rayppo.trainers.iteration import group_shares, iteration_seed, make_kl_controller, rollout_stats, round_seed
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ class DistributedTrainer:
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self._start_state: dict[str, Any] | None = None
-        self._initial_state = self.driver_state()  # where a learner restart goes with no checkpoint yet
+        self._initial_state = self._state_now()  # where a learner restart goes with no checkpoint yet
         self.learner_restarts = 0
         self.last_rollout: Rollout | None = None
         self.placements: dict[str, Placement] = {}
@@ -95,7 +92,7 @@ class DistributedTrainer:
                                   verbose=console.actor_log("driver", 0) is None).__enter__()
         try:
             self.placements = reserve(cfg)
-            console.phase(f"starting {_actor_count(cfg)}" + (f" (their output: {console.shown(console.log_dir)}/)"
+            console.phase(f"starting {actor_count(cfg)}" + (f" (their output: {console.shown(console.log_dir)}/)"
                                                              if console.log_dir else ""))
             self._spawn_roles()
             wait_ready({"generators": self.generators, "reference": self.reference, "reward": self.rewards,
@@ -111,58 +108,10 @@ class DistributedTrainer:
             raise
 
     def _spawn_roles(self) -> None:
-        cfg, m, g = self.cfg, self.cfg.model, self.cfg.generators
-        # Model names go to the actors unresolved: each node resolves (or builds) them itself.
-        fault = SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor)  # testing only
-        threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
-                   "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
-                   "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
-                   "learner": actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)}
-        gpus = {role: spec.bundle.get("GPU", 0.0) for role, spec in ((s.name, s) for s in role_specs(cfg))}
-
-        def options(role: str, n: int) -> list[dict[str, Any]]:
-            # OpenMP threads (vLLM's CPU kernels, DeepSpeed) follow the role's thread count too.
-            env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads[role]),
-                   "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib))),
-                   **({"RAYPPO_CACHE": m.cache_dir} if m.cache_dir else {}), **cfg.cluster.actor_env}
-            if getattr(cfg, role).cores:  # cfg.generators, .reference, .reward, .learner
-                env[CORES_ENV] = ",".join(map(str, getattr(cfg, role).cores))
-            if role == "generators" and g.tensor_parallel_layout == "across_nodes":
-                # vLLM's ray executor: worker r in bundle r of the generator's own group.
-                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, range(tensor_parallel_size(g))))
-            return [self.placements[role].actor_options(i, {**env, **_log_env(role, i)}) for i in range(n)]
-
-        self.generators = ActorGroup(
-            GeneratorEngine,
-            [(m.policy, sampling_settings(cfg), g.backend, m.dtype, i, generator_seed(cfg.seed, i), vllm_settings(cfg, self.context),
-              threads["generators"], fault, gpus["generators"], episode_settings(cfg)) for i in range(g.num)],
-            options("generators", g.num),
-            # Two vLLM engines profiling one GPU at once would each count the other's memory.
-            one_by_one=Engine.ready if 0 < gpus["generators"] < 1 else None,
-        )
-        if generators_start_first(cfg):
-            # vLLM charges every device-wide memory change during its profiling window to itself
-            # (and asserts when others free memory): the roles sharing its GPUs start after it.
-            self.schedule.stage("spawn generators")
-            self.generators.get(self.generators.call_all(Engine.ready))
-            self.schedule.stage("generators ready")
-        self.reference = ActorGroup(
-            ReferenceEngine,
-            [(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype, threads["reference"], gpus["reference"],
-              cfg.reference.micro_batch_tokens)]
-            * reference_actors(cfg),  # none at ppo.kl_coef = 0: no pass needs log pi_ref
-            options("reference", reference_actors(cfg)),
-        )
-        self.rewards = ActorGroup(
-            RewardEngine,
-            [(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype, threads["reward"],
-              endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus["reward"],
-              cfg.reward.timeout_s, cfg.reward.timeout_score, cfg.reward.micro_batch_tokens)] * reward_actors(cfg),
-            options("reward", reward_actors(cfg)),  # none when an environment's turn rewards are the reward
-        )
-        self.learner = LearnerGroup(cfg, self.placements["learner"], options("learner", cfg.learner.num_ranks))
-        self.schedule.stage("spawn reference, reward, learner")
-        self.weight_sync = make_weight_sync(cfg, self.learner, self.generators, self.supervisor)
+        roles = spawn_roles(self.cfg, self.placements, self.context, self.schedule)
+        self.generators, self.reference, self.rewards, self.learner = (roles.generators, roles.reference,
+                                                                       roles.rewards, roles.learner)
+        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor)
         self.schedule.generators = self.generators
         for group in (self.generators, self.reference, self.rewards):
             self.supervisor.watch(group)
@@ -230,8 +179,8 @@ class DistributedTrainer:
 
     def scored_by_reward(self, rollout: Rollout) -> Rollout:
         """``rollout`` with r_phi of every row (the reward pass alone)."""
-        (rollout.score,) = self._reward_scores([rollout])
-        return rollout
+        (score,) = self._reward_scores([rollout])
+        return rollout.scored(score)
 
     def _verify(self, version: int) -> float:
         """The guard's check of every generator's weights after a sync (``verify_sync``)."""
@@ -244,7 +193,7 @@ class DistributedTrainer:
         with the state before it (which would train the batch twice on resume)."""
         self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
         if self.cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
-            rollout.advantages, rollout.returns = self.learner.trained_targets()
+            rollout = rollout.trained(*self.learner.trained_targets())
         self.iteration_count += 1
         self._start_state = None
         self.last_rollout = rollout
@@ -278,7 +227,7 @@ class DistributedTrainer:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
         only when no reference runs, at ppo.kl_coef = 0)."""
         if not len(self.rewards):  # an environment's turn rewards are the whole reward
-            rollout.score = [0.0] * len(rollout)
+            rollout = rollout.scored([0.0] * len(rollout))
         scored = len(rollout.score) == len(rollout)  # dynamic sampling has rewarded it already
         passes = [] if scored else [self._reward_pass(rollout)]
         if len(self.reference):
@@ -286,9 +235,8 @@ class DistributedTrainer:
             passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
                                  [(rollout.select(r),) for r in ref_rows]))
         parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
-        if "reward" in parts:
-            rollout.score = [x for part in parts["reward"] for x in part]
-        rollout.ref_logprobs = [x for part in parts.get("reference", []) for x in part]
+        score = [x for part in parts["reward"] for x in part] if "reward" in parts else rollout.score
+        rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part])
         seconds = {p.role: p.seconds for p in passes}
         return rollout, {"time/reward": seconds.get("reward", 0.0), "time/reference": seconds.get("reference", 0.0)}
 
@@ -303,8 +251,8 @@ class DistributedTrainer:
         def score_pass(temperature: float, k: int) -> list[float]:
             shares = [prompts.select(rows) for rows in split_evenly(len(prompts), len(self.generators))]
             rollout = self._sample(GeneratorEngine.evaluate, shares, seed, temperature, k)
-            (rollout.score,) = self._reward_scores([rollout])
-            return rollout.total_rewards()
+            (score,) = self._reward_scores([rollout])
+            return rollout.scored(score).total_rewards()
 
         try:
             return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
@@ -326,8 +274,11 @@ class DistributedTrainer:
     def driver_state(self) -> dict[str, Any]:
         """What the next iteration needs besides the models (JSON): as of the last completed
         iteration, even when one failed half-way (its prompts are drawn again on resume)."""
-        return self._start_state or {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
-                                     "prompts": self.prompts.state_dict()}
+        return self._start_state or self._state_now()
+
+    def _state_now(self) -> dict[str, Any]:
+        """The driver's state as it is: beta, the iteration count, the prompt position."""
+        return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value, "prompts": self.prompts.state_dict()}
 
     def checkpoint(self, path: Path) -> dict[str, Any]:
         """Every learner rank's DeepSpeed states under ``path``; returns the driver's state."""
@@ -384,21 +335,24 @@ class DistributedTrainer:
         return self.iteration_count
 
     def close(self) -> None:
-        """Kill every actor, then end the Ray session if this trainer started it. Background
-        threads are joined in between: Ray ends the whole process (exit 1, no message on the
-        terminal) when a thread calls into it after ``ray.shutdown``."""
+        """Kill every actor, then end the Ray session if this trainer started it."""
+        self._kill_actors()
+        self._end_session()
+
+    def _kill_actors(self) -> None:
         self.supervisor.close()  # an actor killed under a call in flight is not replaced
         for group in ("generators", "reference", "rewards", "learner"):
             if hasattr(self, group):
                 getattr(self, group).kill()
-        self._join_background()
+
+    def _end_session(self) -> None:
+        """Release the placement groups and end the Ray session (if this trainer started it).
+        Threads that call actors must be joined before: Ray ends the whole process (exit 1, no
+        message on the terminal) when a thread calls into it after ``ray.shutdown``."""
         if self.placements:
             release(self.placements)
             self.placements = {}
         self.session.close()
-
-    def _join_background(self) -> None:
-        """Wait for threads that call actors (none here; the pipelined trainer's stages)."""
 
 
 def check_pairing(path: Path | None, version: int, state: dict[str, Any]) -> None:
@@ -407,39 +361,3 @@ def check_pairing(path: Path | None, version: int, state: dict[str, Any]) -> Non
     if version != state["iteration"]:
         raise CheckpointError(f"--resume: {path} holds policy version {version} but its {DRIVER_STATE} says "
                               f"{state['iteration']} iterations: learner and driver state do not belong together")
-
-
-def _log_env(role: str, index: int) -> dict[str, str]:
-    """The environment variable that sends an actor's output to its log file (none with --verbose)."""
-    path = console.actor_log(role, index)
-    return {LOG_FILE_ENV: str(path)} if path else {}
-
-
-def _actor_count(cfg: Config) -> str:
-    """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
-    counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): reference_actors(cfg),
-              ("reward", "reward"): reward_actors(cfg), ("learner rank", "learner ranks"): cfg.learner.num_ranks}
-    parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items() if n]
-    return f"{sum(counts.values())} actors: {', '.join(parts)}"
-
-
-def vllm_settings(cfg: Config, max_model_len: int | None = None) -> VLLMSettings:
-    """The vLLM engine arguments of a generator, executor and memory share made explicit;
-    ``max_model_len`` (default ``generators.max_model_len``) is the trainer's ``context``."""
-    g = cfg.generators
-    tp = tensor_parallel_size(g)
-    # across_nodes: the actor holds no GPU, so even one worker must be a Ray actor in the bundle.
-    executor = "ray" if g.tensor_parallel_layout == "across_nodes" else ("uni" if tp == 1 else "mp")
-    on_gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
-    return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), max_model_len or g.max_model_len, g.kv_cache_gib, g.enforce_eager,
-                        collective_sync=weight_sync_backend(cfg) in ("gloo", "nccl"),
-                        ipc_sync=weight_sync_backend(cfg) == "ipc",
-                        sleep_mode=cfg.cluster.colocate_all and on_gpu)
-
-
-def generators_start_first(cfg: Config) -> bool:
-    """Whether the generators must be ready before the other roles start: when a GPU is shared
-    (colocated mode, or a fraction of a GPU for any role), so that nothing else allocates or
-    frees GPU memory during vLLM's memory profiling. Colocated mode on CPUs keeps the same order."""
-    shared = any(0 < role_gpus(cfg, role) < 1 for role in ("generators", "reference", "reward", "learner"))
-    return cfg.cluster.colocate_all or shared

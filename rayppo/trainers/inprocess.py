@@ -26,6 +26,7 @@ import torch
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine, endpoint_from
+from rayppo.actors.settings import episode_settings, sampling_settings
 from rayppo.config.derived import has_critic, has_reward, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
@@ -39,8 +40,7 @@ from rayppo.models.export import write_pretrained
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import (episode_settings, group_shares, iteration_seed, make_kl_controller,
-                                       rollout_stats, round_seed, sampling_settings)
+from rayppo.trainers.iteration import group_shares, iteration_seed, make_kl_controller, rollout_stats, round_seed
 
 
 class InProcessTrainer:
@@ -100,17 +100,18 @@ class InProcessTrainer:
         self._prompts_at_start = self.prompts.state_dict()
         rollout, dynamic = self._sample(it)
         t1 = clock()
-        rollout.ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []
+        ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []
         t2 = clock()
-        if len(rollout.score) != len(rollout):  # dynamic sampling has rewarded it already
-            rollout.score = self._scores(rollout)
+        # Dynamic sampling has rewarded it already.
+        score = rollout.score if len(rollout.score) == len(rollout) else self._scores(rollout)
+        rollout = rollout.scored(score, ref_logprobs)
         t3 = clock()
         kl_coef = self.kl_ctl.value
         stats, exp = learn(self.models, rollout, list(range(len(rollout))), len(rollout), kl_coef, it, it,
                            self.settings)
         self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
         if cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
-            rollout.advantages, rollout.returns = exp.trained_targets(self.critic is not None)
+            rollout = rollout.trained(*exp.trained_targets(self.critic is not None))
         t4 = clock()
         self.iteration_count += 1
         self._prompts_at_start = None
@@ -135,8 +136,7 @@ class InProcessTrainer:
 
         def draw_scored(k: int) -> Rollout:
             rollout = draw(k)
-            rollout.score = self._scores(rollout)
-            return rollout
+            return rollout.scored(self._scores(rollout))
 
         return fill_batch(draw_scored(0), draw_scored, cfg.rollout.batch_size, cfg.rollout.dynamic_sampling_rounds)
 
@@ -147,8 +147,7 @@ class InProcessTrainer:
 
         def score_pass(temperature: float, k: int) -> list[float]:
             rollout = self.generator.evaluate(self.eval_prompts, temperature, k, iteration_seed(self.cfg.seed, SEED_OFFSET))
-            rollout.score = self._scores(rollout)
-            return rollout.total_rewards()
+            return rollout.scored(self._scores(rollout)).total_rewards()
 
         return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)
 

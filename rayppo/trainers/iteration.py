@@ -1,33 +1,18 @@
-"""What every trainer's iteration shares: the KL controller, the sampling settings, the seeds
-of iterations and generators, and the rollout figures of the metrics line."""
+"""What every trainer's iteration shares: the KL controller, the seeds of iterations, the
+generators' shares of a batch, and the rollout figures of the metrics line. (A generator's own
+settings and seed are ``actors/settings.py``'s.)"""
 
 from __future__ import annotations
 
-from rayppo.actors.hf_backend import SamplingSettings
-from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly
-from rayppo.episodes.loop import EpisodeSettings, episode_stats
+from rayppo.episodes.loop import episode_stats
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 
 
 def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
     """beta: fixed, or adapted towards ``target`` nats per response."""
     return AdaptiveKLController(kl_coef, target, horizon) if adaptive else FixedKLController(kl_coef)
-
-
-def sampling_settings(cfg: Config) -> SamplingSettings:
-    r = cfg.rollout
-    return SamplingSettings(r.max_new_tokens, r.temperature, r.ignore_eos)
-
-
-def episode_settings(cfg: Config) -> EpisodeSettings | None:
-    """The multi-turn settings of ``rollout.environment``; None for single-turn responses."""
-    r = cfg.rollout
-    if r.environment is None:
-        return None
-    return EpisodeSettings(r.environment, r.max_turns, r.turn_tokens, r.max_new_tokens, r.environment_timeout_s,
-                           r.environment_timeout_reward, r.environment_workers, r.observation_role, r.episode_seconds)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -39,12 +24,6 @@ def round_seed(seed: int, iteration: int, round_: int) -> int:
     """The sampling seed of dynamic sampling's extra round ``round_`` >= 1 of an iteration (round 0
     is the iteration's own seed)."""
     return iteration_seed(seed, iteration) if round_ == 0 else (iteration_seed(seed, iteration) * 1_000_033 + round_) % 2**62
-
-
-def generator_seed(seed: int, generator_id: int) -> int:
-    """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
-    seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""
-    return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31
 
 
 def group_shares(prompts: PromptBatch, generators: int, samples_per_prompt: int) -> list[PromptBatch]:

@@ -172,6 +172,9 @@ class _StoppedError(Exception):
 class PipelinedTrainer(DistributedTrainer):
     """The distributed trainer with generation, scoring and learning overlapped (module docstring)."""
 
+    _stages: Stages | None = None
+    """The running start of the pipeline (None until the first ``_start_stages``)."""
+
     def __init__(self, cfg: Config):
         self.k = cfg.rollout.max_staleness
         self.partial = cfg.rollout.partial_tokens
@@ -180,7 +183,6 @@ class PipelinedTrainer(DistributedTrainer):
         # every rank needs rows in each minibatch.
         self._min_rows = -(-cfg.ppo.minibatches * cfg.learner.num_ranks // cfg.generators.num)
         self._cond = threading.Condition()
-        self._stages = Stages(first=0)  # before super().__init__, which asks for driver_state()
         self._payload_nbytes: int | None = None
         super().__init__(cfg)
         try:
@@ -275,7 +277,7 @@ class PipelinedTrainer(DistributedTrainer):
     def _start_stages(self, carry: list[Rollout] | None = None) -> None:
         """Start the stage threads at batch ``iteration_count``, the generators' carries ``carry``
         (default: what they were before that batch, or empty)."""
-        old = self._stages.carry_states.get(self.iteration_count)
+        old = self._stages.carry_states.get(self.iteration_count) if self._stages else None
         carry = carry or old or [Rollout.concat([]) for _ in range(len(self.generators))]
         self._stages = stages = Stages(first=self.iteration_count, scored=queue.Queue(maxsize=self.k + 1),
                                        carry=list(carry), carry_states={self.iteration_count: list(carry)})
@@ -291,6 +293,8 @@ class PipelinedTrainer(DistributedTrainer):
     def _stop_stages(self, timeout_s: float | None = None) -> None:
         """Stop the stage threads and wait for them (each finishes at most the call it is in)."""
         stages = self._stages
+        if stages is None:
+            return
         with self._cond:
             stages.stop.set()
             self._cond.notify_all()
@@ -479,10 +483,10 @@ class PipelinedTrainer(DistributedTrainer):
         return super().recover(failure)
 
     def close(self) -> None:
-        self._stages.stop.set()  # first: the errors of the actors killed next end the stages quietly
-        super().close()
-
-    def _join_background(self) -> None:
+        if self._stages is not None:
+            self._stages.stop.set()  # first: the errors of the actors killed next end the stages quietly
+        self._kill_actors()
         # The actors are gone: a stage thread's call fails at once (and is not redone: the
-        # supervisor is closed), one waiting for the window sees the stop.
+        # supervisor is closed), one waiting for the window sees the stop. Joined before Ray ends.
         self._stop_stages(timeout_s=CLOSE_JOIN_S)
+        self._end_session()

@@ -1,0 +1,133 @@
+"""Start-up of the distributed system's roles: each role's actors built from the config, with the
+threads, environment and placement of each actor (the trainers only use what this returns).
+
+    generators  GeneratorEngine x generators.num     (vLLM, or transformers with backend=hf)
+    reference   ReferenceEngine x reference.num      (none at ppo.kl_coef = 0)
+    rewards     RewardEngine    x reward.num         (none when an environment's turn rewards are the reward)
+    learner     LearnerGroup    x learner.num_ranks  (DeepSpeed ZeRO ranks)
+
+Model names travel unresolved: each node resolves (or builds) them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rayppo.actors.generator import GeneratorEngine, VLLMSettings
+from rayppo.actors.reference import ReferenceEngine
+from rayppo.actors.reward import RewardEngine, endpoint_from
+from rayppo.cluster.colocation import DeviceSchedule
+from rayppo.cluster.group import ActorGroup
+from rayppo.cluster.learner_group import LearnerGroup
+from rayppo.cluster.placement import Placement, role_specs
+from rayppo.cluster.session import ACTOR_ENV
+from rayppo.config.derived import (actor_threads, reference_actors, reward_actors, role_gpus, tensor_parallel_size,
+                                   vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.schema import Config
+from rayppo.console import console
+from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
+from rayppo.models.weights import SyncFault
+from rayppo.actors.settings import episode_settings, generator_seed, sampling_settings
+
+
+@dataclass
+class Roles:
+    """The started actor groups of a run."""
+
+    generators: ActorGroup
+    reference: ActorGroup
+    rewards: ActorGroup
+    learner: LearnerGroup
+
+
+def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | None,
+                schedule: DeviceSchedule) -> Roles:
+    """Every role's actors, in the order the GPUs need (``generators_start_first``);
+    ``context`` is vLLM's max_model_len (``config.derived.generator_context``)."""
+    g, m = cfg.generators, cfg.model
+    threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
+               "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
+               "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
+               "learner": actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)}
+    gpus = {spec.name: spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg)}
+
+    def options(role: str, n: int) -> list[dict[str, Any]]:
+        return [placements[role].actor_options(i, _actor_env(cfg, role, i, threads[role])) for i in range(n)]
+
+    generator = dict(model_path=m.policy, sampling=sampling_settings(cfg), backend=g.backend, dtype=m.dtype,
+                     vllm=vllm_settings(cfg, context), num_threads=threads["generators"],
+                     sync_fault=SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor),  # testing only
+                     gpus=gpus["generators"], episodes=episode_settings(cfg))
+    generators = ActorGroup(
+        GeneratorEngine, [{**generator, "generator_id": i, "seed": generator_seed(cfg.seed, i)} for i in range(g.num)],
+        options("generators", g.num),
+        # Two vLLM engines profiling one GPU at once would each count the other's memory.
+        one_by_one=Engine.ready if 0 < gpus["generators"] < 1 else None,
+    )
+    if generators_start_first(cfg):
+        # vLLM charges every device-wide memory change during its profiling window to itself
+        # (and asserts when others free memory): the roles sharing its GPUs start after it.
+        schedule.stage("spawn generators")
+        generators.get(generators.call_all(Engine.ready))
+        schedule.stage("generators ready")
+    reference = dict(model_path=m.reference or m.policy, temperature=cfg.rollout.temperature, dtype=m.dtype,
+                     num_threads=threads["reference"], gpus=gpus["reference"],
+                     micro_batch_tokens=cfg.reference.micro_batch_tokens)
+    reward = dict(function=cfg.reward.function, model=cfg.reward.model, batch_size=cfg.reward.batch_size,
+                  dtype=m.dtype, num_threads=threads["reward"],
+                  http=endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus=gpus["reward"],
+                  timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score,
+                  micro_batch_tokens=cfg.reward.micro_batch_tokens)
+    roles = Roles(
+        generators,
+        ActorGroup(ReferenceEngine, [reference] * reference_actors(cfg), options("reference", reference_actors(cfg))),
+        ActorGroup(RewardEngine, [reward] * reward_actors(cfg), options("reward", reward_actors(cfg))),
+        LearnerGroup(cfg, placements["learner"], options("learner", cfg.learner.num_ranks)),
+    )
+    schedule.stage("spawn reference, reward, learner")
+    return roles
+
+
+def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, str]:
+    """The environment of actor ``index`` of ``role``: its OpenMP threads (vLLM's CPU kernels and
+    DeepSpeed follow them), its cores, its log file, and ``cluster.actor_env``."""
+    g = cfg.generators
+    env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib))),
+           **({"RAYPPO_CACHE": cfg.model.cache_dir} if cfg.model.cache_dir else {}), **cfg.cluster.actor_env}
+    if getattr(cfg, role).cores:  # cfg.generators, .reference, .reward, .learner
+        env[CORES_ENV] = ",".join(map(str, getattr(cfg, role).cores))
+    if role == "generators" and g.tensor_parallel_layout == "across_nodes":
+        # vLLM's ray executor: worker r in bundle r of the generator's own group.
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, range(tensor_parallel_size(g))))
+    log_file = console.actor_log(role, index)  # none with --verbose: the output goes to the terminal
+    return {**env, **({LOG_FILE_ENV: str(log_file)} if log_file else {})}
+
+
+def actor_count(cfg: Config) -> str:
+    """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
+    counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): reference_actors(cfg),
+              ("reward", "reward"): reward_actors(cfg), ("learner rank", "learner ranks"): cfg.learner.num_ranks}
+    parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items() if n]
+    return f"{sum(counts.values())} actors: {', '.join(parts)}"
+
+
+def vllm_settings(cfg: Config, max_model_len: int | None = None) -> VLLMSettings:
+    """The vLLM engine arguments of a generator, executor and memory share made explicit;
+    ``max_model_len`` (default ``generators.max_model_len``) is the trainer's ``context``."""
+    g = cfg.generators
+    tp = tensor_parallel_size(g)
+    # across_nodes: the actor holds no GPU, so even one worker must be a Ray actor in the bundle.
+    executor = "ray" if g.tensor_parallel_layout == "across_nodes" else ("uni" if tp == 1 else "mp")
+    on_gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
+    return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), max_model_len or g.max_model_len, g.kv_cache_gib,
+                        g.enforce_eager, collective_sync=weight_sync_backend(cfg) in ("gloo", "nccl"),
+                        ipc_sync=weight_sync_backend(cfg) == "ipc", sleep_mode=cfg.cluster.colocate_all and on_gpu)
+
+
+def generators_start_first(cfg: Config) -> bool:
+    """Whether the generators must be ready before the other roles start: when a GPU is shared
+    (colocated mode, or a fraction of a GPU for any role), so that nothing else allocates or
+    frees GPU memory during vLLM's memory profiling. Colocated mode on CPUs keeps the same order."""
+    shared = any(0 < role_gpus(cfg, role) < 1 for role in ("generators", "reference", "reward", "learner"))
+    return cfg.cluster.colocate_all or shared
