@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,25 @@ def _distributed_two_iterations(ranks: int, zero: int):
         trainer.close()
 
 
+def _two_iterations_across_a_reshard(tmp_path: Path):
+    """Iteration 0 on 2 ZeRO-2 ranks and a checkpoint; iteration 1 on 1 rank restored from it."""
+    extra = ["learner.micro_batch_tokens=24", f"output.dir={tmp_path / 'run'}"]
+    first = DistributedTrainer(load_config(None, _equivalence_overrides(2, 2) + extra))
+    try:
+        stats = [first.iteration()]
+        state = first.checkpoint(tmp_path / "checkpoint")
+    finally:
+        first.close()
+    second = DistributedTrainer(load_config(None, _equivalence_overrides(1, 2) + extra))
+    try:
+        second.restore(tmp_path / "checkpoint", state)
+        stats.append(second.iteration())
+        assert (tmp_path / "checkpoint" / "universal" / "policy").is_dir()  # resharded, not loaded as it was
+        return stats, unpack_weights(get(second.learner.policy_weights())), second.last_rollout
+    finally:
+        second.close()
+
+
 ADAM_STEP_BOUND = 0.1 / 0.001 ** 0.5
 """Kingma & Ba (2015), section 2.1: with (1 - beta1) > sqrt(1 - beta2), as for betas (0.9, 0.999),
 one Adam step moves a weight by at most lr (1 - beta1) / sqrt(1 - beta2) = 3.16 lr."""
@@ -172,10 +192,13 @@ an Intel Xeon); a sharding or cross-rank normalisation error changes the directi
 update instead (a ratio of order 1)."""
 
 
-def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_dir):
+def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_dir, tmp_path):
     """Two iterations (8 optimiser steps, a sync, a second rollout from the new weights): losses,
     clip fractions, KL and the weights' update of N ranks x ZeRO stage, each minibatch in
-    micro-batches by token budget, equal the single-process trainer's, which takes it whole. Sharding or a wrong cross-rank normalisation changes all of them. Weights are
+    micro-batches by token budget, equal the single-process trainer's, which takes it whole; so do
+    2 ranks that checkpoint after the first iteration and 1 rank that resumes from it (the ZeRO
+    partitions resharded: Adam's moments and steps must come back whole for the second
+    iteration's 4 steps to match). Sharding or a wrong cross-rank normalisation changes all of them. Weights are
     compared where the comparison is well-conditioned (see ``BULK_GAP``): element by element an
     Adam update of a gradient at rounding noise can differ by up to the step bound on any CPU."""
     # The reference takes each minibatch whole; the ranks cut theirs into micro-batches of 24 padded
@@ -189,8 +212,11 @@ def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_
     update = _norm({k: ref_weights[k] - initial[k] for k in ref_weights})
     assert update > 1e-3  # the update is far larger than the noise compared below
     assert ref_stats[1]["kl/ref_mean"] > 1e-4 and ref_stats[1]["policy/clipfrac"] > 0  # nothing compared is 0
-    for ranks, zero in ((2, 2), (1, 3)):
-        stats, weights, rollout = _distributed_two_iterations(ranks, zero)
+    for ranks, zero in ((2, 2), (1, 3), ("2 -> 1", 2)):
+        if ranks == "2 -> 1":
+            stats, weights, rollout = _two_iterations_across_a_reshard(tmp_path)
+        else:
+            stats, weights, rollout = _distributed_two_iterations(ranks, zero)
         assert rollout.response_ids == reference.last_rollout.response_ids  # same seed, same samples
         assert rollout.finish_reason == reference.last_rollout.finish_reason
         for it in (0, 1):

@@ -75,6 +75,11 @@ def test_resume_refuses_changes_to_the_math_and_names_the_field(tmp_path, small_
         resume_config(out, ["ppo.lr=0.1"])
     with pytest.raises(ConfigError, match="^output.dir: cannot change"):
         resume_config(out, [f"output.dir={tmp_path / 'elsewhere'}"])
+    # The split over actors may change (the learner's state is resharded on load); not ZeRO-2 -> 3.
+    cfg, _ = resume_config(out, ["learner.num_ranks=1", "generators.num=2", "reward.num=2", "learner.zero_stage=1"])
+    assert (cfg.learner.num_ranks, cfg.generators.num, cfg.reward.num, cfg.learner.zero_stage) == (1, 2, 2, 1)
+    with pytest.raises(ConfigError, match=r"^learner.zero_stage: cannot change on --resume \(2 -> 3\): only ZeRO-1"):
+        resume_config(out, ["learner.zero_stage=3"])
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_whole_one_or_names_the_file(tmp_path, small_overrides,

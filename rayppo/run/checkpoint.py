@@ -194,6 +194,9 @@ def read_driver_state(path: Path) -> dict[str, Any]:
 RESUMABLE_SECTIONS = ("stop.", "output.", "cluster.")
 RESUMABLE_FIELDS = ("cpus", "cpus_per_worker", "cpus_per_rank", "threads", "cores", "resources", "gpus",
                     "gpus_per_worker", "gpus_per_rank", "placement_timeout_s")
+SPLIT_FIELDS = ("learner.num_ranks", "learner.zero_stage", "generators.num", "reference.num", "reward.num")
+"""The split of the work over actors: a resumed run may change it (the learner's DeepSpeed state is
+resharded, ``learner/engine.py``); the update is the same up to the order of its reductions."""
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]):
@@ -215,12 +218,27 @@ def resume_config(run_dir: str | Path, overrides: list[str]):
     for name in (n for n, _, _ in field_docs()):
         if before[name] != after[name] and (name == "output.dir" or not _resumable(name)):
             raise ConfigError(f"{name}: cannot change on --resume ({before[name]!r} -> {after[name]!r}): it changes "
-                              "the run's math; only resources, stop.*, output.* and cluster.* may change")
+                              "the run's math; only resources, the split over actors (learner.num_ranks, "
+                              "generators.num, reference.num, reward.num), stop.*, output.* and cluster.* may change")
+    _check_stage_change(before["learner.zero_stage"], after["learner.zero_stage"])
     return cfg, checkpoint
 
 
 def _resumable(name: str) -> bool:
-    return name.startswith(RESUMABLE_SECTIONS) or name.rsplit(".", 1)[-1] in RESUMABLE_FIELDS
+    return (name.startswith(RESUMABLE_SECTIONS) or name.rsplit(".", 1)[-1] in RESUMABLE_FIELDS
+            or name in SPLIT_FIELDS)
+
+
+def _check_stage_change(before: int, after: int) -> None:
+    """ZeRO-1 and ZeRO-2 hold the same partitioned optimizer and reshard into each other; stage 0
+    (no partitions) and stage 3 (parameters partitioned too) keep their own layout: DeepSpeed
+    0.19.8's universal checkpoint does not load one into the other."""
+    from rayppo.config.schema import ConfigError
+
+    if before != after and not {before, after} <= {1, 2}:
+        raise ConfigError(f"learner.zero_stage: cannot change on --resume ({before} -> {after}): only ZeRO-1 and "
+                          "ZeRO-2 reshard into each other (stages 0 and 3 keep their own checkpoint layout); "
+                          "learner.num_ranks may change within any stage")
 
 
 def _flat(cfg) -> dict[str, Any]:

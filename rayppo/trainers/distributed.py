@@ -121,8 +121,7 @@ class DistributedTrainer:
     def iteration(self) -> dict[str, float]:
         """One PPO iteration; returns its metrics (docs/algorithm.md, "Metrics")."""
         it, seconds = self.iteration_count, {}
-        self._start_state = None
-        self._start_state = self.driver_state()  # what a checkpoint holds until this iteration completes
+        self._start_state = self._state_now()  # what a checkpoint holds until this iteration completes
         with self._stage("generate", seconds):
             rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
             rollout, dynamic = self.dynamic_sampling(rollout, it)  # DAPO's dynamic sampling ({} when off)
@@ -137,14 +136,18 @@ class DistributedTrainer:
             with self._stage("verify", seconds):
                 verified = self._verify(int(stats["policy/version"])) if self.cfg.checks.verify_sync else 0.0
         self.supervisor.progress()
-        timings = {"time/generate": seconds["generate"], **score_times, "time/score": seconds["score"],
-                   "time/learn": seconds["learn"], "time/sync": seconds["sync"] + seconds["verify"],
-                   "time/sync_verify": seconds["verify"], "time/iteration": sum(seconds.values()),
-                   "sync/bytes": float(sync_bytes), "sync/verified": float(verified),
-                   "faults/actor_restarts": float(self.supervisor.restarts),
+        return self._metrics(stats, rollout, seconds, {**score_times, **dynamic, "kl_coef": kl_coef,
+                                                       "sync/bytes": float(sync_bytes), "sync/verified": float(verified)})
+
+    def _metrics(self, stats: dict[str, float], rollout: Rollout, seconds: dict[str, float],
+                 more: dict[str, float]) -> dict[str, float]:
+        """The iteration's metrics line: the update's, the rollout's, each stage's seconds, ``more``."""
+        timings = {"time/generate": seconds["generate"], "time/score": seconds["score"], "time/learn": seconds["learn"],
+                   "time/sync": seconds["sync"] + seconds["verify"], "time/sync_verify": seconds["verify"],
+                   "time/iteration": sum(seconds.values()), "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
         return {**stats, **rollout_stats(rollout, timings["time/iteration"], self.cfg.rollout.max_turns), **timings,
-                **dynamic, "kl_coef": kl_coef}
+                **more}
 
     @contextmanager
     def _stage(self, name: str, seconds: dict[str, float]) -> Iterator[None]:
