@@ -24,7 +24,7 @@ from rayppo.console import console
 from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError, brief
 from rayppo.learner.guard import CorrectnessError
-from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state, write_checkpoint
+from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state, split_change, write_checkpoint
 from rayppo.run.folder import release_output_dir
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.samples import format_samples, pick_samples, shown_prompt
@@ -300,7 +300,7 @@ def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int
         return 0
     state = read_driver_state(resume)
     trainer.restore(resume, state)
-    console.phase(f"resumed from {resume} after {state['iteration']} iterations")
+    console.phase(f"resumed from {resume} after {state['iteration']} iterations{split_change(resume, cfg)}")
     return state["iteration"]
 
 

@@ -229,6 +229,25 @@ def _resumable(name: str) -> bool:
             or name in SPLIT_FIELDS)
 
 
+def split_change(checkpoint: Path, cfg) -> str:
+    """``; on another split: learner 2 ranks ZeRO-2 -> 1 rank ZeRO-2`` when the checkpoint's
+    ``learner.json`` (``SPLIT_FILE`` of ``learner/engine.py``, which reshards) names another split;
+    else ""."""
+    try:
+        saved = json.loads((checkpoint / "learner.json").read_text())
+        before = (int(saved["num_ranks"]), int(saved["zero_stage"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""  # written before rayppo recorded the split: taken as this one
+    after = (cfg.learner.num_ranks, cfg.learner.zero_stage)
+    if before == after or cfg.trainer != "distributed":
+        return ""
+
+    def text(ranks: int, stage: int) -> str:
+        return f"{ranks} rank{'s' if ranks != 1 else ''} ZeRO-{stage}"
+
+    return f"; on another split: learner {text(*before)} -> {text(*after)}"
+
+
 def _check_stage_change(before: int, after: int) -> None:
     """ZeRO-1 and ZeRO-2 hold the same partitioned optimizer and reshard into each other; stage 0
     (no partitions) and stage 3 (parameters partitioned too) keep their own layout: DeepSpeed
