@@ -37,65 +37,62 @@ class Rollout:
     A column that is not filled is empty (``[]``, null in Arrow): one its writer has not run for
     yet (the scorers' before scoring), or one that does not apply (no groups, single-turn rows)."""
 
-    # -- written by the generator ------------------------------------------------------------
+    # Positional order is the record's first layout (callers build it so); each docstring names
+    # the role that writes the column: the generator, the reference or reward scorer, the learner.
     prompt_ids: list[list[int]] = _column(INT32S, default=False)
-    """[B][P_b] x, the prompt's token ids (unpadded)."""
+    """(generator) [B][P_b] x, the prompt's token ids (unpadded)."""
     response_ids: list[list[int]] = _column(INT32S, default=False)
-    """[B][T_b] y_1..y_T, the response's token ids, EOS included when the response stopped."""
+    """(generator) [B][T_b] y_1..y_T, the response's token ids, EOS included when the response stopped."""
     logprobs: list[list[float]] = _column(FLOAT32S, default=False)
-    """[B][T_b] log pi_old(y_t | S_{t-1}) under the sampling distribution (the sampler's)."""
+    """(generator) [B][T_b] log pi_old(y_t | S_{t-1}) under the sampling distribution (the sampler's)."""
     finish_reason: list[str] = _column(pa.string(), default=False)
-    """[B] ``stop`` (EOS emitted: true termination) or ``length`` (cut: truncation)."""
+    """(generator) [B] ``stop`` (EOS emitted: true termination) or ``length`` (cut: truncation)."""
     prompt_text: list[str] = _column(pa.string(), default=False)
-    """[B] prompt text, for reward functions and logs."""
+    """(generator) [B] prompt text, for reward functions and logs."""
     response_text: list[str] = _column(pa.string(), default=False)
-    """[B] response text without special tokens."""
+    """(generator) [B] response text without special tokens."""
     policy_version: list[int] = _column(pa.int64())
-    """[B] version of the policy weights that generated the row; of its first (oldest) token when
+    """(generator) [B] version of the policy weights that generated the row; of its first (oldest) token when
     the row was continued across generator calls (``token_versions``)."""
-    token_versions: list[list[int]] = _column(INT64S)
-    """[B][T_b] the version that sampled each token. Filled only with partial rollouts
-    (``rollout.partial_tokens``), where a response continued by a later call holds tokens of several
-    versions; empty: every token has its row's ``policy_version``."""
     generator_id: list[int] = _column(pa.int32())
-    """[B] index of the generator that produced the row."""
+    """(generator) [B] index of the generator that produced the row."""
     group_id: list[int] = _column(pa.int32())
-    """[B] g: which of the batch's prompt draws the row answers; the n rows of one draw
+    """(generator) [B] g: which of the batch's prompt draws the row answers; the n rows of one draw
     (``rollout.samples_per_prompt``) are a group, even when two draws have the same text. Every
     group statistic keys on it, never on a row's position or its prompt."""
+    ref_logprobs: list[list[float]] = _column(FLOAT32S)
+    """(reference scorer) [B][T_b] log pi_ref(y_t | S_{t-1}); empty before the reference pass, and at
+    ``ppo.kl_coef`` = 0 (no reference runs)."""
+    score: list[float] = _column(pa.float32())
+    """(reward scorer) [B] r_phi(x, y); empty before the reward pass."""
     prompt_messages: list[str] = _column(pa.string())
-    """[B] the chat conversation (a JSON list of ``{role, content}``) the prompt text was rendered
+    """(generator) [B] the chat conversation (a JSON list of ``{role, content}``) the prompt text was rendered
     from, ``""`` for a plain-text prompt; empty: every prompt is plain."""
     prompt_fields: list[str] = _column(pa.string())
-    """[B] the prompt row's other columns (e.g. ``answer``) as a JSON object text, ``"{}"`` when
+    """(generator) [B] the prompt row's other columns (e.g. ``answer``) as a JSON object text, ``"{}"`` when
     none; empty: no row has any. Read by the reward."""
+    advantages: list[list[float]] = _column(FLOAT32S)
+    """(learner) [B][T_b] A_t the learner trained on (after whitening; a group estimator's A_i on every token),
+    so users can check the estimator."""
+    returns: list[list[float]] = _column(FLOAT32S)
+    """(learner) [B][T_b] the critic's value targets (``ppo.advantage=gae`` only; else empty), as ``advantages``."""
+    token_versions: list[list[int]] = _column(INT64S)
+    """(generator) [B][T_b] the version that sampled each token. Filled only with partial rollouts
+    (``rollout.partial_tokens``), where a response continued by a later call holds tokens of several
+    versions; empty: every token has its row's ``policy_version``."""
     action_mask: list[list[int]] = _column(pa.list_(pa.int8()))
-    """[B][T_b] multi-turn episodes (``rollout.environment``): 1 on the tokens the policy sampled
+    """(generator) [B][T_b] multi-turn episodes (``rollout.environment``): 1 on the tokens the policy sampled
     (actions), 0 on the tokens an observation added through the chat template. The response is
     the whole episode after the prompt; ``logprobs`` are 0 on environment tokens. Empty: every
     response token is an action (single-turn)."""
     turn_ends: list[list[int]] = _column(INT32S)
-    """[B][K_b] multi-turn: the response index of each of the episode's K_b turns' last action
+    """(generator) [B][K_b] multi-turn: the response index of each of the episode's K_b turns' last action
     token, in order; the last one is the episode's last token."""
     turn_rewards: list[list[float]] = _column(FLOAT32S)
-    """[B][K_b] multi-turn: the environment's reward for each turn, placed on that turn's last
+    """(generator) [B][K_b] multi-turn: the environment's reward for each turn, placed on that turn's last
     action token (``score`` adds the reward function's r_phi on the episode's last)."""
     environment_seconds: list[float] = _column(pa.float32())
-    """[B] multi-turn: seconds the episode's environment steps took, in its processes."""
-
-    # -- written by the scorers --------------------------------------------------------------
-    ref_logprobs: list[list[float]] = _column(FLOAT32S)
-    """[B][T_b] log pi_ref(y_t | S_{t-1}), the reference scorer's; empty before it, and at
-    ``ppo.kl_coef`` = 0 (no reference runs)."""
-    score: list[float] = _column(pa.float32())
-    """[B] r_phi(x, y), the reward scorer's; empty before it."""
-
-    # -- written by the learner (``output.save_rollouts``) -------------------------------------
-    advantages: list[list[float]] = _column(FLOAT32S)
-    """[B][T_b] A_t the learner trained on (after whitening; a group estimator's A_i on every token),
-    so users can check the estimator."""
-    returns: list[list[float]] = _column(FLOAT32S)
-    """[B][T_b] the critic's value targets (``ppo.advantage=gae`` only; else empty), as ``advantages``."""
+    """(generator) [B] multi-turn: seconds the episode's environment steps took, in its processes."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
