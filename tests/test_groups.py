@@ -106,7 +106,7 @@ def test_critic_free_estimators_distributed_equal_in_process_with_no_critic(esti
         for key in COMPARED + (("kl/ref_mean",) if estimator != "rloo" else ()):
             assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (estimator, it, key)
     assert _norm({k: ref_weights[k] - weights[k] for k in ref_weights}) / update < BULK_GAP
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["policy"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["learner.json", "policy"]  # no critic/
     assert not (tmp_path / "final" / "critic").exists() and (tmp_path / "final" / "policy").is_dir()
     placement = json.loads((tmp_path / "run" / "placement.json").read_text())
     assert bool(placement["roles"]["reference"]) == (estimator != "rloo")  # no node holds a reference actor
