@@ -1,10 +1,11 @@
-"""``rayppo`` command line: train, plan, bench, submit, status, logs, stop, config.
+"""``rayppo`` command line: train, scale, plan, bench, submit, status, logs, stop, config.
 
     rayppo train                                   # the embedded default, end to end
     rayppo plan --config job.yaml --cluster-resources '{"GPU": 8, "CPU": 64}'   # will it fit?
     rayppo train --config job.yaml ppo.clip_eps=0.1 --rollout.batch_size=128
     rayppo bench --workload tiny --compare trl     # throughput, side by side with TRL
     rayppo submit --address http://head:8265 --config job.yaml --wait   # on a Ray cluster
+    rayppo scale runs/exp1 generators.num=4        # a running job's new split, from its next iteration
     rayppo config                                  # every config field, default and meaning
 """
 
@@ -24,6 +25,15 @@ fits, 2 with one line per missing thing and its fix. Config overrides as for 'ra
 EPILOG = """overrides: any config field as section.field=value (or --section.field=value), e.g.
   rayppo train ppo.clip_eps=0.1 rollout.max_new_tokens=64 output.dir=runs/exp1
   'rayppo config' lists every field with its default and meaning."""
+
+
+SCALE_EPILOG = """The running driver takes the request after its current iteration, writes a checkpoint and
+resumes from it on the new split in the same process: new generators sample from the next
+iteration on (with the same noise per row as before), a new learner split loads the checkpoint
+resharded. Fields: learner.num_ranks, learner.zero_stage (1 <-> 2), generators.num,
+reference.num, reward.num. E.g.
+  rayppo scale runs/exp1 generators.num=4
+  rayppo scale runs/exp1 learner.num_ranks=2 generators.num=1"""
 
 
 def _collect_overrides(extra: list[str]) -> list[str]:
@@ -82,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with "
                                                         "DIR's config (overrides may change resources, stop.*, "
                                                         "output.* and cluster.*)")
+    scale = sub.add_parser(
+        "scale", help="change a running job's split over actors (generators.num, learner.num_ranks, ...) from "
+                      "its next iteration",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SCALE_EPILOG,
+    )
+    scale.add_argument("run_dir", metavar="DIR", help="the run's folder (its output.dir)")
+    scale.add_argument("changes", nargs="*", metavar="FIELD=VALUE", help="the new split, e.g. generators.num=4")
     plan = sub.add_parser(
         "plan", help="pre-flight: will the job fit? actors, CPUs/GPUs, placement group and peak memory per role",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PLAN_EPILOG,
@@ -166,12 +183,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     console.phase(_headline(cfg, resume))
     _build_first_use_models(cfg)
     _quiet_libraries(args.verbose)
-    from rayppo.train import run
+    from rayppo.train import train
 
-    from rayppo.trainers.choice import make_trainer
-
-    trainer = make_trainer(cfg)
-    result = run(cfg, trainer, progress=not args.no_progress, resume=resume)
+    result = train(cfg, progress=not args.no_progress, resume=resume)
     print(result.summary())
     return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as shells report
 
@@ -219,6 +233,15 @@ def _quiet_libraries(verbose: bool) -> None:
     if not verbose:
         hf_logging.disable_default_handler()
         hf_logging.enable_propagation()  # to the root logger: logs/driver.log
+
+
+def cmd_scale(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rayppo.run.scale import request_scale
+
+    said = request_scale(args.run_dir, _collect_overrides(args.changes) + overrides)
+    print(f"rayppo scale: {said} in {args.run_dir}, from the next iteration its driver starts (a checkpoint, then "
+          f"a resume on the new split)")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -329,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    commands = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit}
+    commands = {"train": cmd_train, "scale": cmd_scale, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit}
     try:
         if args.command in commands:
             return commands[args.command](args, _collect_overrides(extra))

@@ -24,10 +24,13 @@ from rayppo.console import console
 from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError, brief
 from rayppo.learner.guard import CorrectnessError
-from rayppo.run.checkpoint import CheckpointError, latest_checkpoint, read_driver_state, split_change, write_checkpoint
+from rayppo.plan.fit import preflight
+from rayppo.run.checkpoint import (CheckpointError, continued_config, latest_checkpoint, read_driver_state, split_change,
+                                   write_checkpoint)
 from rayppo.run.folder import release_output_dir
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.samples import format_samples, pick_samples, shown_prompt
+from rayppo.run.scale import changes, take_request
 from rayppo.run.tracking import make_trackers
 from rayppo.trainers.evaluation import due
 
@@ -72,6 +75,8 @@ class TrainResult:
     """Wall-clock seconds of this invocation's iterations (start-up excluded)."""
     resumed_at: int = 0
     """Iterations the checkpoint it resumed from held (0: a new run)."""
+    rescaled: Config | None = None
+    """The config to go on with, on another split (``rayppo scale``; stop reason ``rescaled``)."""
 
     def summary(self) -> str:
         """The closing line: what was done, how reward moved, where everything is."""
@@ -183,6 +188,18 @@ class StopRequest:
                 signal.signal(signal.SIGTERM, previous[1])
 
 
+def train(cfg: Config, progress: bool = True, resume: Path | None = None) -> TrainResult:
+    """``run`` with the trainer ``cfg`` chooses; when ``rayppo scale`` asks for another split, the
+    run resumes on it, in this process, from the checkpoint written at the boundary (``run/scale.py``)."""
+    from rayppo.trainers.choice import make_trainer
+
+    while True:
+        result = run(cfg, make_trainer(cfg), progress, resume)
+        if result.rescaled is None:
+            return result
+        cfg, resume = result.rescaled, latest_checkpoint(result.out_dir)
+
+
 def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | None = None) -> TrainResult:
     """Run ``cfg.stop.iterations`` iterations of ``trainer`` (from checkpoint ``resume`` on, if
     given); write every output of a run, and a checkpoint every ``output.checkpoint_every``.
@@ -221,7 +238,9 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         _finish(cfg, trainer, out, stop_reason, loop.it, at_once)
     if failure is not None:
         raise failure
-    return _result(cfg, out, loop.it, stop_reason, time.monotonic() - started, first)  # first: 0 for a new run
+    result = _result(cfg, out, loop.it, stop_reason, time.monotonic() - started, first)  # first: 0 for a new run
+    result.rescaled = loop.rescale if stop_reason == "rescaled" and _checkpointed_at(out, loop.it) else None
+    return result
 
 
 @dataclass
@@ -236,10 +255,12 @@ class _Loop:
     stop: StopRequest
     it: int
     """Iterations completed so far."""
+    rescale: Config | None = None
+    """The split ``rayppo scale`` asked for, once taken (the loop then stops: ``rescaled``)."""
 
     def run(self) -> str:
-        """Iterate until done; returns why it stopped (``completed``, ``kl_budget``, or the
-        signal's ``interrupted`` / ``preempted``)."""
+        """Iterate until done; returns why it stopped (``completed``, ``kl_budget``, ``rescaled``, or
+        the signal's ``interrupted`` / ``preempted``)."""
         cfg = self.cfg
         while self.it < cfg.stop.iterations:
             try:
@@ -256,7 +277,31 @@ class _Loop:
                 return "kl_budget"
             if self.stop.requested:
                 return self.stop.requested
+            if self.it < cfg.stop.iterations and self._take_rescale():
+                return "rescaled"
         return "completed"
+
+    def _take_rescale(self) -> bool:
+        """Whether a waiting ``rayppo scale`` request is to be carried out now; one that cannot be
+        (a field or value ``--resume`` refuses, a split this machine cannot hold) is refused on
+        one line, and the run goes on as it is."""
+        overrides = take_request(self.out)
+        if overrides is None:
+            return False
+        try:
+            cfg = continued_config(self.out, overrides)
+            missing = preflight(cfg)
+            if missing:
+                raise RayppoError("it does not fit: " + "; ".join(missing))
+        except RayppoError as exc:
+            console.write(f"rayppo scale {' '.join(overrides)}: refused ({exc}); the run goes on as it is")
+            return False
+        said = changes(self.cfg, cfg)
+        if not said:
+            return False
+        console.write(f"rayppo scale: {said} after iteration {self.it - 1}: checkpoint, then resume on the new split")
+        self.rescale = cfg
+        return True
 
     def one(self) -> dict[str, float]:
         """One iteration, its evaluation when due, its records and its periodic checkpoint."""
@@ -304,7 +349,7 @@ def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int
     return state["iteration"]
 
 
-STOPS = {"interrupted": "Interrupted", "preempted": "Preempted (SIGTERM)",
+STOPS = {"interrupted": "Interrupted", "preempted": "Preempted (SIGTERM)", "rescaled": "Rescaling",
          "correctness_guard": "Stopped by the correctness guard", "actor_failure": "Stopped by an actor failure",
          "error": "Stopped by an error"}
 """Stops after which a checkpoint is written (of the last completed iteration), and how they read."""
@@ -386,6 +431,8 @@ def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: in
             except Exception as exc:  # noqa: BLE001 - the stop's own cause is what gets raised
                 console.write(f"{STOPS[stop_reason]}; the checkpoint could not be written ({brief(exc)}): "
                               f"{_standing(out)}")
+                return
+            if stop_reason == "rescaled":  # train() resumes from it at once
                 return
             console.write(f"{STOPS[stop_reason]} after {int(path.name.removeprefix('iter_'))} iterations; saved a "
                           f"checkpoint to {path} (continue with: rayppo train --resume {out})")

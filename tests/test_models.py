@@ -75,10 +75,11 @@ def test_critic_save_and_load_roundtrip(tmp_path, critic):
 
 
 def test_split_response():
-    assert split_response([5, 6, 3, 0, 0], eos_ids=[3], pad_id=0) == ([5, 6, 3], "stop")
-    assert split_response([5, 6, 7], eos_ids=[3], pad_id=0) == ([5, 6, 7], "length")
-    assert split_response([5, 9, 6, 3], eos_ids=[3, 9], pad_id=0) == ([5, 9], "stop")  # any EOS id ends it
-    assert split_response([5, 6, 0, 0], eos_ids=[3], pad_id=0) == ([5, 6], "length")
+    assert split_response([5, 6, 3, 0, 0], eos_ids=[3]) == ([5, 6, 3], "stop")
+    assert split_response([5, 6, 7], eos_ids=[3]) == ([5, 6, 7], "length")
+    assert split_response([5, 9, 6, 3], eos_ids=[3, 9]) == ([5, 9], "stop")  # any EOS id ends it
+    # No padding follows a row without EOS: a pad id there was sampled, and stays.
+    assert split_response([5, 6, 0, 0], eos_ids=[3]) == ([5, 6, 0, 0], "length")
 
 
 def test_generator_reports_sampling_logprobs_and_finish_reasons(embedded_dir, tokenizer, policy):

@@ -235,8 +235,8 @@ def test_the_tokens_trained_on_are_the_sampled_ids_plus_the_observation_ids(play
     sampled: list[list[list[int]]] = []
     backend_sample = engine.backend.sample
 
-    def recording(contexts, settings, seed, limits=None):  # the real sampler, its answers kept
-        out = backend_sample(contexts, settings, seed, limits)
+    def recording(contexts, settings, seeds, limits=None):  # the real sampler, its answers kept
+        out = backend_sample(contexts, settings, seeds, limits)
         sampled.append(out[0])
         return out
 

@@ -165,27 +165,36 @@ def _train(out: Path, args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-@pytest.mark.slow
-# vLLM only (the default backend, and the one whose samplers are reseeded per iteration): the hf
-# generator's resumption is the in-process trainer's, shown exactly above; the suite's time is
-# better spent on the fault tests.
-@pytest.mark.parametrize("backend", ["vllm"])
-def test_sigkill_after_iteration_k_then_resume_equals_the_uninterrupted_run(tmp_path, embedded_dir, backend):
-    """Distributed run (Ray, DeepSpeed, fp32): SIGKILL the driver's whole process group once the
-    checkpoint after iteration 2 is in place, resume, and compare iterations 2-3 with a run that
-    was never interrupted. vLLM engines are reseeded per iteration from the run's seed stream."""
-    args = [f"generators.backend={backend}", "learner.num_ranks=1", "rollout.batch_size=16", "ppo.lr=0.003",
+RUN_ARGS = ["generators.backend=vllm", "learner.num_ranks=1", "rollout.batch_size=16", "ppo.lr=0.003",
             "output.checkpoint_every=1", "output.save_model=false", "output.tensorboard=false"]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    proc = _train(whole, [*args, "stop.iterations=4"])
+"""The distributed runs below (Ray, DeepSpeed, vLLM generators, fp32): vLLM is the default backend,
+each row sampled with a seed of its own (``sample_seeds``); the hf generator's resumption is the
+in-process trainer's, shown exactly above."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, embedded_dir) -> list[dict[str, float]]:
+    """The records of 4 iterations of ``RUN_ARGS`` run without a stop, on 1 generator."""
+    out = tmp_path_factory.mktemp("whole")
+    proc = _train(out, [*RUN_ARGS, "stop.iterations=4"])
     assert proc.wait(timeout=400) == 0, proc.communicate()[1][-3000:]
-    proc = _train(killed, [*args, "stop.iterations=1000"])
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:
-        latest = killed / "checkpoints" / "latest"
-        if latest.is_file() and latest.read_text().strip() >= "iter_000002":
-            break
+    return _records(out)
+
+
+def _wait_for(what, timeout_s: float = 400) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and not what():
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigkill_after_iteration_k_then_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted):
+    """SIGKILL the driver's whole process group once the checkpoint after iteration 2 is in place,
+    resume, and compare iterations 2-3 with the run that was never interrupted."""
+    killed = tmp_path / "killed"
+    proc = _train(killed, [*RUN_ARGS, "stop.iterations=1000"])
+    latest = killed / "checkpoints" / "latest"
+    _wait_for(lambda: proc.poll() is not None or (latest.is_file() and latest.read_text().strip() >= "iter_000002"))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = int(latest_checkpoint(killed).name.removeprefix("iter_"))
@@ -193,10 +202,34 @@ def test_sigkill_after_iteration_k_then_resume_equals_the_uninterrupted_run(tmp_
     assert resumed.wait(timeout=400) == 0, resumed.communicate()[1][-3000:]
     records = _records(killed)
     assert [r["iteration"] for r in records] == list(range(done + 2))  # no iteration twice, none lost
-    expected = _records(whole)[done:done + 2] if done + 2 <= 4 else None
-    if expected is None:  # the kill came late: compare what the uninterrupted run has
+    if done + 2 > 4:  # the kill came late: compare what the uninterrupted run has
         pytest.fail(f"the driver was killed after iteration {done}, past the uninterrupted run's 4")
-    assert _worst_gap(expected, records[done:]) < RELATIVE
+    assert _worst_gap(uninterrupted[done:done + 2], records[done:]) < RELATIVE
+
+
+@pytest.mark.slow
+def test_a_job_scaled_to_two_generators_while_it_runs_goes_on_as_the_uninterrupted_run(tmp_path, uninterrupted):
+    """``rayppo scale DIR generators.num=2`` once iteration 0 is done: after its current iteration
+    the driver writes a checkpoint, resumes from it on 2 generators in the same process, and every
+    iteration equals the 1-generator run's (a row's noise is its own, whichever generator draws it)."""
+    out = tmp_path / "scaled"
+    proc = _train(out, [*RUN_ARGS, "stop.iterations=4"])
+    _wait_for(lambda: proc.poll() is not None or ((out / "metrics.jsonl").is_file() and _records(out)))
+    asked = time.time()
+    assert main(["scale", str(out), "generators.num=2"]) == 0
+    taken = len(_records(out))  # the request is taken after the iteration in flight: this one at the latest
+    _wait_for(lambda: proc.poll() is not None or len(_records(out)) > taken + 1)
+    print(f"{time.time() - asked:.1f} s from the request to the first iteration completed on 2 generators")
+    _, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, stderr[-3000:]
+    said = stderr + (out / "logs" / "driver.log").read_text()
+    assert "rayppo scale: generators.num 1 -> 2 after iteration" in said
+    assert not (out / "scale.json").exists()  # taken once
+    records = _records(out)
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3]
+    placement = json.loads((out / "placement.json").read_text())
+    assert len(placement["roles"]["generators"]) == 2  # the node of each generator
+    assert _worst_gap(uninterrupted, records) < RELATIVE
 
 
 def test_a_failed_final_export_keeps_the_trained_state_and_resume_exports_it(tmp_path, small_overrides, capsys):
@@ -217,3 +250,58 @@ def test_a_failed_final_export_keeps_the_trained_state_and_resume_exports_it(tmp
 
     assert AutoModelForCausalLM.from_pretrained(out / "policy").num_parameters() > 0
     assert len(_records(out)) == 2  # the resume trained nothing more
+
+
+def _run_folder(tmp_path: Path, overrides: list[str]) -> Path:
+    """A run folder as ``rayppo train`` leaves it: its config.yaml."""
+    import yaml
+
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import to_dict
+
+    out = tmp_path / "run"
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(None, overrides + [f"output.dir={out}"]))))
+    return out
+
+
+def test_a_scale_request_changes_only_the_split_names_what_it_refuses_and_is_taken_once(tmp_path):
+    from rayppo.run.scale import pending, request_scale, take_request
+
+    out = _run_folder(tmp_path, ["cluster.num_cpus=2"])
+    with pytest.raises(ConfigError, match=r"ppo\.lr: not part of the split over actors .*rayppo train --resume"):
+        request_scale(out, ["ppo.lr=0.1"])
+    with pytest.raises(ConfigError, match=r"learner\.zero_stage: cannot change on --resume \(2 -> 3\)"):
+        request_scale(out, ["learner.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"generators\.num"):
+        request_scale(out, ["generators.num=0"])
+    with pytest.raises(CheckpointError, match="is not a rayppo run folder"):
+        request_scale(tmp_path / "elsewhere", ["generators.num=2"])
+    assert not (out / "scale.json").exists()  # nothing refused is left for the driver
+    assert request_scale(out, ["generators.num=2"]) == "generators.num 1 -> 2"
+    assert request_scale(out, ["learner.num_ranks=1", "generators.num=3"]) == (
+        "learner.num_ranks 2 -> 1, generators.num 1 -> 3")  # merged with the request still waiting
+    assert pending(out) == ["generators.num=3", "learner.num_ranks=1"]
+    assert take_request(out) == ["generators.num=3", "learner.num_ranks=1"] and take_request(out) is None
+    inprocess = _run_folder(tmp_path / "one", ["trainer=reference"])
+    with pytest.raises(ConfigError, match="runs in one process"):
+        request_scale(inprocess, ["generators.num=2"])
+
+
+def test_the_driver_refuses_a_split_that_does_not_fit_and_goes_on(tmp_path, capsys):
+    """Taken between two iterations: a request for more CPUs than the machine has is refused on
+    one line (the run keeps its split); one that fits stops the loop for the resume on it."""
+    from rayppo.config.load import load_config
+    from rayppo.run.scale import request_scale
+    from rayppo.train import _Loop
+
+    out = _run_folder(tmp_path, ["cluster.num_cpus=2"])
+    cfg = load_config(out / "config.yaml", paths_relative_to_file=False)
+    loop = _Loop(cfg, trainer=None, out=out, logger=None, bar=None, stop=None, it=3)
+    request_scale(out, ["generators.num=9"])
+    assert not loop._take_rescale() and loop.rescale is None
+    assert re.search(r"rayppo scale generators\.num=9: refused \(it does not fit: .*CPU.*\); the run goes on as it is",
+                     capsys.readouterr().err)
+    request_scale(out, ["generators.num=2", "learner.num_ranks=1"])
+    assert loop._take_rescale() and (loop.rescale.generators.num, loop.rescale.learner.num_ranks) == (2, 1)
+    assert "rayppo scale: learner.num_ranks 2 -> 1, generators.num 1 -> 2 after iteration 2" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""What a vLLM generator samples: EOS handling and each generator's own seed (a real CPU engine)."""
+"""What a vLLM generator samples: EOS handling and each row's own noise (a real CPU engine)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSetti
 from rayppo.data.prompts import PromptBatch
 from rayppo.models.sequences import pack
 from rayppo.actors.settings import generator_seed
+from rayppo.data.rollout import Rollout
+from rayppo.trainers.iteration import group_shares
 
 pytestmark = pytest.mark.slow
 
@@ -60,18 +62,35 @@ def test_emitted_eos_is_in_the_response_and_mask_and_a_cut_is_length(vllm_env, e
     assert cut.response_ids == [ids[:-1]] and cut.finish_reason == ["length"]
 
 
-def test_each_generator_draws_its_own_noise_and_each_is_reproducible(vllm_env, embedded_dir, tokenizer):
-    def sample(generator_id: int) -> list[list[int]]:
-        engine = _engine(embedded_dir, seed=generator_seed(0, generator_id))
-        responses = engine.generate(_batch(tokenizer), seed=0).response_ids
-        del engine
-        gc.collect()
-        return responses
+def test_a_rollout_is_the_same_whichever_generators_draw_its_rows(vllm_env, embedded_dir, tokenizer):
+    """Each row's noise is its own seed's (``sample_seeds``: call seed, group, place in the group):
+    one engine drawing the whole batch and another engine (another engine seed, as generator 1
+    has) drawing it in two shares, in reverse order, sample the same tokens. A call seed that
+    differs draws other samples; the same one again, the same."""
+    batch = _batch(tokenizer, PROMPTS[:8])
 
-    first, second, first_again = sample(0), sample(1), sample(0)
-    assert first == first_again  # a run is reproducible from its seed
-    assert first != second  # two generators given the same prompts do not draw the same samples
-    assert sum(a != b for a, b in zip(first, second)) > len(PROMPTS) // 2
+    def sample(generator_id: int, shares: int, seed: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+        engine = _engine(embedded_dir, seed=generator_seed(0, generator_id))
+        try:
+            parts = [engine.generate(share, seed=seed) for share in reversed(group_shares(batch, shares, 4))]
+        finally:
+            del engine
+            gc.collect()
+        rollout = Rollout.concat(parts[::-1])
+        return rollout.response_ids, rollout.logprobs
+
+    whole, logprobs = sample(0, 1)
+    split, split_logprobs = sample(1, 2)
+    assert split == whole  # exactly: same seeds, same tokens
+    # The two calls batch different rows together; vLLM's CPU kernels give a row the same fp32
+    # logits whatever else is in the batch up to the order of a reduction (a few ulp of log-probs
+    # of magnitude < 10: 4 * 2**-23 * 10 = 5e-6).
+    gap = max(abs(a - b) for x, y in zip(logprobs, split_logprobs) for a, b in zip(x, y))
+    print(f"log-prob gap between splits: {gap:.2e}")
+    assert gap <= 5e-6, gap
+    assert len({tuple(r) for r in whole}) > len(whole) // 2  # the rows of a group draw their own noise
+    other, _ = sample(0, 1, seed=1)
+    assert sum(a != b for a, b in zip(whole, other)) > len(whole) // 2
 
 
 def test_a_groups_samples_share_the_prompt_in_the_prefix_cache_and_each_draws_its_own_noise(
@@ -104,34 +123,27 @@ def test_vllm_stops_on_the_generation_configs_eos_ids_like_the_hf_backend(vllm_e
     assert any(ids[-1] == seven for ids in rollout.response_ids)  # the stop token is kept in the response
 
 
-def test_the_gpu_runners_per_request_seeds_follow_the_call_seed():
-    """vLLM 0.32's V2 model runner (the GPU default) gives each request without a seed its own,
-    drawn from numpy's global generator as the request is added (``SamplingStates.add_request``,
-    vllm/v1/worker/gpu/sample/states.py). The reseed before every call fixes those draws: the
-    same call seed gives the same request seeds whatever was drawn before, another gives others.
-    The upstream method runs here on stand-in buffers (its own are pinned memory, CUDA only)."""
+def test_the_gpu_runner_samples_each_request_with_its_own_seed():
+    """vLLM 0.32's V2 model runner (the GPU default) keeps a seeded request's seed
+    (``SamplingStates.add_request``, vllm/v1/worker/gpu/sample/states.py) and draws its noise from
+    it; it would draw a seed from numpy's global generator only for a request without one. The
+    upstream method runs here on stand-in buffers (its own are pinned memory, CUDA only)."""
     from types import SimpleNamespace
 
     import numpy as np
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample.states import SamplingStates
 
-    from rayppo.actors.generator import _reseed_worker
+    from rayppo.actors.hf_backend import sample_seeds
 
-    def request_seeds(call_seed: int, requests: int = 4) -> list[int]:
-        def buffer(dtype):
-            return SimpleNamespace(np=np.zeros(requests, dtype=dtype))
+    seeds = sample_seeds(0, [0, 0, 1, 1])
 
-        states = SimpleNamespace(temperature=buffer(np.float32), top_k=buffer(np.int32), top_p=buffer(np.float32),
-                                 min_p=buffer(np.float32), seeds=buffer(np.int64), vocab_size=100,
-                                 seeds_set=np.zeros(requests, dtype=bool),
-                                 num_logprobs=np.empty(requests, dtype=np.int32))
-        _reseed_worker(None, call_seed)
-        for i in range(requests):
-            SamplingStates.add_request(states, i, SamplingParams(temperature=1.0))
-        return states.seeds.np.tolist()
+    def buffer(dtype):
+        return SimpleNamespace(np=np.zeros(len(seeds), dtype=dtype))
 
-    first = request_seeds(7)
-    np.random.rand(5)  # whatever the worker drew in between (earlier calls, other requests)
-    assert request_seeds(7) == first
-    assert request_seeds(8) != first and len(set(first)) == 4
+    states = SimpleNamespace(temperature=buffer(np.float32), top_k=buffer(np.int32), top_p=buffer(np.float32),
+                             min_p=buffer(np.float32), seeds=buffer(np.int64), vocab_size=100,
+                             seeds_set=np.zeros(len(seeds), dtype=bool), num_logprobs=np.empty(len(seeds), dtype=np.int32))
+    for i, seed in enumerate(seeds):
+        SamplingStates.add_request(states, i, SamplingParams(temperature=1.0, seed=seed))
+    assert states.seeds.np.tolist() == seeds and states.seeds_set.all()

@@ -16,16 +16,15 @@ what the learner recomputes as log_softmax(logits / temperature):
 from __future__ import annotations
 
 import os
-import random
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
-import numpy as np
 import torch
 
 from rayppo.actors.held_weights import worker_held_prints, worker_tied_aliases
 # SamplingSettings and split_response are imported from here by the roles' callers.
-from rayppo.actors.hf_backend import HFBackend, SamplingSettings, split_response, stop_token_ids  # noqa: F401
+from rayppo.actors.hf_backend import HFBackend, SamplingSettings, sample_seeds, split_response, stop_token_ids  # noqa: F401
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
@@ -36,6 +35,7 @@ from rayppo.errors import RayppoError
 from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.models.chat_tokens import check_template
 from rayppo.models.loading import load_tokenizer, resolve_model_path
+from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights, with_aliases
 
 
@@ -93,7 +93,7 @@ class _VLLMBackend:
             weight_receiver.register()
             extra["weight_transfer_config"] = {"backend": weight_receiver.BACKEND}
         self.llm = LLM(
-            model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+            model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, **_whole_prefills(settings, model_path),
             tensor_parallel_size=settings.tensor_parallel_size,
             distributed_executor_backend=settings.executor, enable_sleep_mode=settings.sleep_mode,
             gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -177,28 +177,22 @@ class _VLLMBackend:
         self.llm.wake_up(tags=tags)
         return True
 
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None = None):
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seeds: list[int],
+               limits: list[int] | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        # One SamplingParams for the batch, without a per-request seed (per-request seeds crash
-        # vLLM 0.32's CPU runner whenever a prefill is chunked: "CPU Generator does not use
-        # offset"). Requests without a seed draw from each worker's default torch generator
-        # (vllm/v1/sample/ops/topk_topp_sampler.py, random_sample, 0.32): reseeding it per call
-        # makes an iteration's samples a function of (engine seed, iteration seed) only, so a
-        # resumed run samples what the uninterrupted one did.
-        self.llm.collective_rpc(_reseed_worker, args=((self.seed * 1_000_003 + seed) % 2**63,))
-        # logprobs=0: only the sampled token's; flat lists instead of a dict per token, and no
-        # detokenisation (rayppo decodes once itself): less Python work per generated token.
-        # With per-row limits (partial rollouts) each request gets its own max_tokens: LLM.generate
-        # takes one SamplingParams per prompt (vllm/entrypoints/llm.py, 0.32).
-        params = [SamplingParams(temperature=s.temperature, max_tokens=limit, ignore_eos=s.ignore_eos,
+        # One request per row with its own seed (``sample_seeds``): vLLM gives a seeded request a
+        # torch.Generator of its own (gpu_model_runner.py, _update_states) and draws its noise from
+        # it alone (v1/sample/ops/topk_topp_sampler.py, random_sample, 0.32), so a row's sample does
+        # not depend on the other rows of the call. logprobs=0: only the sampled token's; flat
+        # lists and no detokenisation (rayppo decodes once itself): less Python work per token.
+        limits = limits or [s.max_new_tokens] * len(prompt_ids)
+        params = [SamplingParams(temperature=s.temperature, max_tokens=limit, seed=seed, ignore_eos=s.ignore_eos,
                                  stop_token_ids=None if s.ignore_eos else self.eos_ids,
                                  logprobs=0, flat_logprobs=True, detokenize=False)
-                  for limit in sorted(set(limits or [s.max_new_tokens]))]
-        by_limit = {p.max_tokens: p for p in params}
-        per_row = [by_limit[limit] for limit in limits] if limits else params[0]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], per_row, use_tqdm=False)
+                  for limit, seed in zip(limits, seeds)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         response_ids, logprobs, reasons = [], [], []
         for out in outputs:
             sample = out.outputs[0]
@@ -209,16 +203,28 @@ class _VLLMBackend:
         return response_ids, logprobs, reasons
 
 
-def _reseed_worker(worker, seed: int) -> None:
-    """Runs inside a vLLM worker: reseed every generator its sampler draws from. The V1 runner
-    (CPU) samples requests without a seed from torch's default generator; the V2 runner (the GPU
-    default where Triton exists) gives each such request a seed of its own from numpy's global
-    generator as the request is added (``SamplingStates.add_request``,
-    vllm/v1/worker/gpu/sample/states.py, vLLM 0.32), so numpy is reseeded too: the requests of a
-    call are added in order, and their seeds follow from this one."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
+def _whole_prefills(settings: VLLMSettings, model_path: str) -> dict[str, Any]:
+    """On CPU, no prompt is prefilled in pieces: vLLM 0.32 rewinds a seeded request's generator
+    after a partial prefill (``gen.set_offset(gen.get_offset() - 4)``, gpu_model_runner.py,
+    _sample_tokens), which a CPU generator cannot do ("CPU Generator does not use offset"). Without
+    chunked prefill the scheduler waits for room for a whole prompt (v1/core/sched/scheduler.py),
+    and its token budget must then hold the longest sequence (config/scheduler.py,
+    verify_max_model_len). On GPUs (and their Philox generators) nothing changes."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    longest = settings.max_model_len or max_positions(model_path) or 0
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_BATCHED_TOKENS, longest)}
+
+
+CPU_BATCHED_TOKENS = 4096
+"""vLLM 0.32's CPU default for ``max_num_batched_tokens`` (engine/arg_utils.py, LLM class)."""
+
+
+def _seeds(seed: int, prompts: PromptBatch) -> list[int]:
+    """Each row's sampling seed (``sample_seeds``); rows outside any group count as groups of one."""
+    return sample_seeds(seed, prompts.groups or range(len(prompts)))
 
 
 def _sampled_logprobs(steps, ids: list[int]) -> list[float]:
@@ -340,10 +346,10 @@ class GeneratorEngine(Engine):
     def warmup(self) -> float:
         """One short generation: an engine's first call allocates and warms its kernels, which
         belongs to start-up, not to the first iteration's timings. Returns its seconds. (Each
-        ``sample`` reseeds, so this changes no later sample.)"""
+        row has a seed of its own, so this changes no later sample.)"""
         start = time.perf_counter()
         ids = self.tokenizer("warm up", add_special_tokens=True)["input_ids"]
-        self.backend.sample([ids] * 2, replace(self.sampling, max_new_tokens=2), seed=0)
+        self.backend.sample([ids] * 2, replace(self.sampling, max_new_tokens=2), seeds=[0, 1])
         return time.perf_counter() - start
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
@@ -352,7 +358,7 @@ class GeneratorEngine(Engine):
         environment each prompt starts a multi-turn episode (``rayppo.episodes``)."""
         if self.episodes is not None:
             return self._play(prompts, self.sampling, seed)
-        response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, seed)
+        response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, _seeds(seed, prompts))
         self._check_nonempty(prompts.texts, response_ids)
         return self._rollout(prompts, response_ids, logprobs, reasons)
 
@@ -373,7 +379,8 @@ class GeneratorEngine(Engine):
         done = [len(ids) for ids in carry.response_ids] + [0] * len(prompts)
         contexts = [p + r for p, r in zip(carry.prompt_ids, carry.response_ids)] + [list(p) for p in prompts.ids]
         caps = [min(budget, limit - n) for n in done]
-        new_ids, new_logprobs, reasons = self.backend.sample(contexts, self.sampling, seed, caps)
+        seeds = sample_seeds(seed, list(carry.group_id) + (prompts.groups or [-1 - i for i in range(len(prompts))]))
+        new_ids, new_logprobs, reasons = self.backend.sample(contexts, self.sampling, seeds, caps)
         self._check_nonempty(carry.prompt_text + list(prompts.texts), new_ids)
         reasons = ["partial" if r == "length" and n + len(ids) < limit else r
                    for r, n, ids in zip(reasons, done, new_ids)]
@@ -395,11 +402,15 @@ class GeneratorEngine(Engine):
         (0: greedy); for scoring only, so no log-probs are kept."""
         if not len(prompts):  # more generators than held-out prompts
             return self._rollout(prompts, [], [], [])
-        repeated = prompts.select([i for i in range(len(prompts)) for _ in range(samples)])
+        rows = [i for i in range(len(prompts)) for _ in range(samples)]
+        repeated = prompts.select(rows)
+        # A held-out prompt's samples are a group (its place in the whole held-out set when the
+        # driver split it): the same noise whichever generator evaluates it.
+        repeated.groups = [(prompts.groups or range(len(prompts)))[i] for i in rows]
         sampling = replace(self.sampling, temperature=temperature)
         if self.episodes is not None:
             return self._play(repeated, sampling, seed)
-        response_ids, _, reasons = self.backend.sample(repeated.ids, sampling, seed)
+        response_ids, _, reasons = self.backend.sample(repeated.ids, sampling, _seeds(seed, repeated))
         return self._rollout(repeated, response_ids, [], reasons)
 
     def _play(self, prompts: PromptBatch, sampling: SamplingSettings, seed: int) -> Rollout:
@@ -408,10 +419,12 @@ class GeneratorEngine(Engine):
         e = self.episodes
         if self._pool is None:
             self._pool = EnvironmentPool(e.environment, e.workers, e.timeout_s)
-        # Turn k's seed mixes k in, as round_seed does: seed + k would be the next iteration's turn k - 1.
-        rollout = play_episodes(
-            lambda contexts, limits, k: self.backend.sample(contexts, sampling, (seed * 1_000_033 + k) % 2**62, limits),
-            self.tokenizer, self._pool, e, prompts, self.turn_end_ids)
+        def sample(contexts: list[list[int]], limits: list[int], turn: int, rows: list[int]):
+            # Turn k's seed mixes k in, as round_seed does: seed + k would be the next iteration's turn k - 1.
+            seeds = _seeds((seed * 1_000_033 + turn) % 2**62, prompts)
+            return self.backend.sample(contexts, sampling, [seeds[r] for r in rows], limits)
+
+        rollout = play_episodes(sample, self.tokenizer, self._pool, e, prompts, self.turn_end_ids)
         rollout.policy_version = [self.policy_version] * len(rollout)
         rollout.generator_id = [self.generator_id] * len(rollout)
         return rollout

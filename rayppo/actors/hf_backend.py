@@ -2,16 +2,18 @@
 
 ``HFBackend`` samples with transformers' ``generate`` and scores the sampled tokens with one
 forward pass (``models.sequences.policy_forward``), for models vLLM cannot load and for the
-bit-for-bit comparison with the in-process trainer. ``SamplingSettings``, ``stop_token_ids`` and
-``split_response`` are the vLLM backend's too (``generator.py``).
+bit-for-bit comparison with the in-process trainer. ``SamplingSettings``, ``sample_seeds``,
+``stop_token_ids`` and ``split_response`` are the vLLM backend's too (``generator.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints
@@ -31,6 +33,22 @@ class SamplingSettings:
     # No top-p / top-k: the learner scores log_softmax(logits / T), so that is what is sampled.
 
 
+def sample_seeds(seed: int, groups: Sequence[int]) -> list[int]:
+    """The sampling seed of each row of a call: a function of the call's ``seed`` (the run's seed
+    and the iteration, ``trainers/iteration.py``), the row's group (its prompt's place in the whole
+    batch, ``PromptBatch.groups``) and its place among that group's rows; not of the generator that
+    samples it, nor of how many generators there are. So G generators draw the rollout one draws,
+    and a run resumed on another ``generators.num`` goes on as it would have (docs/cluster.md,
+    "Sampling noise"). A hash rather than arithmetic, so that no two (seed, group, k) collide."""
+    seen: dict[int, int] = {}
+    seeds = []
+    for group in groups:
+        k = seen[group] = seen.get(group, -1) + 1
+        digest = hashlib.blake2b(f"{seed}:{group}:{k}".encode(), digest_size=8).digest()
+        seeds.append(int.from_bytes(digest, "little") % 2**63)
+    return seeds
+
+
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS and the model's ``generation_config``
@@ -44,13 +62,13 @@ def stop_token_ids(tokenizer, model_path: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def split_response(tokens: list[int], eos_ids: list[int], pad_id: int) -> tuple[list[int], str]:
-    """Cut a generated row after its first EOS: ``(response ids with EOS, finish reason)``."""
+def split_response(tokens: list[int], eos_ids: list[int]) -> tuple[list[int], str]:
+    """Cut a generated row after its first EOS: ``(response ids with EOS, finish reason)``.
+    ``generate`` pads a row only after its EOS, so a row without one is all samples: a pad id in
+    it is a token the policy drew."""
     for i, token in enumerate(tokens):
         if token in eos_ids:
             return tokens[: i + 1], "stop"
-    while tokens and tokens[-1] == pad_id and pad_id not in eos_ids:
-        tokens = tokens[:-1]
     return tokens, "length"
 
 
@@ -96,38 +114,62 @@ class HFBackend:
         return False
 
     @torch.no_grad()
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None = None):
+    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seeds: list[int],
+               limits: list[int] | None = None):
         # The in-process trainer samples from the module it trains: eval mode here keeps the KV
         # cache on (transformers turns it off under gradient checkpointing in train mode).
         training = self.model.training
         self.model.eval()
         try:
-            return self._sample(prompt_ids, s, seed, limits)
+            return self._sample(prompt_ids, s, seeds, limits)
         finally:
             self.model.train(training)
 
-    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seed: int, limits: list[int] | None):
+    def _sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seeds: list[int], limits: list[int] | None):
         tok = self.tokenizer
         limits = limits or [s.max_new_tokens] * len(prompt_ids)
         longest = max(limits, default=s.max_new_tokens)
         batch = pack(prompt_ids, [[]] * len(prompt_ids), tok.pad_token_id).to(self.device)
         width = batch.prompt_width
-        torch.manual_seed(seed)
         out = self.model.generate(
             input_ids=batch.input_ids[:, :width],
             attention_mask=batch.attention_mask[:, :width],
-            # temperature 0: greedy decoding (evaluation); its log-probs below are at T = 1.
-            do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=1.0, top_k=0,
+            # Greedy decoding of scores that RowNoise has perturbed: a sample from each row's own
+            # noise. Temperature 0: plain greedy decoding (evaluation); its log-probs below are at T = 1.
+            do_sample=False, temperature=None, top_p=None, top_k=None,
+            logits_processor=LogitsProcessorList([RowNoise(seeds, s.temperature)] if s.temperature > 0 else []),
             max_new_tokens=longest, min_new_tokens=longest if s.ignore_eos else 0,
             eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id,
         )
         eos_ids = [] if s.ignore_eos else self.eos_ids
         # One generate() for the batch, each row then cut at its own limit: the tokens a row would
         # have sampled past it are dropped, which changes nothing before the cut.
-        rows = [split_response(row[:limit].tolist(), eos_ids, tok.pad_token_id)
+        rows = [split_response(row[:limit].tolist(), eos_ids)
                 for row, limit in zip(out[:, width:], limits)]
         response_ids = [ids for ids, _ in rows]
         nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
         logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
                                      s.temperature or 1.0)
         return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]
+
+
+class RowNoise(LogitsProcessor):
+    """Turns greedy decoding into sampling from softmax(logits / T), each row with noise from its
+    own seed: argmax_v(logits_v / T + g_v) with g_v ~ Gumbel(0, 1) i.i.d. is a draw from
+    softmax(logits / T) (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow & Minka 2014). One
+    generator per row, so a row's sample does not depend on the other rows of the batch, as in
+    vLLM with per-request seeds."""
+
+    def __init__(self, seeds: list[int], temperature: float):
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` [B, V] -> [B, V] fp32 perturbed scores (a -inf score stays -inf)."""
+        vocab = scores.shape[-1]
+        # -log E with E ~ Exp(1) is Gumbel(0, 1); drawn on the CPU, where every row's generator lives.
+        # E is kept above 0 (a 0 would be +inf noise, and NaN on a -inf score).
+        tiny = torch.finfo(torch.float32).tiny
+        noise = torch.stack([-torch.empty(vocab).exponential_(generator=g).clamp_min_(tiny).log()
+                             for g in self.generators])
+        return scores.float() / self.temperature + noise.to(scores.device)

@@ -22,6 +22,6 @@ def episode_settings(cfg: Config) -> EpisodeSettings | None:
 
 
 def generator_seed(seed: int, generator_id: int) -> int:
-    """The seed of generator ``generator_id``'s engine: its own noise stream, fixed by the run's
-    seed (a vLLM engine is seeded once, at creation; equal seeds would draw equal samples)."""
+    """The seed of generator ``generator_id``'s engine, fixed by the run's seed. No response draws
+    from it: each row carries its own seed (``hf_backend.sample_seeds``)."""
     return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31

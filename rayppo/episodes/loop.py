@@ -20,10 +20,11 @@ from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool,
 from rayppo.errors import RayppoError
 from rayppo.models.chat_tokens import Message, observation_ids
 
-Sampler = Callable[[list[list[int]], list[int], int], tuple[list[list[int]], list[list[float]], list[str]]]
-"""``sample(contexts, limits, turn) -> (ids, logprobs, finish reasons)``: one batched call of a
-generator backend for turn ``turn``, each context continued by at most its limit of tokens
-(``stop``: it ended on an end-of-turn token, which its ids include)."""
+Sampler = Callable[[list[list[int]], list[int], int, list[int]], tuple[list[list[int]], list[list[float]], list[str]]]
+"""``sample(contexts, limits, turn, rows) -> (ids, logprobs, finish reasons)``: one batched call of
+a generator backend for turn ``turn``, each context continued by at most its limit of tokens
+(``stop``: it ended on an end-of-turn token, which its ids include); ``rows``: each context's
+episode (its place in ``starts``), whose seed it samples with."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Epis
                active: list[EpisodeState], turn: int, end_ids: list[int], deadline: float | None) -> None:
     """One turn of every active episode: sample, then step the environments of the turns that
     ended on an end-of-turn token, then append their observations."""
-    ids, logprobs, reasons = sample([s.context for s in active], [turn_limit(s, settings) for s in active], turn)
+    ids, logprobs, reasons = sample([s.context for s in active], [turn_limit(s, settings) for s in active], turn,
+                                    [s.episode.id for s in active])
     stepping: list[tuple[EpisodeState, str]] = []
     for state, turn_ids, turn_logprobs, reason in zip(active, ids, logprobs, reasons):
         text = take_turn(state, turn_ids, turn_logprobs, reason, end_ids, tokenizer, turn)

@@ -204,14 +204,21 @@ def resume_config(run_dir: str | Path, overrides: list[str]):
 
     Overrides may change resources, stopping and output options; anything else (the algorithm,
     the models, the data, the seed) would make the resumed run a different run: refused, named."""
-    from rayppo.config.load import load_config
-    from rayppo.config.schema import ConfigError, field_docs
-
     run_dir = Path(run_dir)
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise CheckpointError(f"--resume: {saved} not found: {run_dir} is not a rayppo run folder")
     checkpoint = latest_checkpoint(run_dir)
+    return continued_config(run_dir, overrides), checkpoint
+
+
+def continued_config(run_dir: Path, overrides: list[str]):
+    """``run_dir``'s saved config with ``overrides`` applied, when they change only what a resumed
+    run may change (``resume_config``); else ``ConfigError`` naming the field."""
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError, field_docs
+
+    saved = run_dir / "config.yaml"
     before = _flat(load_config(saved, paths_relative_to_file=False))
     cfg = load_config(saved, overrides, paths_relative_to_file=False)
     after = _flat(cfg)
@@ -221,7 +228,7 @@ def resume_config(run_dir: str | Path, overrides: list[str]):
                               "the run's math; only resources, the split over actors (learner.num_ranks, "
                               "generators.num, reference.num, reward.num), stop.*, output.* and cluster.* may change")
     _check_stage_change(before["learner.zero_stage"], after["learner.zero_stage"])
-    return cfg, checkpoint
+    return cfg
 
 
 def _resumable(name: str) -> bool:

@@ -202,15 +202,17 @@ class DistributedTrainer:
         self.last_rollout = rollout
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """Each generator samples its share of the prompts, in groups (``group_shares``), with its own seed."""
+        """Each generator samples its share of the prompts, in groups (``group_shares``); a row's noise
+        is its group's and place's (``sample_seeds``), whichever generator draws it."""
         shares = group_shares(prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
         return self._sample(GeneratorEngine.generate, shares, seed)
 
     def _sample(self, method: Callable[..., Rollout], shares: list[PromptBatch], seed: int, *options: Any) -> Rollout:
         """``method`` (generate or evaluate) on every generator with its share of the prompts,
-        ``options`` and its own seed (last). A generator that dies or hangs is replaced, given the
-        current weights, and samples its share again."""
-        args = [(share, *options, seed + 7919 * i) for i, share in enumerate(shares)]
+        ``options`` and the call's seed (last; each row's noise follows from it and the row's group,
+        ``sample_seeds``). A generator that dies or hangs is replaced, given the current weights,
+        and samples its share again."""
+        args = [(share, *options, seed) for share in shares]
         return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
                                                    refresh=self.weight_sync.refresh))
 
@@ -252,7 +254,9 @@ class DistributedTrainer:
         self.phase = "evaluate"
 
         def score_pass(temperature: float, k: int) -> list[float]:
-            shares = [prompts.select(rows) for rows in split_evenly(len(prompts), len(self.generators))]
+            # Each held-out prompt keeps its place in the set as its group: its noise is the same on any split.
+            shares = [prompts.select(rows).groups_of(1, rows.start)
+                      for rows in split_evenly(len(prompts), len(self.generators))]
             rollout = self._sample(GeneratorEngine.evaluate, shares, seed, temperature, k)
             (score,) = self._reward_scores([rollout])
             return rollout.scored(score).total_rewards()

@@ -324,7 +324,7 @@ class PipelinedTrainer(DistributedTrainer):
                 if published.version > self._held[g]:
                     self._load(g, published)
                 shares = group_shares(batch.prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
-                part = self._sample_share(stages, g, b, shares[g], iteration_seed(seed, b) + 7919 * g)
+                part = self._sample_share(stages, g, b, shares[g], iteration_seed(seed, b))
             finally:
                 self._clocks[g].stop()
             with self._cond:
