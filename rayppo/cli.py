@@ -31,7 +31,8 @@ SCALE_EPILOG = """The running driver takes the request after its current iterati
 resumes from it on the new split in the same process: new generators sample from the next
 iteration on (with the same noise per row as before), a new learner split loads the checkpoint
 resharded. Fields: learner.num_ranks, learner.zero_stage (1 <-> 2), generators.num,
-reference.num, reward.num. E.g.
+reference.num, reward.num, and each role's resources (generators.gpus_per_worker,
+learner.gpus_per_rank, *.cpus*, *.threads, *.cores, *.resources). E.g.
   rayppo scale runs/exp1 generators.num=4
   rayppo scale runs/exp1 learner.num_ranks=2 generators.num=1"""
 

@@ -283,6 +283,8 @@ def test_a_scale_request_changes_only_the_split_names_what_it_refuses_and_is_tak
         "learner.num_ranks 2 -> 1, generators.num 1 -> 3")  # merged with the request still waiting
     assert pending(out) == ["generators.num=3", "learner.num_ranks=1"]
     assert take_request(out) == ["generators.num=3", "learner.num_ranks=1"] and take_request(out) is None
+    assert request_scale(out, ["reward.cpus=0.5"]) == "reward.cpus 0.25 -> 0.5"  # a role's resources too
+    take_request(out)
     inprocess = _run_folder(tmp_path / "one", ["trainer=reference"])
     with pytest.raises(ConfigError, match="runs in one process"):
         request_scale(inprocess, ["generators.num=2"])

@@ -2,8 +2,8 @@
 two iterations.
 
 The request is a file in the run folder (``scale.json``, written whole by a rename). After each
-iteration the driver takes it, checks it as ``--resume`` would (only the split over actors may
-change: ``SPLIT_FIELDS``), writes a checkpoint, closes its actors and resumes from that checkpoint
+iteration the driver takes it, checks it as ``--resume`` would (only the split over actors and
+the roles' resources may change: ``scalable``), writes a checkpoint, closes its actors and resumes from that checkpoint
 on the new split in the same process (``train.train``). New generators sample from the next
 iteration on, with the same noise per row as before (docs/cluster.md, "Sampling noise"); a new
 learner split loads the checkpoint resharded (docs/failures.md, "Resuming on another split").
@@ -13,14 +13,26 @@ refused on one line and the run goes on as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
-from rayppo.run.checkpoint import SPLIT_FIELDS, CheckpointError, continued_config
+from rayppo.run.checkpoint import RESUMABLE_FIELDS, SPLIT_FIELDS, CheckpointError, continued_config
 
 SCALE_FILE = "scale.json"
 """The pending request in a run folder: ``{"overrides": ["generators.num=2", ...]}``."""
+ROLES = ("generators", "reference", "reward", "learner")
+
+
+def scalable() -> list[str]:
+    """The fields a request may change: the split over actors, and each role's resources (GPUs and
+    CPUs per actor, threads, cores, custom resources)."""
+    from rayppo.config.schema import field_docs
+
+    resources = [name for name, _, _ in field_docs()
+                 if name.split(".")[0] in ROLES and name.rsplit(".", 1)[-1] in RESUMABLE_FIELDS]
+    return list(SPLIT_FIELDS) + resources
 
 
 def request_scale(run_dir: str | Path, overrides: list[str]) -> str:
@@ -37,11 +49,12 @@ def request_scale(run_dir: str | Path, overrides: list[str]) -> str:
     if not overrides:
         raise ConfigError(f"scale: nothing to change; give the new split, e.g. generators.num=2 "
                           f"(any of {', '.join(SPLIT_FIELDS)})")
+    fields = scalable()
     for override in overrides:
         key = override.split("=", 1)[0]
-        if "=" not in override or key not in SPLIT_FIELDS:
-            raise ConfigError(f"{key}: not part of the split over actors ({', '.join(SPLIT_FIELDS)}); "
-                              f"other fields change with: rayppo train --resume {run_dir} {override}")
+        if "=" not in override or key not in fields:
+            raise ConfigError(f"{key}: not part of the split over actors ({', '.join(SPLIT_FIELDS)}) nor a role's "
+                              f"resources; other fields change with: rayppo train --resume {run_dir} {override}")
     merged = _merged(pending(run_dir), overrides)
     before, after = load_config(saved, paths_relative_to_file=False), continued_config(run_dir, merged)
     if after.trainer != "distributed":
@@ -70,12 +83,11 @@ def take_request(run_dir: Path) -> list[str] | None:
 
 
 def changes(before, after) -> str:
-    """``generators.num 1 -> 2, learner.num_ranks 2 -> 1`` between two configs' split fields."""
+    """``generators.num 1 -> 2, learner.num_ranks 2 -> 1``: the ``scalable`` fields two configs differ in."""
     def value(cfg, name: str):
-        section, field = name.split(".")
-        return getattr(getattr(cfg, section), field)
+        return functools.reduce(getattr, name.split("."), cfg)
 
-    return ", ".join(f"{name} {value(before, name)} -> {value(after, name)}" for name in SPLIT_FIELDS
+    return ", ".join(f"{name} {value(before, name)} -> {value(after, name)}" for name in scalable()
                      if value(before, name) != value(after, name))
 
 
