@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rayppo.actors.generator import EmptyResponseError
 from rayppo.actors.reward import RewardError
 from rayppo.cli import main
 from rayppo.cluster.group import get
@@ -253,8 +252,9 @@ def test_reward_function_error_names_the_prompt(tmp_path):
         run_iterations(overrides, 1)
 
 
-def test_empty_response_error_names_the_prompt(copy_model, embedded_dir):
-    """A policy that only ever writes padding produces empty responses: a clear error, no hang."""
+def test_a_policy_that_writes_only_padding_is_trained_on_the_pad_tokens_it_drew(copy_model, embedded_dir, tokenizer):
+    """A pad id the policy samples is a token of its response, as vLLM returns it: not cut away as
+    padding (which would record a response the policy did not draw, or none at all)."""
 
     def degenerate(model) -> None:
         # Layers that add nothing and one embedding for every token: the last hidden state is the
@@ -269,6 +269,9 @@ def test_empty_response_error_names_the_prompt(copy_model, embedded_dir):
             model.lm_head.weight[model.config.pad_token_id].fill_(1.0)
 
     overrides = ["generators.backend=hf", "learner.num_ranks=1", "rollout.batch_size=4", "ppo.minibatches=1",
-                 f"model.policy={copy_model('degenerate', degenerate)}", f"model.reference={embedded_dir}"]
-    with pytest.raises(EmptyResponseError, match=r"empty response for prompt '\w+ \d :'"):
-        run_iterations(overrides, 1)
+                 "rollout.max_new_tokens=6", f"model.policy={copy_model('degenerate', degenerate)}",
+                 f"model.reference={embedded_dir}"]
+    (stats,), trainer = run_iterations(overrides, 1)
+    pad = tokenizer.pad_token_id
+    assert trainer.last_rollout.response_ids == [[pad] * 6] * 4 and trainer.last_rollout.finish_reason == ["length"] * 4
+    assert stats["response/length_mean"] == 6

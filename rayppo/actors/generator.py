@@ -31,16 +31,11 @@ from rayppo.engine import Engine, model_size
 from rayppo.episodes.environment import EnvironmentPool
 from rayppo.episodes.loop import EpisodeSettings
 from rayppo.episodes.play import play_episodes
-from rayppo.errors import RayppoError
 from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.models.chat_tokens import check_template
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights, with_aliases
-
-
-class EmptyResponseError(RayppoError, RuntimeError):
-    """A generator produced a response with no tokens; the message names the prompt."""
 
 
 @dataclass
@@ -358,16 +353,10 @@ class GeneratorEngine(Engine):
         environment each prompt starts a multi-turn episode (``rayppo.episodes``)."""
         if self.episodes is not None:
             return self._play(prompts, self.sampling, seed)
+        # Never empty: both backends return at least one token per row (an EOS included; a pad
+        # id the policy drew is a token too, ``split_response``).
         response_ids, logprobs, reasons = self.backend.sample(prompts.ids, self.sampling, _seeds(seed, prompts))
-        self._check_nonempty(prompts.texts, response_ids)
         return self._rollout(prompts, response_ids, logprobs, reasons)
-
-    def _check_nonempty(self, texts: list[str], response_ids: list[list[int]]) -> None:
-        for text, ids in zip(texts, response_ids):
-            if not ids:
-                raise EmptyResponseError(
-                    f"generator {self.generator_id} returned an empty response for prompt {text!r}"
-                )
 
     def generate_partial(self, prompts: PromptBatch, carry: Rollout, seed: int, budget: int) -> Rollout:
         """Partial rollouts (``rollout.partial_tokens`` = ``budget``): continue the unfinished rows of
@@ -381,7 +370,6 @@ class GeneratorEngine(Engine):
         caps = [min(budget, limit - n) for n in done]
         seeds = sample_seeds(seed, list(carry.group_id) + (prompts.groups or [-1 - i for i in range(len(prompts))]))
         new_ids, new_logprobs, reasons = self.backend.sample(contexts, self.sampling, seeds, caps)
-        self._check_nonempty(carry.prompt_text + list(prompts.texts), new_ids)
         reasons = ["partial" if r == "length" and n + len(ids) < limit else r
                    for r, n, ids in zip(reasons, done, new_ids)]
         old = len(carry)

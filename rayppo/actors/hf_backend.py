@@ -146,9 +146,8 @@ class HFBackend:
         # have sampled past it are dropped, which changes nothing before the cut.
         rows = [split_response(row[:limit].tolist(), eos_ids)
                 for row, limit in zip(out[:, width:], limits)]
-        response_ids = [ids for ids, _ in rows]
-        nonempty = [ids or [tok.pad_token_id] for ids in response_ids]  # empty rows are caught later
-        logprobs, _ = policy_forward(self.model, pack(prompt_ids, nonempty, tok.pad_token_id).to(self.device),
+        response_ids = [ids for ids, _ in rows]  # each at least one token: generate() samples one or more
+        logprobs, _ = policy_forward(self.model, pack(prompt_ids, response_ids, tok.pad_token_id).to(self.device),
                                      s.temperature or 1.0)
         return response_ids, [lp[: len(ids)].tolist() for lp, ids in zip(logprobs, response_ids)], [r for _, r in rows]
 
