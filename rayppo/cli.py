@@ -15,6 +15,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 PLAN_EPILOG = """Estimates each role's peak memory per actor from the models' config.json (no model is
 loaded) and checks CPUs, GPUs, per-GPU memory and total RSS against the cluster: exit 0 when it
@@ -133,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--verbose", "-v", action="store_true",
                        help="show the libraries' output here too (by default it goes to DIR/logs/)")
     _submit_parser(sub)
-    for name, text in (("status", "show a job's status (no JOB: list the cluster's jobs)"),
+    for name, text in (("status", "show a job's status (no JOB: list the cluster's jobs; a run folder: where that "
+                                  "run stands, its generator fleet included)"),
                        ("logs", "print a job's logs"), ("stop", "stop a running job")):
         job = sub.add_parser(name, help=text)
         job.add_argument("job_id", metavar="JOB", **({"nargs": "?"} if name == "status" else {}))
@@ -263,7 +265,6 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     """Runs ``benchmarks/bench.py`` of this source checkout (benchmarks are not installed)."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
     if not path.is_file():
@@ -293,7 +294,6 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"--env {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
         env[key] = value
-    from pathlib import Path
 
     note = jobs.pin_output_dir(cfg)
     if note:
@@ -312,6 +312,11 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
+    if args.command == "status" and args.job_id and Path(args.job_id).is_dir():  # a run folder, not a job
+        from rayppo.run.status import run_status
+
+        print("\n".join(run_status(args.job_id)))
+        return 0
     from rayppo.cluster import jobs
 
     with jobs.answered(args.address):

@@ -39,6 +39,15 @@ class LearnerFailedError(ActorFailedError):
     (its collectives and ZeRO partitions are gone) and is rebuilt from the latest checkpoint."""
 
 
+class GeneratorLostError(ActorFailedError):
+    """A generator left the fleet (its replacement found no place in time): the call it was part
+    of is made again on the generators left (``rayppo/cluster/fleet.py``)."""
+
+
+class FleetTooSmallError(ActorFailedError):
+    """Fewer generators are left than ``generators.min_num``: the run stops with a checkpoint."""
+
+
 class RunClosedError(RuntimeError):
     """A call that lost its actor while the run was closing (``Supervisor.close``): nothing to replace."""
 

@@ -21,7 +21,8 @@ from rayppo.train import run
 from rayppo.trainers import pipeline
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.choice import trainer_class
-from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer, drop_stale, staleness_stats
+from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer
+from rayppo.trainers.staleness import drop_stale, staleness_stats
 
 
 def _rollout(versions: list[int]) -> Rollout:

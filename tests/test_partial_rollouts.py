@@ -19,7 +19,7 @@ from rayppo.config.schema import ConfigError
 from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, deal, oldest_versions, renumber_groups,
                                           split_finished_groups, with_unique_groups)
 from rayppo.data.rollout import Rollout
-from rayppo.trainers.pipeline import drop_stale, generator_lead, staleness_stats
+from rayppo.trainers.staleness import drop_stale, generator_lead, staleness_stats
 
 
 def _rows(reasons: list[str], groups: list[int], versions: list[list[int]]) -> Rollout:

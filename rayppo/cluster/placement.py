@@ -385,6 +385,16 @@ def release(placements: dict[str, Placement]) -> None:
         remove_placement_group(pg)
 
 
+def bundle_placed(placement: Placement, i: int) -> bool:
+    """Whether actor ``i``'s bundle is on a live node. After a node is lost Ray places its bundles
+    again once a node has room; until then they have none."""
+    import ray
+    from ray.util import placement_group_table
+
+    node = placement_group_table(placement.groups[i])["bundles_to_node_id"].get(placement.bundles[i], "")
+    return bool(node) and any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+
+
 def placement_report(placements: dict[str, Placement]) -> dict[str, Any]:
     """Which node holds each actor of each role, and what each node offers (placement.json)."""
     import ray

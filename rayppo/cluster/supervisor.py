@@ -9,7 +9,8 @@ call runs again, so no prompt is lost or scored twice. Replacements are counted
 (``faults/actor_restarts``) and bounded as a crash-loop detector: at most
 ``cluster.max_actor_restarts`` within any ``cluster.restart_window`` completed iterations, so a
 long run survives sporadic faults indefinitely while an actor that dies again and again (no
-iterations completing in between) stops the run.
+iterations completing in between) stops the run. A replacement generator that finds no place in
+the cluster (its node gone) leaves the generator fleet instead of stopping the run (``fleet.py``).
 
 A hung actor's threads are dumped to its own log first (``faulthandler`` on SIGUSR1, set up in
 every role's process by ``rayppo.engine``) when it runs on this node.
@@ -29,6 +30,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
@@ -74,6 +76,11 @@ class Supervisor:
         self._where: dict[tuple[int, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
         self.closed = False
         """Set by ``close``: the run is ending and its actors are being killed."""
+        self._fleets: dict[int, Fleet] = {}  # id(group) -> its fleet (the generators')
+
+    def add_fleet(self, fleet: Fleet) -> None:
+        """A replacement in ``fleet.group`` that finds no place leaves the fleet (``Fleet.started``)."""
+        self._fleets[id(fleet.group)] = fleet
 
     def close(self) -> None:
         """No replacements from now on: a call whose actor dies (killed by the run's own
@@ -87,9 +94,10 @@ class Supervisor:
                 self._where[id(group), i] = where
 
     def call(self, group: ActorGroup, role: str, method: Callable[..., Any], args: Sequence[tuple],
-             refresh: Callable[[int], None] | None = None) -> list[Any]:
-        """``method`` on actor i with ``args[i]``; every result, in order; failed shares redone."""
-        return self.run([Fanout(group, role, method, args, refresh)])[0]
+             refresh: Callable[[int], None] | None = None, actors: Sequence[int] | None = None) -> list[Any]:
+        """``method`` on actor i with ``args[i]`` (on ``actors[i]`` when given); every result, in
+        order; failed shares redone."""
+        return self.run([Fanout(group, role, method, args, refresh, actors)])[0]
 
     def call_one(self, group: ActorGroup, role: str, i: int, method: Callable[..., Any], args: tuple,
                  refresh: Callable[[int], None] | None = None) -> Any:
@@ -188,8 +196,12 @@ class Supervisor:
     def _started(self, group: ActorGroup, role: str, i: int) -> tuple[int, str]:
         """Wait (within the call deadline) until replacement actor i is built; where it runs. A
         replacement that fails while starting, or does not start in time, stops the run naming it."""
+        first_answer = group.call_at(i, Engine.process_id, ())
         try:
-            return get(group.call_at(i, Engine.process_id, ()), timeout=self.timeout_s)
+            fleet = self._fleets.get(id(group))
+            if fleet is not None:  # no place within cluster.placement_timeout_s: it leaves the fleet
+                return fleet.started(i, first_answer, self.timeout_s)
+            return get(first_answer, timeout=self.timeout_s)
         except GetTimeoutError:
             raise ActorFailedError(f"the replacement of {role} actor {i} did not start within cluster.call_timeout_s="
                                    f"{self.timeout_s:g} s{console.details(role, i)}") from None

@@ -22,12 +22,13 @@ import ray
 from ray.exceptions import RayActorError
 
 from rayppo.actors.generator import GeneratorEngine
+from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.group import ActorGroup, get, get_within
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
 from rayppo.config.schema import Config
-from rayppo.errors import ActorFailedError, LearnerFailedError, brief
+from rayppo.errors import ActorFailedError, GeneratorLostError, LearnerFailedError, brief
 from rayppo.learner.guard import check_weights
 from rayppo.learner.weight_sync import SyncEndpoint
 
@@ -38,16 +39,16 @@ def _check_versions(versions: list[int], expected: int) -> None:
 
 
 def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int, supervisor: Supervisor,
-                refresh: Callable[[int], None]) -> float:
-    """The guard's weight check: every generator's fingerprints of what it holds against rank 0's
-    of what it sent. Raises ``WeightSyncError`` naming generator, tensor and version; returns
-    ``sync/verified``: 1.0, or NaN when some generator cannot be fingerprinted (warned once).
-    The calls are supervised: a generator that dies or hangs here is replaced, ``refresh``ed to the
-    current weights, and fingerprinted again."""
-    held = supervisor.call(generators, "generators", GeneratorEngine.weight_fingerprints, [()] * len(generators),
-                           refresh=refresh)
+                refresh: Callable[[int], None], actors: list[int]) -> float:
+    """The guard's weight check: the fingerprints of what each of ``actors`` (generators) holds
+    against rank 0's of what it sent. Raises ``WeightSyncError`` naming generator, tensor and
+    version; returns ``sync/verified``: 1.0, or NaN when some generator cannot be fingerprinted
+    (warned once). The calls are supervised: a generator that dies or hangs here is replaced,
+    ``refresh``ed to the current weights, and fingerprinted again."""
+    held = supervisor.call(generators, "generators", GeneratorEngine.weight_fingerprints, [()] * len(actors),
+                           refresh=refresh, actors=actors)
     sent = learner.sent_fingerprints()
-    for i, prints in enumerate(held):
+    for i, prints in zip(actors, held):
         if prints is not None:
             check_weights(sent, prints, i, version)
     if any(prints is None for prints in held):
@@ -60,20 +61,24 @@ def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int, sup
 class ObjectStoreSync:
     """Weights through Ray's object store: put once by rank 0, read by every generator."""
 
-    def __init__(self, learner: LearnerGroup, generators: ActorGroup, supervisor: Supervisor):
-        self.learner, self.generators, self.supervisor = learner, generators, supervisor
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup, supervisor: Supervisor, fleet: Fleet):
+        self.learner, self.generators, self.supervisor, self.fleet = learner, generators, supervisor, fleet
         self.payload_bytes: int | None = None
 
     def sync(self, version: int) -> int:
-        """Move the weights of ``version``; returns the bytes delivered to the generators. A
+        """Move the weights of ``version`` to the fleet's generators; returns the bytes delivered. A
         generator that dies while loading is replaced and loads the same payload."""
         payload = self.learner.policy_weights()  # an ObjectRef: rank 0's WeightsPayload
-        g = self.generators
-        _check_versions(self.supervisor.call(g, "generators", GeneratorEngine.load_weights, [(payload,)] * len(g)),
-                        version)
+
+        def load(active: list[int]) -> int:
+            _check_versions(self.supervisor.call(self.generators, "generators", GeneratorEngine.load_weights,
+                                                 [(payload,)] * len(active), actors=active), version)
+            return len(active)
+
+        loaded = self.fleet.on_active(load)
         if self.payload_bytes is None:
             self.payload_bytes = get(payload).nbytes
-        return self.payload_bytes * len(g)
+        return self.payload_bytes * loaded
 
     def refresh(self, i: int) -> None:
         """A replacement generator i takes the current weights (and version) from rank 0, within
@@ -86,25 +91,27 @@ class ObjectStoreSync:
 
 
 class BroadcastSync:
-    """Weights broadcast by rank 0 over a process group it shares with every inference worker."""
+    """Weights broadcast by rank 0 over a process group it shares with every inference worker of
+    the fleet's generators."""
 
     def __init__(self, learner: LearnerGroup, generators: ActorGroup, backend: str, workers_per_generator: int,
-                 timeout_s: float = 600.0, supervisor: Supervisor | None = None):
-        self.learner, self.generators, self.supervisor = learner, generators, supervisor
+                 fleet: Fleet, timeout_s: float = 600.0, supervisor: Supervisor | None = None):
+        self.learner, self.generators, self.supervisor, self.fleet = learner, generators, supervisor, fleet
         self.backend, self.workers, self.timeout_s = backend, workers_per_generator, timeout_s
         self.version = 0  # what every generator holds: the initial weights until the first sync
         self._open()
 
     def _open(self) -> None:
-        """Form the group: rank 0 and every generator's workers (again after a replacement: a
-        process group cannot take a new member, so everyone joins a fresh one). A generator that
-        dies or hangs while joining is replaced and the group formed again."""
+        """Form the group: rank 0 and the active generators' workers (again after a replacement or
+        a change of the fleet: a process group cannot take a new member, so everyone joins a fresh
+        one). A generator that dies or hangs while joining is replaced and the group formed again."""
         while True:
             host, port = self.learner.rank0_address()
-            g, w = self.generators, self.workers
-            endpoint = SyncEndpoint(self.backend, host, port, 1 + len(g) * w, self.timeout_s)
+            g, w, active = self.generators, self.workers, list(self.fleet.active)
+            endpoint = SyncEndpoint(self.backend, host, port, 1 + len(active) * w, self.timeout_s)
             # Both sides block until the group is complete: start the generators' joins first.
-            joins = g.call(GeneratorEngine.join_weight_sync, [(endpoint, 1 + i * w) for i in range(len(g))])
+            joins = [g.call_at(i, GeneratorEngine.join_weight_sync, (endpoint, 1 + pos * w))
+                     for pos, i in enumerate(active)]
             opened = self.learner.open_weight_sync(endpoint)
             failed = self._failed_call(joins, "join_weight_sync") if self.supervisor is not None else None
             if failed is None:
@@ -112,10 +119,11 @@ class BroadcastSync:
                 get(joins)
                 return
             self._drain(opened, joins, failed[0])
-            self.supervisor.replace(self.generators, "generators", *failed)
+            self._replace(active[failed[0]], *failed[1:])
 
     def refresh(self, i: int) -> None:
-        """Generator i was replaced: a new group with it, and the current weights to everyone."""
+        """Generator i was replaced (or rejoins the fleet): a new group with it, and the current
+        weights to everyone."""
         self._open()
         if self.version:
             self.sync(self.version)
@@ -124,9 +132,11 @@ class BroadcastSync:
         """Broadcast the weights of ``version``; returns the bytes delivered to the workers. A
         generator that dies or misses the call deadline while receiving is replaced; the broken
         group is left to time out (``cluster.sync_timeout_s``), a fresh one formed with the
-        replacement, and the broadcast sent again."""
+        replacement (or without it, when it left the fleet), and the broadcast sent again."""
         while True:
-            receives = self.generators.call_all(GeneratorEngine.receive_weights, self.specs, version)
+            active = list(self.fleet.active)
+            receives = [self.generators.call_at(i, GeneratorEngine.receive_weights, (self.specs, version))
+                        for i in active]
             sends = self.learner.send_weights()
             failed = self._failed_call(receives, "receive_weights") if self.supervisor is not None else None
             if failed is None:
@@ -135,12 +145,20 @@ class BroadcastSync:
                 self.version = version
                 return sent[0]
             self._drain(sends, receives, failed[0])
-            self.supervisor.replace(self.generators, "generators", *failed)
+            self._replace(active[failed[0]], *failed[1:])
             self._open()
 
+    def _replace(self, i: int, cause: str, hung: bool) -> None:
+        """Replace generator ``i``; when it finds no place it has left the fleet, and the group is
+        formed again without it."""
+        try:
+            self.supervisor.replace(self.generators, "generators", i, cause, hung)
+        except GeneratorLostError:
+            pass
+
     def _failed_call(self, futures: list[Any], method: str) -> tuple[int, str, bool] | None:
-        """The first generator whose call (one future each) died or missed the call deadline:
-        (index, cause, hung); None when every one answered."""
+        """The first call (one future per active generator) whose generator died or missed the call
+        deadline: (position in ``futures``, cause, hung); None when every one answered."""
         index = {ref: i for i, ref in enumerate(futures)}
         pending, deadline = list(futures), time.monotonic() + self.supervisor.timeout_s
         while pending:
@@ -200,14 +218,15 @@ class IpcSync:
         return delivered
 
 
-def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup,
-                     supervisor: Supervisor) -> ObjectStoreSync | BroadcastSync | IpcSync:
-    """The strategy ``learner.weight_sync`` selects (see ``weight_sync_backend``)."""
+def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup, supervisor: Supervisor,
+                     fleet: Fleet) -> ObjectStoreSync | BroadcastSync | IpcSync:
+    """The strategy ``learner.weight_sync`` selects (see ``weight_sync_backend``), to ``fleet``'s
+    generators (colocated mode's CUDA-IPC sync: every generator, its fleet never shrinks)."""
     backend = weight_sync_backend(cfg)
     if backend is None:
-        return ObjectStoreSync(learner, generators, supervisor)
+        return ObjectStoreSync(learner, generators, supervisor, fleet)
     if backend == "ipc":
         return IpcSync(learner, generators)
     # A vLLM generator has one inference worker per tensor-parallel rank; the hf backend has one.
     tp = tensor_parallel_size(cfg.generators)
-    return BroadcastSync(learner, generators, backend, tp, cfg.cluster.sync_timeout_s, supervisor)
+    return BroadcastSync(learner, generators, backend, tp, fleet, cfg.cluster.sync_timeout_s, supervisor)

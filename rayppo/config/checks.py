@@ -269,6 +269,7 @@ def _validate_system(cfg: Config) -> Config:
     g, lr_ = cfg.generators, cfg.learner
     _require(g.num >= 1, "generators.num", "must be >= 1", g.num)
     _require(g.num <= r.batch_size, "generators.num", f"must be <= rollout.batch_size={r.batch_size}", g.num)
+    _require(1 <= g.min_num <= g.num, "generators.min_num", f"must be in [1, generators.num={g.num}]", g.min_num)
     _require(g.cpus_per_worker > 0, "generators.cpus_per_worker", "must be > 0", g.cpus_per_worker)
     _require(g.gpus_per_worker >= 0, "generators.gpus_per_worker", "must be >= 0", g.gpus_per_worker)
     _validate_gpus(cfg)

@@ -72,6 +72,12 @@ def vllm_memory_utilization(cfg: Config) -> float:
     return round(0.85 * min(1.0, g.gpus_per_worker or 1.0), 4)
 
 
+def fleet_minimum(cfg: Config) -> int:
+    """The fewest generators a run goes on with (``generators.min_num``); all of them in colocated
+    mode, where a generator shares its node and GPU with a learner rank."""
+    return cfg.generators.num if cfg.cluster.colocate_all else cfg.generators.min_num
+
+
 def weight_sync_backend(cfg: Config) -> str | None:
     """``ipc``, ``nccl`` or ``gloo`` when weights go straight to the generators' workers, None when
     they go through the object store (``learner.weight_sync``)."""

@@ -158,7 +158,9 @@ class ClusterConfig:
     ask for when that is more (oversubscribing a small machine is fine: the stages of an
     iteration take turns, so the roles rarely compute at once)."""
     placement_timeout_s: float = 60.0
-    """How long to wait for the roles' placement groups before failing with what is missing."""
+    """How long to wait for the roles' placement groups before failing with what is missing; and
+    how long a replacement generator may find no place (its node gone, no other with room) before
+    the run goes on without it (``generators.min_num``)."""
     colocate: bool = False
     """Place the reference and reward actors in the learner's placement group (same nodes)."""
     colocate_all: bool = False
@@ -197,6 +199,14 @@ class ClusterConfig:
 class GeneratorConfig:
     num: int = 1
     """G: generator actors; the prompts of an iteration are split across them."""
+    min_num: int = 1
+    """The fewest generators the run goes on with. A generator whose node is gone and whose
+    replacement finds no place within ``cluster.placement_timeout_s`` leaves the fleet: the others
+    take its share of the next batches (the same rows: a row's sampling noise does not depend on
+    the split), and it rejoins once the cluster has room again (its weights brought to the current
+    version and checked first). Below this many the run stops with a checkpoint and the command to
+    resume. Colocated mode (``cluster.colocate_all``) never shrinks: a generator shares its node
+    with a learner rank."""
     backend: GeneratorBackend = "vllm"
     """``vllm`` (vLLM engine) or ``hf`` (transformers generate, for models vLLM cannot load)."""
     cpus_per_worker: float = 0.5

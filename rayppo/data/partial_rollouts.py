@@ -79,3 +79,14 @@ def carry_from_json(columns: dict[str, list[Any]] | None, parts: int) -> list[Ro
     if unknown:
         raise ValueError(f"partial_rows: unknown columns {unknown}")
     return deal(Rollout(**{name: columns.get(name, []) for name in names}), parts)
+
+
+def carried_by(carry: list[Rollout], fleet: list[int]) -> list[Rollout]:
+    """Each generator's partial-rollout carry, those of generators outside ``fleet`` moved to the
+    first one in it (their rows continue there: no row is lost)."""
+    away = [c for g, c in enumerate(carry) if g not in fleet and len(c)]
+    if not away:
+        return carry
+    carry = [c if g in fleet else c.select([]) for g, c in enumerate(carry)]
+    carry[fleet[0]] = Rollout.concat([carry[fleet[0]], *away])
+    return carry

@@ -193,7 +193,7 @@ def read_driver_state(path: Path) -> dict[str, Any]:
 # Fields a resumed run may change: none of them changes the math of the iterations to come.
 RESUMABLE_SECTIONS = ("stop.", "output.", "cluster.")
 RESUMABLE_FIELDS = ("cpus", "cpus_per_worker", "cpus_per_rank", "threads", "cores", "resources", "gpus",
-                    "gpus_per_worker", "gpus_per_rank", "placement_timeout_s")
+                    "gpus_per_worker", "gpus_per_rank", "placement_timeout_s", "min_num")
 SPLIT_FIELDS = ("learner.num_ranks", "learner.zero_stage", "generators.num", "reference.num", "reward.num")
 """The split of the work over actors: a resumed run may change it (the learner's DeepSpeed state is
 resharded, ``learner/engine.py``); the update is the same up to the order of its reductions."""

@@ -25,6 +25,7 @@ from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.cluster.colocation import DeviceSchedule
+from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve
 from rayppo.cluster.roles import actor_count, spawn_roles
@@ -32,13 +33,13 @@ from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
-from rayppo.config.derived import generator_context
+from rayppo.config.derived import fleet_minimum, generator_context
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
-from rayppo.errors import LearnerFailedError
+from rayppo.errors import GeneratorLostError, LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
@@ -108,10 +109,14 @@ class DistributedTrainer:
             raise
 
     def _spawn_roles(self) -> None:
-        roles = spawn_roles(self.cfg, self.placements, self.context, self.schedule)
+        cfg = self.cfg
+        roles = spawn_roles(cfg, self.placements, self.context, self.schedule)
         self.generators, self.reference, self.rewards, self.learner = (roles.generators, roles.reference,
                                                                        roles.rewards, roles.learner)
-        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor)
+        self.fleet = Fleet(self.generators, self.placements.get("generators"), fleet_minimum(cfg),
+                           cfg.cluster.placement_timeout_s, Path(cfg.output.dir))
+        self.supervisor.add_fleet(self.fleet)
+        self.weight_sync = make_weight_sync(cfg, self.learner, self.generators, self.supervisor, self.fleet)
         self.schedule.generators = self.generators
         for group in (self.generators, self.reference, self.rewards):
             self.supervisor.watch(group)
@@ -122,6 +127,7 @@ class DistributedTrainer:
         """One PPO iteration; returns its metrics (docs/algorithm.md, "Metrics")."""
         it, seconds = self.iteration_count, {}
         self._start_state = self._state_now()  # what a checkpoint holds until this iteration completes
+        self._regrow()  # generators placed again since the last iteration sample from this one on
         with self._stage("generate", seconds):
             rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
             rollout, dynamic = self.dynamic_sampling(rollout, it)  # DAPO's dynamic sampling ({} when off)
@@ -147,7 +153,7 @@ class DistributedTrainer:
                    "time/iteration": sum(seconds.values()), "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
         return {**stats, **rollout_stats(rollout, timings["time/iteration"], self.cfg.rollout.max_turns), **timings,
-                **more}
+                **self.fleet.metrics(), **more}
 
     @contextmanager
     def _stage(self, name: str, seconds: dict[str, float]) -> Iterator[None]:
@@ -186,8 +192,26 @@ class DistributedTrainer:
         return rollout.scored(score)
 
     def _verify(self, version: int) -> float:
-        """The guard's check of every generator's weights after a sync (``verify_sync``)."""
-        return verify_sync(self.learner, self.generators, version, self.supervisor, self.weight_sync.refresh)
+        """The guard's check of the fleet's generators' weights after a sync (``verify_sync``)."""
+        return self.fleet.on_active(lambda active: verify_sync(self.learner, self.generators, version, self.supervisor,
+                                                               self.weight_sync.refresh, active))
+
+    def _regrow(self) -> None:
+        """Generators that left the fleet and whose replacements have a place now take the current
+        weights, are checked (``checks.verify_sync``), and rejoin (``Fleet.rejoin``)."""
+        self.fleet.iteration = self.iteration_count
+        for i in self.fleet.returned():
+            try:
+                self.fleet.rejoin(i, self._bring_up_to_date)
+            except GeneratorLostError:  # lost again while catching up: it waits for a place again
+                continue
+
+    def _bring_up_to_date(self, i: int) -> None:
+        """Generator ``i`` (a replacement) takes the current weights, and its fingerprints are checked."""
+        self.weight_sync.refresh(i)
+        if self.cfg.checks.verify_sync and self.iteration_count:  # before the first sync it holds what it built
+            verify_sync(self.learner, self.generators, self.iteration_count, self.supervisor, self.weight_sync.refresh,
+                        [i])
 
     def _commit_update(self, stats: dict[str, float], rollout: Rollout) -> None:
         """The learner has taken this iteration's update: the driver's state moves with it (beta,
@@ -202,19 +226,24 @@ class DistributedTrainer:
         self.last_rollout = rollout
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """Each generator samples its share of the prompts, in groups (``group_shares``); a row's noise
-        is its group's and place's (``sample_seeds``), whichever generator draws it."""
-        shares = group_shares(prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
-        return self._sample(GeneratorEngine.generate, shares, seed)
+        """Each generator of the fleet samples its share of the prompts, in groups (``group_shares``);
+        a row's noise is its group's and place's (``sample_seeds``), whichever generator draws it."""
+        n = self.cfg.rollout.samples_per_prompt
+        return self._sample(GeneratorEngine.generate, lambda g: group_shares(prompts, g, n), seed)
 
-    def _sample(self, method: Callable[..., Rollout], shares: list[PromptBatch], seed: int, *options: Any) -> Rollout:
-        """``method`` (generate or evaluate) on every generator with its share of the prompts,
-        ``options`` and the call's seed (last; each row's noise follows from it and the row's group,
-        ``sample_seeds``). A generator that dies or hangs is replaced, given the current weights,
-        and samples its share again."""
-        args = [(share, *options, seed) for share in shares]
-        return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
-                                                   refresh=self.weight_sync.refresh))
+    def _sample(self, method: Callable[..., Rollout], split: Callable[[int], list[PromptBatch]], seed: int,
+                *options: Any) -> Rollout:
+        """``method`` (generate or evaluate) on each generator of the fleet with its share of the
+        prompts (``split(generators)``), ``options`` and the call's seed (last; each row's noise
+        follows from it and the row's group, ``sample_seeds``). A generator that dies or hangs is
+        replaced, given the current weights, and samples its share again; one that leaves the fleet
+        meanwhile has the batch split again over the generators left, which draw the same rows."""
+        def sample(active: list[int]) -> Rollout:
+            args = [(share, *options, seed) for share in split(len(active))]
+            return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
+                                                       refresh=self.weight_sync.refresh, actors=active))
+
+        return self.fleet.on_active(sample)
 
     def _reward_scores(self, rollouts: list[Rollout]) -> list[list[float]]:
         """r_phi of each rollout's rows (the reward pass alone); 0 when nothing but an environment
@@ -253,11 +282,12 @@ class DistributedTrainer:
         prompts, seed = self.eval_prompts, iteration_seed(self.cfg.seed, SEED_OFFSET)
         self.phase = "evaluate"
 
-        def score_pass(temperature: float, k: int) -> list[float]:
+        def split(generators: int) -> list[PromptBatch]:
             # Each held-out prompt keeps its place in the set as its group: its noise is the same on any split.
-            shares = [prompts.select(rows).groups_of(1, rows.start)
-                      for rows in split_evenly(len(prompts), len(self.generators))]
-            rollout = self._sample(GeneratorEngine.evaluate, shares, seed, temperature, k)
+            return [prompts.select(rows).groups_of(1, rows.start) for rows in split_evenly(len(prompts), generators)]
+
+        def score_pass(temperature: float, k: int) -> list[float]:
+            rollout = self._sample(GeneratorEngine.evaluate, split, seed, temperature, k)
             (score,) = self._reward_scores([rollout])
             return rollout.scored(score).total_rewards()
 
@@ -270,8 +300,11 @@ class DistributedTrainer:
         """Peak resident memory (bytes) of the largest process of each role."""
         groups = {"generators": self.generators, "reference": self.reference, "reward": self.rewards,
                   "learner": self.learner.ranks}
-        return {role: max(m["rss"] for m in group.get(group.call_all(Engine.peak_memory_bytes)))
-                for role, group in groups.items() if len(group)}
+        actors = {role: list(self.fleet.active) if role == "generators" else list(range(len(group)))
+                  for role, group in groups.items()}  # a generator waiting for a place answers nothing
+        return {role: max(m["rss"] for m in group.get([group.call_at(i, Engine.peak_memory_bytes, ())
+                                                       for i in actors[role]]))
+                for role, group in groups.items() if actors[role]}
 
     # ----------------------------------------------------------------------------- save / close
     def save(self, out_dir: str | Path) -> None:
@@ -333,7 +366,7 @@ class DistributedTrainer:
         start = time.perf_counter()
         self.learner.rebuild()
         self.schedule.learner = self.learner.ranks
-        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor)
+        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor, self.fleet)
         self.restore(checkpoint, read_driver_state(checkpoint) if checkpoint else self._initial_state)
         self.learner_restarts += 1
         log.warning("%s: learner group restarted from %s in %.1f s (%s); redoing iterations from %d", failure,

@@ -41,14 +41,15 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import get, get_within
 from rayppo.config.schema import Config
-from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, oldest_versions, renumber_groups,
+from rayppo.data.partial_rollouts import (carried_by, carry_from_json, carry_to_json, renumber_groups,
                                           split_finished_groups, unfinished, with_unique_groups)
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
-from rayppo.errors import LearnerFailedError
+from rayppo.errors import GeneratorLostError, LearnerFailedError
 from rayppo.learner.guard import check_weights
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.iteration import group_shares, iteration_seed, rollout_stats
+from rayppo.trainers.staleness import drop_stale, generator_lead, staleness_stats
 
 log = logging.getLogger(__name__)
 
@@ -56,46 +57,6 @@ POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the stages' errors."""
 CLOSE_JOIN_S = 60.0
 """How long ``close`` waits for each stage thread once the actors are killed (their calls fail at once)."""
-
-
-def drop_stale(rollout: Rollout, version: int, max_staleness: int) -> tuple[Rollout, int]:
-    """``(rows at most max_staleness versions behind version, rows dropped)``. A row's lag is its
-    oldest token's (partial rollouts continue a row with newer weights); a group goes whole, so a
-    group estimator never sees part of one, and the groups left are numbered 0..G'-1 again: the
-    learner sizes its group tables by the rows it trains on."""
-    oldest = oldest_versions(rollout)
-    stale = {i for i, v in enumerate(oldest) if version - v > max_staleness}
-    if rollout.group_id:
-        stale_groups = {rollout.group_id[i] for i in stale}
-        stale = {i for i, g in enumerate(rollout.group_id) if g in stale_groups}
-    keep = [i for i in range(len(rollout)) if i not in stale]
-    if len(keep) == len(rollout):
-        return rollout, 0
-    kept = rollout.select(keep)
-    return (renumber_groups(kept) if kept.group_id else kept), len(rollout) - len(keep)
-
-
-def staleness_stats(rollout: Rollout, version: int) -> dict[str, float]:
-    """``async/staleness_mean|max``: versions between each row's (oldest token's) sampler and the
-    learner; ``async/token_staleness_mean``: the same per token."""
-    lags = [version - v for v in oldest_versions(rollout)] or [0]
-    token_lags = [version - v for row in rollout.versions() for v in row] or [0]
-    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags)),
-            "async/token_staleness_mean": sum(token_lags) / len(token_lags)}
-
-
-def generator_lead(max_staleness: int, partial_tokens: int, max_new_tokens: int) -> int:
-    """How many batches a generator may sample ahead of the learner's published version.
-
-    k without partial rollouts. With them a response spans up to R = ceil(max_new_tokens /
-    partial_tokens) calls, one per batch, so a row started with version w >= b - lead in batch b
-    is trained by version <= b + R - 1: lead = k - (R - 1) keeps every row within the window
-    (none dropped), and the lead stays at least 1 (with k < R the longest rows may be dropped,
-    counted in ``async/dropped_rows``)."""
-    if not partial_tokens:
-        return max_staleness
-    calls = -(-max_new_tokens // partial_tokens)
-    return max(1, max_staleness - (calls - 1))
 
 
 class BusyClock:
@@ -150,6 +111,9 @@ class Stages:
 
     first: int
     """The first batch (= the learner's version when it started)."""
+    fleet: list[int] = field(default_factory=list)
+    """The generators sampling (the fleet's active ones when it started), a thread each; batch
+    parts and shares go by position in this list."""
     stop: threading.Event = field(default_factory=threading.Event)
     batches: dict[int, Batch] = field(default_factory=dict)
     prompt_states: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -181,7 +145,7 @@ class PipelinedTrainer(DistributedTrainer):
         self.lead = generator_lead(self.k, self.partial, cfg.rollout.max_new_tokens)
         # A partial-rollout call goes on with its unfinished rows until the batch can be trained:
         # every rank needs rows in each minibatch.
-        self._min_rows = -(-cfg.ppo.minibatches * cfg.learner.num_ranks // cfg.generators.num)
+        self._rows_needed = cfg.ppo.minibatches * cfg.learner.num_ranks
         self._cond = threading.Condition()
         self._payload_nbytes: int | None = None
         super().__init__(cfg)
@@ -200,6 +164,7 @@ class PipelinedTrainer(DistributedTrainer):
     def iteration(self) -> dict[str, float]:
         """Train on batch v (v = the learner's version) once it is scored; publish v + 1."""
         it, clock, t0 = self.iteration_count, time.perf_counter, self._last_return
+        self._regrow()
         self.phase = "wait"
         index, rollout, score_times, depth = self._next_scored()
         assert index == it, f"pipeline delivered batch {index} for iteration {it}"
@@ -224,7 +189,8 @@ class PipelinedTrainer(DistributedTrainer):
         self.supervisor.progress()
         self._last_return = t_end
         wall = t_end - t0
-        generate = sum(c.busy(t0, t_end) for c in self._clocks) / len(self._clocks)
+        sampling = self._stages.fleet
+        generate = sum(self._clocks[g].busy(t0, t_end) for g in sampling) / len(sampling)
         timings = {"time/generate": generate, **score_times, "time/score": self._scoring_clock.busy(t0, t_end),
                    "time/wait_for_data": t_data - t0, "time/learn": t_learn - t_data, "time/sync": t_end - t_learn,
                    # Each generator checks its own loads, inside its busy time (time/generate).
@@ -237,12 +203,18 @@ class PipelinedTrainer(DistributedTrainer):
                    "faults/learner_restarts": float(self.learner_restarts)}
         shown = rollout if len(rollout) else scored  # every row dropped: the batch's figures as generated
         return {**stats, **rollout_stats(shown, wall, self.cfg.rollout.max_turns), **timings, **staleness,
-                "kl_coef": kl_coef}
+                **self.fleet.metrics(), "kl_coef": kl_coef}
 
     def _next_scored(self) -> tuple[int, Rollout, dict[str, float], int]:
-        """The next scored batch and how many more wait behind it; raises a stage's error."""
+        """The next scored batch and how many more wait behind it; raises a stage's error. A
+        generator that left the fleet restarts the stages over the generators left, which draw the
+        batches in flight again."""
         stages = self._stages
         while True:
+            if isinstance(stages.error, GeneratorLostError):
+                self._halt_stages()
+                self._start_stages()
+                stages = self._stages
             with self.learner.failures():  # rank 0's death can surface in a generator loading its weights
                 if stages.error is not None:
                     raise stages.error
@@ -271,7 +243,30 @@ class PipelinedTrainer(DistributedTrainer):
 
     def _payload_bytes(self) -> int:
         """Bytes of one copy of the weights times the generators (as ``sync/bytes`` counts them)."""
-        return (self._payload_nbytes or 0) * len(self.generators)
+        return (self._payload_nbytes or 0) * len(self._stages.fleet)
+
+    def _regrow(self) -> None:
+        """Generators placed again since they left the fleet load the published weights (checked)
+        and rejoin; the stages restart with them (the batches in flight are drawn again)."""
+        self.fleet.iteration = self.iteration_count
+        back = self.fleet.returned()
+        if not back:
+            return
+        self._halt_stages()
+        try:
+            for i in back:
+                try:
+                    self.fleet.rejoin(i, self._catch_up)
+                except GeneratorLostError:  # lost again while catching up: it waits for a place again
+                    continue
+        finally:
+            self._start_stages()
+
+    def _catch_up(self, i: int) -> None:
+        """Replacement generator ``i`` (built with the initial weights) takes the published ones."""
+        self._held[i] = 0
+        if self._published.version > 0:
+            self._load(i, self._published)
 
     # ------------------------------------------------------------------------------ the stages
     def _start_stages(self, carry: list[Rollout] | None = None) -> None:
@@ -279,16 +274,27 @@ class PipelinedTrainer(DistributedTrainer):
         (default: what they were before that batch, or empty)."""
         old = self._stages.carry_states.get(self.iteration_count) if self._stages else None
         carry = carry or old or [Rollout.concat([]) for _ in range(len(self.generators))]
-        self._stages = stages = Stages(first=self.iteration_count, scored=queue.Queue(maxsize=self.k + 1),
+        fleet = list(self.fleet.active)
+        carry = carried_by(carry, fleet)
+        self._stages = stages = Stages(first=self.iteration_count, fleet=fleet, scored=queue.Queue(maxsize=self.k + 1),
                                        carry=list(carry), carry_states={self.iteration_count: list(carry)})
         workers = [threading.Thread(target=self._guarded, args=(stages, self._generate_loop, g), daemon=True,
-                                    name=f"rayppo-generator-{g}") for g in range(len(self.generators))]
+                                    name=f"rayppo-generator-{g}") for g in fleet]
         workers.append(threading.Thread(target=self._guarded, args=(stages, self._score_loop), daemon=True,
                                         name="rayppo-scoring"))
         stages.threads = workers
         self._last_return = time.perf_counter()
         for thread in workers:
             thread.start()
+
+    def _halt_stages(self) -> None:
+        """Stop the stages and move the prompt sampler back to the next batch to train: the
+        batches in flight are drawn again by the next start."""
+        self._stop_stages()
+        with self._cond:
+            position = self._stages.prompt_states.get(self.iteration_count)
+        if position is not None:
+            self.prompts.load_state_dict(position)
 
     def _stop_stages(self, timeout_s: float | None = None) -> None:
         """Stop the stage threads and wait for them (each finishes at most the call it is in)."""
@@ -323,12 +329,12 @@ class PipelinedTrainer(DistributedTrainer):
             try:
                 if published.version > self._held[g]:
                     self._load(g, published)
-                shares = group_shares(batch.prompts, len(self.generators), self.cfg.rollout.samples_per_prompt)
-                part = self._sample_share(stages, g, b, shares[g], iteration_seed(seed, b))
+                shares = group_shares(batch.prompts, len(stages.fleet), self.cfg.rollout.samples_per_prompt)
+                part = self._sample_share(stages, g, b, shares[stages.fleet.index(g)], iteration_seed(seed, b))
             finally:
                 self._clocks[g].stop()
             with self._cond:
-                batch.parts[g] = part
+                batch.parts[stages.fleet.index(g)] = part
                 if all(p is not None for p in batch.parts):
                     stages.to_score.put(b)
             b += 1
@@ -347,7 +353,7 @@ class PipelinedTrainer(DistributedTrainer):
             out = self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate_partial,
                                            (share, waiting.select(todo), seed, self.partial), refresh=self._refresh)
             ready, waiting = split_finished_groups(Rollout.concat([waiting.select(done), out]))
-            if len(ready) >= self._min_rows or not unfinished(waiting):
+            if len(ready) >= -(-self._rows_needed // len(stages.fleet)) or not unfinished(waiting):
                 break
             waiting = Rollout.concat([ready, waiting])  # too few to train: another round, no new prompts
             share, seed = share.select([]), seed + 1
@@ -374,7 +380,7 @@ class PipelinedTrainer(DistributedTrainer):
                 raise _StoppedError
             if b not in stages.batches:
                 stages.prompt_states[b] = self.prompts.state_dict()
-                stages.batches[b] = Batch(self.prompts.next_batch(), [None] * len(self.generators))
+                stages.batches[b] = Batch(self.prompts.next_batch(), [None] * len(stages.fleet))
             return stages.batches[b]
 
     def _load(self, g: int, published: Published) -> None:
@@ -441,13 +447,9 @@ class PipelinedTrainer(DistributedTrainer):
         if self.eval_prompts is None:
             return {}
         self.phase = "evaluate"
-        self._stop_stages()
-        with self._cond:
-            position = self._stages.prompt_states.get(self.iteration_count)
-        if position is not None:  # batches past the learner were drawn: draw them again after
-            self.prompts.load_state_dict(position)
+        self._halt_stages()  # batches past the learner were drawn: they are drawn again after
         try:
-            for g in range(len(self.generators)):
+            for g in self.fleet.active:
                 if self._published.version > self._held[g]:
                     self._load(g, self._published)
             return super().evaluate()

@@ -1,0 +1,164 @@
+"""The generator fleet: which generators sample now, and which wait for a place in the cluster.
+
+A generator whose process dies is replaced (``Supervisor``). When its node is gone and no other
+node has room for it, the replacement waits for a place that may never come: after
+``cluster.placement_timeout_s`` without one, the generator *leaves the fleet*. The call it was
+part of is made again over the generators left (``Fleet.on_active``); their shares of the next
+batches grow, and since a row's sampling noise does not depend on the split (``sample_seeds``),
+they draw the same rows. Ray keeps the replacement's request open: when a node with room joins,
+its placement-group bundle is placed again and the replacement starts. At the next iteration
+boundary the trainer takes it back (``returned``): it loads the current weights, its fingerprints
+are checked, and it samples from then on (``rejoin``). Below ``generators.min_num`` generators
+the run stops with a checkpoint and the command to resume.
+
+The fleet is written to ``fleet.json`` in the run folder on every change (``rayppo status DIR``
+shows it) and goes into each iteration's metrics (``fleet/generators``, ``faults/generators_lost``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import ray
+from ray.exceptions import RayActorError
+
+from rayppo.cluster.group import ActorGroup, get
+from rayppo.cluster.placement import Placement, bundle_placed
+from rayppo.console import console
+from rayppo.engine import Engine
+from rayppo.errors import FleetTooSmallError, GeneratorLostError
+from rayppo.run.status import FLEET_FILE
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRY_S = 1.0
+"""Pause before starting again a replacement that died before it ran (its node was lost)."""
+
+
+
+class Fleet:
+    """Generators ``active`` (sampling) and ``waiting`` (replacements with no place yet)."""
+
+    def __init__(self, group: ActorGroup, placement: Placement | None, minimum: int, place_timeout_s: float,
+                 run_dir: Path | None = None):
+        self.group, self.placement, self.minimum = group, placement, minimum
+        self.place_timeout_s, self.run_dir = place_timeout_s, run_dir
+        self.active: list[int] = list(range(len(group)))
+        self.waiting: dict[int, Any] = {}
+        """Generator -> the future of its replacement's first answer (ready once it is placed and built)."""
+        self.lost = 0
+        """Times a generator left the fleet (``faults/generators_lost``)."""
+        self.iteration = 0
+        """The iteration the trainer is in (for the messages and ``fleet.json``)."""
+        self._save()
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a generator may leave: the fleet can shrink and its actors are Ray actors."""
+        return self.minimum < len(self.group) and not self.group.local and self.placement is not None
+
+    def on_active(self, call: Callable[[list[int]], T]) -> T:
+        """``call(active generators)``, made again over the generators left each time one leaves
+        the fleet during it (``GeneratorLostError``)."""
+        while True:
+            try:
+                return call(list(self.active))
+            except GeneratorLostError as exc:
+                log.warning("%s: making the call again on generators %s", exc, self.active)
+
+    def started(self, i: int, first_answer: Any, timeout_s: float) -> Any:
+        """Wait for replacement generator ``i``'s ``first_answer`` (a future) and return its value;
+        ``GetTimeoutError`` past ``timeout_s``. In an elastic fleet a replacement whose bundle has no
+        node after ``cluster.placement_timeout_s`` leaves the fleet instead (``GeneratorLostError``;
+        ``FleetTooSmallError`` below ``generators.min_num``), and one that dies before it runs its
+        constructor (placed on the lost node before Ray noticed it is gone) is started again."""
+        if not self.elastic:
+            return get(first_answer, timeout=timeout_s)
+        deadline = time.monotonic() + self.place_timeout_s
+        while True:
+            ready, _ = ray.wait([first_answer], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                return get(first_answer)
+            except RayActorError as exc:
+                if exc.actor_init_failed or time.monotonic() > deadline:  # its own error: no place fixes that
+                    raise
+            time.sleep(RETRY_S)
+            self.group.restart(i)
+            first_answer = self.group.call_at(i, Engine.process_id, ())
+        if not bundle_placed(self.placement, i):
+            self._leave(i, first_answer)
+        return get(first_answer, timeout=max(0.0, timeout_s - self.place_timeout_s))
+
+    def _leave(self, i: int, first_answer: Any) -> None:
+        if i in self.active:
+            self.active.remove(i)
+        self.waiting[i] = first_answer
+        self.lost += 1
+        self._save()
+        where = (f"no node has room for it within cluster.placement_timeout_s={self.place_timeout_s:g} s "
+                 f"(its node is gone)")
+        if len(self.active) < self.minimum:
+            raise FleetTooSmallError(
+                f"generator {i} was lost at iteration {self.iteration}: {where}; {len(self.active)} of "
+                f"{len(self.group)} generators left, fewer than generators.min_num={self.minimum}. Add capacity and "
+                f"resume, or resume on fewer: rayppo train --resume DIR generators.num={max(1, len(self.active))}")
+        console.write(f"generator {i} left the fleet at iteration {self.iteration}: {where}; going on with "
+                      f"{len(self.active)} of {len(self.group)} (it rejoins when the cluster has room)")
+        raise GeneratorLostError(f"generator {i} left the fleet")
+
+    def returned(self) -> list[int]:
+        """The waiting generators whose replacement is placed and built now (no waiting). One that
+        died meanwhile (its new node lost too) is replaced again and keeps waiting."""
+        back = []
+        for i, answer in list(self.waiting.items()):
+            ready, _ = ray.wait([answer], timeout=0)
+            if not ready:
+                continue
+            try:
+                ray.get(answer)
+                back.append(i)
+            except RayActorError:
+                self.group.restart(i)
+                self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
+        return back
+
+    def rejoin(self, i: int, bring_up_to_date: Callable[[int], None]) -> None:
+        """Returned generator ``i`` joins the active ones, ``bring_up_to_date(i)`` gives it the
+        current weights and checks them (a broadcast sync forms its group with the active
+        generators, so it is one of them first); it samples from the next call on. When that
+        fails it is not in the fleet and the error is raised."""
+        del self.waiting[i]
+        self.active = sorted(self.active + [i])
+        try:
+            bring_up_to_date(i)
+        except BaseException:
+            if i in self.active:  # not when it left again meanwhile (``_leave``)
+                self.active.remove(i)
+            raise
+        self._save()
+        console.write(f"generator {i} rejoined the fleet at iteration {self.iteration}: {len(self.active)} of "
+                      f"{len(self.group)} generators")
+
+    def metrics(self) -> dict[str, float]:
+        return {"fleet/generators": float(len(self.active)), "faults/generators_lost": float(self.lost)}
+
+    def state(self) -> dict[str, Any]:
+        """What ``fleet.json`` holds."""
+        return {"generators": len(self.group), "active": self.active, "waiting": sorted(self.waiting),
+                "min_num": self.minimum, "lost": self.lost, "iteration": self.iteration, "time": time.time()}
+
+    def _save(self) -> None:
+        if self.run_dir is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / f"{FLEET_FILE}.tmp"
+        tmp.write_text(json.dumps(self.state()))
+        tmp.replace(self.run_dir / FLEET_FILE)
+
