@@ -7,11 +7,12 @@ embedded default with two transformers generators: one uninterrupted, one in whi
 generator 1's node is SIGKILLed once ``--lose-after`` iterations are done (its workers die with it)
 and, once the generator has left the fleet, a new generator node is started. Reported per trainer:
 seconds from the loss to the next completed iteration, the iterations run on one generator, the
-iteration at which the fleet was whole again, iterations lost or done twice, and the largest
+seconds from the new node's start (``ray start`` returned) to the first iteration on the whole
+fleet and that iteration, iterations lost or done twice, and the largest
 per-iteration reward gap to the uninterrupted run (0 for the synchronous trainer: a row's sampling
 noise does not depend on the split; the asynchronous pipeline's staleness depends on timing).
 
-    python benchmarks/node_loss.py --iterations 16 --lose-after 3 --out runs/node_loss
+    python benchmarks/node_loss.py --iterations 40 --lose-after 3 --out runs/node_loss
 
 The cluster's GCS health check runs at 1 s x 3 (Ray's default: 3 s x 5, so a lost node is noticed
 ~15 s later than here). Writes ``OUT/node_loss.json`` and prints it. ``tests/test_fleet.py`` uses
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +33,9 @@ from pathlib import Path
 
 import psutil
 
+# The cluster listens on loopback only: token authentication off for it and every process of the
+# benchmark (as in the tests, tests/conftest.py).
+os.environ["RAY_AUTH_MODE"] = "disabled"
 RAY = str(Path(sys.executable).parent / "ray")
 RAYPPO = str(Path(sys.executable).parent / "rayppo")
 GCS_PORT = 6397
@@ -38,7 +43,7 @@ HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_
                 "RAY_health_check_failure_threshold": "3"}
 TWO_GENERATORS = [
     "generators.backend=hf", "rollout.batch_size=32", "generators.num=2", "generators.cpus_per_worker=0.5",
-    "generators.resources={generator_node: 1}", "cluster.placement_timeout_s=5", "learner.num_ranks=1",
+    "generators.resources={generator_node: 1}", "cluster.placement_timeout_s=3", "learner.num_ranks=1",
     "learner.cpus_per_rank=0.5", "reference.cpus=0.25", "reward.cpus=0.25", "eval.every=0",
     "output.checkpoint_every=0", "output.save_model=false", "output.tensorboard=false",
     # Only generators on the nodes that come and go: another role's replacement waits for a place.
@@ -47,24 +52,28 @@ TWO_GENERATORS = [
 TRAINERS = {"synchronous": [], "asynchronous": ["rollout.max_staleness=1"]}
 
 
-def ray_cli(*args: str) -> None:
+def ray_start(*args: str) -> None:
+    """``ray start`` (one at a time: two nodes starting at once on one machine can time out)."""
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **HEALTH_CHECK}
-    result = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run([RAY, "start", *args], env=env, capture_output=True, text=True, timeout=180)
     if result.returncode:
-        raise RuntimeError(f"ray {' '.join(args)} failed:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"ray start {' '.join(args)} failed:\n{result.stderr[-2000:]}")
+
+
+GENERATOR_NODE = [f"--address=127.0.0.1:{GCS_PORT}", "--num-cpus=1", '--resources={"generator_node": 1}']
 
 
 def start_cluster() -> str:
     """The head and two generator nodes; returns the address."""
-    ray_cli("start", "--head", f"--port={GCS_PORT}", "--num-cpus=1", '--resources={"head_node": 3}',
-            "--include-dashboard=false", "--disable-usage-stats")
+    ray_start("--head", f"--port={GCS_PORT}", "--num-cpus=1", '--resources={"head_node": 3}',
+              "--include-dashboard=false", "--disable-usage-stats")
     add_generator_node()
     add_generator_node()
     return f"127.0.0.1:{GCS_PORT}"
 
 
 def add_generator_node() -> None:
-    ray_cli("start", f"--address=127.0.0.1:{GCS_PORT}", "--num-cpus=1", '--resources={"generator_node": 1}')
+    ray_start(*GENERATOR_NODE)
 
 
 def stop_cluster() -> None:
@@ -82,7 +91,9 @@ def stop_node_of(out: Path, generator: int) -> None:
 
 
 def start_run(address: str, out: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path]:
-    """``rayppo train`` on the cluster, its output in ``out/../NAME.log``."""
+    """``rayppo train`` on the cluster into a new ``out`` (an earlier run's files there would be read
+    as this one's), its output in ``out/../NAME.log``."""
+    shutil.rmtree(out, ignore_errors=True)
     log = out.parent / f"{out.name}.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with log.open("w") as sink:
@@ -124,11 +135,19 @@ def _lossy_run(address: str, out: Path, overrides: list[str], iterations: int, l
     seconds = time.time() - lost_at
     wait_for("generator 1 to leave the fleet", lambda: left_fleet(out), proc, log)
     add_generator_node()
+    added_at = time.time()
+    def whole_again() -> bool:
+        fleet = [r["fleet/generators"] for r in records(out)]
+        return 1 in fleet and 2 in fleet[fleet.index(1):]
+
+    wait_for("the fleet whole again", whole_again, proc, log)
+    regrown = time.time() - added_at
     if proc.wait(timeout=600):
         raise RuntimeError(f"the run failed:\n{log.read_text()[-4000:]}")
     done = records(out)
     fleet = [int(r["fleet/generators"]) for r in done]
     return {"seconds_to_next_iteration": round(seconds, 1), "iterations_on_one_generator": fleet.count(1),
+            "seconds_from_new_node_to_whole_fleet": round(regrown, 1),
             "whole_again_at_iteration": next((i for i in range(fleet.index(1), len(fleet)) if fleet[i] == 2), None),
             "iterations_lost": iterations - len({r["iteration"] for r in done}),
             "iterations_done_twice": len(done) - len({r["iteration"] for r in done}),
@@ -145,7 +164,13 @@ def measure(iterations: int, lose_after: int, out: Path) -> dict:
                 raise RuntimeError(f"the uninterrupted run failed:\n{log.read_text()[-4000:]}")
             expected = [r["reward/mean"] for r in records(baseline)]
             result = _lossy_run(address, lossy, overrides, iterations, lose_after)
-            result["max_reward_gap"] = max(abs(a - b) for a, b in zip(result["rewards"], expected))
+            gaps = [abs(a - b) for a, b in zip(result["rewards"], expected)]
+            result["max_reward_gap"] = max(gaps)
+            result["first_iteration_with_another_reward"] = next((i for i, gap in enumerate(gaps) if gap), None)
+            # The same tokens, log-probs computed in batches of another size: the update moves by ulps first.
+            losses = zip(records(lossy), records(baseline))
+            result["first_iteration_with_another_update"] = next(
+                (i for i, (a, b) in enumerate(losses) if a["policy/loss"] != b["policy/loss"]), None)
             result["uninterrupted_rewards"] = expected
             results[trainer] = result
     finally:
@@ -155,7 +180,7 @@ def measure(iterations: int, lose_after: int, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--lose-after", type=int, default=3, help="iterations done when the node is stopped")
     parser.add_argument("--out", default="runs/node_loss")
     args = parser.parse_args()

@@ -30,7 +30,7 @@ from rayppo.run.checkpoint import (CheckpointError, continued_config, latest_che
 from rayppo.run.folder import release_output_dir
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.samples import format_samples, pick_samples, shown_prompt
-from rayppo.run.scale import changes, take_request
+from rayppo.run.scale import changes, grows_fleet_only, take_request
 from rayppo.run.tracking import make_trackers
 from rayppo.trainers.evaluation import due
 
@@ -298,6 +298,13 @@ class _Loop:
             return False
         said = changes(self.cfg, cfg)
         if not said:
+            return False
+        if grows_fleet_only(self.cfg, cfg):  # no restart: the new generators join the running fleet
+            self.trainer.grow_fleet(cfg.generators.num)
+            self.cfg.generators.min_num = cfg.generators.min_num
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+            console.write(f"rayppo scale: {said} after iteration {self.it - 1}: the new generators join the fleet "
+                          "once placed and up to date (no restart)")
             return False
         console.write(f"rayppo scale: {said} after iteration {self.it - 1}: checkpoint, then resume on the new split")
         self.rescale = cfg

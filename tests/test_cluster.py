@@ -95,7 +95,8 @@ def test_job_runs_on_the_requested_nodes_and_reward_rises(cluster, tmp_path, cap
     assert len(placement["roles"]["learner"]) == 2
     assert all("learner_node" in nodes[n]["resources"] for n in placement["roles"]["learner"])
     assert main(["status", job_id, "--address", cluster]) == 0
-    assert "SUCCEEDED" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "SUCCEEDED" in said and "  iterations: 12 of 12" in said and "  generators: 1 of 1 sampling" in said, said
     assert main(["status", "--address", cluster]) == 0  # no job named: the cluster's jobs, one line each
     assert any(line.startswith(f"{job_id}  SUCCEEDED") and line.endswith("rayppo train")
                for line in capsys.readouterr().out.splitlines())

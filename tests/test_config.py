@@ -114,6 +114,8 @@ def test_impossible_weight_sync_is_refused_at_load(overrides, message):
         (["generators.tensor_parallel_layout=across_nodes", "generators.tensor_parallel_size=2"],
          "generators.tensor_parallel_layout", "ray executor"),
         (["cluster.colocate_all=true", "generators.num=3"], "generators.num", "at most learner.num_ranks=2"),
+        (["generators.num=2", "generators.min_num=3"], "generators.min_num", r"must be in \[1, generators.num=2\]"),
+        (["generators.min_num=0"], "generators.min_num", r"must be in \[1, generators.num=1\]"),
         (["cluster.colocate_all=true", "reference.gpus=0.5"], "reference.gpus", "set by cluster.colocate_all"),
         (["reward.gpus=2"], "reward.gpus", "must be in"),
         (["cluster.colocate_all=true", "learner.gpus_per_rank=1", "checks.sync_fault=skip_all"], "checks.sync_fault",

@@ -71,7 +71,7 @@ def test_a_generator_replaced_under_the_broadcast_sync_joins_a_new_sync_group(tm
     generator SIGKILLed before a broadcast: its receive fails, it is replaced, the broken group
     ends (or times out, cluster.sync_timeout_s), a fresh one is formed and the weights are
     broadcast again."""
-    trainer = DistributedTrainer(load_config(None, BASE + ["learner.weight_sync=broadcast", "cluster.sync_timeout_s=30",
+    trainer = DistributedTrainer(load_config(None, BASE + ["learner.weight_sync=broadcast", "cluster.sync_timeout_s=12",
                                                            f"output.dir={tmp_path}"]))
     try:
         trainer.iteration()

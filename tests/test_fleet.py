@@ -34,10 +34,15 @@ def cluster(embedded_dir):
         node_loss.stop_cluster()
 
 
-@pytest.mark.parametrize("trainer", ["synchronous", "asynchronous"])
-def test_a_lost_generator_node_shrinks_the_fleet_and_a_new_node_regrows_it(cluster, tmp_path, trainer, capsys):
+@pytest.mark.parametrize("trainer,sync", [("synchronous", "broadcast"), ("asynchronous", "object_store")])
+def test_a_lost_generator_node_shrinks_the_fleet_and_a_new_node_regrows_it(cluster, tmp_path, trainer, sync, capsys):
+    """The synchronous trainer broadcasts the weights (gloo here, NCCL on GPUs): the process group is
+    formed again without the lost generator, and again with it when it rejoins. The asynchronous
+    pipeline's generators load them from the object store, each between its own batches."""
     out = tmp_path / "run"
-    proc, log = node_loss.start_run(cluster, out, ["stop.iterations=1000", *node_loss.TRAINERS[trainer]])
+    # A broadcast broken by the loss ends when its collective times out (cluster.sync_timeout_s).
+    overrides = ["stop.iterations=1000", f"learner.weight_sync={sync}", "cluster.sync_timeout_s=12"]
+    proc, log = node_loss.start_run(cluster, out, overrides + node_loss.TRAINERS[trainer])
     records = node_loss.records
     try:
         node_loss.wait_for("an iteration", lambda: len(records(out)) >= 1, proc, log)
@@ -64,3 +69,26 @@ def test_a_lost_generator_node_shrinks_the_fleet_and_a_new_node_regrows_it(clust
     assert "generator 1 left the fleet at iteration" in driver and "going on with 1 of 2" in driver
     assert "generator 1 rejoined the fleet at iteration" in driver
     assert (out / "checkpoints" / "latest").read_text().strip() == f"iter_{len(done):06d}"
+
+
+def test_a_fleet_below_its_minimum_stops_the_run_with_a_checkpoint_and_the_resume_command(cluster, tmp_path):
+    """generators.min_num=2 of 2: losing one stops the run after the last completed iteration,
+    with a checkpoint and the command to go on with the generator left."""
+    out = tmp_path / "run"
+    proc, log = node_loss.start_run(cluster, out, ["stop.iterations=1000", "generators.min_num=2"])
+    try:
+        node_loss.wait_for("an iteration", lambda: len(node_loss.records(out)) >= 1, proc, log)
+        node_loss.stop_node_of(out, 1)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    driver = log.read_text()
+    done = len(node_loss.records(out))
+    assert code == 2, driver[-3000:]
+    # The last completed iteration; or the one whose update the learner took before the loss stopped
+    # its weight sync (a checkpoint pairs the updated learner with the state after it).
+    assert (out / "checkpoints" / "latest").read_text().strip() in (f"iter_{done:06d}", f"iter_{done + 1:06d}")
+    error = next(line for line in driver.splitlines() if line.startswith("rayppo: error:"))
+    assert "generator 1 was lost at iteration" in error and "1 of 2 generators left, fewer than generators.min_num=2" in error
+    assert f"rayppo train --resume {out} generators.num=1" in error, error

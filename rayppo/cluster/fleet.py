@@ -28,9 +28,10 @@ from ray.exceptions import RayActorError
 
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.placement import Placement, bundle_placed
+from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.engine import Engine
-from rayppo.errors import FleetTooSmallError, GeneratorLostError
+from rayppo.errors import ActorFailedError, FleetTooSmallError, GeneratorLostError
 from rayppo.run.status import FLEET_FILE
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ T = TypeVar("T")
 
 RETRY_S = 1.0
 """Pause before starting again a replacement that died before it ran (its node was lost)."""
-
 
 
 class Fleet:
@@ -53,14 +53,15 @@ class Fleet:
         """Generator -> the future of its replacement's first answer (ready once it is placed and built)."""
         self.lost = 0
         """Times a generator left the fleet (``faults/generators_lost``)."""
+        self._left: set[int] = set()  # generators that left it at some time
         self.iteration = 0
         """The iteration the trainer is in (for the messages and ``fleet.json``)."""
         self._save()
 
     @property
-    def elastic(self) -> bool:
-        """Whether a generator may leave: the fleet can shrink and its actors are Ray actors."""
-        return self.minimum < len(self.group) and not self.group.local and self.placement is not None
+    def placed_by_ray(self) -> bool:
+        """Whether its generators are Ray actors in placement groups (not in-process ones)."""
+        return not self.group.local and self.placement is not None
 
     def on_active(self, call: Callable[[list[int]], T]) -> T:
         """``call(active generators)``, made again over the generators left each time one leaves
@@ -73,11 +74,11 @@ class Fleet:
 
     def started(self, i: int, first_answer: Any, timeout_s: float) -> Any:
         """Wait for replacement generator ``i``'s ``first_answer`` (a future) and return its value;
-        ``GetTimeoutError`` past ``timeout_s``. In an elastic fleet a replacement whose bundle has no
+        ``GetTimeoutError`` past ``timeout_s``. A Ray-placed replacement whose bundle has no
         node after ``cluster.placement_timeout_s`` leaves the fleet instead (``GeneratorLostError``;
         ``FleetTooSmallError`` below ``generators.min_num``), and one that dies before it runs its
         constructor (placed on the lost node before Ray noticed it is gone) is started again."""
-        if not self.elastic:
+        if not self.placed_by_ray:
             return get(first_answer, timeout=timeout_s)
         deadline = time.monotonic() + self.place_timeout_s
         while True:
@@ -101,6 +102,7 @@ class Fleet:
             self.active.remove(i)
         self.waiting[i] = first_answer
         self.lost += 1
+        self._left.add(i)
         self._save()
         where = (f"no node has room for it within cluster.placement_timeout_s={self.place_timeout_s:g} s "
                  f"(its node is gone)")
@@ -108,14 +110,16 @@ class Fleet:
             raise FleetTooSmallError(
                 f"generator {i} was lost at iteration {self.iteration}: {where}; {len(self.active)} of "
                 f"{len(self.group)} generators left, fewer than generators.min_num={self.minimum}. Add capacity and "
-                f"resume, or resume on fewer: rayppo train --resume DIR generators.num={max(1, len(self.active))}")
+                f"resume, or resume on fewer: rayppo train --resume {self.run_dir or 'DIR'} "
+                f"generators.num={max(1, len(self.active))}")
         console.write(f"generator {i} left the fleet at iteration {self.iteration}: {where}; going on with "
                       f"{len(self.active)} of {len(self.group)} (it rejoins when the cluster has room)")
         raise GeneratorLostError(f"generator {i} left the fleet")
 
     def returned(self) -> list[int]:
         """The waiting generators whose replacement is placed and built now (no waiting). One that
-        died meanwhile (its new node lost too) is replaced again and keeps waiting."""
+        died meanwhile (its new node lost too) is replaced again and keeps waiting; one whose
+        constructor failed stops the run (``ActorFailedError``)."""
         back = []
         for i, answer in list(self.waiting.items()):
             ready, _ = ray.wait([answer], timeout=0)
@@ -124,10 +128,24 @@ class Fleet:
             try:
                 ray.get(answer)
                 back.append(i)
-            except RayActorError:
+            except RayActorError as exc:
+                if exc.actor_init_failed:  # its own error (a node without the model, no memory): said, not retried
+                    raise ActorFailedError(f"generator {i} failed while starting: {start_failure(exc)}"
+                                           f"{console.details('generators', i)}") from None
                 self.group.restart(i)
                 self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
         return back
+
+    def add(self, i: int) -> None:
+        """New generator ``i`` (``rayppo scale``) waits like a lost one: it joins at the first
+        iteration boundary after it is placed and built (``returned``, ``rejoin``)."""
+        self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
+        self._save()
+
+    def wait(self, generators: list[int], timeout_s: float) -> None:
+        """Wait until the waiting ``generators`` are placed and built, ``timeout_s`` at most."""
+        answers = [self.waiting[i] for i in generators if i in self.waiting]
+        ray.wait(answers, num_returns=len(answers), timeout=timeout_s)
 
     def rejoin(self, i: int, bring_up_to_date: Callable[[int], None]) -> None:
         """Returned generator ``i`` joins the active ones, ``bring_up_to_date(i)`` gives it the
@@ -143,7 +161,8 @@ class Fleet:
                 self.active.remove(i)
             raise
         self._save()
-        console.write(f"generator {i} rejoined the fleet at iteration {self.iteration}: {len(self.active)} of "
+        again = "rejoined" if i in self._left else "joined"
+        console.write(f"generator {i} {again} the fleet at iteration {self.iteration}: {len(self.active)} of "
                       f"{len(self.group)} generators")
 
     def metrics(self) -> dict[str, float]:

@@ -44,6 +44,15 @@ class ActorGroup(Generic[E]):
         args, actor = self._args[i], self._remote.options(**self._options[i])
         return actor.remote(**args) if isinstance(args, dict) else actor.remote(*args)
 
+    def add(self, args: dict[str, Any] | tuple, options: dict[str, Any]) -> int:
+        """One more actor, built from ``args`` with Ray actor ``options``; returns its index."""
+        if self.local:
+            raise ValueError("an in-process group does not grow")
+        self._args.append(args)
+        self._options.append(options)
+        self.actors.append(self._start(len(self.actors)))
+        return len(self.actors) - 1
+
     def restart(self, i: int) -> None:
         """Replace actor ``i`` (dead or hung) by a new one built with the same arguments and options."""
         try:

@@ -157,13 +157,24 @@ def submit(cfg: Config, address: str | None, env: dict[str, str], ship_code: boo
         entrypoint = f"{program} train --config job.yaml --no-progress"
     runtime_env = {"working_dir": str(staging), "env_vars": {**ACTOR_ENV, STOP_WAIT_ENV: str(stop_wait_s(cfg)), **env}}
     return client(address).submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                      submission_id=submission_id, metadata={"rayppo": bench or "train"})
+                                      submission_id=submission_id,
+                                      metadata={"rayppo": bench or "train", "output_dir": cfg.output.dir})
 
 
 def status(job_id: str, address: str | None) -> str:
+    """``RUNNING``, and where the run stands when its folder is readable here (``rayppo status DIR``'s
+    lines: iterations, the generator fleet, the latest checkpoint)."""
+    from rayppo.errors import RayppoError
+    from rayppo.run.status import run_status
+
     info = client(address).get_job_info(job_id)
     message = f" ({info.message})" if info.message else ""
-    return f"{info.status.value}{message}"
+    folder = (info.metadata or {}).get("output_dir")
+    try:
+        lines = run_status(folder) if folder and info.metadata.get("rayppo") == "train" else []
+    except (RayppoError, OSError):  # not started yet, or on storage this machine does not see
+        lines = []
+    return "\n".join([f"{info.status.value}{message}", *(f"  {line}" for line in lines)])
 
 
 def logs(job_id: str, address: str | None, follow: bool, out=None) -> None:

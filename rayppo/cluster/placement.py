@@ -378,6 +378,27 @@ def reserve(cfg: Config) -> dict[str, Placement]:
     return placements
 
 
+def reserve_generators(cfg: Config, count: int) -> list[tuple[PlacementGroup, int]]:
+    """Placement groups for ``count`` more generators, laid out as ``plan_groups`` lays out the
+    first ones (a group of one bundle per generator; across nodes, a group of one-GPU bundles per
+    generator). Not waited for: Ray places them when the cluster has room. Returns each new
+    generator's (group, bundle). Not in colocated mode, where generators sit in the learner's bundles."""
+    from ray.util.placement_group import placement_group
+
+    if cfg.cluster.colocate_all:
+        raise PlacementError("colocated mode (cluster.colocate_all) puts each generator in a learner rank's bundle: "
+                             "more generators need a restart with more learner ranks")
+    more = copy.deepcopy(cfg)
+    more.generators.num = count
+    slots = []
+    for plan in plan_groups(more):
+        members = [(i, bundle) for role, i, bundle in plan.members if role == "generators"]
+        if members:  # a group that holds generators holds nothing else outside colocated mode
+            pg = placement_group(plan.bundles, strategy="PACK", name=f"rayppo-more-{plan.name}")
+            slots += [(i, pg, bundle) for i, bundle in members]
+    return [(pg, bundle) for _, pg, bundle in sorted(slots, key=lambda slot: slot[0])]
+
+
 def release(placements: dict[str, Placement]) -> None:
     from ray.util.placement_group import remove_placement_group
 
@@ -404,7 +425,7 @@ def placement_report(placements: dict[str, Placement]) -> dict[str, Any]:
              for n in ray.nodes() if n["Alive"]}
     roles = {}
     for role, p in placements.items():
-        roles[role] = [placement_group_table(g)["bundles_to_node_id"][i] for g, i in zip(p.groups, p.bundles)]
+        roles[role] = [placement_group_table(g)["bundles_to_node_id"].get(i, "") for g, i in zip(p.groups, p.bundles)]
     return {"roles": roles, "nodes": nodes}
 
 

@@ -20,7 +20,7 @@ from rayppo.actors.reward import RewardEngine, endpoint_from
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
-from rayppo.cluster.placement import Placement, role_specs
+from rayppo.cluster.placement import Placement, reserve_generators, role_specs
 from rayppo.cluster.session import ACTOR_ENV
 from rayppo.config.derived import (actor_threads, reference_actors, reward_actors, role_gpus, tensor_parallel_size,
                                    vllm_memory_utilization, weight_sync_backend)
@@ -55,13 +55,8 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     def options(role: str, n: int) -> list[dict[str, Any]]:
         return [placements[role].actor_options(i, _actor_env(cfg, role, i, threads[role])) for i in range(n)]
 
-    generator = dict(model_path=m.policy, sampling=sampling_settings(cfg), backend=g.backend, dtype=m.dtype,
-                     vllm=vllm_settings(cfg, context), num_threads=threads["generators"],
-                     sync_fault=SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor),  # testing only
-                     gpus=gpus["generators"], episodes=episode_settings(cfg))
     generators = ActorGroup(
-        GeneratorEngine, [{**generator, "generator_id": i, "seed": generator_seed(cfg.seed, i)} for i in range(g.num)],
-        options("generators", g.num),
+        GeneratorEngine, [generator_args(cfg, context, i) for i in range(g.num)], options("generators", g.num),
         # Two vLLM engines profiling one GPU at once would each count the other's memory.
         one_by_one=Engine.ready if 0 < gpus["generators"] < 1 else None,
     )
@@ -87,6 +82,29 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     )
     schedule.stage("spawn reference, reward, learner")
     return roles
+
+
+def generator_args(cfg: Config, context: int | None, index: int) -> dict[str, Any]:
+    """The constructor arguments of generator ``index``."""
+    g, m = cfg.generators, cfg.model
+    gpus = next(spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg) if spec.name == "generators")
+    return dict(model_path=m.policy, sampling=sampling_settings(cfg), backend=g.backend, dtype=m.dtype,
+                vllm=vllm_settings(cfg, context), num_threads=actor_threads(g.threads, g.cpus_per_worker),
+                sync_fault=SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor),  # testing only
+                gpus=gpus, episodes=episode_settings(cfg), generator_id=index, seed=generator_seed(cfg.seed, index))
+
+
+def add_generators(cfg: Config, group: ActorGroup, placement: Placement, context: int | None, count: int) -> list[int]:
+    """``count`` more generators in ``group``, in placement groups of their own that are not
+    waited for: each starts once the cluster has room for it. Returns their indices."""
+    added = []
+    for pg, bundle in reserve_generators(cfg, count):
+        i = len(group)
+        placement.groups.append(pg)
+        placement.bundles.append(bundle)
+        env = _actor_env(cfg, "generators", i, actor_threads(cfg.generators.threads, cfg.generators.cpus_per_worker))
+        added.append(group.add(generator_args(cfg, context, i), placement.actor_options(i, env)))
+    return added
 
 
 def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, str]:

@@ -2,9 +2,12 @@
 two iterations.
 
 The request is a file in the run folder (``scale.json``, written whole by a rename). After each
-iteration the driver takes it, checks it as ``--resume`` would (only the split over actors and
-the roles' resources may change: ``scalable``), writes a checkpoint, closes its actors and resumes from that checkpoint
-on the new split in the same process (``train.train``). New generators sample from the next
+iteration the driver takes it and checks it as ``--resume`` would (only the split over actors and
+the roles' resources may change: ``scalable``). More generators (and nothing else) join the running
+fleet: they start in placement groups of their own and sample from the first iteration boundary
+after they are up to date (``grows_fleet_only``, ``rayppo/cluster/fleet.py``). Any other change: the
+driver writes a checkpoint, closes its actors and resumes from that checkpoint on the new split in
+the same process (``train.train``). New generators sample from the next
 iteration on, with the same noise per row as before (docs/cluster.md, "Sampling noise"); a new
 learner split loads the checkpoint resharded (docs/failures.md, "Resuming on another split").
 A request the driver cannot carry out (an invalid value, a split the cluster cannot hold) is
@@ -82,13 +85,28 @@ def take_request(run_dir: Path) -> list[str] | None:
     return overrides
 
 
+def _value(cfg, name: str):
+    return functools.reduce(getattr, name.split("."), cfg)
+
+
+def changed_fields(before, after) -> list[str]:
+    """The ``scalable`` fields two configs differ in."""
+    return [name for name in scalable() if _value(before, name) != _value(after, name)]
+
+
 def changes(before, after) -> str:
     """``generators.num 1 -> 2, learner.num_ranks 2 -> 1``: the ``scalable`` fields two configs differ in."""
-    def value(cfg, name: str):
-        return functools.reduce(getattr, name.split("."), cfg)
+    return ", ".join(f"{name} {_value(before, name)} -> {_value(after, name)}" for name in changed_fields(before, after))
 
-    return ", ".join(f"{name} {value(before, name)} -> {value(after, name)}" for name in scalable()
-                     if value(before, name) != value(after, name))
+
+def grows_fleet_only(before, after) -> bool:
+    """Whether ``after`` only adds generators (and perhaps moves ``generators.min_num``): then they
+    join the running fleet, with no restart (outside colocated mode, where generators sit in the
+    learner's bundles)."""
+    fields = set(changed_fields(before, after))
+    return ("generators.num" in fields and fields <= {"generators.num", "generators.min_num"}
+            and after.generators.num > before.generators.num and not before.cluster.colocate_all
+            and before.trainer == "distributed")
 
 
 def _merged(earlier: list[str], later: list[str]) -> list[str]:

@@ -28,7 +28,7 @@ from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve
-from rayppo.cluster.roles import actor_count, spawn_roles
+from rayppo.cluster.roles import actor_count, add_generators, spawn_roles
 from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
@@ -101,12 +101,16 @@ class DistributedTrainer:
             self.learner.locate()
             console.phase("warming up the generators (their first call allocates)")
             self.generators.get(self.generators.call_all(GeneratorEngine.warmup))
-            out = Path(cfg.output.dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "placement.json").write_text(json.dumps(placement_report(self.placements), indent=1))
+            self._write_placement()
         except BaseException:
             self.close()
             raise
+
+    def _write_placement(self) -> None:
+        """``placement.json``: the node of each actor of each role (again whenever the fleet changes)."""
+        out = Path(self.cfg.output.dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "placement.json").write_text(json.dumps(placement_report(self.placements), indent=1))
 
     def _spawn_roles(self) -> None:
         cfg = self.cfg
@@ -200,11 +204,29 @@ class DistributedTrainer:
         """Generators that left the fleet and whose replacements have a place now take the current
         weights, are checked (``checks.verify_sync``), and rejoin (``Fleet.rejoin``)."""
         self.fleet.iteration = self.iteration_count
-        for i in self.fleet.returned():
+        back = self.fleet.returned()
+        for i in back:
             try:
                 self.fleet.rejoin(i, self._bring_up_to_date)
             except GeneratorLostError:  # lost again while catching up: it waits for a place again
                 continue
+        if back:
+            self._write_placement()
+
+    def grow_fleet(self, generators: int) -> list[int]:
+        """``generators`` generators in all from now on (more than now), without a restart: the new
+        ones start in placement groups of their own, and once placed and built (waited for up to
+        ``cluster.placement_timeout_s``; later ones join at a later iteration boundary) take the
+        current weights, are checked and join the fleet, as a generator that lost its node rejoins.
+        Returns their indices."""
+        added = add_generators(self.cfg, self.generators, self.placements["generators"], self.context,
+                               generators - len(self.generators))
+        self.cfg.generators.num = len(self.generators)
+        for i in added:
+            self.fleet.add(i)
+        self.fleet.wait(added, self.cfg.cluster.placement_timeout_s)
+        self._regrow()
+        return added
 
     def _bring_up_to_date(self, i: int) -> None:
         """Generator ``i`` (a replacement) takes the current weights, and its fingerprints are checked."""

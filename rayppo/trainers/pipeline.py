@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import defaultdict
 import threading
 import time
 from dataclasses import dataclass, field
@@ -151,8 +152,9 @@ class PipelinedTrainer(DistributedTrainer):
         super().__init__(cfg)
         try:
             self._published = Published(0)
-            self._held = [0] * len(self.generators)  # every generator built the initial weights
-            self._clocks = [BusyClock() for _ in range(len(self.generators))]
+            # Per generator (the fleet may grow): the version it holds (it built the initial weights), its busy time.
+            self._held: defaultdict[int, int] = defaultdict(int)
+            self._clocks: defaultdict[int, BusyClock] = defaultdict(BusyClock)
             self._scoring_clock = BusyClock()
             self._unverified = False
             self._start_stages()
@@ -261,6 +263,7 @@ class PipelinedTrainer(DistributedTrainer):
                     continue
         finally:
             self._start_stages()
+        self._write_placement()
 
     def _catch_up(self, i: int) -> None:
         """Replacement generator ``i`` (built with the initial weights) takes the published ones."""
@@ -273,7 +276,8 @@ class PipelinedTrainer(DistributedTrainer):
         """Start the stage threads at batch ``iteration_count``, the generators' carries ``carry``
         (default: what they were before that batch, or empty)."""
         old = self._stages.carry_states.get(self.iteration_count) if self._stages else None
-        carry = carry or old or [Rollout.concat([]) for _ in range(len(self.generators))]
+        carry = list(carry or old or [])
+        carry += [Rollout.concat([]) for _ in range(len(self.generators) - len(carry))]  # the fleet may have grown
         fleet = list(self.fleet.active)
         carry = carried_by(carry, fleet)
         self._stages = stages = Stages(first=self.iteration_count, fleet=fleet, scored=queue.Queue(maxsize=self.k + 1),
@@ -475,7 +479,7 @@ class PipelinedTrainer(DistributedTrainer):
         self._stop_stages()
         version = self._load_state(path, state)
         self._publish(version)
-        self._held = [-1] * len(self.generators)
+        self._held = defaultdict(lambda: -1)  # every generator loads the restored weights first
         carry = carry_from_json(state.get("partial_rows"), len(self.generators)) if self.partial else None
         self._start_stages(carry)
         self.phase = "idle"
