@@ -299,7 +299,9 @@ class _Loop:
         said = changes(self.cfg, cfg)
         if not said:
             return False
-        if grows_fleet_only(self.cfg, cfg):  # no restart: the new generators join the running fleet
+        # No restart when only generators are added and the cluster has room for them now: they join the
+        # running fleet. Else (a local Ray instance sized to the job has none) through a checkpoint.
+        if grows_fleet_only(self.cfg, cfg) and self.trainer.room_to_grow(cfg.generators.num):
             self.trainer.grow_fleet(cfg.generators.num)
             self.cfg.generators.min_num = cfg.generators.min_num
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))

@@ -378,6 +378,19 @@ def reserve(cfg: Config) -> dict[str, Placement]:
     return placements
 
 
+def room_for_generators(cfg: Config, count: int) -> bool:
+    """Whether the cluster has ``count`` more generators' resources free now (in total: a node
+    may still lack room for a bundle, which then waits for a place)."""
+    import ray
+
+    more = copy.deepcopy(cfg)
+    more.generators.num = count
+    demand = total_demand([plan for plan in plan_groups(more)
+                           if any(role == "generators" for role, _, _ in plan.members)])
+    free = ray.available_resources()
+    return all(need <= free.get(key, 0.0) + 1e-9 for key, need in demand.items() if need > 0)
+
+
 def reserve_generators(cfg: Config, count: int) -> list[tuple[PlacementGroup, int]]:
     """Placement groups for ``count`` more generators, laid out as ``plan_groups`` lays out the
     first ones (a group of one bundle per generator; across nodes, a group of one-GPU bundles per

@@ -27,7 +27,8 @@ from rayppo.actors.reward import RewardEngine
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.learner_group import LearnerGroup
-from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve
+from rayppo.cluster.placement import (Placement, placement_report, release, requested_resources, reserve,
+                                     room_for_generators)
 from rayppo.cluster.roles import actor_count, add_generators, spawn_roles
 from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
@@ -212,6 +213,11 @@ class DistributedTrainer:
                 continue
         if back:
             self._write_placement()
+
+    def room_to_grow(self, generators: int) -> bool:
+        """Whether the cluster has room now for ``generators`` in all (outside colocated mode)."""
+        more = generators - len(self.generators)
+        return more > 0 and not self.cfg.cluster.colocate_all and room_for_generators(self.cfg, more)
 
     def grow_fleet(self, generators: int) -> list[int]:
         """``generators`` generators in all from now on (more than now), without a restart: the new
