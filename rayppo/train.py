@@ -302,9 +302,9 @@ class _Loop:
         # No restart when only generators are added and the cluster has room for them now: they join the
         # running fleet. Else (a local Ray instance sized to the job has none) through a checkpoint.
         if grows_fleet_only(self.cfg, cfg) and self.trainer.room_to_grow(cfg.generators.num):
-            self.trainer.grow_fleet(cfg.generators.num)
             self.cfg.generators.min_num = cfg.generators.min_num
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+            self.trainer.grow_fleet(cfg.generators.num)  # the trainer's config is this one: it moves .num
+            _save_config(self.out, self.cfg)
             console.write(f"rayppo scale: {said} after iteration {self.it - 1}: the new generators join the fleet "
                           "once placed and up to date (no restart)")
             return False
@@ -346,10 +346,15 @@ def _result(cfg: Config, out: Path, done: int, stop_reason: str, seconds: float,
                        evals[-1] if evals else None, seconds, resumed_at)
 
 
+def _save_config(out: Path, cfg: Config) -> None:
+    """``config.yaml``: what ``--resume`` and ``rayppo scale`` read the run's config from."""
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
 def _start(cfg: Config, trainer: Trainer, out: Path, resume: Path | None) -> int:
     """The run folder and its config; the checkpoint ``resume`` loaded. Returns the first iteration."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    _save_config(out, cfg)
     if resume is None:
         return 0
     state = read_driver_state(resume)

@@ -147,6 +147,14 @@ class Fleet:
         answers = [self.waiting[i] for i in generators if i in self.waiting]
         ray.wait(answers, num_returns=len(answers), timeout=timeout_s)
 
+    def rejoin_all(self, generators: list[int], bring_up_to_date: Callable[[int], None]) -> None:
+        """``rejoin`` each of ``generators``; one lost again while catching up waits for a place again."""
+        for i in generators:
+            try:
+                self.rejoin(i, bring_up_to_date)
+            except GeneratorLostError:
+                continue
+
     def rejoin(self, i: int, bring_up_to_date: Callable[[int], None]) -> None:
         """Returned generator ``i`` joins the active ones, ``bring_up_to_date(i)`` gives it the
         current weights and checks them (a broadcast sync forms its group with the active

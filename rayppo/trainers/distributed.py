@@ -40,7 +40,7 @@ from rayppo.console import console
 from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
-from rayppo.errors import GeneratorLostError, LearnerFailedError
+from rayppo.errors import LearnerFailedError
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
@@ -206,18 +206,14 @@ class DistributedTrainer:
         weights, are checked (``checks.verify_sync``), and rejoin (``Fleet.rejoin``)."""
         self.fleet.iteration = self.iteration_count
         back = self.fleet.returned()
-        for i in back:
-            try:
-                self.fleet.rejoin(i, self._bring_up_to_date)
-            except GeneratorLostError:  # lost again while catching up: it waits for a place again
-                continue
         if back:
+            self.fleet.rejoin_all(back, self._bring_up_to_date)
             self._write_placement()
 
     def room_to_grow(self, generators: int) -> bool:
-        """Whether the cluster has room now for ``generators`` in all (outside colocated mode)."""
+        """Whether the cluster has room now for ``generators`` in all."""
         more = generators - len(self.generators)
-        return more > 0 and not self.cfg.cluster.colocate_all and room_for_generators(self.cfg, more)
+        return more > 0 and room_for_generators(self.cfg, more)
 
     def grow_fleet(self, generators: int) -> list[int]:
         """``generators`` generators in all from now on (more than now), without a restart: the new
@@ -228,6 +224,7 @@ class DistributedTrainer:
         added = add_generators(self.cfg, self.generators, self.placements["generators"], self.context,
                                generators - len(self.generators))
         self.cfg.generators.num = len(self.generators)
+        self.fleet.minimum = fleet_minimum(self.cfg)  # generators.min_num may come with the request
         for i in added:
             self.fleet.add(i)
         self.fleet.wait(added, self.cfg.cluster.placement_timeout_s)

@@ -256,11 +256,7 @@ class PipelinedTrainer(DistributedTrainer):
             return
         self._halt_stages()
         try:
-            for i in back:
-                try:
-                    self.fleet.rejoin(i, self._catch_up)
-                except GeneratorLostError:  # lost again while catching up: it waits for a place again
-                    continue
+            self.fleet.rejoin_all(back, self._catch_up)
         finally:
             self._start_stages()
         self._write_placement()
@@ -325,7 +321,7 @@ class PipelinedTrainer(DistributedTrainer):
 
     def _generate_loop(self, stages: Stages, g: int) -> None:
         """Generator g: its share of batches first, first + 1, ... within the staleness window."""
-        b, seed = stages.first, self.cfg.seed
+        b, seed, position = stages.first, self.cfg.seed, stages.fleet.index(g)  # its share's place in each batch
         while True:
             published = self._wait_for_window(stages, b)
             batch = self._batch(stages, b)
@@ -334,11 +330,11 @@ class PipelinedTrainer(DistributedTrainer):
                 if published.version > self._held[g]:
                     self._load(g, published)
                 shares = group_shares(batch.prompts, len(stages.fleet), self.cfg.rollout.samples_per_prompt)
-                part = self._sample_share(stages, g, b, shares[stages.fleet.index(g)], iteration_seed(seed, b))
+                part = self._sample_share(stages, g, b, shares[position], iteration_seed(seed, b))
             finally:
                 self._clocks[g].stop()
             with self._cond:
-                batch.parts[stages.fleet.index(g)] = part
+                batch.parts[position] = part
                 if all(p is not None for p in batch.parts):
                     stages.to_score.put(b)
             b += 1
