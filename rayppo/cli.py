@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--config", metavar="FILE", help="YAML config file (as for 'rayppo train')")
     plan.add_argument("--address", help="Ray cluster to read the resources of (as cluster.address: auto, "
-                                        "ray://host:10001, host:6379); default: cluster.address, else this machine")
+                                        "ray://host:10001, host:6379); default: cluster.address, else $RAY_ADDRESS "
+                                        "(host:port), else this machine")
     plan.add_argument("--cluster-resources", metavar="JSON",
                       help='the cluster\'s resources instead of connecting, e.g. \'{"GPU": 8, "CPU": 64, "memory": 512e9}\' '
                            "(memory in bytes; custom resources by name)")

@@ -32,10 +32,11 @@ def guess_dir() -> Path:
 @pytest.fixture(scope="module")
 def local_ray(embedded_dir):
     """One local Ray instance (2 logical CPUs, like this machine) for a test module that asks for
-    it (the embedded model is built first, outside Ray)."""
+    it (the embedded model is built first, outside Ray); private (``address="local"``) even when a
+    ``ray start`` cluster runs on the machine, or its leftover address file does."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield
     ray.shutdown()

@@ -151,7 +151,7 @@ def test_the_weight_check_runs_after_each_generators_own_sync(tmp_path):
                              "checks.sync_fault=skip_tensor", "eval.every=0", f"output.dir={tmp_path}"])
     trainer = PipelinedTrainer(cfg)
     try:
-        with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1: generator 0 does not hold the "
+        with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1 \(the update of iteration 0\): generator 0 does not hold the "
                                                   r"weights the learner sent: model.layers.0.mlp.down_proj.weight"):
             for _ in range(4):
                 trainer.iteration()

@@ -57,7 +57,7 @@ def test_end_to_end_two_generators_two_ranks_reward_rises_and_sync_is_exact(tmp_
 @pytest.mark.parametrize("sync, fault", [("object_store", "skip_tensor"), ("broadcast", "perturb_tensor")])
 def test_guard_stops_the_run_at_a_sync_that_did_not_deliver_a_tensor(sync, fault):
     """A generator that skips one tensor's update, or loads it perturbed, stops the run at that sync."""
-    with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1: generator 0 does not hold the weights "
+    with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1 \(the update of iteration 0\): generator 0 does not hold the weights "
                                               r"the learner sent: model.layers.0.mlp.down_proj.weight"):
         run_iterations([f"checks.sync_fault={fault}", "rollout.batch_size=16", "learner.num_ranks=1",
                         f"learner.weight_sync={sync}"], 2)

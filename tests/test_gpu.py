@@ -27,7 +27,7 @@ MISMATCH_TOLERANCE = 2e-3
 def local_ray():
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -5,7 +5,8 @@ by a vLLM generator; the learner's sync stream of an updated policy (every weigh
 its RMS: ``full_tensors`` then ``checkpoint_tensors``, as ``LearnerEngine`` sends it) is loaded;
 then every sent tensor must be verified by its fingerprint, the generator must sample with the
 new weights (log-probs equal to the transformers forward's within the fp32 bound the suite uses,
-1e-4: a healthy sync measures ~5e-7), and a perturbed tensor must fail the check. The same stream
+1e-4: a healthy sync measures ~5e-7), and a tensor left one bf16 step of lr 1e-6 behind (skipped on
+its way in) or perturbed must fail the check. The same stream
 is then written as the run's final export (``models/export.py``): transformers reloads it to the
 learner's logits exactly (the same tensors, the same forward: a difference of 0.0), and the
 generator holding the synced weights samples the exported model's log-probs.
@@ -13,7 +14,7 @@ generator holding the synced weights samples the exported model's log-probs.
 Mixture-of-experts models run the same test: vLLM's CPU kernel repacks their experts after every
 update (``actors/cpu_moe.py``). Families vLLM's CPU backend cannot run this way are checked where
 they can be: GPT-NeoX (vLLM runs it through its transformers fallback: the weight check, not the
-log-probs); GPT-2 not at all (vLLM 0.32's CPU engine crashes in native code on it).
+log-probs). GPT-2, whose Conv1D weights vLLM holds transposed, has its own test (``test_gpt2.py``).
 """
 
 from __future__ import annotations
@@ -109,12 +110,35 @@ def _mismatch(generator: GeneratorEngine, folder: str, tokenizer) -> float:
     return max(abs(a - b) for got, want in zip(rollout.logprobs, expected) for a, b in zip(got, want))
 
 
+def lr_step(named: dict[str, torch.Tensor], lr: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stream after one AdamW-sized step (every weight moved by ``lr``, the size of Adam's
+    first step), sent in ``dtype``: in bf16 at lr 1e-6 only the elements whose rounding flips
+    change (about lr / ulp of them, ~1%)."""
+    generator = torch.Generator().manual_seed(3)
+    return {n: (t.float() - lr * torch.sign(torch.randn(t.shape, generator=generator))).to(dtype)
+            for n, t in named.items()}
+
+
 def _caught(generator: GeneratorEngine, named: dict[str, torch.Tensor], hit: str) -> None:
-    """``hit`` perturbed on its way into the engine (``checks.sync_fault``): the weight check names it."""
+    """The user's worst case: the stream of one bf16 update at lr 1e-6 reaches the engine without
+    ``hit`` (``checks.sync_fault=skip_tensor``), so that tensor stays one step behind; the weight
+    check names generator, tensor and version. The same stream loaded whole verifies, and so does
+    a perturbed tensor get caught."""
+    before = {n: t.to(torch.bfloat16) for n, t in named.items()}
+    generator.sync_fault = SyncFault()
+    generator.load_weights(pack_weights(before, 2))
+    assert check_weights(sent_prints(before), generator.weight_fingerprints(), 0, 2) == len(named)
+    after = lr_step(named, 1e-6, torch.bfloat16)
+    assert not torch.equal(after[hit], before[hit])
+    generator.sync_fault = SyncFault("skip_tensor", hit)
+    generator.load_weights(pack_weights(after, 3))
+    with pytest.raises(WeightSyncError, match=rf"version 3 \(the update of iteration 2\): generator 0 does not hold "
+                                              rf"the weights the learner sent: {hit} "):
+        check_weights(sent_prints(after), generator.weight_fingerprints(), 0, 3)
     generator.sync_fault = SyncFault("perturb_tensor", hit)
-    generator.load_weights(pack_weights(named, 2))
+    generator.load_weights(pack_weights(named, 4))
     with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):
-        check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+        check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 4)
 
 
 @pytest.mark.slow

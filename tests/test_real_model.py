@@ -119,6 +119,7 @@ def test_bf16_a_perturbed_tensor_is_named_by_the_weight_check(smollm2, monkeypat
     from rayppo.learner.guard import WeightSyncError, check_weights
     from rayppo.models.fingerprint import sent_prints
     from rayppo.models.weights import SyncFault, pack_weights
+    from test_model_families import lr_step  # pytest puts tests/ on the path
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     policy = load_causal_lm(smollm2, "bfloat16")
@@ -128,10 +129,16 @@ def test_bf16_a_perturbed_tensor_is_named_by_the_weight_check(smollm2, monkeypat
     try:
         generator.load_weights(pack_weights(named, 1))
         assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) > 200
-        hit = "model.layers.0.mlp.down_proj.weight"
-        generator.sync_fault = SyncFault("perturb_tensor", hit)
-        generator.load_weights(pack_weights(named, 2))
+        # The user's case: one update at lr 1e-6 in bf16 whose layer-10 down projection never loads.
+        hit = "model.layers.10.mlp.down_proj.weight"
+        after = lr_step(named, 1e-6, torch.bfloat16)
+        generator.sync_fault = SyncFault("skip_tensor", hit)
+        generator.load_weights(pack_weights(after, 2))
         with pytest.raises(WeightSyncError, match=rf"generator 0 does not hold the weights the learner sent: {hit} "):
-            check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+            check_weights(sent_prints(after), generator.weight_fingerprints(), 0, 2)
+        generator.sync_fault = SyncFault("perturb_tensor", hit)
+        generator.load_weights(pack_weights(named, 3))
+        with pytest.raises(WeightSyncError, match=rf"generator 0 does not hold the weights the learner sent: {hit} "):
+            check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 3)
     finally:
         del generator

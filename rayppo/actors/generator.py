@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from rayppo.actors.held_weights import worker_held_prints, worker_tied_aliases
+from rayppo.actors.conv1d_weights import worker_held_prints
+from rayppo.actors.held_weights import worker_tied_aliases
 # SamplingSettings and split_response are imported from here by the roles' callers.
 from rayppo.actors.hf_backend import HFBackend, SamplingSettings, sample_seeds, split_response, stop_token_ids  # noqa: F401
 from rayppo.data.prompts import PromptBatch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rayppo.actors.cpu_moe import expert_probes
-from rayppo.models.fingerprint import matrix_shape, probe_rows, probes, split_rows
+from rayppo.models.fingerprint import kernel_rows, matrix_shape, probe_rows, split_rows
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -44,8 +44,9 @@ def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[
     """Runs inside a vLLM worker: fingerprints of the weights the engine holds, under the sent
     (Hugging Face) names. Fused parameters (``packed_modules_mapping``, e.g. qkv_proj ->
     q/k/v_proj) split back by row blocks; a CPU linear layer whose weight vLLM moved into a
-    oneDNN/SGL kernel (its parameter left empty; vllm/model_executor/layers/utils.py,
-    ``dispatch_cpu_unquantized_gemm``, vLLM 0.32) is probed through that kernel."""
+    oneDNN/SGL/zentorch kernel (its parameter left empty; vllm/model_executor/layers/utils.py,
+    ``dispatch_cpu_unquantized_gemm``, vLLM 0.32) is read back exactly through that kernel
+    (``kernel_rows``)."""
     model = worker.get_model()
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = engine_names(model, shapes)
@@ -65,9 +66,8 @@ def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[
             if not all(name in shapes for name in names):
                 continue
             k = matrix_shape(shapes[names[0]])[1]
-            if param.numel() == 0 and hasattr(module, "cpu_linear"):
-                probe = probes(k).T.to(param.dtype).contiguous()  # [2, K], exact in any dtype
-                rows = module.cpu_linear(probe, param, None).T.double()
+            if param.numel() == 0 and hasattr(module, "cpu_linear"):  # read back exactly through its kernel
+                rows = kernel_rows(lambda x, m=module, w=param: m.cpu_linear(x, w, None), k, param.dtype)
             else:
                 rows = probe_rows(param.reshape(-1, k))  # padded vocabulary rows are ignored by split_rows
             out.update(split_rows(rows, names, shapes))

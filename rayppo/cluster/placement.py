@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
     from ray.util.placement_group import PlacementGroup
 
+from rayppo.cluster.address import chosen_address, refuse_left_over
 from rayppo.config.derived import reference_actors, reward_actors, role_gpus, tensor_parallel_size
 from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError
@@ -345,7 +346,7 @@ def fewer_actors(cfg: Config, fits: Callable[[Config], bool],
 def check_capacity(cfg: Config, available: dict[str, float]) -> None:
     """Raise ``PlacementError`` naming every resource the cluster lacks and how to fit the job,
     before anything waits."""
-    missing = shortage_lines(cfg, available, local=not cfg.cluster.address)
+    missing = shortage_lines(cfg, available, local=not chosen_address(cfg.cluster.address))
     if missing:
         raise PlacementError("the Ray cluster cannot hold this job: " + "; ".join(missing))
 
@@ -462,6 +463,7 @@ def running_cluster_resources(address: str) -> dict[str, float]:
     (Ray is imported only here, so ``rayppo plan`` without an address never loads it)."""
     import ray
 
+    refuse_left_over(address)
     ray.init(address=address, log_to_driver=False)
     try:
         return dict(ray.cluster_resources())

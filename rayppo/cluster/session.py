@@ -10,6 +10,7 @@ from pathlib import Path
 
 import ray
 
+from rayppo.cluster.address import chosen_address, refuse_left_over, running_cluster
 from rayppo.cluster.placement import local_cpus
 from rayppo.console import console
 
@@ -28,7 +29,8 @@ ACTOR_ENV = {
 
 
 class RaySession:
-    """``with RaySession(address, num_cpus):`` connects (or starts Ray) and cleans up after.
+    """``with RaySession(address, num_cpus):`` joins the cluster the user chose (``address``, else
+    ``$RAY_ADDRESS``: ``chosen_address``) or starts a private local instance, and cleans up after.
 
     No job-level runtime environment is set here: each actor gets ``ACTOR_ENV`` in its own
     options, and a submitted job's runtime environment (working dir, env vars) stays untouched.
@@ -50,9 +52,11 @@ class RaySession:
             # Ray announces its default token authentication at every local start (the docs'
             # security section says what it means); not a warning about this job.
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        if self.address:
-            console.phase(f"connecting to the Ray cluster at {self.address}")
-            ray.init(address=self.address, **quiet)
+        address = chosen_address(self.address)
+        if address:
+            console.phase(f"connecting to the Ray cluster at {address}" + ("" if self.address else " ($RAY_ADDRESS)"))
+            refuse_left_over(address)
+            ray.init(address=address, **quiet)
         else:
             # Ray 2.60's servers listen on every interface whatever the node address (measured:
             # tests/test_security.py), so what keeps this instance private is the token Ray
@@ -67,8 +71,16 @@ class RaySession:
             cpus = self.num_cpus or local_cpus(self.cpus_asked)
             cores = os.cpu_count() or 1
             over = f" on {cores} cores (oversubscribed: the stages of an iteration take turns)" if cpus > cores else ""
-            console.phase(f"starting a local Ray instance with {cpus:g} logical CPUs{over}")
-            ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)
+            other = running_cluster()
+            beside = (f"; a Ray cluster already runs on this machine ({other}): cluster.address=auto runs the job "
+                      "on it instead" if other else "")
+            console.phase(f"starting a local Ray instance with {cpus:g} logical CPUs{over}{beside}")
+            # address="local": a new instance whatever Ray would find to join (Ray 2.60,
+            # ray/_private/services.py canonicalize_bootstrap_address returns None for "local"
+            # before reading $RAY_ADDRESS or the ray_current_cluster file; ray/_private/worker.py
+            # init overrides only a None or "auto" address with $RAY_ADDRESS). Without it, init
+            # joins a `ray start` cluster (or the address a dead one left) and refuses num_cpus.
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)
             self.started = True
         return self
 

@@ -151,8 +151,10 @@ class OutputConfig:
 @dataclass
 class ClusterConfig:
     address: str | None = None
-    """Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); null starts a local
-    Ray instance sized to this machine and shuts it down at the end."""
+    """Ray cluster to join (``auto``: ``$RAY_ADDRESS``, else the cluster ``ray start`` runs on this
+    machine; ``ray://host:10001``, ``host:6379``); null joins ``$RAY_ADDRESS`` if that is a
+    ``host:port``, else starts a private local Ray instance sized to this machine (beside any
+    cluster running here, and says so) and shuts it down at the end."""
     num_cpus: float | None = None
     """Logical CPUs of the local Ray instance; default: the machine's cores, or what the roles
     ask for when that is more (oversubscribing a small machine is fine: the stages of an

@@ -1,40 +1,50 @@
-"""Weight fingerprints: a cheap per-tensor checksum that survives fusion, padding and repacking.
+"""Weight fingerprints: an exact per-tensor checksum that survives fusion, padding and repacking.
 
 After a weight sync, learner rank 0 fingerprints every tensor it sent and each generator
 fingerprints what it actually holds; the correctness guard (``rayppo/learner/guard.py``) compares them.
 
 A tensor is viewed as a matrix ``W [N, K]`` (the last dimension is K; a 1-D tensor of length N is a
-column, K = 1) and multiplied by two fixed probe vectors, ``1`` and a seeded ±1 vector ``s``:
+column, K = 1) and read through two bilinear probes, each a row weight ``a_j [N]`` and a column
+weight ``p_j [K]``:
 
-    fingerprint(W) = ( sum_i (W 1)_i ,  sum_i (W s)_i )                      [2], float64
+    fingerprint_j(W) = a_j^T W p_j = sum_i a_ji (W p_j)_i                     j = 1, 2; float64
+
+The weights are pseudo-random, of magnitude 0.5..1.5 and random sign, a function of the index alone
+(``probe_weights``): a permutation of rows or of columns moves the fingerprint, a tensor held as
+zeros or as another random init moves it by about its own size, and one changed element by
+``|a_i p_k| |dW_ik| >= dW_ik / 4``.
 
 Why this form: an inference engine may not keep a tensor as it was sent. vLLM fuses q/k/v and
-gate/up into one matrix (rows stacked, so row blocks split back per tensor), pads the vocabulary
-(extra rows, dropped by taking the first N), and on CPU repacks linear weights into an opaque
-oneDNN / SGL kernel, leaving an empty parameter. A product with a probe vector can still be
-evaluated through that kernel, so every weight is checked as the engine will use it.
+gate/up into one matrix (rows stacked: the row products ``W p`` split back per tensor, each block's
+rows weighed from its own first row), pads the vocabulary (extra rows, dropped), and on CPU repacks
+linear weights into an opaque oneDNN / SGL kernel, leaving an empty parameter. Such a kernel is
+read back exactly (``kernel_rows``): multiplied by the identity, each output is one product with
+1.0 plus exact zeros, so the kernel returns every element as it holds it.
 
-Bound: evaluated exactly (float64 over the held values) the two sides differ only by float64
-summation order. Through a kernel in the weight's dtype, each output y_i = sum_k W_ik x_k carries
-at most ``K u_acc + u_out`` times ``sum_k |W_ik||x_k|`` of rounding (Higham's gamma_K for the
-accumulation, plus rounding the result to the dtype); the probes (±1) are exact in every dtype.
-``u_acc`` is float32's unit roundoff for float32/bfloat16/float16 kernels (they accumulate in
-float32), ``u_out`` the dtype's. A stale or perturbed tensor moves a fingerprint by far more:
-one AdamW step changes each weight by ~lr (1e-4..1e-3), ~1e3..1e4 times the float32 bound's share.
+Bound: both sides then evaluate the same bilinear form in float64 over the same values, in two
+summation orders (the learner: weighted column sums first; the generator: row products first).
+Each order errs by at most gamma_{N+K+2} sum_ik |a_i| |W_ik| |p_k| (Higham, *Accuracy and Stability
+of Numerical Algorithms*, 2nd ed., eq. 3.5, for a sum of N K triple products), so the two differ
+by at most twice that: ~1e-13 relative at N + K ~ 1e4. Nothing else is allowed: a generator one
+optimiser step behind at lr 1e-6 flips bf16 roundings in ~1% of a tensor's elements, each a change
+of ~1e-4 relative, 1e9 times the bound.
 
 Only ``torch`` is imported: learner, generators and tests share this module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
 import torch
 
-PROBE_SEED = 0x5EED
-"""Seed of the ±1 probe vector; both sides must use the same."""
-F64_EPS = torch.finfo(torch.float64).eps / 2
+PROBES = 2
+"""Independent bilinear probes per tensor."""
+U64 = torch.finfo(torch.float64).eps / 2
+"""float64's unit roundoff."""
+_MASK32 = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -42,9 +52,9 @@ class SentPrint:
     """The fingerprint of a sent tensor and how far a faithful copy's may deviate."""
 
     value: tuple[float, float]
-    """``(sum W 1, sum W s)`` in float64."""
+    """``(a_1^T W p_1, a_2^T W p_2)`` in float64."""
     bound: tuple[float, float]
-    """Largest |held - sent| that rounding alone explains (see the module docstring)."""
+    """Largest |held - sent| that float64 summation order alone explains (the module docstring)."""
 
 
 def matrix_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
@@ -54,11 +64,27 @@ def matrix_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
     return (shape[0] if shape else 1), 1
 
 
+def probe_weights(n: int, salt: int, start: int = 0) -> torch.Tensor:
+    """``[n, PROBES]`` float64 weights of indices ``start .. start + n - 1``: sign and magnitude
+    (0.5..1.5) from an integer hash of (index, probe, salt), so any prefix or block of rows gets the
+    same weights whatever length is asked for (a random generator gives no such promise)."""
+    index = torch.arange(start, start + n, dtype=torch.int64).unsqueeze(1)
+    h = (index * 2654435761 + torch.arange(PROBES, dtype=torch.int64) * 40503 + salt) & _MASK32
+    h = ((h ^ (h >> 16)) * 0x45D9F3B) & _MASK32  # a 32-bit integer mix (each step stays in int64)
+    h = ((h ^ (h >> 16)) * 0x45D9F3B) & _MASK32
+    h = h ^ (h >> 16)
+    magnitude = 0.5 + (h & 0x7FFFFFFF).double() / 2**31
+    return torch.where((h >> 31) == 1, -magnitude, magnitude)
+
+
 def probes(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[K, 2]`` float64: the ones vector and the seeded ±1 vector (exact in every dtype)."""
-    generator = torch.Generator().manual_seed(PROBE_SEED)
-    signs = torch.randint(0, 2, (k,), generator=generator, dtype=torch.float64) * 2 - 1
-    return torch.stack([torch.ones(k, dtype=torch.float64), signs], dim=1).to(device)
+    """``[K, PROBES]`` float64: the column weights ``p_j``."""
+    return probe_weights(k, salt=0x5EED).to(device)
+
+
+def row_weights(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N, PROBES]`` float64: the row weights ``a_j``."""
+    return probe_weights(n, salt=0xA11CE).to(device)
 
 
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,37 +97,60 @@ PROBE_CHUNK_ELEMENTS = 1 << 22
 
 
 def probe_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``[N, 2]`` float64: W @ probes, exactly (float64), one row per matrix row; converted to
-    float64 one block of rows at a time (``PROBE_CHUNK_ELEMENTS``)."""
+    """``[N, PROBES]`` float64: ``W p_j`` per row, over the held values converted to float64 (exact)
+    one block of rows at a time (``PROBE_CHUNK_ELEMENTS``)."""
     w = as_matrix(tensor.detach())
     p = probes(w.shape[1], w.device)
     step = max(1, PROBE_CHUNK_ELEMENTS // max(w.shape[1], 1))
     return torch.cat([w[i:i + step].double() @ p for i in range(0, w.shape[0], step)]) if w.shape[0] else w.double() @ p
 
 
-def unit_roundoffs(dtype: torch.dtype) -> tuple[float, float]:
-    """``(u_acc, u_out)`` of a kernel computing in ``dtype`` (see the module docstring)."""
-    u_out = torch.finfo(dtype).eps / 2
-    if dtype == torch.float64:
-        return u_out, u_out
-    return torch.finfo(torch.float32).eps / 2, u_out  # 16-bit kernels accumulate in float32
+KERNEL_CHUNK = 256
+"""Identity columns read through a kernel at a time by ``kernel_rows`` (a [256, N] output)."""
+
+
+def kernel_rows(linear: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, PROBES]`` float64: ``W p_j`` per row of a weight that only a kernel can read,
+    ``linear(x) = x @ W^T`` (``x [c, K]`` in the weight's ``dtype``). Exact: the kernel is handed
+    rows of the identity, so each output ``W_ik`` is one product with 1.0 (zeros add nothing) and
+    comes back as the element it holds; the probe is then applied in float64. Costs a K x K x N
+    product, ~1 s per billion weights x K / 1000 on a CPU core."""
+    p = probes(k)
+    rows = None
+    for start in range(0, k, KERNEL_CHUNK):
+        stop = min(k, start + KERNEL_CHUNK)
+        eye = torch.zeros(stop - start, k, dtype=dtype)
+        eye[:, start:stop] = torch.eye(stop - start, dtype=dtype)
+        columns = linear(eye).double()  # [c, N]: columns start..stop of W, transposed
+        part = columns.T @ p[start:stop]
+        rows = part if rows is None else rows + part
+    return rows
+
+
+def gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u) in float64."""
+    return n * U64 / (1 - n * U64)
 
 
 def sent_print(tensor: torch.Tensor) -> SentPrint:
-    """Fingerprint and rounding bound of a tensor about to be sent.
+    """Fingerprint and summation bound of a tensor about to be sent.
 
-    One pass over the tensor (it runs on learner rank 0 every sync): the probes are 1 and ±1, so
-    sum_i (W x)_i = sum_k x_k c_k with the column sums c (accumulated in float64), and
-    sum_ik |W_ik||x_k| = sum |W| for both probes.
+    One pass over the tensor (it runs on learner rank 0 every sync): the row-weighted column sums
+    ``a_j^T W`` in float64, then their dot product with ``p_j``; the bound from the same pass over
+    ``|W|`` with ``|a_j|`` and ``|p_j|``.
     """
     w = as_matrix(tensor.detach())
     n, k = w.shape
-    columns = w.sum(dim=0, dtype=torch.float64)
-    value = columns @ probes(k, columns.device)
-    u_acc, u_out = unit_roundoffs(tensor.dtype)
-    # Kernel rounding, plus float64 summation over the N x K terms on either side.
-    bound = float(w.abs().sum(dtype=torch.float64)) * (k * u_acc + u_out + 2 * (n + k) * F64_EPS)
-    return SentPrint(tuple(value.tolist()), (bound, bound))
+    a, p = row_weights(n, w.device), probes(k, w.device)
+    columns = torch.zeros(2, PROBES, k, dtype=torch.float64, device=w.device)  # a^T W and |a|^T |W|
+    step = max(1, PROBE_CHUNK_ELEMENTS // max(k, 1))
+    for i in range(0, n, step):  # float64 one block of rows at a time, as probe_rows
+        block, weights = w[i:i + step].double(), a[i:i + step].T
+        columns[0] += weights @ block
+        columns[1] += weights.abs() @ block.abs()
+    value, magnitude = (columns[0] * p.T).sum(dim=1), (columns[1] * p.abs().T).sum(dim=1)
+    bound = 2 * gamma(n + k + 2) * magnitude  # either side's order errs by gamma_{N+K+2} at most
+    return SentPrint(tuple(value.tolist()), tuple(bound.tolist()))
 
 
 def sent_prints(named: dict[str, torch.Tensor]) -> dict[str, SentPrint]:
@@ -110,17 +159,19 @@ def sent_prints(named: dict[str, torch.Tensor]) -> dict[str, SentPrint]:
 
 
 def split_rows(rows: torch.Tensor, names: list[str], shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
-    """Held fingerprints from probe outputs ``[N_total, 2]`` of a matrix that stacks ``names``'
-    rows in order (a fused q/k/v or gate/up projection; one name for a plain tensor). Rows past
-    the sent ones (vocabulary padding) are ignored."""
+    """Held fingerprints from probe outputs ``[N_total, PROBES]`` of a matrix that stacks ``names``'
+    rows in order (a fused q/k/v or gate/up projection; one name for a plain tensor): each block's
+    rows weighed by ``a_j`` from its own first row. Rows past the sent ones (vocabulary padding)
+    are ignored."""
     out, start = {}, 0
     for name in names:
         n = matrix_shape(shapes[name])[0]
-        out[name] = tuple(rows[start:start + n].sum(dim=0).tolist())
+        block = rows[start:start + n]
+        out[name] = tuple((block * row_weights(n, block.device)).sum(dim=0).tolist())
         start += n
     return out
 
 
 def held_prints(named: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
     """Fingerprints of tensors held as plain tensors under the sent names (no fusion)."""
-    return {name: tuple(probe_rows(t).sum(dim=0).tolist()) for name, t in named.items()}
+    return {name: split_rows(probe_rows(t), [name], {name: list(t.shape)})[name] for name, t in named.items()}

