@@ -11,8 +11,8 @@ writes past the buffer and the process aborts in ``malloc`` ("unsorted double li
 corrupted"; the generator of a GPT-2 policy died of it after its first weight load).
 
 Here the transposed weights are read in the sent layout: a kernel handed rows of the identity
-of width ``in`` returns ``W^T`` exactly (``fingerprint.kernel_rows``' argument, one product with
-1.0 per element), a plain parameter is transposed; every other weight is left to
+of width ``in`` returns ``W^T`` exactly (each element one product with 1.0, plus exact zeros), a
+plain parameter is transposed; every other weight is left to
 ``held_weights.worker_held_prints`` (which never sees the transposed ones).
 """
 

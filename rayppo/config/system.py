@@ -71,8 +71,9 @@ class ChecksConfig:
     gap of healthy kernels has a heavy tail (0.3-0.54 nats measured on SmolLM2-135M) and
     ``max_logprob_kl`` is the check."""
     max_logprob_kl: float | None = None
-    """Correctness guard: largest allowed mean over the first minibatch's tokens of
-    k3 = exp(d) - 1 - d, d = log pi - log pi_old (the estimate of KL(generator || learner) per token),
+    """Correctness guard: largest allowed mean, over each generator's tokens of the first minibatch,
+    of k3 = exp(d) - 1 - d, d = log pi - log pi_old (the estimate of KL(generator || learner) per token;
+    no token adds more than half this limit: ``learner/guard.generator_kl``),
     before the update. Default by ``model.dtype``: 1e-6 in float32 (healthy: ~1e-10), 1e-2 in
     bfloat16 (healthy on SmolLM2-135M: 1.2e-3; a generator sampling at T = 0.9 for a learner at 1.0:
     1.7e-2; the bound is a typical PPO update's whole trust-region KL, docs/real-model.md)."""

@@ -102,8 +102,20 @@ class Experience:
     """beta of the loss's KL term (``ppo.kl_mode=loss``): the update adds beta agg(k3(log pi_theta,
     log pi_ref)); 0 when the KL shapes the reward instead, or without a reference."""
     row_keep: torch.Tensor | None = None
-    """[B] 1.0 for rows the policy loss trains on, 0.0 for rows the geometric-mean mask of rollout
-    correction dropped (``ppo.geometric_mean_mask``); None: every row."""
+    """[B] 1.0 for rows the update trains on, 0.0 for rows the geometric-mean mask of rollout
+    correction dropped (``ppo.geometric_mean_mask``); None: every row. A dropped row is out of every
+    term (policy, entropy, KL loss, critic) and every normaliser and metric: ``trained_mask``."""
+    truncated_is: bool = False
+    """The policy loss is the decoupled one with truncated importance weights min(pi_prox / mu,
+    is_clip) (rollout correction ``tis``/``tis+geo_mask``); False: the plain clipped loss against
+    mu = pi_old, also in asynchronous mode under ``rollout_correction=none``."""
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[B, T] the valid tokens of the rows the update trains on (``batch.mask`` without the rows
+        ``row_keep`` dropped): the mask every loss term, normaliser and metric of the update reads."""
+        mask = self.batch.mask
+        return mask if self.row_keep is None else mask * self.row_keep.to(mask.dtype).unsqueeze(-1)
 
     def trained_targets(self, with_returns: bool) -> tuple[list[list[float]], list[list[float]]]:
         """``(advantages, returns)`` per row over its valid tokens (``Rollout.advantages``, ``.returns``);
@@ -120,7 +132,8 @@ class Experience:
                    self.same_version)
         return Experience(self.batch.rows(index), *(None if t is None else t[index] for t in tensors),
                           loss_kl_coef=self.loss_kl_coef,
-                          row_keep=None if self.row_keep is None else self.row_keep[index])
+                          row_keep=None if self.row_keep is None else self.row_keep[index],
+                          truncated_is=self.truncated_is)
 
     def micro(self, index: torch.Tensor) -> "Experience":
         """The rows of one micro-batch, cut to their own widths (``PackedBatch.trimmed``): the
@@ -283,13 +296,15 @@ def batch_group_advantages(
 
 
 def _advantages(
-    rewards: torch.Tensor, kl_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor,
-    cfg: PPOConfig, log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int,
-    collective: Collective,
+    rewards: torch.Tensor, kl_rewards: torch.Tensor, task_scores: torch.Tensor, values: torch.Tensor,
+    mask: torch.Tensor, bootstrap: torch.Tensor, cfg: PPOConfig, log_ratio: torch.Tensor | None,
+    group_ids: torch.Tensor | None, num_groups: int, collective: Collective,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` [B, T] of ``cfg.advantage`` (``docs/estimators.md``), whitened over
     the global batch where the estimator says so; ``returns`` are 0 without a critic.
-    ``kl_rewards`` [B, T] is the KL part of ``rewards`` (-beta KL_t under ``kl_mode=reward``, else 0)."""
+    ``kl_rewards`` [B, T] is the KL part of ``rewards`` (-beta KL_t under ``kl_mode=reward``, else 0);
+    ``task_scores`` [B] each row's r_i without it; ``log_ratio`` [B, T] log(pi_prox / mu) of stale
+    tokens (0 elsewhere; None: no row is stale)."""
     if cfg.advantage == "gae":
         advantages, returns = _gae_targets(rewards, values, mask, bootstrap, cfg, log_ratio)
         whiten = cfg.whiten_advantages
@@ -298,11 +313,12 @@ def _advantages(
     else:
         if group_ids is None:
             raise ValueError(f"ppo.advantage={cfg.advantage} needs each row's group id (Rollout.group_id)")
-        # The group step sees the task score r_i alone: its std would turn the rounding noise of
-        # beta sum_t KL_t into unit advantages in a group of equal rewards. The KL (kl_mode=reward)
-        # then enters each token as its reward-to-go, -beta sum_{k>=t} KL_k (OpenRLHF's order).
-        sequence = ppo.masked_sum_per_row(rewards - kl_rewards, mask)
-        per_row = batch_group_advantages(sequence, group_ids, num_groups, cfg.advantage, cfg.group_std_floor, collective)
+        # The group step sees the task score r_i itself: its std would turn the rounding noise of
+        # beta sum_t KL_t (or of sum_t (r_t - r_KL,t), ~1e-8 in float32) into advantages of ~0.01
+        # to 1 in a group of equal scores. The KL (kl_mode=reward) then enters each token as its
+        # reward-to-go, -beta sum_{k>=t} KL_k (OpenRLHF's order).
+        per_row = batch_group_advantages(task_scores, group_ids, num_groups, cfg.advantage, cfg.group_std_floor,
+                                         collective)
         advantages = per_row[:, None] * mask.to(per_row.dtype) + group_math.discounted_returns(kl_rewards, mask, cfg.gamma)
         returns = torch.zeros_like(values)
         whiten = cfg.advantage == "reinforce_pp_baseline"
@@ -388,14 +404,19 @@ def make_experience(
     ref_logprobs = rows.ref_logprobs if has_reference else policy_logprobs
     values, last_values, first_values = _critic_values(critic, batch, first_rows, micro_batch_tokens, collective)
     reward_kl_coef = kl_coef if cfg.kl_mode == "reward" else 0.0
-    rewards, bootstrap = _shaped_rewards(rows, last_values, policy_logprobs, ref_logprobs, reward_kl_coef,
-                                         cfg.kl_estimator, truncation)
+    rewards, bootstrap, task_scores = _shaped_rewards(rows, last_values, policy_logprobs, ref_logprobs,
+                                                      reward_kl_coef, cfg.kl_estimator, truncation)
     # The KL part of r_t alone (-beta KL_t): the group estimators keep it out of their statistics.
     kl_rewards = ppo.shape_rewards(torch.zeros_like(rows.scores), policy_logprobs, ref_logprobs, mask, reward_kl_coef,
                                    cfg.kl_estimator)
     log_ratio = None if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
-    advantages, returns = _episode_advantages(rewards, kl_rewards, values, mask, bootstrap, cfg, log_ratio,
-                                              rows.group_ids, num_groups or len(rows), collective, rows.episodes)
+    # The value targets correct for staleness only: on tokens pi_prox's own version sampled the
+    # ratio is numerics (bf16), and V-trace's traces min(1, pi_prox / mu) would shrink the targets on
+    # noise alone (0.06 instead of 1 at token 0 of a 200-token row at |log ratio| ~ 0.03).
+    stale_ratio = None if max_staleness == 0 or log_ratio is None else log_ratio.masked_fill(same_version, 0.0)
+    advantages, returns = _episode_advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg,
+                                              stale_ratio, rows.group_ids, num_groups or len(rows), collective,
+                                              rows.episodes)
     stats = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
     if critic is not None:
         stats |= value_stats(values, returns, mask, collective)
@@ -404,18 +425,21 @@ def make_experience(
         stats |= offpolicy_stats(log_ratio, mask, collective, row_keep)
     loss_kl_coef = kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0
     exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, rows.scores,
-                     rows.generator_ids, prox_logprobs, same_version, first_values, loss_kl_coef, row_keep)
+                     rows.generator_ids, prox_logprobs, same_version, first_values, loss_kl_coef, row_keep,
+                     truncated_is=correction != "none")
     return exp, stats
 
 
 def _shaped_rewards(
     rows: RolloutTensors, last_values: torch.Tensor, policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     kl_coef: float, kl_estimator: str, rule: TruncationRule,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rewards [B, T], bootstrap [B])``: the shaped reward (docs/algorithm.md) of each row after the length
-    rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t on every action token;
-    an episode's turn rewards on each turn's last action token (earned, so kept whatever the
-    truncation rule does with the final score)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rewards [B, T], bootstrap [B], task_scores [B])``: the shaped reward (docs/algorithm.md) of
+    each row after the length rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t
+    on every action token; an episode's turn rewards on each turn's last action token (earned, so
+    kept whatever the truncation rule does with the final score). ``task_scores`` is what the row
+    earned without the KL: the score after the length rules plus its turn rewards (the group
+    estimators' r_i)."""
     mask = rows.batch.mask
     # The overlong ramp counts the policy's own tokens (an episode's actions): a long tool output is
     # not the policy's length (single-turn rows: every response token is an action).
@@ -425,24 +449,27 @@ def _shaped_rewards(
     returned, bootstrap = ppo.truncation_targets(scores, last_values, rows.truncated, rule.mode,
                                                  rule.missing_eos_penalty)
     rewards = ppo.shape_rewards(returned, policy_logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+    task_scores = returned.to(rewards.dtype)
     if rows.turn_rewards is not None:
         rewards = ppo.add_turn_rewards(rewards, rows.turn_ends, rows.turn_rewards)
-    return rewards, bootstrap
+        task_scores = task_scores + ppo.add_turn_rewards(torch.zeros_like(rewards), rows.turn_ends,
+                                                         rows.turn_rewards).sum(dim=-1)
+    return rewards, bootstrap, task_scores
 
 
 def _episode_advantages(
-    rewards: torch.Tensor, kl_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor,
-    cfg: PPOConfig,
+    rewards: torch.Tensor, kl_rewards: torch.Tensor, task_scores: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    bootstrap: torch.Tensor, cfg: PPOConfig,
     log_ratio: torch.Tensor | None, group_ids: torch.Tensor | None, num_groups: int, collective: Collective,
     multi_turn: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_advantages``; for multi-turn episodes over their action tokens only (``ppo.gather_actions``):
     the recursions step from a turn's last action to the next turn's first, through the observation."""
     if not multi_turn:
-        return _advantages(rewards, kl_rewards, values, mask, bootstrap, cfg, log_ratio, group_ids, num_groups,
-                           collective)
+        return _advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg, log_ratio, group_ids,
+                           num_groups, collective)
     compact = [ppo.gather_actions(x, mask) for x in (rewards, kl_rewards, values)]
     ratio = None if log_ratio is None else ppo.gather_actions(log_ratio, mask)
-    advantages, returns = _advantages(*compact, ppo.gathered_mask(mask), bootstrap, cfg, ratio, group_ids, num_groups,
-                                      collective)
+    advantages, returns = _advantages(*compact[:2], task_scores, compact[2], ppo.gathered_mask(mask), bootstrap, cfg,
+                                      ratio, group_ids, num_groups, collective)
     return ppo.scatter_actions(advantages, mask), ppo.scatter_actions(returns, mask)

@@ -3,13 +3,14 @@
 Two checks, both always on (``checks`` in the config):
 
 - **Weight check after every sync.** Each generator's fingerprints of the weights it holds must
-  match learner rank 0's fingerprints of what it sent (``rayppo/models/fingerprint.py``), within
-  the rounding bound sent with them. Catches adapters never delivered, a tensor skipped or
-  corrupted by the loader, a stale engine.
+  match learner rank 0's fingerprints of what it sent (``rayppo/models/fingerprint.py``) exactly,
+  up to float64 summation order. Catches adapters never delivered, a tensor skipped or corrupted
+  by the loader, a stale engine (one bf16 step of lr 1e-6 behind), rows permuted by a name mapping.
 - **Log-prob check.** Before the first optimiser step of an iteration, the generator's old
   log-probs and the learner's recomputation (same weights, so the gap is numerics only) must agree:
-  per token within ``checks.max_logprob_mismatch`` (fp32), and in the mean KL estimate per token
-  within ``checks.max_logprob_kl`` (every dtype; ``MismatchGuard``). Catches what fingerprints
+  per token within ``checks.max_logprob_mismatch`` (fp32), and in each generator's mean KL
+  estimate per token within ``checks.max_logprob_kl`` (every dtype; ``MismatchGuard``,
+  ``generator_kl``). Catches what fingerprints
   cannot see: a sampling distribution that is not ``log_softmax(logits / T)``, a drift that grows.
 
 Both raise a ``CorrectnessError`` that names the iteration and the generator (and the tensor);

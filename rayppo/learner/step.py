@@ -24,7 +24,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import Collective
 from rayppo.learner.experience import Experience, ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.guard import MismatchGuard
-from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.packing import cut_layout
 
 
@@ -94,15 +94,20 @@ def learn(models: LearnerModels, rollout: Rollout, rows: list[int], batch_size: 
     """
     p = settings.ppo
     plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, iteration))
-    minibatches = local_minibatches(plan, torch.tensor(rows, dtype=torch.long), rollout.lengths(), models.collective,
-                                    settings.micro_batch_tokens, cut_layout(models.pack_mode),
-                                    trained=rollout.trained_tokens())
+    def planned(keep: list[float] | None = None) -> list[Minibatch]:
+        return local_minibatches(plan, torch.tensor(rows, dtype=torch.long), rollout.lengths(), models.collective,
+                                 settings.micro_batch_tokens, cut_layout(models.pack_mode),
+                                 trained=rollout.trained_tokens(), keep=keep)
+
+    minibatches = planned()
     # pi_prox: these weights, before this update's first step (asynchronous mode, rollout correction).
     proximal = ProximalPolicy(models.policy, settings.temperature, version)
     exp, stats = make_experience(rollout, models.critic, models.pad_id, kl_coef, p, settings.truncation,
                                  models.collective, models.device, settings.max_staleness, proximal,
                                  first_rows_kept(minibatches), batch_size, settings.micro_batch_tokens,
                                  models.pack_mode, settings.correction)
+    if exp.row_keep is not None:  # rows the geometric-mean mask dropped count in no share (same rows and cuts)
+        minibatches = planned(exp.row_keep.tolist())
     guard = MismatchGuard.of(settings.config, iteration)
     stats |= ppo_update(models.policy, models.critic, exp, minibatches, p, settings.temperature, models.steps,
                         models.collective, guard, settings.max_new_tokens)

@@ -77,13 +77,16 @@ PLACEHOLDER_ROW = torch.zeros(1, dtype=torch.long)
 def local_minibatches(
     plan: list[list[torch.Tensor]], owned: torch.Tensor, lengths: tuple[list[int], list[int]], collective: Collective,
     micro_batch_tokens: int = 0, layout: str = "padded", trained: list[int] | None = None,
+    keep: list[float] | None = None,
 ) -> list[Minibatch]:
     """This rank's part of each planned minibatch, cut into micro-batches of at most
     ``micro_batch_tokens`` tokens as ``layout`` lays a pass out (``data.micro_batches.token_batches``;
     0: one per minibatch); ``owned``: the global rows this rank holds, in local order; ``lengths``:
     (prompt, response) tokens of its rows; ``trained``: the tokens of each row the loss counts
     (``Rollout.trained_tokens``: a multi-turn episode's action tokens; default its response), which
-    the token shares weigh.
+    the token shares weigh; ``keep``: 0.0 for rows the update does not train on
+    (``Experience.row_keep``), which then count in neither share. The rows and micro-batches do not
+    depend on ``trained`` or ``keep``, only the shares.
 
     Every rank runs as many micro-batches of a minibatch as the rank with the most (under ZeRO-2/3
     a backward is a collective): one that has fewer, or none of the minibatch's rows, runs
@@ -95,14 +98,15 @@ def local_minibatches(
     cuts = [[mine[torch.tensor(b, dtype=torch.long)] for b in token_batches([prompt[i] for i in mine.tolist()],
              [response[i] for i in mine.tolist()], micro_batch_tokens, layout)] for mine in parts]
     counts = collective.max(torch.tensor([float(max(len(c), 1)) for c in cuts], dtype=torch.float64))
-    local = torch.tensor([[float(sum(counted[i] for i in m.tolist())), float(len(m))] for m in parts],
-                         dtype=torch.float64)
+    weight = [1.0] * len(counted) if keep is None else keep
+    local = torch.tensor([[sum(counted[i] * weight[i] for i in m.tolist()), sum(weight[i] for i in m.tolist())]
+                          for m in parts], dtype=torch.float64)
     total = collective.sum(local.clone())
     w = collective.world_size
     out = []
     for cut, count, (all_tokens, all_rows) in zip(cuts, counts.tolist(), total.tolist()):
-        micro = [MicroBatch(rows, w * sum(counted[i] for i in rows.tolist()) / max(all_tokens, 1.0),
-                            w * len(rows) / all_rows) for rows in cut]
+        micro = [MicroBatch(rows, w * sum(counted[i] * weight[i] for i in rows.tolist()) / max(all_tokens, 1.0),
+                            w * sum(weight[i] for i in rows.tolist()) / max(all_rows, 1.0)) for rows in cut]
         out.append(micro + [MicroBatch(PLACEHOLDER_ROW, 0.0, 0.0)] * (int(count) - len(micro)))
     return out
 
@@ -123,18 +127,18 @@ def policy_objective(
     is the decoupled one: trust region around pi_prox, tokens weighted by min(pi_prox / mu,
     is_clip), rows outside the geometric-mean band (``part.row_keep``) not trained on. ``max_length``
     is ``rollout.max_new_tokens``, the constant of ``loss_agg=seq-mean-token-sum-norm``."""
-    mask = part.batch.mask
+    mask = part.trained_mask  # rows the geometric-mean mask dropped are in no term and no metric
     logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
                                        entropy_grad=cfg.entropy_coef != 0)
     clip = dict(clip_eps=cfg.clip_eps, agg=cfg.loss_agg, clip_eps_high=cfg.clip_eps_high, max_length=max_length)
-    if part.prox_logprobs is None:
+    if part.prox_logprobs is None or not part.truncated_is:
         pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, **clip)
     else:
         pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
-                                                      mask, is_clip=cfg.is_clip, row_keep=part.row_keep, **clip)
+                                                      mask, is_clip=cfg.is_clip, **clip)
     entropy_mean = ppo.masked_mean(entropy, mask)  # the figure shown; the bonus is aggregated as the loss is
     entropy_bonus = ppo.aggregate(entropy, mask, cfg.loss_agg, max_length) if cfg.entropy_coef else entropy_mean
-    drift = (logprobs.detach() - part.old_logprobs) * mask
+    drift = (logprobs.detach() - part.old_logprobs) * part.batch.mask  # the check sees every row
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
     stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
     if part.loss_kl_coef:  # kl_mode=loss: beta agg(k3), aggregated as the policy loss is
@@ -152,7 +156,7 @@ def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cf
     is its forward when already done (the experience pass's, ``Experience.first_values``)."""
     if values is None:
         values, _ = critic_forward(critic, part.batch)
-    vf_loss = ppo.value_loss(values, part.old_values, part.returns, part.batch.mask, cfg.value_clip)
+    vf_loss = ppo.value_loss(values, part.old_values, part.returns, part.trained_mask, cfg.value_clip)
     return mb.token_share * cfg.vf_coef * vf_loss, {"value/loss": vf_loss.detach()}
 
 
