@@ -25,6 +25,7 @@ import torch
 from rayppo.actors.conv1d_weights import worker_held_prints
 from rayppo.actors.held_weights import worker_tied_aliases
 # SamplingSettings and split_response are imported from here by the roles' callers.
+from rayppo.data.seeds import turn_seed
 from rayppo.actors.hf_backend import HFBackend, SamplingSettings, sample_seeds, split_response, stop_token_ids  # noqa: F401
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
@@ -409,8 +410,7 @@ class GeneratorEngine(Engine):
         if self._pool is None:
             self._pool = EnvironmentPool(e.environment, e.workers, e.timeout_s)
         def sample(contexts: list[list[int]], limits: list[int], turn: int, rows: list[int]):
-            # Turn k's seed mixes k in, as round_seed does: seed + k would be the next iteration's turn k - 1.
-            seeds = _seeds((seed * 1_000_033 + turn) % 2**62, prompts)
+            seeds = _seeds(turn_seed(seed, turn), prompts)  # seed + k would be the next iteration's turn k - 1
             return self.backend.sample(contexts, sampling, [seeds[r] for r in rows], limits)
 
         rollout = play_episodes(sample, self.tokenizer, self._pool, e, prompts, self.turn_end_ids)

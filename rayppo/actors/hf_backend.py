@@ -8,13 +8,13 @@ bit-for-bit comparison with the in-process trainer. ``SamplingSettings``, ``samp
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from rayppo.data.seeds import row_seeds
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.loading import load_causal_lm
@@ -34,20 +34,13 @@ class SamplingSettings:
 
 
 def sample_seeds(seed: int, groups: Sequence[int]) -> list[int]:
-    """The sampling seed of each row of a call: a function of the call's ``seed`` (the run's seed
-    and the iteration, ``trainers/iteration.py``), the row's group (its prompt's place in the whole
+    """The sampling seed of each row of a call (``data/seeds.row_seeds``): a function of the call's
+    ``seed`` (``data/seeds.rollout_seed`` ...), the row's group (its prompt's place in the whole
     batch, ``PromptBatch.groups``) and its place among that group's rows; not of the generator that
     samples it, nor of how many generators there are. So G generators draw the rollout one draws,
     and a run resumed on another ``generators.num`` goes on as it would have (docs/cluster.md,
-    "Sampling noise"). A hash rather than arithmetic, so that no two (seed, group, k) collide."""
-    seen: dict[int, int] = {}
-    seeds = []
-    for group in groups:
-        k = seen[group] = seen.get(group, -1) + 1
-        digest = hashlib.blake2b(f"{seed}:{group}:{k}".encode(), digest_size=8).digest()
-        seeds.append(int.from_bytes(digest, "little") % 2**63)
-    return seeds
-
+    "Sampling noise")."""
+    return row_seeds(seed, groups)
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:

@@ -26,7 +26,7 @@ from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
-from rayppo.learner.step import minibatch_seed
+from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.update import minibatch_plan
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
 

@@ -21,17 +21,12 @@ import torch
 from rayppo.config.derived import rollout_correction
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
+from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.collective import Collective
 from rayppo.learner.experience import Experience, ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.update import Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.packing import cut_layout
-
-
-def minibatch_seed(seed: int, iteration: int) -> int:
-    """The seed of ``iteration``'s minibatch plan: every rank, and the driver dealing rows to
-    them, draws the same plan from it."""
-    return seed + iteration
 
 
 @dataclass(frozen=True)

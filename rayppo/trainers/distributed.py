@@ -45,8 +45,9 @@ from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.trainers.dynamic_sampling import fill_batch
-from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import group_shares, iteration_seed, make_kl_controller, rollout_stats, round_seed
+from rayppo.trainers.evaluation import eval_plan, eval_source, run_evaluation
+from rayppo.data.seeds import eval_seed, rollout_seed
+from rayppo.trainers.iteration import group_shares, make_kl_controller, rollout_stats
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class DistributedTrainer:
         self._start_state = self._state_now()  # what a checkpoint holds until this iteration completes
         self._regrow()  # generators placed again since the last iteration sample from this one on
         with self._stage("generate", seconds):
-            rollout = self.generate(self.prompts.next_batch(), iteration_seed(self.cfg.seed, it))
+            rollout = self.generate(self.prompts.next_batch(), rollout_seed(self.cfg.seed, it))
             rollout, dynamic = self.dynamic_sampling(rollout, it)  # DAPO's dynamic sampling ({} when off)
         with self._stage("score", seconds):
             rollout, score_times = self.score(rollout)
@@ -187,7 +188,7 @@ class DistributedTrainer:
             return rollout, {}
 
         def draw(k: int) -> Rollout:
-            return self.scored_by_reward(self.generate(self.prompts.next_batch(), round_seed(self.cfg.seed, it, k)))
+            return self.scored_by_reward(self.generate(self.prompts.next_batch(), rollout_seed(self.cfg.seed, it, k)))
 
         return fill_batch(self.scored_by_reward(rollout), draw, self.cfg.rollout.batch_size, rounds)
 
@@ -304,7 +305,7 @@ class DistributedTrainer:
         the reward actors (``rayppo/trainers/evaluation.py``); {} without held-out prompts."""
         if self.eval_prompts is None:
             return {}
-        prompts, seed = self.eval_prompts, iteration_seed(self.cfg.seed, SEED_OFFSET)
+        prompts, seed = self.eval_prompts, eval_seed(self.cfg.seed)
         self.phase = "evaluate"
 
         def split(generators: int) -> list[PromptBatch]:

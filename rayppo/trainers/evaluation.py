@@ -27,11 +27,6 @@ if TYPE_CHECKING:
 
 GREEDY = 0.0
 """Temperature of the greedy responses (the generators decode greedily at 0)."""
-SEED_OFFSET = 999_999
-"""Sampling seed of every evaluation: ``iteration_seed(seed, SEED_OFFSET)`` (no training iteration
-reaches it), the same each time so that sampled evaluations compare policies, not draws."""
-
-
 @dataclass(frozen=True)
 class EvalPlan:
     """What one evaluation asks of the generators (from the ``eval`` config section)."""

@@ -39,8 +39,9 @@ from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.dynamic_sampling import fill_batch
-from rayppo.trainers.evaluation import SEED_OFFSET, eval_plan, eval_source, run_evaluation
-from rayppo.trainers.iteration import group_shares, iteration_seed, make_kl_controller, rollout_stats, round_seed
+from rayppo.trainers.evaluation import eval_plan, eval_source, run_evaluation
+from rayppo.data.seeds import eval_seed, rollout_seed
+from rayppo.trainers.iteration import group_shares, make_kl_controller, rollout_stats
 
 
 class InProcessTrainer:
@@ -129,7 +130,7 @@ class InProcessTrainer:
 
         def draw(k: int) -> Rollout:
             (prompts,) = group_shares(self.prompts.next_batch(), 1, cfg.rollout.samples_per_prompt)
-            return self.generator.generate(prompts, seed=round_seed(cfg.seed, it, k))
+            return self.generator.generate(prompts, seed=rollout_seed(cfg.seed, it, k))
 
         if not cfg.rollout.dynamic_sampling_rounds:
             return draw(0), {}
@@ -146,7 +147,7 @@ class InProcessTrainer:
             return {}
 
         def score_pass(temperature: float, k: int) -> list[float]:
-            rollout = self.generator.evaluate(self.eval_prompts, temperature, k, iteration_seed(self.cfg.seed, SEED_OFFSET))
+            rollout = self.generator.evaluate(self.eval_prompts, temperature, k, eval_seed(self.cfg.seed))
             return rollout.scored(self._scores(rollout)).total_rewards()
 
         return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)

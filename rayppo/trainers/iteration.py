@@ -1,4 +1,4 @@
-"""What every trainer's iteration shares: the KL controller, the seeds of iterations, the
+"""What every trainer's iteration shares: the KL controller, the
 generators' shares of a batch, and the rollout figures of the metrics line. (A generator's own
 settings and seed are ``actors/settings.py``'s.)"""
 
@@ -13,17 +13,6 @@ from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 def make_kl_controller(kl_coef: float, adaptive: bool, target: float, horizon: float):
     """beta: fixed, or adapted towards ``target`` nats per response."""
     return AdaptiveKLController(kl_coef, target, horizon) if adaptive else FixedKLController(kl_coef)
-
-
-def iteration_seed(seed: int, iteration: int) -> int:
-    """The sampling seed of an iteration (shared by every trainer, so runs are comparable)."""
-    return seed * 1_000_003 + iteration
-
-
-def round_seed(seed: int, iteration: int, round_: int) -> int:
-    """The sampling seed of dynamic sampling's extra round ``round_`` >= 1 of an iteration (round 0
-    is the iteration's own seed)."""
-    return iteration_seed(seed, iteration) if round_ == 0 else (iteration_seed(seed, iteration) * 1_000_033 + round_) % 2**62
 
 
 def group_shares(prompts: PromptBatch, generators: int, samples_per_prompt: int) -> list[PromptBatch]:

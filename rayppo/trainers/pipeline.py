@@ -49,7 +49,8 @@ from rayppo.data.rollout import Rollout
 from rayppo.errors import GeneratorLostError, LearnerFailedError
 from rayppo.learner.guard import check_weights
 from rayppo.trainers.distributed import DistributedTrainer
-from rayppo.trainers.iteration import group_shares, iteration_seed, rollout_stats
+from rayppo.data.seeds import rollout_seed
+from rayppo.trainers.iteration import group_shares, rollout_stats
 from rayppo.trainers.staleness import drop_stale, generator_lead, staleness_stats
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class PipelinedTrainer(DistributedTrainer):
 
     def _generate_loop(self, stages: Stages, g: int) -> None:
         """Generator g: its share of batches first, first + 1, ... within the staleness window."""
-        b, seed, position = stages.first, self.cfg.seed, stages.fleet.index(g)  # its share's place in each batch
+        b, position = stages.first, stages.fleet.index(g)  # its share's place in each batch
         while True:
             published = self._wait_for_window(stages, b)
             batch = self._batch(stages, b)
@@ -330,7 +331,7 @@ class PipelinedTrainer(DistributedTrainer):
                 if published.version > self._held[g]:
                     self._load(g, published)
                 shares = group_shares(batch.prompts, len(stages.fleet), self.cfg.rollout.samples_per_prompt)
-                part = self._sample_share(stages, g, b, shares[position], iteration_seed(seed, b))
+                part = self._sample_share(stages, g, b, shares[position])
             finally:
                 self._clocks[g].stop()
             with self._cond:
@@ -339,14 +340,17 @@ class PipelinedTrainer(DistributedTrainer):
                     stages.to_score.put(b)
             b += 1
 
-    def _sample_share(self, stages: Stages, g: int, b: int, share: PromptBatch, seed: int) -> Rollout:
+    def _sample_share(self, stages: Stages, g: int, b: int, share: PromptBatch) -> Rollout:
         """Generator g's part of batch b: its share sampled whole, or with partial rollouts the
-        groups finished by its calls (the carry continued, the share started)."""
+        groups finished by its calls (the carry continued, the share started). Call k of batch b
+        samples with ``rollout_seed(seed, b, k)``: a carried row continues under another seed in
+        each call, never under the one that drew its earlier tokens."""
+        seed = rollout_seed(self.cfg.seed, b)
         if not self.partial:
             return self.supervisor.call_one(self.generators, "generators", g, GeneratorEngine.generate,
                                             (share, seed), refresh=self._refresh)
         share.groups = with_unique_groups(share.groups, b, self.cfg.rollout.batch_size)
-        waiting = stages.carry[g]
+        waiting, round_ = stages.carry[g], 0
         while True:  # a round: every unfinished row gets up to partial_tokens more
             todo = unfinished(waiting)
             done = sorted(set(range(len(waiting))) - set(todo))
@@ -356,7 +360,8 @@ class PipelinedTrainer(DistributedTrainer):
             if len(ready) >= -(-self._rows_needed // len(stages.fleet)) or not unfinished(waiting):
                 break
             waiting = Rollout.concat([ready, waiting])  # too few to train: another round, no new prompts
-            share, seed = share.select([]), seed + 1
+            round_ += 1
+            share, seed = share.select([]), rollout_seed(self.cfg.seed, b, round_)
         with self._cond:
             stages.carry[g] = waiting
             stages.carry_states.setdefault(b + 1, list(stages.carry))[g] = waiting
