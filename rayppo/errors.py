@@ -44,6 +44,17 @@ class GeneratorLostError(ActorFailedError):
     of is made again on the generators left (``rayppo/cluster/fleet.py``)."""
 
 
+class SharesLostError(GeneratorLostError):
+    """Generators left the fleet during a fan-out, which ran to its end on the others first
+    (``Supervisor.run``): ``results`` holds every share that was done (None where lost) and
+    ``lost`` the positions of each fan-out whose generator left, so the caller samples only those
+    again (nothing runs twice, no call is left running behind a retry)."""
+
+    def __init__(self, message: str, results: list[list], lost: list[list[int]]):
+        super().__init__(message)
+        self.results, self.lost = results, lost
+
+
 class FleetTooSmallError(ActorFailedError):
     """Fewer generators are left than ``generators.min_num``: the run stops with a checkpoint."""
 

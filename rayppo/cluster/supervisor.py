@@ -35,7 +35,8 @@ from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.engine import Engine
-from rayppo.errors import ActorFailedError, RayppoError, RunClosedError, brief, restated
+from rayppo.errors import (ActorFailedError, GeneratorLostError, RayppoError, RunClosedError, SharesLostError, brief,
+                           restated)
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +110,16 @@ class Supervisor:
         """Several fan-outs at once (e.g. reference and reward scoring); each one's results, and
         ``Fanout.seconds`` set to when its last result arrived. Every call has its own deadline,
         ``cluster.call_timeout_s`` from when it was sent: a share redone on a replacement gets the
-        whole deadline again, and only the calls past theirs count as hung."""
+        whole deadline again, and only the calls past theirs count as hung.
+
+        A share whose generator leaves the fleet (its replacement finds no place) is not sent again;
+        the others run to their end, and then ``SharesLostError`` carries every result and the lost
+        positions: the caller redoes only those, and no call of this fan-out is left running on an
+        actor behind the retry (where it would hold the retry back, look hung, and do its work twice).
+        """
         start = time.perf_counter()
         pending: dict[Any, tuple[Fanout, int, float]] = {}  # future -> (fan-out, position, deadline)
+        lost: dict[int, list[int]] = {}  # fan-out index -> positions whose generator left the fleet
         for f in fanouts:
             f.results = [None] * len(f.args)
             for pos, a in enumerate(f.args):
@@ -124,7 +132,7 @@ class Supervisor:
             first = min(deadline for _, _, deadline in pending.values())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, first - time.monotonic()))
             if not ready:
-                self._replace_hung(pending)
+                self._replace_hung(pending, fanouts, lost)
                 continue
             f, pos, _ = pending.pop(ready[0])
             i = f.actor_at(pos)
@@ -135,25 +143,39 @@ class Supervisor:
             except RayActorError as exc:
                 if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
                     raise  # another actor's death reached this call (an argument it produced)
-                self._replace(f, i, f"died ({brief(exc)})")
-                self._send(pending, f, pos)
+                self._redo(pending, fanouts, lost, f, pos, f"died ({brief(exc)})")
                 continue
             if not any(g is f for g, _, _ in pending.values()):
                 f.seconds = time.perf_counter() - start
+        if lost:
+            positions = [sorted(lost.get(k, [])) for k in range(len(fanouts))]
+            raise SharesLostError(f"{sum(map(len, positions))} shares lost with their generators",
+                                  [f.results for f in fanouts], positions)
         return [f.results for f in fanouts]
+
+    def _redo(self, pending: dict[Any, tuple["Fanout", int, float]], fanouts: list["Fanout"], lost: dict[int, list[int]],
+              f: "Fanout", pos: int, cause: str, hung: bool = False) -> None:
+        """Replace the actor of ``f``'s share ``pos`` and send the share again; when the actor left
+        the fleet instead, note the share as lost (``run`` raises once the others are done)."""
+        try:
+            self._replace(f, f.actor_at(pos), cause, hung)
+        except GeneratorLostError:
+            lost.setdefault(next(k for k, g in enumerate(fanouts) if g is f), []).append(pos)
+            return
+        self._send(pending, f, pos)
 
     def _send(self, pending: dict[Any, tuple["Fanout", int, float]], f: "Fanout", pos: int) -> None:
         pending[f.group.call_at(f.actor_at(pos), f.method, f.args[pos])] = (f, pos, time.monotonic() + self.timeout_s)
 
-    def _replace_hung(self, pending: dict[Any, tuple["Fanout", int, float]]) -> None:
+    def _replace_hung(self, pending: dict[Any, tuple["Fanout", int, float]], fanouts: list["Fanout"],
+                      lost: dict[int, list[int]]) -> None:
         """The calls past their deadline count as hung: their actors are replaced, their shares sent again."""
         now = time.monotonic()
         for future, (f, pos, deadline) in list(pending.items()):
             if deadline <= now:
-                self._replace(f, f.actor_at(pos), f"did not answer {f.method.__name__} within cluster.call_timeout_s="
-                                                  f"{self.timeout_s:g} s", hung=True)
                 del pending[future]
-                self._send(pending, f, pos)
+                self._redo(pending, fanouts, lost, f, pos, f"did not answer {f.method.__name__} within "
+                                                           f"cluster.call_timeout_s={self.timeout_s:g} s", hung=True)
 
     def progress(self) -> None:
         """One more iteration completed (the trainers call it at the end of each)."""

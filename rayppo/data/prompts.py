@@ -272,6 +272,21 @@ class PromptBatch:
                            [self.fields[i] for i in rows] if self.fields else [],
                            [self.groups[i] for i in rows] if self.groups else [])
 
+    def whole_groups(self, parts: int) -> list["PromptBatch"]:
+        """This batch cut into at most ``parts`` contiguous batches of whole groups (counts of groups
+        differing by at most one; a row without a group is a group of its own), none empty: how a
+        lost generator's share is taken over by the generators left, each group by one engine."""
+        starts = [i for i in range(len(self)) if i == 0 or not self.groups or self.groups[i] != self.groups[i - 1]]
+        bounds = [*starts, len(self)]
+        base, extra = divmod(len(starts), parts)
+        out, first = [], 0
+        for k in range(parts):
+            last = first + base + (1 if k < extra else 0)
+            if last > first:
+                out.append(self.select(range(bounds[first], bounds[last])))
+            first = last
+        return out
+
     def groups_of(self, n: int, first_group: int = 0) -> "PromptBatch":
         """Each prompt ``n`` times in a row, the copies of prompt i forming group ``first_group + i``
         (two draws of the same text are two groups)."""

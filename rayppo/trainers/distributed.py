@@ -31,6 +31,7 @@ from rayppo.cluster.placement import (Placement, placement_report, release, requ
                                      room_for_generators)
 from rayppo.cluster.roles import actor_count, add_generators, spawn_roles
 from rayppo.cluster.session import RaySession
+from rayppo.cluster.shares import sampled_shares
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync, verify_sync
@@ -262,14 +263,12 @@ class DistributedTrainer:
         """``method`` (generate or evaluate) on each generator of the fleet with its share of the
         prompts (``split(generators)``), ``options`` and the call's seed (last; each row's noise
         follows from it and the row's group, ``sample_seeds``). A generator that dies or hangs is
-        replaced, given the current weights, and samples its share again; one that leaves the fleet
-        meanwhile has the batch split again over the generators left, which draw the same rows."""
-        def sample(active: list[int]) -> Rollout:
-            args = [(share, *options, seed) for share in split(len(active))]
-            return Rollout.concat(self.supervisor.call(self.generators, "generators", method, args,
-                                                       refresh=self.weight_sync.refresh, actors=active))
-
-        return self.fleet.on_active(sample)
+        replaced, given the current weights, and samples its share again. When one leaves the fleet
+        meanwhile, the other shares are kept and only the lost one is split again over the
+        generators left (``cluster/shares.py``, ``PromptBatch.whole_groups``)."""
+        shares = split(len(self.fleet.active))
+        return Rollout.concat(sampled_shares(self.supervisor, self.fleet, method, shares, PromptBatch.whole_groups,
+                                             (*options, seed), self.weight_sync.refresh))
 
     def _reward_scores(self, rollouts: list[Rollout]) -> list[list[float]]:
         """r_phi of each rollout's rows (the reward pass alone); 0 when nothing but an environment

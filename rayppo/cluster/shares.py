@@ -1,0 +1,53 @@
+"""A batch sampled by the generator fleet once, whatever leaves it meanwhile.
+
+``sampled_shares`` fans each share of a batch out to one generator of the fleet under the
+``Supervisor`` (a generator that dies or hangs is replaced and redoes its share). When a generator
+leaves the fleet during the call (its replacement finds no place: its node is gone), the call runs
+to its end on the others first (``SharesLostError``), their results are kept, and only the lost
+share is split again over the generators left. So no share is sampled twice (a multi-turn
+environment steps once per turn of each kept episode), and no call is left running on a
+generator behind a retry, where it would hold the retry back and make a healthy generator look
+hung. A row's noise does not depend on the generator that draws it (``data/seeds.row_seeds``), so
+the batch is the one an undisturbed fleet would have sampled, in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+from rayppo.cluster.fleet import Fleet
+from rayppo.cluster.supervisor import Supervisor
+from rayppo.errors import GeneratorLostError, SharesLostError
+
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+def sampled_shares(supervisor: Supervisor, fleet: Fleet, method: Callable[..., R], shares: Sequence[S],
+                   resplit: Callable[[S, int], list[S]], options: tuple = (),
+                   refresh: Callable[[int], None] | None = None) -> list[R]:
+    """``method(share, *options)`` on the fleet's active generators, share k on the k-th (``shares``
+    were cut for the fleet as it is); each result, in the shares' order (a lost share's as the
+    results of its pieces, ``resplit(share, generators left)``, in order)."""
+    pieces: dict[tuple[int, ...], S] = {(k,): share for k, share in enumerate(shares)}
+    done: dict[tuple[int, ...], R] = {}
+    first = True
+    while pieces:
+        active = list(fleet.active)
+        work = ([(key, share, g) for (key, share), g in zip(pieces.items(), active)]
+                if first and len(pieces) == len(active) else
+                [(key + (j,), part, active[j]) for key, share in pieces.items()
+                 for j, part in enumerate(resplit(share, len(active)))])
+        first, todo, pieces = False, pieces, {}
+        try:
+            results: list[Any] = supervisor.call(fleet.group, "generators", method,
+                                                 [(share, *options) for _, share, _ in work], refresh=refresh,
+                                                 actors=[g for _, _, g in work])
+        except SharesLostError as exc:
+            results = exc.results[0]
+            pieces = {work[pos][0]: work[pos][1] for pos in exc.lost[0]}
+        except GeneratorLostError:  # lost outside the fan-out (bringing a replacement up to date): all again
+            pieces = todo
+            continue
+        done |= {key: out for (key, _, _), out in zip(work, results) if key not in pieces}
+    return [done[key] for key in sorted(done)]
