@@ -54,13 +54,17 @@ def test_end_to_end_two_generators_two_ranks_reward_rises_and_sync_is_exact(tmp_
     assert AutoModelForCausalLM.from_pretrained(out / "policy").config.model_type == "llama"
 
 
-@pytest.mark.parametrize("sync, fault", [("object_store", "skip_tensor"), ("broadcast", "perturb_tensor")])
-def test_guard_stops_the_run_at_a_sync_that_did_not_deliver_a_tensor(sync, fault):
-    """A generator that skips one tensor's update, or loads it perturbed, stops the run at that sync."""
+@pytest.mark.parametrize("sync, fault, extra", [
+    ("object_store", "skip_tensor", ["model.dtype=bfloat16", "ppo.lr=1e-6"]),  # the user's case: one bf16 step behind
+    ("broadcast", "perturb_tensor", []),
+])
+def test_guard_stops_the_run_at_a_sync_that_did_not_deliver_a_tensor(sync, fault, extra):
+    """A generator that skips one tensor's update (in bf16 at lr 1e-6: only the elements whose
+    rounding flips differ), or loads it perturbed, stops the run at that first sync."""
     with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1 \(the update of iteration 0\): generator 0 does not hold the weights "
                                               r"the learner sent: model.layers.0.mlp.down_proj.weight"):
         run_iterations([f"checks.sync_fault={fault}", "rollout.batch_size=16", "learner.num_ranks=1",
-                        f"learner.weight_sync={sync}"], 2)
+                        f"learner.weight_sync={sync}", *extra], 2)
 
 
 def test_a_checkpoint_after_a_failed_sync_holds_the_iteration_it_trained(tmp_path, capsys):

@@ -38,7 +38,7 @@ def _whole_state(engine) -> dict[str, list[torch.Tensor]]:
             for name, p in engine.module.named_parameters()}
 
 
-def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str) -> None:
+def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, dtype: str = "float32") -> None:
     import deepspeed
 
     from rayppo.learner.engine import _skip_shm_comm_op, _to_universal, _universal, deepspeed_config
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str) 
                       LOCAL_RANK=str(rank))
     _skip_shm_comm_op()
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
-    cfg = load_config(None, [f"learner.zero_stage={stage}", "ppo.lr=0.01"])
+    cfg = load_config(None, [f"learner.zero_stage={stage}", "ppo.lr=0.01", f"model.dtype={dtype}"])
     model = _model()
     model.config.save_pretrained(folder)  # read_shape reads a folder's config.json
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
@@ -69,15 +69,20 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str) 
         engine.load_checkpoint(f"{folder}/ckpt/universal/policy", tag="state")
     whole = _whole_state(engine)
     steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values()}
+    # The weights the module computes with (bf16: the master weights rounded), before any step.
+    module = {name: p.detach().clone() for name, p in engine.module.named_parameters()} if stage < 3 else {}
     if rank == 0:
-        torch.save({"whole": whole, "steps": sorted(steps)}, f"{folder}/loaded.pt")
+        torch.save({"whole": whole, "steps": sorted(steps), "module": module}, f"{folder}/loaded.pt")
 
 
-@pytest.mark.parametrize("stage, before, after", [(2, 2, 1), (1, 1, 2), (3, 2, 1)])
-def test_zero_state_resharded_to_another_rank_count_equals_the_whole_state(tmp_path, stage, before, after):
-    mp.spawn(_rank, args=(before, stage, free_port(), str(tmp_path), "save"), nprocs=before)
+@pytest.mark.parametrize("stage, before, after, dtype", [(2, 2, 1, "float32"), (1, 1, 2, "float32"), (3, 2, 1, "float32"),
+                                                         (2, 2, 1, "bfloat16")])
+def test_zero_state_resharded_to_another_rank_count_equals_the_whole_state(tmp_path, stage, before, after, dtype):
+    """bf16 too: DeepSpeed keeps fp32 master weights and moments beside the bf16 module; those are
+    what is resharded, and the module the new split computes with is the masters rounded to bf16."""
+    mp.spawn(_rank, args=(before, stage, free_port(), str(tmp_path), "save", dtype), nprocs=before)
     assert (tmp_path / "ckpt" / "universal" / "learner.json").is_file()  # the finished conversion's mark
-    mp.spawn(_rank, args=(after, stage, free_port(), str(tmp_path), "load"), nprocs=after)
+    mp.spawn(_rank, args=(after, stage, free_port(), str(tmp_path), "load", dtype), nprocs=after)
     saved = torch.load(tmp_path / "whole.pt")
     loaded = torch.load(tmp_path / "loaded.pt")
     assert loaded["steps"] == [3.0]
@@ -86,3 +91,6 @@ def test_zero_state_resharded_to_another_rank_count_equals_the_whole_state(tmp_p
             # Copies of the same fp32 numbers (gathered, converted, re-partitioned): equal to the bit.
             assert torch.equal(a, b), (name, what)
     assert any(t[1].abs().sum() > 0 for t in saved.values())  # the moments compared are not all zero
+    for name, weight in loaded["module"].items():
+        assert weight.dtype == getattr(torch, dtype), name
+        assert torch.equal(weight, saved[name][0].to(weight.dtype).reshape(weight.shape)), name

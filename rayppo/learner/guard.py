@@ -159,7 +159,7 @@ def generator_kl(drift: torch.Tensor, mask: torch.Tensor, generator_ids: torch.T
     Why the cap: k3 has no upper bound for d > 0, so one token with pi/mu ~ 90 (d ~ 4.5, k3 ~ 86)
     in 10k healthy bf16 tokens (mean 1.1e-3) would lift the mean past 1e-2 alone. Capped, one token
     adds at most half the limit; what the check is for moves every token (a temperature gap: mean
-    1.85e-2, largest single k3 ~2.6 on SmolLM2-135M, far under the cap of ~15 nats at 3k tokens), and
+    1.85e-2, largest single k3 ~1.6 on SmolLM2-135M, far under the cap of ~15 nats at 3k tokens), and
     is untouched (docs/real-model.md has the measurement). ``drift``, ``mask``: ``[B, T]``;
     ``generator_ids``: ``[B]``. Collective: two sums over the ranks, the same answer everywhere.
     """
