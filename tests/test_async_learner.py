@@ -107,8 +107,10 @@ def _train(models, rollout, pad_id, cfg, max_staleness, version=0, guard=None):
     (experience, stats, policy, critic, policy forwards during make_experience)."""
     policy, critic = _copies(models)
     forwards = _forward_counter(policy)
+    # rollout_correction=auto resolves to tis in asynchronous mode (config/derived.rollout_correction).
     exp, stats = make_experience(rollout, critic, pad_id, KL_COEF, cfg, max_staleness=max_staleness,
-                                 proximal=ProximalPolicy(policy, TEMPERATURE, version))
+                                 proximal=ProximalPolicy(policy, TEMPERATURE, version),
+                                 correction="tis" if max_staleness else "none")
     prox_forwards = forwards[0]
     stats |= ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
                         guard=guard)
@@ -220,7 +222,7 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     _set_logprobs(rollout, _stale_behaviour(prox, stale))
     policy, critic = _copies(models)
     exp, stats = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=2,
-                                 proximal=ProximalPolicy(policy, TEMPERATURE, 3))
+                                 proximal=ProximalPolicy(policy, TEMPERATURE, 3), correction="tis")
     batch, mask = exp.batch, exp.batch.mask
     assert torch.equal(exp.prox_logprobs, policy_forward(policy, batch, TEMPERATURE)[0])  # the learner's weights
     # Per token, on the response tokens only: a row sampled by version 3 has all of them.

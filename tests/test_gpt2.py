@@ -5,7 +5,8 @@ transposed, and on CPU inside a oneDNN kernel. The generator's weight check read
 layout and handed the kernel a probe of the wrong width: the process aborted in ``malloc`` right
 after the first weight load (``actors/conv1d_weights.py``). The policy of the report (2 layers,
 128 wide, head_dim 64, tied head, random init) must now sample with the learner's log-probs, have
-every synced tensor verified, and have a perturbed projection caught under its own name.
+every synced tensor verified, and have a projection left a bf16 step behind or perturbed caught
+under its own name.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSetti
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.data.prompts import PromptBatch
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.guard import WeightSyncError, check_weights
+from rayppo.learner.guard import check_weights
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
 from rayppo.models.fingerprint import sent_prints
-from rayppo.models.weights import SyncFault, pack_weights
+from rayppo.models.weights import pack_weights
+from test_model_families import _caught as caught  # pytest puts tests/ on the path
 
 PROMPTS = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 2
 
@@ -72,11 +74,9 @@ def test_a_gpt2_policy_samples_the_learners_logprobs_and_its_synced_weights_are_
         write_pretrained(named.items(), tmp_path / "start", tmp_path / "updated")
         tokenizer.save_pretrained(tmp_path / "updated")
         assert _mismatch(generator, tmp_path / "updated", tokenizer) < 1e-4  # it samples the new weights
+        # A projection left one bf16 step of lr 1e-6 behind, or perturbed, is named (as for every family).
         for hit in ("transformer.h.1.mlp.c_fc.weight", "transformer.h.0.attn.c_proj.weight"):  # [128, 512], square
-            generator.sync_fault = SyncFault("perturb_tensor", hit)
-            generator.load_weights(pack_weights(named, 2))
-            with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {hit} "):
-                check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 2)
+            caught(generator, named, hit)
     finally:
         del generator
         gc.collect()
