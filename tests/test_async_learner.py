@@ -23,6 +23,7 @@ from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import (Experience, ProximalPolicy, check_staleness, make_experience,
                                        proximal_logprobs)
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
+from rayppo.learner.rollout_tensors import padded, truncated
 from rayppo.learner.update import (Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update,
                                    same_version_mismatch)
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
@@ -122,10 +123,10 @@ def _hand_written_sync_update(policy, critic, rollout: Rollout, pad_id: int, cfg
     """Today's synchronous iteration, written out with the functions of ppo.py: KL and ratios
     against the generator's log-probs, GAE, whitening, the clipped loss per minibatch."""
     batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
-    mask, old_logprobs, ref_logprobs = batch.mask, rollout.tensor("logprobs"), rollout.tensor("ref_logprobs")
+    mask, old_logprobs, ref_logprobs = batch.mask, padded(rollout.logprobs), padded(rollout.ref_logprobs)
     with torch.no_grad():
         values, last_values = critic_forward(critic, batch)
-    returned, bootstrap = ppo.truncation_targets(torch.tensor(rollout.score), last_values, rollout.truncated(),
+    returned, bootstrap = ppo.truncation_targets(torch.tensor(rollout.score), last_values, truncated(rollout),
                                                  "bootstrap")
     rewards = ppo.shape_rewards(returned, old_logprobs, ref_logprobs, mask, KL_COEF, cfg.kl_estimator)
     advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
@@ -227,7 +228,7 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     assert torch.equal(exp.same_version, mask.bool() & torch.tensor([v == 3 for v in versions])[:, None])
 
     _, last_values = critic_forward(critic, batch)
-    returned, bootstrap = ppo.truncation_targets(exp.scores, last_values, rollout.truncated(), "bootstrap")
+    returned, bootstrap = ppo.truncation_targets(exp.scores, last_values, truncated(rollout), "bootstrap")
     rewards = ppo.shape_rewards(returned, exp.prox_logprobs, exp.ref_logprobs, mask, KL_COEF)
     assert torch.equal(exp.rewards, rewards)  # the KL term of pi_prox ...
     assert not torch.equal(rewards, ppo.shape_rewards(returned, exp.old_logprobs, exp.ref_logprobs, mask, KL_COEF))

@@ -19,6 +19,7 @@ from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.ppo import kl_penalty
+from rayppo.learner.rollout_tensors import padded
 from rayppo.config.schema import PPOConfig
 from rayppo.learner.update import MicroBatch, local_minibatches, policy_objective, value_objective
 from rayppo.models.loading import load_causal_lm
@@ -127,6 +128,6 @@ def test_a_flat_group_gets_exactly_its_kl_reward_to_go(estimator, noise_dtype, t
     rollout.score = [0.5] * ROWS
     exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, beta, PPOConfig(advantage=estimator, kl_mode="reward"),
                              TruncationRule("terminal"))
-    kl = kl_penalty(rollout.tensor("logprobs"), rollout.tensor("ref_logprobs"))
+    kl = kl_penalty(padded(rollout.logprobs), padded(rollout.ref_logprobs))
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert float((exp.advantages - to_go.to(exp.advantages.dtype)).abs().max()) < 1e-7

@@ -20,6 +20,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode
 from rayppo.episodes.loop import EpisodeSettings, episode_stats
 from rayppo.learner.experience import TruncationRule, make_experience
+from rayppo.learner.rollout_tensors import padded
 from rayppo.models.chat_tokens import TemplateError, check_template, observation_ids
 from rayppo.models.embedded_guess import build_chat_tokenizer
 from rayppo.models.loading import load_causal_lm
@@ -261,7 +262,7 @@ def test_the_tokens_trained_on_are_the_sampled_ids_plus_the_observation_ids(play
     batch = pack(rollout.prompt_ids, rollout.response_ids, tok.pad_token_id, rollout.action_mask)
     with torch.no_grad():
         logprobs, _ = policy_forward(load_causal_lm(str(guess_dir), "float32").eval(), batch)
-    gap = ((logprobs - rollout.tensor("logprobs")).abs() * batch.mask).max()
+    gap = ((logprobs - padded(rollout.logprobs)).abs() * batch.mask).max()
     # fp32 forwards of other batch layouts (HF); vLLM's CPU kernels are not the transformers ones.
     bound = 2e-4 if engine.describe().startswith("vLLM") else 2e-5
     assert gap < bound, f"log-prob mismatch {gap:.2e} on multi-turn rows"

@@ -21,6 +21,7 @@ from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import TruncationRule, make_experience
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
 from rayppo.learner.ppo import kl_penalty, truncation_targets
+from rayppo.learner.rollout_tensors import padded
 from rayppo.models.fingerprint import held_prints, probes, sent_prints, split_rows
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import critic_forward, pack
@@ -220,7 +221,7 @@ def test_a_group_of_tied_rewards_gets_only_its_kl_reward_to_go_under_kl_mode_rew
     rollout.score = [0.5] * rows
     cfg = PPOConfig(advantage=estimator, kl_mode="reward")
     exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, beta, cfg, TruncationRule("terminal"))
-    kl = kl_penalty(rollout.tensor("logprobs"), rollout.tensor("ref_logprobs"))  # [rows, n], k1
+    kl = kl_penalty(padded(rollout.logprobs), padded(rollout.ref_logprobs))  # [rows, n], k1
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert torch.allclose(exp.advantages, to_go.to(exp.advantages.dtype), rtol=0, atol=1e-9)
     assert float(exp.advantages.abs().max()) <= beta * float(kl.sum(-1).abs().max()) + 1e-12  # no unit advantages

@@ -1,8 +1,9 @@
 """A rollout as the learner's tensors: converted once, where it enters the learner.
 
 ``Rollout`` (``data/rollout.py``) is the record that crosses processes: Python lists, one row per
-response. Everything the update computes takes tensors; ``RolloutTensors.of`` builds them in one
-place, on the learner's device, and ``make_experience`` (``experience.py``) works from them alone.
+response, and no torch. Everything the update computes takes tensors; ``RolloutTensors.of`` builds
+them in one place, on the learner's device, and ``make_experience`` (``experience.py``) works from
+them alone. ``padded`` and ``truncated`` are its column conversions (tests compare with them too).
 Shapes follow docs/algorithm.md, "Tensor conventions": ``[B, T]`` over response positions.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayppo.data.rollout import Rollout, padded
+from rayppo.data.rollout import Rollout
 from rayppo.models.sequences import PackedBatch, pack
 
 
@@ -56,10 +57,10 @@ class RolloutTensors:
         versioned = len(rollout.policy_version) == n
         return RolloutTensors(
             batch=batch,
-            old_logprobs=rollout.tensor("logprobs").to(device),
-            ref_logprobs=rollout.tensor("ref_logprobs").to(device) if rollout.ref_logprobs else None,
+            old_logprobs=padded(rollout.logprobs).to(device),
+            ref_logprobs=padded(rollout.ref_logprobs).to(device) if rollout.ref_logprobs else None,
             scores=torch.tensor(rollout.score, dtype=torch.float32, device=device),
-            truncated=rollout.truncated().to(device),
+            truncated=truncated(rollout).to(device),
             generator_ids=torch.tensor(rollout.generator_id or [0] * n, dtype=torch.long),
             group_ids=torch.tensor(rollout.group_id, dtype=torch.long, device=device) if rollout.group_id else None,
             versions=padded(rollout.versions(), torch.long, value=-1).to(device) if versioned else None,
@@ -70,3 +71,20 @@ class RolloutTensors:
 
     def __len__(self) -> int:
         return int(self.scores.shape[0])
+
+
+def padded(rows: list[list[float]], dtype: torch.dtype = torch.float32, value: float = 0.0) -> torch.Tensor:
+    """Ragged per-token rows (a ``Rollout`` column such as ``logprobs``) right-padded with ``value``
+    into a ``[B, max_len]`` tensor."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def truncated(rollout: Rollout) -> torch.Tensor:
+    """``[B]`` bool: the response was cut at the length limit (finish reason ``length``), so its
+    return needs the truncation rule (``ppo.truncation_targets``)."""
+    return torch.tensor([reason == "length" for reason in rollout.finish_reason], dtype=torch.bool)
