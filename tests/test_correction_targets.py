@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rayppo.config.derived import Correction
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
@@ -45,7 +46,7 @@ def policy(embedded_dir):
 def _experience(rollout, tokenizer, policy, cfg, staleness=0, correction="tis", version=0):
     exp, stats = make_experience(rollout, None, tokenizer.pad_token_id, 0.0, cfg, TruncationRule("terminal"),
                                  LocalCollective(), "cpu", staleness, ProximalPolicy(policy, 1.0, version),
-                                 correction=correction)
+                                 correction=Correction.named(correction))
     return exp, stats
 
 

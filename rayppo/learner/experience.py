@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayppo.config.derived import truncation_mode
+from rayppo.config.derived import NO_CORRECTION, Correction, truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
 from rayppo.data.rollout import Rollout
@@ -241,14 +241,14 @@ def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int,
     return out
 
 
-def _asynchronous_inputs(
+def _proximal_inputs(
     rows: RolloutTensors, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
-    budget: int, collective: Collective, correction: str = "none",
+    budget: int, collective: Collective, correction: Correction = NO_CORRECTION,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0) and under
-    rollout correction (``correction`` not ``none``: every row is of the learner's version, mu its
+    rollout correction (``correction.truncated_is``: every row is of the learner's version, mu its
     generator's numerics); ``(None, None)`` in the synchronous iteration without it."""
-    if max_staleness == 0 and correction == "none":
+    if max_staleness == 0 and not correction.truncated_is:
         return None, None
     batch = rows.batch
     if proximal is None:
@@ -374,7 +374,7 @@ def make_experience(
     num_groups: int | None = None,
     micro_batch_tokens: int = 0,
     pack_mode: str = "",
-    correction: str = "none",
+    correction: Correction = NO_CORRECTION,
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
@@ -396,7 +396,7 @@ def make_experience(
     """
     rows = RolloutTensors.of(rollout, pad_id, device, pack_mode)  # the only conversion of the rollout
     batch, mask, old_logprobs = rows.batch, rows.batch.mask, rows.old_logprobs
-    prox_logprobs, same_version = _asynchronous_inputs(rows, cfg.minibatches, max_staleness, proximal,
+    prox_logprobs, same_version = _proximal_inputs(rows, cfg.minibatches, max_staleness, proximal,
                                                        micro_batch_tokens, collective, correction)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
@@ -420,13 +420,13 @@ def make_experience(
     stats = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
     if critic is not None:
         stats |= value_stats(values, returns, mask, collective)
-    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if correction == "tis+geo_mask" else None
+    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if correction.geo_mask else None
     if log_ratio is not None:
         stats |= offpolicy_stats(log_ratio, mask, collective, row_keep)
     loss_kl_coef = kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0
     exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, rows.scores,
                      rows.generator_ids, prox_logprobs, same_version, first_values, loss_kl_coef, row_keep,
-                     truncated_is=correction != "none")
+                     truncated_is=correction.truncated_is)
     return exp, stats
 
 

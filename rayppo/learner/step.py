@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayppo.config.derived import rollout_correction
+from rayppo.config.derived import Correction, rollout_correction
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import minibatch_seed
@@ -47,8 +47,8 @@ class LearnSettings:
     """Padded tokens per micro-batch (``learner.micro_batch_tokens``; 0: one per row budget)."""
     truncation: TruncationRule
     """How a response's length enters its reward."""
-    correction: str
-    """Rollout correction in force (``config.derived.rollout_correction``): none, tis, tis+geo_mask."""
+    correction: Correction
+    """Rollout correction in force (``config.derived.rollout_correction``)."""
     config: Config
     """The whole config, for the mismatch guard's per-dtype bounds (``MismatchGuard.of``)."""
 
