@@ -20,7 +20,8 @@ from rayppo.models.sequences import PackedBatch, pack
 
 @dataclass
 class RolloutTensors:
-    """One rank's rows of a scored rollout, as tensors on the learner's device."""
+    """One rank's rows of a scored rollout, as tensors on the learner's device, and where they sit
+    in the batch and in the update's plan (``num_groups``, ``first_rows``)."""
 
     batch: PackedBatch
     """Token tensors: prompt | response layout, ``batch.mask`` [B, T] (the action mask of episodes)."""
@@ -46,9 +47,17 @@ class RolloutTensors:
     """[B, K] float32: the environment's reward for each turn; None for single-turn rows."""
     episodes: bool
     """The rows are multi-turn episodes (``batch.mask`` is an action mask)."""
+    num_groups: int
+    """An upper bound of the batch's group ids, the same on every rank: the batch's rows (``of``
+    counts this shard's; the learn step sets the whole batch's)."""
+    first_rows: torch.Tensor | None = None
+    """[b] long: this rank's rows of the update's first minibatch when that is one micro-batch on
+    every rank (``update.first_rows_kept``): the experience pass keeps their critic forward's graph
+    for it (``Experience.first_values``). None: each micro-batch runs its own."""
 
     @staticmethod
-    def of(rollout: Rollout, pad_id: int, device: torch.device | str, pack_mode: str = "") -> "RolloutTensors":
+    def of(rollout: Rollout, pad_id: int, device: torch.device | str = "cpu",
+           pack_mode: str = "") -> "RolloutTensors":
         """Every column the update reads, as tensors on ``device``; ``pack_mode``: how the forward
         passes lay the rows out (``PackedBatch.pack_mode``; "": padded rows)."""
         n = len(rollout)
@@ -67,6 +76,7 @@ class RolloutTensors:
             turn_ends=padded(rollout.turn_ends, torch.long, value=-1).to(device) if rollout.turn_rewards else None,
             turn_rewards=padded(rollout.turn_rewards, torch.float32).to(device) if rollout.turn_rewards else None,
             episodes=bool(rollout.action_mask),
+            num_groups=n,
         )
 
     def __len__(self) -> int:

@@ -14,17 +14,18 @@ rows, beta, the iteration, the policy's version) are arguments.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from rayppo.config.derived import Correction, rollout_correction
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.collective import Collective
-from rayppo.learner.experience import Experience, ProximalPolicy, TruncationRule, make_experience
+from rayppo.learner.experience import Experience, ExperienceSettings, ProximalPolicy, make_experience
 from rayppo.learner.guard import MismatchGuard
+from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.learner.update import Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.packing import cut_layout
 
@@ -33,31 +34,26 @@ from rayppo.models.packing import cut_layout
 class LearnSettings:
     """What the learn step reads from the config, gathered once."""
 
-    ppo: PPOConfig
-    """The update's section (epochs, minibatches, estimator, clipping, learning rates)."""
+    experience: ExperienceSettings
+    """The experience pass's: estimator, truncation rule, staleness, micro-batches, rollout correction."""
     seed: int
     """The run's seed; the minibatch plan of iteration i uses ``minibatch_seed(seed, i)``."""
     temperature: float
     """T of log_softmax(logits / T), the sampling distribution the generators used."""
     max_new_tokens: int
     """L_max (``rollout.max_new_tokens``): the loss aggregations that normalise by a fixed length."""
-    max_staleness: int
-    """k: how many versions a row may lag the learner (``rollout.max_staleness``; 0: lock-step)."""
-    micro_batch_tokens: int
-    """Padded tokens per micro-batch (``learner.micro_batch_tokens``; 0: one per row budget)."""
-    truncation: TruncationRule
-    """How a response's length enters its reward."""
-    correction: Correction
-    """Rollout correction in force (``config.derived.rollout_correction``)."""
     config: Config
     """The whole config, for the mismatch guard's per-dtype bounds (``MismatchGuard.of``)."""
 
+    @property
+    def ppo(self) -> PPOConfig:
+        """The update's section (epochs, minibatches, estimator, clipping, learning rates)."""
+        return self.experience.ppo
+
     @staticmethod
     def of(cfg: Config) -> "LearnSettings":
-        r = cfg.rollout
-        return LearnSettings(cfg.ppo, cfg.seed, r.temperature, r.max_new_tokens, r.max_staleness,
-                             cfg.learner.micro_batch_tokens, TruncationRule.of(cfg),
-                             rollout_correction(cfg.ppo, cfg.model.dtype, r.max_staleness), cfg)
+        return LearnSettings(experience=ExperienceSettings.of(cfg), seed=cfg.seed, temperature=cfg.rollout.temperature,
+                             max_new_tokens=cfg.rollout.max_new_tokens, config=cfg)
 
 
 @dataclass
@@ -91,16 +87,15 @@ def learn(models: LearnerModels, rollout: Rollout, rows: list[int], batch_size: 
     plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, iteration))
     def planned(keep: list[float] | None = None) -> list[Minibatch]:
         return local_minibatches(plan, torch.tensor(rows, dtype=torch.long), rollout.lengths(), models.collective,
-                                 settings.micro_batch_tokens, cut_layout(models.pack_mode),
+                                 settings.experience.micro_batch_tokens, cut_layout(models.pack_mode),
                                  trained=rollout.trained_tokens(), keep=keep)
 
     minibatches = planned()
     # pi_prox: these weights, before this update's first step (asynchronous mode, rollout correction).
     proximal = ProximalPolicy(models.policy, settings.temperature, version)
-    exp, stats = make_experience(rollout, models.critic, models.pad_id, kl_coef, p, settings.truncation,
-                                 models.collective, models.device, settings.max_staleness, proximal,
-                                 first_rows_kept(minibatches), batch_size, settings.micro_batch_tokens,
-                                 models.pack_mode, settings.correction)
+    tensors = dataclasses.replace(RolloutTensors.of(rollout, models.pad_id, models.device, models.pack_mode),
+                                  num_groups=batch_size, first_rows=first_rows_kept(minibatches))
+    exp, stats = make_experience(tensors, models.critic, kl_coef, settings.experience, models.collective, proximal)
     if exp.row_keep is not None:  # rows the geometric-mean mask dropped count in no share (same rows and cuts)
         minibatches = planned(exp.row_keep.tolist())
     guard = MismatchGuard.of(settings.config, iteration)
