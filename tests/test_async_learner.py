@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+from rayppo.config.derived import Correction, rollout_correction
 from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
@@ -104,6 +105,11 @@ def _forward_counter(module: torch.nn.Module) -> list[int]:
     return count
 
 
+def _auto(max_staleness: int) -> Correction:
+    """The rollout correction ``auto`` resolves to in float32: ``tis`` in asynchronous mode, else none."""
+    return rollout_correction(PPOConfig(), "float32", max_staleness)
+
+
 def _tensors(rollout: Rollout, pad_id: int, first_rows: torch.Tensor | None) -> RolloutTensors:
     """``rollout`` as the learner's tensors, the critic forward of the first minibatch's ``first_rows`` kept."""
     return dataclasses.replace(RolloutTensors.of(rollout, pad_id), first_rows=first_rows)
@@ -115,7 +121,7 @@ def _train(models, rollout, pad_id, cfg, max_staleness, version=0, guard=None):
     policy, critic = _copies(models)
     forwards = _forward_counter(policy)
     exp, stats = make_experience(RolloutTensors.of(rollout, pad_id), critic, KL_COEF,
-                                 ExperienceSettings(cfg, max_staleness=max_staleness),
+                                 ExperienceSettings(cfg, max_staleness=max_staleness, correction=_auto(max_staleness)),
                                  proximal=ProximalPolicy(policy, TEMPERATURE, version))
     prox_forwards = forwards[0]
     stats |= ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
@@ -228,7 +234,7 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     _set_logprobs(rollout, _stale_behaviour(prox, stale))
     policy, critic = _copies(models)
     exp, stats = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
-                                 ExperienceSettings(cfg, max_staleness=2),
+                                 ExperienceSettings(cfg, max_staleness=2, correction=_auto(2)),
                                  proximal=ProximalPolicy(policy, TEMPERATURE, 3))
     batch, mask = exp.batch, exp.batch.mask
     assert torch.equal(exp.prox_logprobs, policy_forward(policy, batch, TEMPERATURE)[0])  # the learner's weights
