@@ -132,6 +132,9 @@ class Experience:
     """The policy loss is the decoupled one with truncated importance weights min(pi_prox / mu,
     is_clip) (rollout correction ``tis``/``tis+geo_mask``); False: the plain clipped loss against
     mu = pi_old, also in asynchronous mode under ``rollout_correction=none``."""
+    kl_ref: float | None = None
+    """Mean KL(pi || pi_ref) per response over the global batch (``ReferenceKL.mean``, logged as
+    ``kl/ref_mean``), pi being the policy improved (pi_old, or pi_prox); None without a reference."""
 
     @property
     def trained_mask(self) -> torch.Tensor:
@@ -426,7 +429,8 @@ def make_experience(
     advantages, returns = _episode_advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg,
                                               stale_ratio, rows.group_ids, rows.num_groups, collective,
                                               rows.episodes)
-    stats = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
+    kl = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else None
+    stats = {} if kl is None else kl.metrics()
     if critic is not None:
         stats |= value_stats(values, returns, mask, collective)
     row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if settings.correction.geo_mask else None
@@ -436,7 +440,8 @@ def make_experience(
                      rewards=rewards, advantages=advantages, returns=returns, scores=rows.scores,
                      generator_ids=rows.generator_ids, prox_logprobs=prox_logprobs, same_version=same_version,
                      first_values=first_values, row_keep=row_keep, truncated_is=settings.correction.truncated_is,
-                     loss_kl_coef=kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0)
+                     loss_kl_coef=kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0,
+                     kl_ref=None if kl is None else kl.mean)
     return exp, stats
 
 
