@@ -12,9 +12,9 @@ the reward's KL term with it, and computes V-trace targets; the update uses the 
 policy loss and measures ``logprob_mismatch`` only on the rows sampled by the learner's version.
 With k = 0 both run exactly the synchronous iteration.
 
-The learn step (``step.py``) calls it in the in-process trainer and on every learner rank; the
-rollout becomes tensors once, at its top (``rollout_tensors.py``). A rank holds a shard of the
-rollout's rows; a ``Collective`` sums across ranks, so that
+The learn step (``step.py``) calls it in the in-process trainer and on every learner rank, on the
+rollout made tensors once (``RolloutTensors``) and the config's choices read once
+(``ExperienceSettings``). A rank holds a shard of the rollout's rows; a ``Collective`` sums across ranks, so that
 advantage whitening uses the global batch and each minibatch's loss is the global token mean:
 with N ranks the update is the one a single process would make.
 """
@@ -57,8 +57,9 @@ class TruncationRule:
     @staticmethod
     def of(cfg: Config) -> "TruncationRule":
         r = cfg.rollout
-        return TruncationRule(truncation_mode(cfg), r.missing_eos_penalty, r.max_new_tokens, r.overlong_buffer,
-                              r.overlong_penalty)
+        return TruncationRule(mode=truncation_mode(cfg), missing_eos_penalty=r.missing_eos_penalty,
+                              max_new_tokens=r.max_new_tokens, overlong_buffer=r.overlong_buffer,
+                              overlong_penalty=r.overlong_penalty)
 
 
 @dataclass(frozen=True)
