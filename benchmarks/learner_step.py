@@ -64,6 +64,7 @@ def _timing_hooks(parts: dict[str, float], calls: dict[str, int]) -> None:
     """Accumulate the seconds of each part of ``LearnerEngine.train`` into ``parts``, and how many
     times each ran into ``calls`` (the policy's forward runs once per micro-batch: the passes)."""
     import rayppo.learner.engine as engine
+    import rayppo.learner.step as step
     import rayppo.learner.update as update
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,7 +79,7 @@ def _timing_hooks(parts: dict[str, float], calls: dict[str, int]) -> None:
 
     update.policy_objective = timed("policy forward", update.policy_objective)
     update.value_objective = timed("critic forward", update.value_objective)
-    engine.make_experience = timed("experience pass", engine.make_experience)
+    step.make_experience = timed("experience pass", step.make_experience)  # the learn step's call
     steps = engine.LearnerEngine._steps
     engine.LearnerEngine._steps = lambda self: update.Steps(
         *(fn and timed(name, fn) for name, fn in zip(("policy backward", "critic backward", "optimiser steps"),

@@ -1,7 +1,8 @@
 """The training driver: iterations, progress bar, metrics, early stop, final save.
 
 The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``save(dir)``,
-``last_rollout``); this module only runs it and records what happened.
+``last_rollout``, ``last_update``); this module only runs it and records what happened. Its
+stop rule reads the typed result (``last_update.kl_ref``), not a metric by its name.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rayppo.console import console
 from rayppo.data.rollout import Rollout
 from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError, brief
 from rayppo.learner.guard import CorrectnessError
+from rayppo.learner.step import LearnResult
 from rayppo.plan.fit import preflight
 from rayppo.run.checkpoint import (CheckpointError, continued_config, latest_checkpoint, read_driver_state, split_change,
                                    write_checkpoint)
@@ -37,6 +39,8 @@ from rayppo.trainers.evaluation import due
 
 class Trainer(Protocol):
     last_rollout: Rollout | None
+    last_update: LearnResult | None
+    """The last iteration's update: the policy's version, its KL to the reference (the stop rule's)."""
     iteration_count: int
     """Iterations whose update the trainer holds (a checkpoint is named after them)."""
 
@@ -264,16 +268,16 @@ class _Loop:
         cfg = self.cfg
         while self.it < cfg.stop.iterations:
             try:
-                metrics = self.one()
+                self.one()
             except LearnerFailedError as exc:  # raises again once the restart budget is spent
                 self.it = self.trainer.recover(exc)
                 self.logger.rewind(self.it)
                 self.bar.rewind(self.it)
                 continue
-            if metrics.get("kl/ref_mean", 0.0) > cfg.stop.kl_budget:  # no KL without a reference (kl_coef = 0)
-                console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = "
-                              f"{metrics['kl/ref_mean']:.2f} nats per response exceeds stop.kl_budget = "
-                              f"{cfg.stop.kl_budget}")
+            kl = self.trainer.last_update.kl_ref  # None without a reference (kl_coef = 0)
+            if kl is not None and kl > cfg.stop.kl_budget:
+                console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = {kl:.2f} nats per "
+                              f"response exceeds stop.kl_budget = {cfg.stop.kl_budget}")
                 return "kl_budget"
             if self.stop.requested:
                 return self.stop.requested

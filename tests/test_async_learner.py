@@ -10,19 +10,22 @@ trainer runs them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import threading
 
 import pytest
 import torch
 
+from rayppo.config.derived import Correction, rollout_correction
 from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import (Experience, ProximalPolicy, check_staleness, make_experience,
+from rayppo.learner.experience import (Experience, ExperienceSettings, ProximalPolicy, check_staleness, make_experience,
                                        proximal_logprobs)
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
+from rayppo.learner.rollout_tensors import RolloutTensors, padded, truncated
 from rayppo.learner.update import (Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update,
                                    same_version_mismatch)
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
@@ -102,15 +105,24 @@ def _forward_counter(module: torch.nn.Module) -> list[int]:
     return count
 
 
+def _auto(max_staleness: int) -> Correction:
+    """The rollout correction ``auto`` resolves to in float32: ``tis`` in asynchronous mode, else none."""
+    return rollout_correction(PPOConfig(), "float32", max_staleness)
+
+
+def _tensors(rollout: Rollout, pad_id: int, first_rows: torch.Tensor | None) -> RolloutTensors:
+    """``rollout`` as the learner's tensors, the critic forward of the first minibatch's ``first_rows`` kept."""
+    return dataclasses.replace(RolloutTensors.of(rollout, pad_id), first_rows=first_rows)
+
+
 def _train(models, rollout, pad_id, cfg, max_staleness, version=0, guard=None):
     """One ``make_experience`` + ``ppo_update`` on copies of ``models``; returns
     (experience, stats, policy, critic, policy forwards during make_experience)."""
     policy, critic = _copies(models)
     forwards = _forward_counter(policy)
-    # rollout_correction=auto resolves to tis in asynchronous mode (config/derived.rollout_correction).
-    exp, stats = make_experience(rollout, critic, pad_id, KL_COEF, cfg, max_staleness=max_staleness,
-                                 proximal=ProximalPolicy(policy, TEMPERATURE, version),
-                                 correction="tis" if max_staleness else "none")
+    exp, stats = make_experience(RolloutTensors.of(rollout, pad_id), critic, KL_COEF,
+                                 ExperienceSettings(cfg, max_staleness=max_staleness, correction=_auto(max_staleness)),
+                                 proximal=ProximalPolicy(policy, TEMPERATURE, version))
     prox_forwards = forwards[0]
     stats |= ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
                         guard=guard)
@@ -124,10 +136,10 @@ def _hand_written_sync_update(policy, critic, rollout: Rollout, pad_id: int, cfg
     """Today's synchronous iteration, written out with the functions of ppo.py: KL and ratios
     against the generator's log-probs, GAE, whitening, the clipped loss per minibatch."""
     batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
-    mask, old_logprobs, ref_logprobs = batch.mask, rollout.tensor("logprobs"), rollout.tensor("ref_logprobs")
+    mask, old_logprobs, ref_logprobs = batch.mask, padded(rollout.logprobs), padded(rollout.ref_logprobs)
     with torch.no_grad():
         values, last_values = critic_forward(critic, batch)
-    returned, bootstrap = ppo.truncation_targets(torch.tensor(rollout.score), last_values, rollout.truncated(),
+    returned, bootstrap = ppo.truncation_targets(torch.tensor(rollout.score), last_values, truncated(rollout),
                                                  "bootstrap")
     rewards = ppo.shape_rewards(returned, old_logprobs, ref_logprobs, mask, KL_COEF, cfg.kl_estimator)
     advantages, returns = ppo.compute_gae(rewards, values, mask, cfg.gamma, cfg.lam, bootstrap)
@@ -221,15 +233,16 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     stale = torch.tensor([v != 3 for v in versions], dtype=torch.float32)
     _set_logprobs(rollout, _stale_behaviour(prox, stale))
     policy, critic = _copies(models)
-    exp, stats = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=2,
-                                 proximal=ProximalPolicy(policy, TEMPERATURE, 3), correction="tis")
+    exp, stats = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
+                                 ExperienceSettings(cfg, max_staleness=2, correction=_auto(2)),
+                                 proximal=ProximalPolicy(policy, TEMPERATURE, 3))
     batch, mask = exp.batch, exp.batch.mask
     assert torch.equal(exp.prox_logprobs, policy_forward(policy, batch, TEMPERATURE)[0])  # the learner's weights
     # Per token, on the response tokens only: a row sampled by version 3 has all of them.
     assert torch.equal(exp.same_version, mask.bool() & torch.tensor([v == 3 for v in versions])[:, None])
 
     _, last_values = critic_forward(critic, batch)
-    returned, bootstrap = ppo.truncation_targets(exp.scores, last_values, rollout.truncated(), "bootstrap")
+    returned, bootstrap = ppo.truncation_targets(exp.scores, last_values, truncated(rollout), "bootstrap")
     rewards = ppo.shape_rewards(returned, exp.prox_logprobs, exp.ref_logprobs, mask, KL_COEF)
     assert torch.equal(exp.rewards, rewards)  # the KL term of pi_prox ...
     assert not torch.equal(rewards, ppo.shape_rewards(returned, exp.old_logprobs, exp.ref_logprobs, mask, KL_COEF))
@@ -291,8 +304,8 @@ def test_mismatch_compares_only_rows_of_the_learners_version(models, tokenizer):
     rollout.logprobs[2][1] += 0.01
     policy, critic = _copies(models)
     before = _params(policy, critic)
-    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=1,
-                             proximal=ProximalPolicy(policy, TEMPERATURE, 5))
+    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
+                             ExperienceSettings(cfg, max_staleness=1), proximal=ProximalPolicy(policy, TEMPERATURE, 5))
     with pytest.raises(LogprobMismatchError, match=r"iteration 7: logprob_mismatch/max = 0\.01 .* on generator 0"):
         ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
                    guard=guard)
@@ -346,8 +359,8 @@ def test_mismatch_is_global_over_ranks_when_a_rank_compares_no_row(models, token
     rollout.logprobs[3][0] -= 1e-4
     rollout.logprobs[5][2] += 2e-4
     policy, critic = _copies(models)
-    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, max_staleness=1,
-                             proximal=ProximalPolicy(policy, TEMPERATURE, 5))
+    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
+                             ExperienceSettings(cfg, max_staleness=1), proximal=ProximalPolicy(policy, TEMPERATURE, 5))
     guard = MismatchGuard(limit=1e-3, iteration=0)
     whole = same_version_mismatch(exp, LocalCollective(), guard)
     shards, results, barrier, board = [torch.arange(0, 3), torch.arange(3, 6)], {}, threading.Barrier(2), {}
@@ -422,7 +435,8 @@ def test_first_minibatch_reuses_the_experience_value_pass(models, tokenizer):
         rows = _rows_counter(c)
         minibatches = local_minibatches(plan, torch.arange(6), rollout.lengths(), LocalCollective())
         first = first_rows_kept(minibatches) if reuse else None
-        exp, _ = make_experience(rollout, c, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=first)
+        exp, _ = make_experience(_tensors(rollout, tokenizer.pad_token_id, first), c, KL_COEF,
+                                 ExperienceSettings(cfg))
         assert (exp.first_values is not None) == reuse
         experience_rows = rows[0]
         ppo_update(p, c, exp, minibatches, cfg, TEMPERATURE, _stepper(p, c))
@@ -453,7 +467,8 @@ def test_the_kept_first_minibatch_runs_at_its_own_width(models, tokenizer):
     for name, model in (("critic", critic), ("policy", policy)):
         model.register_forward_pre_hook(lambda _m, args, kwargs, name=name: shapes[name].append(
             tuple((args[0] if args else kwargs["input_ids"]).shape)), with_kwargs=True)
-    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=first)
+    exp, _ = make_experience(_tensors(rollout, tokenizer.pad_token_id, first), critic, KL_COEF,
+                             ExperienceSettings(cfg))
     assert shapes["critic"][-1] == (len(first), own)  # the kept forward, the experience pass's last
     ppo_update(policy, critic, exp, minibatches, cfg, TEMPERATURE, _stepper(policy, critic))
     assert shapes["policy"][0] == (len(first), own)
@@ -479,7 +494,8 @@ def test_every_rank_runs_both_value_passes_even_when_all_its_rows_are_first(mode
     critic = _copies(models)[1]
     calls = _forward_counter(critic)
     everything = torch.tensor([2, 0, 3, 1])
-    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, KL_COEF, cfg, first_rows=everything)
+    exp, _ = make_experience(_tensors(rollout, tokenizer.pad_token_id, everything), critic, KL_COEF,
+                             ExperienceSettings(cfg))
     assert calls[0] == 2
     with torch.no_grad():
         values, _ = critic_forward(critic, exp.batch.rows(everything))

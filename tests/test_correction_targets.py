@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rayppo.config.derived import Correction
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import ProximalPolicy, TruncationRule, make_experience
+from rayppo.learner.experience import ExperienceSettings, ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.ppo import kl_penalty
+from rayppo.learner.rollout_tensors import RolloutTensors, padded
 from rayppo.config.schema import PPOConfig
 from rayppo.learner.update import MicroBatch, local_minibatches, policy_objective, value_objective
 from rayppo.models.loading import load_causal_lm
@@ -42,9 +44,10 @@ def policy(embedded_dir):
 
 
 def _experience(rollout, tokenizer, policy, cfg, staleness=0, correction="tis", version=0):
-    exp, stats = make_experience(rollout, None, tokenizer.pad_token_id, 0.0, cfg, TruncationRule("terminal"),
-                                 LocalCollective(), "cpu", staleness, ProximalPolicy(policy, 1.0, version),
-                                 correction=correction)
+    settings = ExperienceSettings(cfg, TruncationRule("terminal"), max_staleness=staleness,
+                                  correction=Correction.named(correction))
+    exp, stats = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, 0.0, settings,
+                                 LocalCollective(), ProximalPolicy(policy, 1.0, version))
     return exp, stats
 
 
@@ -125,8 +128,9 @@ def test_a_flat_group_gets_exactly_its_kl_reward_to_go(estimator, noise_dtype, t
                       ["say 7 :"] * ROWS, ["r"] * ROWS, [0] * ROWS, [0] * ROWS, group_id=[0] * ROWS)
     rollout.ref_logprobs = ref.tolist()
     rollout.score = [0.5] * ROWS
-    exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, beta, PPOConfig(advantage=estimator, kl_mode="reward"),
-                             TruncationRule("terminal"))
-    kl = kl_penalty(rollout.tensor("logprobs"), rollout.tensor("ref_logprobs"))
+    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, beta,
+                             ExperienceSettings(PPOConfig(advantage=estimator, kl_mode="reward"),
+                                                TruncationRule("terminal")))
+    kl = kl_penalty(padded(rollout.logprobs), padded(rollout.ref_logprobs))
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert float((exp.advantages - to_go.to(exp.advantages.dtype)).abs().max()) < 1e-7

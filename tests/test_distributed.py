@@ -16,6 +16,7 @@ from rayppo.cluster.group import get
 from rayppo.cluster.placement import PlacementError
 from rayppo.config.load import load_config
 from rayppo.learner.guard import WeightSyncError
+from rayppo.learner.rollout_tensors import padded
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import unpack_weights
 from rayppo.trainers.distributed import DistributedTrainer
@@ -138,7 +139,7 @@ def test_lora_policy_syncs_merged_weights(embedded_dir, tokenizer):
     merged.load_state_dict(unpack_weights(payload))
     with torch.no_grad():
         recomputed, _ = policy_forward(merged, pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id))
-    assert (recomputed - rollout.tensor("logprobs")).abs().max() < 1e-4
+    assert (recomputed - padded(rollout.logprobs)).abs().max() < 1e-4
     assert records[2]["kl/ref_mean"] > 1e-4  # the adapters changed the sampled policy
     assert records[-1]["sync/bytes"] == _policy_bytes(embedded_dir)  # full merged weights, no adapter names
 

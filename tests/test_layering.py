@@ -158,6 +158,14 @@ def test_pure_math_imports_only_torch():
         assert tops <= {"torch", "__future__", "math", "dataclasses", "typing"}, (module, tops)
 
 
+def test_the_rollout_record_needs_no_torch():
+    """The record that crosses processes is lists and Arrow; the learner makes its tensors
+    (``learner/rollout_tensors.py``), so the record needs no torch to be read or written."""
+    modules = _modules()
+    tops = {name.split(".")[0] for name, _, _ in _imports(modules["rayppo.data.rollout"], set(modules))}
+    assert "torch" not in tops, tops
+
+
 def test_the_root_holds_entry_points_and_the_ground_floor_only():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert loose == ["__init__.py", "choices.py", "cli.py", "console.py", "engine.py", "errors.py", "token_math.py",

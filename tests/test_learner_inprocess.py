@@ -28,7 +28,10 @@ def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):
         r.ref_logprobs, r.score = reference.ref_logprobs(r), reward.scores(r)
         return r
 
-    stats = learner.train(rollout(), kl_coef=0.05, iteration=0)
+    update = learner.train(rollout(), kl_coef=0.05, iteration=0)
+    stats = update.metrics
+    # The typed result: the new version, beta's input; the metrics carry the same for the log.
+    assert update.version == 1 and stats["policy/version"] == 1.0 and update.kl_ref == stats["kl/ref_mean"]
     assert stats["logprob_mismatch/max"] < 1e-4
     # A Llama on SDPA trains in packed rows (learner.packing=auto): no padding processed
     assert stats["tokens/learn_packed"] == 1.0 and stats["tokens/learn_processed"] == stats["tokens/learn_real"]
@@ -38,11 +41,13 @@ def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):
     payload = learner.policy_weights()
     assert payload.version == 1
     assert generator.load_weights(payload) == 1
-    assert learner.train(rollout(), kl_coef=0.05, iteration=1)["logprob_mismatch/max"] < 1e-4
+    assert learner.train(rollout(), kl_coef=0.05, iteration=1).metrics["logprob_mismatch/max"] < 1e-4
     # A batch whose every row the pipeline dropped as too stale: nothing trained, the version advances.
     before = {n: t.clone() for n, t in unpack_weights(learner.policy_weights()).items()}
     empty = rollout().select([])
-    assert learner.train(empty, kl_coef=0.05, iteration=2) == {"policy/version": 3.0, "async/skipped_update": 1.0}
+    skipped = learner.train(empty, kl_coef=0.05, iteration=2)
+    assert (skipped.version, skipped.kl_ref) == (3, None)
+    assert skipped.metrics == {"policy/version": 3.0, "async/skipped_update": 1.0}
     after = learner.policy_weights()
     assert after.version == 3 and all(torch.equal(t, before[n]) for n, t in unpack_weights(after).items())
 

@@ -9,6 +9,7 @@ GRPO case of ``test_groups.py``."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -18,7 +19,8 @@ from rayppo.config.schema import PPOConfig
 from rayppo.data.micro_batches import balanced_parts, balanced_shards, padded_tokens, token_batches
 from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import make_experience
+from rayppo.learner.experience import ExperienceSettings, make_experience
+from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import pack, policy_forward
@@ -112,8 +114,9 @@ def test_a_minibatch_in_micro_batches_takes_the_update_of_the_whole_minibatch(ca
         p, c = copy.deepcopy(policy), copy.deepcopy(critic)
         plan = minibatch_plan(len(rollout), cfg.epochs, cfg.minibatches, seed=1)
         minibatches = local_minibatches(plan, torch.arange(len(rollout)), rollout.lengths(), LocalCollective(), budget)
-        exp, _ = make_experience(rollout, c, tokenizer.pad_token_id, 0.1, cfg, first_rows=first_rows_kept(minibatches),
-                                 num_groups=4, micro_batch_tokens=budget)
+        rows = dataclasses.replace(RolloutTensors.of(rollout, tokenizer.pad_token_id), num_groups=4,
+                                   first_rows=first_rows_kept(minibatches))
+        exp, _ = make_experience(rows, c, 0.1, ExperienceSettings(cfg, micro_batch_tokens=budget))
         stats = ppo_update(p, c, exp, minibatches, cfg, 1.0, _steps(p, c), max_length=12)
         results[budget], counts[budget] = (stats, [t.detach().clone() for t in _params(p, c)]), [len(m) for m in minibatches]
     assert counts[0] == [1] * 4 and min(counts[30]) >= 2

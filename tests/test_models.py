@@ -9,6 +9,7 @@ from rayppo.actors.reward import RewardEngine, RewardError
 from rayppo.config.schema import ConfigError
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+from rayppo.learner.rollout_tensors import padded
 from rayppo.models.loading import Critic, load_causal_lm, load_reward_model, load_tokenizer
 from rayppo.models.sequences import critic_forward, pack, policy_forward
 
@@ -93,7 +94,7 @@ def test_generator_reports_sampling_logprobs_and_finish_reasons(embedded_dir, to
     batch = pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id)
     with torch.no_grad():
         recomputed, _ = policy_forward(policy, batch, temperature=0.8)
-    torch.testing.assert_close(rollout.tensor("logprobs"), recomputed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded(rollout.logprobs), recomputed, atol=1e-5, rtol=1e-5)
     assert rollout.policy_version == [0] * len(rollout)
     same = engine.generate(prompts, seed=1)
     assert same.response_ids == rollout.response_ids  # seeded

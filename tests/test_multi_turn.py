@@ -19,7 +19,8 @@ from rayppo.data.prompts import load_prompt_set, read_prompt_rows
 from rayppo.data.rollout import Rollout
 from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode
 from rayppo.episodes.loop import EpisodeSettings, episode_stats
-from rayppo.learner.experience import TruncationRule, make_experience
+from rayppo.learner.experience import ExperienceSettings, TruncationRule, make_experience
+from rayppo.learner.rollout_tensors import RolloutTensors, padded
 from rayppo.models.chat_tokens import TemplateError, check_template, observation_ids
 from rayppo.models.embedded_guess import build_chat_tokenizer
 from rayppo.models.loading import load_causal_lm
@@ -55,7 +56,8 @@ def test_a_two_turn_episodes_advantages_step_over_the_observation(finish):
     gamma, lam, beta = 0.9, 0.8, 0.1
     table = torch.tensor([[0.0, 0.3, 0.6, 9.0, 9.0, 1.5, 1.8]])  # columns 3, 4: V at the observation tokens
     cfg = PPOConfig(gamma=gamma, lam=lam, whiten_advantages=False)
-    exp, _ = make_experience(_two_turn_rollout(finish), ColumnCritic(table), 0, beta, cfg, TruncationRule("bootstrap"))
+    exp, _ = make_experience(RolloutTensors.of(_two_turn_rollout(finish), 0), ColumnCritic(table), beta,
+                             ExperienceSettings(cfg, TruncationRule("bootstrap")))
     # Response token t is predicted at column P - 1 + t = 1 + t: V at the actions t = 0, 1, 4.
     v0, v1, v4, v_end = 0.3, 0.6, 1.5, 1.8
     kl = [(-0.5 + 0.75), (-1.0 + 0.5), (-0.25 + 0.5)]
@@ -84,7 +86,8 @@ def test_a_group_estimator_takes_an_episode_as_one_sample():
     second.turn_rewards, second.score = [[0.0, 0.0]], [0.0]
     both = Rollout.concat([first, second])
     both.group_id, both.ref_logprobs = [0, 0], []
-    exp, _ = make_experience(both, None, 0, 0.0, PPOConfig(advantage="grpo", kl_mode="loss"))
+    exp, _ = make_experience(RolloutTensors.of(both, 0), None, 0.0,
+                             ExperienceSettings(PPOConfig(advantage="grpo", kl_mode="loss")))
     # GRPO: (r_i - mean) / std over the group's two returns, 3.5 and 0: +-1.75 / (1.75 sqrt 2) (unbiased std).
     a = 2 ** -0.5
     expected = torch.tensor([[a, a, 0.0, 0.0, a], [-a, -a, 0.0, 0.0, -a]])
@@ -99,8 +102,8 @@ def test_a_single_turn_row_with_an_all_ones_action_mask_trains_exactly_as_withou
     masked.action_mask, masked.turn_ends, masked.turn_rewards = [[1, 1, 1], [1]], [[2], [0]], [[0.0], [0.0]]
     table = torch.tensor([[0.1, 0.2, 0.4, 0.8, 1.6, 3.2]] * 2)
     cfg = PPOConfig(gamma=0.95, lam=0.9)
-    a, _ = make_experience(plain, ColumnCritic(table), 0, 0.05, cfg)
-    b, _ = make_experience(masked, ColumnCritic(table), 0, 0.05, cfg)
+    a, _ = make_experience(RolloutTensors.of(plain, 0), ColumnCritic(table), 0.05, ExperienceSettings(cfg))
+    b, _ = make_experience(RolloutTensors.of(masked, 0), ColumnCritic(table), 0.05, ExperienceSettings(cfg))
     assert torch.equal(a.advantages, b.advantages) and torch.equal(a.returns, b.returns)
 
 
@@ -261,7 +264,7 @@ def test_the_tokens_trained_on_are_the_sampled_ids_plus_the_observation_ids(play
     batch = pack(rollout.prompt_ids, rollout.response_ids, tok.pad_token_id, rollout.action_mask)
     with torch.no_grad():
         logprobs, _ = policy_forward(load_causal_lm(str(guess_dir), "float32").eval(), batch)
-    gap = ((logprobs - rollout.tensor("logprobs")).abs() * batch.mask).max()
+    gap = ((logprobs - padded(rollout.logprobs)).abs() * batch.mask).max()
     # fp32 forwards of other batch layouts (HF); vLLM's CPU kernels are not the transformers ones.
     bound = 2e-4 if engine.describe().startswith("vLLM") else 2e-5
     assert gap < bound, f"log-prob mismatch {gap:.2e} on multi-turn rows"
@@ -597,6 +600,6 @@ def test_the_overlong_ramp_counts_the_policys_tokens_not_the_observations():
     cfg = PPOConfig(advantage="dr_grpo", whiten_advantages=False)
     rollout = _two_turn_rollout("stop")
     rollout.group_id = [0]
-    exp, _ = make_experience(rollout, None, 0, 0.0, cfg, rule)
+    exp, _ = make_experience(RolloutTensors.of(rollout, 0), None, 0.0, ExperienceSettings(cfg, rule))
     last_action = 4
     assert float(exp.rewards[0, last_action]) == pytest.approx(2.0 + 1.0)  # score + the last turn's reward, no ramp

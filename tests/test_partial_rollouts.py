@@ -201,12 +201,13 @@ def test_dropping_stale_groups_leaves_dense_group_ids_the_learner_can_train_on()
     (6..9) on 8 rows indexed past the learner's group tables (sized by its rows): IndexError on
     CPU, a device-side assert that kills the rank on GPU."""
     from rayppo.config.schema import PPOConfig
-    from rayppo.learner.experience import make_experience
+    from rayppo.learner.experience import ExperienceSettings, make_experience
+    from rayppo.learner.rollout_tensors import RolloutTensors
 
     groups = [g for g in range(10) for _ in range(2)]
     rows = _rows(["stop"] * 20, groups, [[g // 2 + (0 if g >= 12 else -10)] * 2 for g in range(20)])
     rows.score = [float(i % 2) for i in range(20)]  # each group one right, one wrong
     kept, dropped = drop_stale(rows, version=5, max_staleness=2)
     assert dropped == 12 and kept.group_id == [0, 0, 1, 1, 2, 2, 3, 3]
-    exp, _ = make_experience(kept, None, 0, 0.0, PPOConfig(advantage="grpo"))
+    exp, _ = make_experience(RolloutTensors.of(kept, 0), None, 0.0, ExperienceSettings(PPOConfig(advantage="grpo")))
     assert exp.advantages[:, 0].tolist() == pytest.approx([-0.7071068, 0.7071068] * 4)

@@ -18,9 +18,10 @@ from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import TruncationRule, make_experience
+from rayppo.learner.experience import ExperienceSettings, TruncationRule, make_experience
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
 from rayppo.learner.ppo import kl_penalty, truncation_targets
+from rayppo.learner.rollout_tensors import RolloutTensors, padded
 from rayppo.models.fingerprint import held_prints, probes, sent_prints, split_rows
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import critic_forward, pack
@@ -65,7 +66,8 @@ def test_last_token_return_of_a_one_row_rollout(reason, mode, tokenizer, critic)
     bootstrap and r_phi - beta KL_T under terminal; an EOS row is r_phi - beta KL_T under both."""
     rollout, beta = _one_row(tokenizer, reason), 0.1
     cfg = PPOConfig(whiten_advantages=False, gamma=1.0, lam=0.95)
-    exp, _ = make_experience(rollout, critic, tokenizer.pad_token_id, beta, cfg, TruncationRule(mode))
+    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, beta,
+                             ExperienceSettings(cfg, TruncationRule(mode)))
     kl_last = kl_penalty(torch.tensor(rollout.logprobs[0][-1]), torch.tensor(rollout.ref_logprobs[0][-1]))
     _, v_after = critic_forward(critic, pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id))
     if reason == "length" and mode == "bootstrap":
@@ -219,8 +221,9 @@ def test_a_group_of_tied_rewards_gets_only_its_kl_reward_to_go_under_kl_mode_rew
     rollout.ref_logprobs = [[-1.0 - 0.1 * t + 1e-5 * (i + 1) * (t + 1) for t in range(n)] for i in range(rows)]
     rollout.score = [0.5] * rows
     cfg = PPOConfig(advantage=estimator, kl_mode="reward")
-    exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, beta, cfg, TruncationRule("terminal"))
-    kl = kl_penalty(rollout.tensor("logprobs"), rollout.tensor("ref_logprobs"))  # [rows, n], k1
+    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, beta,
+                             ExperienceSettings(cfg, TruncationRule("terminal")))
+    kl = kl_penalty(padded(rollout.logprobs), padded(rollout.ref_logprobs))  # [rows, n], k1
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert torch.allclose(exp.advantages, to_go.to(exp.advantages.dtype), rtol=0, atol=1e-9)
     assert float(exp.advantages.abs().max()) <= beta * float(kl.sum(-1).abs().max()) + 1e-12  # no unit advantages
@@ -242,7 +245,8 @@ def test_the_entropy_bonus_is_aggregated_as_the_loss_is(tokenizer, embedded_dir)
     objectives = {}
     for c in (0.0, 0.1):
         cfg = PPOConfig(loss_agg="seq-mean-token-mean", entropy_coef=c, whiten_advantages=False)
-        exp, _ = make_experience(rollout, None, tokenizer.pad_token_id, 0.0, cfg, TruncationRule("terminal"))
+        exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, 0.0,
+                                 ExperienceSettings(cfg, TruncationRule("terminal")))
         part = exp.micro(torch.arange(2))
         objectives[c], *_ = policy_objective(policy, part, MicroBatch(torch.arange(2), 1.0, 1.0), cfg, 1.0)
         _, entropy = policy_forward(policy, part.batch, with_entropy=True)

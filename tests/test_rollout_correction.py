@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from rayppo.config.derived import rollout_correction
+from rayppo.config.derived import NO_CORRECTION, Correction, rollout_correction
 from rayppo.config.load import load_config
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
@@ -52,10 +52,12 @@ def test_decoupled_loss_trains_nothing_on_a_masked_row_and_is_unchanged_elsewher
 
 def test_correction_defaults_by_dtype_and_mode():
     cfg = load_config(None, [])
-    assert rollout_correction(cfg.ppo, "float32", 0) == "none"
-    assert rollout_correction(cfg.ppo, "bfloat16", 0) == "tis+geo_mask"
-    assert rollout_correction(cfg.ppo, "bfloat16", 2) == "tis"  # staleness would leave the band by design
-    assert rollout_correction(load_config(None, ["ppo.rollout_correction=tis"]).ppo, "float32", 0) == "tis"
+    assert rollout_correction(cfg.ppo, "float32", 0) == NO_CORRECTION
+    assert rollout_correction(cfg.ppo, "bfloat16", 0) == Correction(truncated_is=True, geo_mask=True)
+    # staleness would leave the band by design
+    assert rollout_correction(cfg.ppo, "bfloat16", 2) == Correction(truncated_is=True, geo_mask=False)
+    assert rollout_correction(load_config(None, ["ppo.rollout_correction=tis"]).ppo, "float32", 0) == Correction(True)
+    assert rollout_correction(load_config(None, ["ppo.rollout_correction=none"]).ppo, "bfloat16", 2) == NO_CORRECTION
 
 
 def _sampled_drift(temperature: float, tokens: int = 4096, vocab: int = 512) -> torch.Tensor:

@@ -26,6 +26,7 @@ from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
+from rayppo.learner.step import LearnResult
 from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.update import minibatch_plan
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
@@ -122,10 +123,10 @@ class LearnerGroup:
         """Address of rank 0's node and a port free there now (for another rendezvous store)."""
         return self.rank0_host, self._gather(self.ranks.call_all(LearnerEngine.free_port), "free_port")[0]
 
-    def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> dict[str, float]:
-        """One PPO iteration over ``rollout``, its rows dealt to the ranks by tokens (``shards``).
-        A rollout without rows (the pipeline dropped every row as too stale) trains nothing and
-        still advances the version (``LearnerEngine.skip_update``)."""
+    def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> LearnResult:
+        """One PPO iteration over ``rollout``, its rows dealt to the ranks by tokens (``shards``);
+        rank 0's result (its figures are global). A rollout without rows (the pipeline dropped every
+        row as too stale) trains nothing and still advances the version (``LearnerEngine.skip_update``)."""
         if len(rollout) == 0:
             self.owned = [[] for _ in range(self.num_ranks)]
             return self._gather(self.ranks.call_all(LearnerEngine.skip_update), "skip_update")[0]

@@ -1,9 +1,11 @@
 """What the config implies: GPUs per actor, vLLM workers and memory share, the weight-sync path,
-thread counts and the log-prob mismatch limit. Pure functions of the dataclass tree."""
+thread counts, the log-prob mismatch limit and the rollout correction in force. Pure functions of
+the dataclass tree."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig, PPOConfig
 
@@ -22,15 +24,38 @@ def kl_limit(checks: "ChecksConfig", dtype: str) -> float:
     return 1e-6 if dtype == "float32" else 1e-2
 
 
-def rollout_correction(ppo: "PPOConfig", dtype: str, max_staleness: int) -> str:
-    """``ppo.rollout_correction`` with ``auto`` resolved (``none``, ``tis`` or ``tis+geo_mask``)."""
+@dataclass(frozen=True)
+class Correction:
+    """The rollout correction in force: what the update does about mu (the generator's log-probs,
+    the behaviour policy) differing from pi_prox (the learner's at the start of the update)."""
+
+    truncated_is: bool = False
+    """The decoupled policy loss with truncated importance weights min(pi_prox / mu, is_clip);
+    False: the plain clipped loss against mu = pi_old."""
+    geo_mask: bool = False
+    """Rows whose geometric-mean ratio exp(mean_t log(pi_prox / mu)) leaves exp(+-geo_mask_bound)
+    are dropped from the update (``ppo.geometric_mean_mask``)."""
+
+    @staticmethod
+    def named(name: str) -> "Correction":
+        """The correction a resolved ``ppo.rollout_correction`` choice names: ``none``, ``tis`` or
+        ``tis+geo_mask`` (the mask only ever comes with the weights)."""
+        return {"none": NO_CORRECTION, "tis": Correction(truncated_is=True),
+                "tis+geo_mask": Correction(truncated_is=True, geo_mask=True)}[name]
+
+
+NO_CORRECTION = Correction()
+"""mu is taken for pi_old: the plain clipped loss, no row masked."""
+
+
+def rollout_correction(ppo: "PPOConfig", dtype: str, max_staleness: int) -> Correction:
+    """``ppo.rollout_correction`` with ``auto`` resolved: ``none`` in float32 (mu = pi_prox to 1e-5),
+    ``tis+geo_mask`` in bfloat16, ``tis`` in asynchronous mode (staleness would leave the band)."""
     if ppo.rollout_correction != "auto":
-        return ppo.rollout_correction
+        return Correction.named(ppo.rollout_correction)
     if max_staleness > 0:
-        return "tis"
-    return "none" if dtype == "float32" else "tis+geo_mask"
-
-
+        return Correction.named("tis")
+    return Correction.named("none" if dtype == "float32" else "tis+geo_mask")
 
 
 def actor_threads(threads: int | None, cpus: float) -> int:

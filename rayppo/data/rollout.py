@@ -17,7 +17,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 def _column(arrow: pa.DataType, default: bool = True) -> Any:
     """A field of ``Rollout`` and its Arrow type (the schema is read off the fields)."""
@@ -170,15 +169,6 @@ class Rollout:
             return [{} for _ in range(len(self))]
         return [json.loads(text) if text else {} for text in self.prompt_fields]
 
-    # -- tensors -----------------------------------------------------------------------------
-    def tensor(self, name: str) -> torch.Tensor:
-        """A per-token list column as a right-padded ``[B, T]`` float tensor (0 on padding)."""
-        return padded(getattr(self, name), torch.float32)
-
-    def truncated(self) -> torch.Tensor:
-        """``[B]`` bool: the response was cut at the length limit (needs a V(S_T) bootstrap)."""
-        return torch.tensor([reason == "length" for reason in self.finish_reason], dtype=torch.bool)
-
     # -- Arrow / Parquet ---------------------------------------------------------------------
     def to_arrow(self) -> pa.Table:
         """The rollout as an Arrow table with ``ROLLOUT_SCHEMA`` (missing columns are null)."""
@@ -229,16 +219,6 @@ def _neutral(part: Rollout, name: str) -> list:
     if name == "environment_seconds":
         return [0.0] * len(part)
     raise ValueError(f"Rollout.concat: column {name!r} is filled in some parts and empty in others")
-
-
-def padded(rows: list[list[float]], dtype: torch.dtype, value: float = 0.0) -> torch.Tensor:
-    """Right-pad ragged rows into a ``[B, max_len]`` tensor."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
 
 
 def split_evenly(n: int, parts: int) -> list[range]:

@@ -8,6 +8,7 @@ rollout (rows dealt by tokens, ``data/micro_batches.py``), and runs the learn st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.learner.experience import check_staleness
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.step import LearnerModels, LearnSettings, learn
+from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
 from rayppo.learner.update import Steps
 from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
                                         layer_runs, param_specs)
@@ -186,7 +187,7 @@ class LearnerEngine(Engine):
         self._ipc_held: IpcChunk | None = None  # the run the generator is loading
 
     def train(self, shard: Rollout, owned: list[int], batch_size: int, kl_coef: float, iteration: int
-              ) -> dict[str, float]:
+              ) -> LearnResult:
         """Values, shaped rewards, advantages, global whitening and M epochs of PPO on this rank's rows.
 
         ``shard`` holds the global rows ``owned`` (ascending) of a rollout of ``batch_size``. Its rows
@@ -194,19 +195,21 @@ class LearnerEngine(Engine):
         allowed, the off-policy corrections of ``experience.py`` apply.
         """
         check_staleness(shard.policy_version, self.version, self.cfg.rollout.max_staleness)
-        stats, exp = learn(self.models, shard, owned, batch_size, kl_coef, iteration, self.version, self.settings)
-        self.version += 1
+        result, exp = learn(self.models, BatchShard(rollout=shard, rows=owned, batch_size=batch_size),
+                            StepInputs(iteration=iteration, version=self.version, kl_coef=kl_coef), self.settings)
+        self.version = result.version
         if self.cfg.output.save_rollouts:  # what the update trained on, for the rollout files
             self._targets = exp.trained_targets(self.critic is not None)
-        return stats | {"policy/version": float(self.version)}
+        return dataclasses.replace(result, metrics=result.metrics | {"policy/version": float(result.version)})
 
-    def skip_update(self) -> dict[str, float]:
+    def skip_update(self) -> LearnResult:
         """An iteration with no row to train on (every row too stale): the weights stay, the version
         advances, so that the pipeline's one version per batch (its lead and staleness
         arithmetic) holds; the weights are published again under it."""
         self.version += 1
         self._targets = ([], [])
-        return {"policy/version": float(self.version), "async/skipped_update": 1.0}
+        return LearnResult(version=self.version, kl_ref=None,
+                           metrics={"policy/version": float(self.version), "async/skipped_update": 1.0})
 
     def trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
         """``(advantages, returns)`` of this rank's rows of the last ``train`` (``Rollout.advantages``,

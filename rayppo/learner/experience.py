@@ -12,9 +12,9 @@ the reward's KL term with it, and computes V-trace targets; the update uses the 
 policy loss and measures ``logprob_mismatch`` only on the rows sampled by the learner's version.
 With k = 0 both run exactly the synchronous iteration.
 
-The learn step (``step.py``) calls it in the in-process trainer and on every learner rank; the
-rollout becomes tensors once, at its top (``rollout_tensors.py``). A rank holds a shard of the
-rollout's rows; a ``Collective`` sums across ranks, so that
+The learn step (``step.py``) calls it in the in-process trainer and on every learner rank, on the
+rollout made tensors once (``RolloutTensors``) and the config's choices read once
+(``ExperienceSettings``). A rank holds a shard of the rollout's rows; a ``Collective`` sums across ranks, so that
 advantage whitening uses the global batch and each minibatch's loss is the global token mean:
 with N ranks the update is the one a single process would make.
 """
@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rayppo.config.derived import truncation_mode
+from rayppo.config.derived import NO_CORRECTION, Correction, rollout_correction, truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
-from rayppo.data.rollout import Rollout
 from rayppo.learner import group_math, ppo
 from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.experience_stats import kl_stats, offpolicy_stats, value_stats
@@ -58,8 +57,33 @@ class TruncationRule:
     @staticmethod
     def of(cfg: Config) -> "TruncationRule":
         r = cfg.rollout
-        return TruncationRule(truncation_mode(cfg), r.missing_eos_penalty, r.max_new_tokens, r.overlong_buffer,
-                              r.overlong_penalty)
+        return TruncationRule(mode=truncation_mode(cfg), missing_eos_penalty=r.missing_eos_penalty,
+                              max_new_tokens=r.max_new_tokens, overlong_buffer=r.overlong_buffer,
+                              overlong_penalty=r.overlong_penalty)
+
+
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """What the experience pass reads from the config, gathered once (``of``)."""
+
+    ppo: PPOConfig
+    """Estimator, KL mode and estimator, discount, whitening, off-policy targets, ``minibatches``
+    (the chunks of the log pi_prox pass without a token budget)."""
+    truncation: TruncationRule = TruncationRule()
+    """How a response's length enters its reward."""
+    max_staleness: int = 0
+    """k: how many versions a row may lag the learner (``rollout.max_staleness``; 0: lock-step)."""
+    micro_batch_tokens: int = 0
+    """Padded tokens per forward pass without gradient (``learner.micro_batch_tokens``; 0: unbucketed)."""
+    correction: Correction = NO_CORRECTION
+    """Rollout correction in force (``config.derived.rollout_correction``)."""
+
+    @staticmethod
+    def of(cfg: Config) -> "ExperienceSettings":
+        return ExperienceSettings(ppo=cfg.ppo, truncation=TruncationRule.of(cfg),
+                                  max_staleness=cfg.rollout.max_staleness,
+                                  micro_batch_tokens=cfg.learner.micro_batch_tokens,
+                                  correction=rollout_correction(cfg.ppo, cfg.model.dtype, cfg.rollout.max_staleness))
 
 
 @dataclass
@@ -95,7 +119,7 @@ class Experience:
     must agree up to rounding (the tokens ``logprob_mismatch`` compares; a row continued across
     generator calls can have both kinds). Asynchronous mode only."""
     first_values: torch.Tensor | None = None
-    """[b, T] V(S_{t-1}) of the first minibatch's rows (``make_experience(first_rows=...)``), in
+    """[b, T] V(S_{t-1}) of the first minibatch's rows (``RolloutTensors.first_rows``), in
     that order, with the autograd graph of the critic's experience pass: the critic's weights
     have not moved yet, so this *is* that minibatch's value forward (``ppo_update`` reuses it)."""
     loss_kl_coef: float = 0.0
@@ -109,6 +133,9 @@ class Experience:
     """The policy loss is the decoupled one with truncated importance weights min(pi_prox / mu,
     is_clip) (rollout correction ``tis``/``tis+geo_mask``); False: the plain clipped loss against
     mu = pi_old, also in asynchronous mode under ``rollout_correction=none``."""
+    kl_ref: float | None = None
+    """Mean KL(pi || pi_ref) per response over the global batch (``ReferenceKL.mean``, logged as
+    ``kl/ref_mean``), pi being the policy improved (pi_old, or pi_prox); None without a reference."""
 
     @property
     def trained_mask(self) -> torch.Tensor:
@@ -127,13 +154,9 @@ class Experience:
 
     def rows(self, index: torch.Tensor) -> "Experience":
         """The sub-experience of the given rows (without ``first_values``)."""
-        tensors = (self.old_logprobs, self.ref_logprobs, self.old_values, self.rewards,
-                   self.advantages, self.returns, self.scores, self.generator_ids, self.prox_logprobs,
-                   self.same_version)
-        return Experience(self.batch.rows(index), *(None if t is None else t[index] for t in tensors),
-                          loss_kl_coef=self.loss_kl_coef,
-                          row_keep=None if self.row_keep is None else self.row_keep[index],
-                          truncated_is=self.truncated_is)
+        picked = {name: getattr(self, name) for name in TOKEN_FIELDS + ROW_FIELDS}
+        return dataclasses.replace(self, batch=self.batch.rows(index), first_values=None,
+                                   **{name: None if t is None else t[index] for name, t in picked.items()})
 
     def micro(self, index: torch.Tensor) -> "Experience":
         """The rows of one micro-batch, cut to their own widths (``PackedBatch.trimmed``): the
@@ -148,6 +171,9 @@ class Experience:
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs",
                 "same_version")
 """The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
+
+ROW_FIELDS = ("scores", "generator_ids", "row_keep")
+"""The ``[B]`` fields of an ``Experience``."""
 
 
 def check_staleness(versions: Sequence[int], learner_version: int, max_staleness: int) -> None:
@@ -241,19 +267,18 @@ def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int,
     return out
 
 
-def _asynchronous_inputs(
-    rows: RolloutTensors, chunks: int, max_staleness: int, proximal: ProximalPolicy | None,
-    budget: int, collective: Collective, correction: str = "none",
+def _proximal_inputs(
+    rows: RolloutTensors, settings: ExperienceSettings, proximal: ProximalPolicy | None, collective: Collective,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0) and under
-    rollout correction (``correction`` not ``none``: every row is of the learner's version, mu its
+    rollout correction (``correction.truncated_is``: every row is of the learner's version, mu its
     generator's numerics); ``(None, None)`` in the synchronous iteration without it."""
-    if max_staleness == 0 and correction == "none":
+    if settings.max_staleness == 0 and not settings.correction.truncated_is:
         return None, None
-    batch = rows.batch
+    batch, chunks, budget = rows.batch, settings.ppo.minibatches, settings.micro_batch_tokens
     if proximal is None:
         raise ValueError("asynchronous mode and rollout correction need the proximal policy pi_prox")
-    if max_staleness == 0:
+    if settings.max_staleness == 0:
         return proximal_logprobs(proximal, batch, chunks, budget, collective), batch.mask.bool()
     if rows.versions is None:
         raise ValueError(f"asynchronous mode needs every row's policy_version ({len(rows)} rows)")
@@ -360,52 +385,40 @@ def _critic_values(critic: torch.nn.Module | None, batch: PackedBatch, first_row
 
 @torch.no_grad()
 def make_experience(
-    rollout: Rollout,
+    rows: RolloutTensors,
     critic: torch.nn.Module | None,
-    pad_id: int,
     kl_coef: float,
-    cfg: PPOConfig,
-    truncation: TruncationRule = TruncationRule(),
+    settings: ExperienceSettings,
     collective: Collective = LocalCollective(),
-    device: torch.device | str = "cpu",
-    max_staleness: int = 0,
     proximal: ProximalPolicy | None = None,
-    first_rows: torch.Tensor | None = None,
-    num_groups: int | None = None,
-    micro_batch_tokens: int = 0,
-    pack_mode: str = "",
-    correction: str = "none",
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
-    ``critic`` None: a critic-free estimator (``cfg.advantage``), values 0. ``max_staleness`` = k > 0
-    is asynchronous mode: ``proximal`` (required then) gives log pi_prox, the policy being
-    improved, which the reward's KL term uses instead of mu's; the targets are
-    ``ppo.compute_offpolicy_targets``'s under ``value_targets=vtrace``. With k = 0 ``proximal`` is
-    not used unless ``correction`` (``config.derived.rollout_correction``) is ``tis`` or
-    ``tis+geo_mask``: then the generator's log-probs are mu, the behaviour policy, in the synchronous
-    iteration too, and the update is the decoupled loss (rows outside the geometric-mean band masked
-    under ``tis+geo_mask``, ``cfg.geo_mask_bound``). ``first_rows``: this rank's rows of the first minibatch (``update.first_local_rows``),
-    whose critic forward is kept for the update (``Experience.first_values``). ``num_groups``: an
-    upper bound of the batch's group ids (default: this rollout's rows), the same on every rank.
-    ``micro_batch_tokens``: the forward passes without gradient (values, log pi_prox) run in
-    micro-batches of that many padded tokens (``learner.micro_batch_tokens``; 0: unbucketed).
-    ``pack_mode``: how those micro-batches, and the update's (``Experience.micro``), are packed
-    without padding (``PackedBatch.pack_mode``; ``learner.packing``).
-    A rollout without ``ref_logprobs`` (kl_coef = 0: no reference was loaded) has no KL anywhere.
+    ``critic`` None: a critic-free estimator (``settings.ppo.advantage``), values 0. ``kl_coef`` is
+    beta, in the reward or the loss (``ppo.kl_mode``). ``settings.max_staleness`` = k > 0 is
+    asynchronous mode: ``proximal`` (required then) gives log pi_prox, the policy being improved,
+    which the reward's KL term uses instead of mu's; the targets are ``ppo.compute_offpolicy_targets``'s
+    under ``value_targets=vtrace``. With k = 0 ``proximal`` is not used unless
+    ``settings.correction.truncated_is``: then the generator's log-probs are mu, the behaviour
+    policy, in the synchronous iteration too, and the update is the decoupled loss (rows outside the
+    geometric-mean band masked under ``correction.geo_mask``, ``ppo.geo_mask_bound``). The critic
+    forward of ``rows.first_rows`` is kept for the update (``Experience.first_values``); the group
+    ids are below ``rows.num_groups`` on every rank. The forward passes without gradient (values,
+    log pi_prox) run in micro-batches of ``settings.micro_batch_tokens`` padded tokens (0:
+    unbucketed), packed as ``rows.batch.pack_mode`` says. A rollout without ``ref_logprobs``
+    (kl_coef = 0: no reference was loaded) has no KL anywhere.
     """
-    rows = RolloutTensors.of(rollout, pad_id, device, pack_mode)  # the only conversion of the rollout
-    batch, mask, old_logprobs = rows.batch, rows.batch.mask, rows.old_logprobs
-    prox_logprobs, same_version = _asynchronous_inputs(rows, cfg.minibatches, max_staleness, proximal,
-                                                       micro_batch_tokens, collective, correction)
+    cfg, batch, mask, old_logprobs = settings.ppo, rows.batch, rows.batch.mask, rows.old_logprobs
+    prox_logprobs, same_version = _proximal_inputs(rows, settings, proximal, collective)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
     has_reference = rows.ref_logprobs is not None
     ref_logprobs = rows.ref_logprobs if has_reference else policy_logprobs
-    values, last_values, first_values = _critic_values(critic, batch, first_rows, micro_batch_tokens, collective)
+    values, last_values, first_values = _critic_values(critic, batch, rows.first_rows, settings.micro_batch_tokens,
+                                                       collective)
     reward_kl_coef = kl_coef if cfg.kl_mode == "reward" else 0.0
     rewards, bootstrap, task_scores = _shaped_rewards(rows, last_values, policy_logprobs, ref_logprobs,
-                                                      reward_kl_coef, cfg.kl_estimator, truncation)
+                                                      reward_kl_coef, cfg.kl_estimator, settings.truncation)
     # The KL part of r_t alone (-beta KL_t): the group estimators keep it out of their statistics.
     kl_rewards = ppo.shape_rewards(torch.zeros_like(rows.scores), policy_logprobs, ref_logprobs, mask, reward_kl_coef,
                                    cfg.kl_estimator)
@@ -413,20 +426,23 @@ def make_experience(
     # The value targets correct for staleness only: on tokens pi_prox's own version sampled the
     # ratio is numerics (bf16), and V-trace's traces min(1, pi_prox / mu) would shrink the targets on
     # noise alone (0.06 instead of 1 at token 0 of a 200-token row at |log ratio| ~ 0.03).
-    stale_ratio = None if max_staleness == 0 or log_ratio is None else log_ratio.masked_fill(same_version, 0.0)
+    stale_ratio = None if settings.max_staleness == 0 or log_ratio is None else log_ratio.masked_fill(same_version, 0.0)
     advantages, returns = _episode_advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg,
-                                              stale_ratio, rows.group_ids, num_groups or len(rows), collective,
+                                              stale_ratio, rows.group_ids, rows.num_groups, collective,
                                               rows.episodes)
-    stats = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else {}
+    kl = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else None
+    stats = {} if kl is None else kl.metrics()
     if critic is not None:
         stats |= value_stats(values, returns, mask, collective)
-    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if correction == "tis+geo_mask" else None
+    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if settings.correction.geo_mask else None
     if log_ratio is not None:
         stats |= offpolicy_stats(log_ratio, mask, collective, row_keep)
-    loss_kl_coef = kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0
-    exp = Experience(batch, old_logprobs, ref_logprobs, values, rewards, advantages, returns, rows.scores,
-                     rows.generator_ids, prox_logprobs, same_version, first_values, loss_kl_coef, row_keep,
-                     truncated_is=correction != "none")
+    exp = Experience(batch=batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=values,
+                     rewards=rewards, advantages=advantages, returns=returns, scores=rows.scores,
+                     generator_ids=rows.generator_ids, prox_logprobs=prox_logprobs, same_version=same_version,
+                     first_values=first_values, row_keep=row_keep, truncated_is=settings.correction.truncated_is,
+                     loss_kl_coef=kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0,
+                     kl_ref=None if kl is None else kl.mean)
     return exp, stats
 
 

@@ -4,6 +4,8 @@ report what one process would."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rayppo.learner import ppo
@@ -17,17 +19,31 @@ def global_means(values: dict[str, torch.Tensor], weight: float, collective: Col
     return {k: float(summed[i] / summed[-1]) for i, k in enumerate(values)}
 
 
+@dataclass(frozen=True)
+class ReferenceKL:
+    """The KL to the reference over the global batch, per response."""
+
+    mean: float
+    """Mean over responses of sum_t KL_t in the k1 estimate (docs/algorithm.md's KL_t): the sequence
+    KL whatever estimator shapes the reward; what the KL controller and ``stop.kl_budget`` read."""
+    penalty_mean: float
+    """The same sum in the configured estimator (``ppo.kl_estimator``)."""
+
+    def metrics(self) -> dict[str, float]:
+        """``kl/ref_mean`` and ``kl/penalty_mean``, for the metrics line."""
+        return {"kl/ref_mean": self.mean, "kl/penalty_mean": self.penalty_mean}
+
+
 def kl_stats(
     policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_estimator: str,
     collective: Collective,
-) -> dict[str, float]:
+) -> ReferenceKL:
     """KL to the reference over the global batch (all [B, T] inputs)."""
-    # kl/ref_mean is always the k1 estimate (docs/algorithm.md's KL_t, summed per response): its mean is the
-    # sequence KL whatever estimator shapes the reward; kl/penalty_mean is the configured one.
     kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k1"), mask)
     penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, kl_estimator), mask)
-    return global_means({"kl/ref_mean": kl_per_response.mean(), "kl/penalty_mean": penalty_per_response.mean()},
-                         mask.shape[0], collective)
+    means = global_means({"k1": kl_per_response.mean(), "penalty": penalty_per_response.mean()}, mask.shape[0],
+                         collective)  # one all-reduce for both
+    return ReferenceKL(mean=means["k1"], penalty_mean=means["penalty"])
 
 
 def value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -1,8 +1,9 @@
 """A rollout as the learner's tensors: converted once, where it enters the learner.
 
 ``Rollout`` (``data/rollout.py``) is the record that crosses processes: Python lists, one row per
-response. Everything the update computes takes tensors; ``RolloutTensors.of`` builds them in one
-place, on the learner's device, and ``make_experience`` (``experience.py``) works from them alone.
+response, and no torch. Everything the update computes takes tensors; ``RolloutTensors.of`` builds
+them in one place, on the learner's device, and ``make_experience`` (``experience.py``) works from
+them alone. ``padded`` and ``truncated`` are its column conversions (tests compare with them too).
 Shapes follow docs/algorithm.md, "Tensor conventions": ``[B, T]`` over response positions.
 """
 
@@ -13,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rayppo.data.rollout import Rollout, padded
+from rayppo.data.rollout import Rollout
 from rayppo.models.sequences import PackedBatch, pack
 
 
 @dataclass
 class RolloutTensors:
-    """One rank's rows of a scored rollout, as tensors on the learner's device."""
+    """One rank's rows of a scored rollout, as tensors on the learner's device, and where they sit
+    in the batch and in the update's plan (``num_groups``, ``first_rows``)."""
 
     batch: PackedBatch
     """Token tensors: prompt | response layout, ``batch.mask`` [B, T] (the action mask of episodes)."""
@@ -45,9 +47,17 @@ class RolloutTensors:
     """[B, K] float32: the environment's reward for each turn; None for single-turn rows."""
     episodes: bool
     """The rows are multi-turn episodes (``batch.mask`` is an action mask)."""
+    num_groups: int
+    """An upper bound of the batch's group ids, the same on every rank: the batch's rows (``of``
+    counts this shard's; the learn step sets the whole batch's)."""
+    first_rows: torch.Tensor | None = None
+    """[b] long: this rank's rows of the update's first minibatch when that is one micro-batch on
+    every rank (``update.first_rows_kept``): the experience pass keeps their critic forward's graph
+    for it (``Experience.first_values``). None: each micro-batch runs its own."""
 
     @staticmethod
-    def of(rollout: Rollout, pad_id: int, device: torch.device | str, pack_mode: str = "") -> "RolloutTensors":
+    def of(rollout: Rollout, pad_id: int, device: torch.device | str = "cpu",
+           pack_mode: str = "") -> "RolloutTensors":
         """Every column the update reads, as tensors on ``device``; ``pack_mode``: how the forward
         passes lay the rows out (``PackedBatch.pack_mode``; "": padded rows)."""
         n = len(rollout)
@@ -56,17 +66,35 @@ class RolloutTensors:
         versioned = len(rollout.policy_version) == n
         return RolloutTensors(
             batch=batch,
-            old_logprobs=rollout.tensor("logprobs").to(device),
-            ref_logprobs=rollout.tensor("ref_logprobs").to(device) if rollout.ref_logprobs else None,
+            old_logprobs=padded(rollout.logprobs).to(device),
+            ref_logprobs=padded(rollout.ref_logprobs).to(device) if rollout.ref_logprobs else None,
             scores=torch.tensor(rollout.score, dtype=torch.float32, device=device),
-            truncated=rollout.truncated().to(device),
+            truncated=truncated(rollout).to(device),
             generator_ids=torch.tensor(rollout.generator_id or [0] * n, dtype=torch.long),
             group_ids=torch.tensor(rollout.group_id, dtype=torch.long, device=device) if rollout.group_id else None,
             versions=padded(rollout.versions(), torch.long, value=-1).to(device) if versioned else None,
             turn_ends=padded(rollout.turn_ends, torch.long, value=-1).to(device) if rollout.turn_rewards else None,
             turn_rewards=padded(rollout.turn_rewards, torch.float32).to(device) if rollout.turn_rewards else None,
             episodes=bool(rollout.action_mask),
+            num_groups=n,
         )
 
     def __len__(self) -> int:
         return int(self.scores.shape[0])
+
+
+def padded(rows: list[list[float]], dtype: torch.dtype = torch.float32, value: float = 0.0) -> torch.Tensor:
+    """Ragged per-token rows (a ``Rollout`` column such as ``logprobs``) right-padded with ``value``
+    into a ``[B, max_len]`` tensor."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def truncated(rollout: Rollout) -> torch.Tensor:
+    """``[B]`` bool: the response was cut at the length limit (finish reason ``length``), so its
+    return needs the truncation rule (``ppo.truncation_targets``)."""
+    return torch.tensor([reason == "length" for reason in rollout.finish_reason], dtype=torch.bool)

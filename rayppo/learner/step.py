@@ -8,23 +8,27 @@ global. One step is:
     values, shaped rewards, advantages, whitening, log pi_prox           (experience.py)
     M epochs x minibatches of clipped PPO + value loss, the mismatch guard on the first  (update.py)
 
-Its settings are read from the config once (``LearnSettings.of``); what changes per call (the
-rows, beta, the iteration, the policy's version) are arguments.
+Its settings are read from the config once (``LearnSettings.of``); what changes per call comes
+in two records, this rank's rows (``BatchShard``) and the step's inputs (``StepInputs``: the
+iteration, the policy's version, beta). It returns a ``LearnResult``: the policy's new version and
+the KL to the reference, which the driver's control flow reads (weight sync, KL controller,
+``stop.kl_budget``), and the metrics, which only the log reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from rayppo.config.derived import rollout_correction
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.collective import Collective
-from rayppo.learner.experience import Experience, ProximalPolicy, TruncationRule, make_experience
+from rayppo.learner.experience import Experience, ExperienceSettings, ProximalPolicy, make_experience
 from rayppo.learner.guard import MismatchGuard
+from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.learner.update import Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
 from rayppo.models.packing import cut_layout
 
@@ -33,31 +37,26 @@ from rayppo.models.packing import cut_layout
 class LearnSettings:
     """What the learn step reads from the config, gathered once."""
 
-    ppo: PPOConfig
-    """The update's section (epochs, minibatches, estimator, clipping, learning rates)."""
+    experience: ExperienceSettings
+    """The experience pass's: estimator, truncation rule, staleness, micro-batches, rollout correction."""
     seed: int
     """The run's seed; the minibatch plan of iteration i uses ``minibatch_seed(seed, i)``."""
     temperature: float
     """T of log_softmax(logits / T), the sampling distribution the generators used."""
     max_new_tokens: int
     """L_max (``rollout.max_new_tokens``): the loss aggregations that normalise by a fixed length."""
-    max_staleness: int
-    """k: how many versions a row may lag the learner (``rollout.max_staleness``; 0: lock-step)."""
-    micro_batch_tokens: int
-    """Padded tokens per micro-batch (``learner.micro_batch_tokens``; 0: one per row budget)."""
-    truncation: TruncationRule
-    """How a response's length enters its reward."""
-    correction: str
-    """Rollout correction in force (``config.derived.rollout_correction``): none, tis, tis+geo_mask."""
     config: Config
     """The whole config, for the mismatch guard's per-dtype bounds (``MismatchGuard.of``)."""
 
+    @property
+    def ppo(self) -> PPOConfig:
+        """The update's section (epochs, minibatches, estimator, clipping, learning rates)."""
+        return self.experience.ppo
+
     @staticmethod
     def of(cfg: Config) -> "LearnSettings":
-        r = cfg.rollout
-        return LearnSettings(cfg.ppo, cfg.seed, r.temperature, r.max_new_tokens, r.max_staleness,
-                             cfg.learner.micro_batch_tokens, TruncationRule.of(cfg),
-                             rollout_correction(cfg.ppo, cfg.model.dtype, r.max_staleness), cfg)
+        return LearnSettings(experience=ExperienceSettings.of(cfg), seed=cfg.seed, temperature=cfg.rollout.temperature,
+                             max_new_tokens=cfg.rollout.max_new_tokens, config=cfg)
 
 
 @dataclass
@@ -79,31 +78,72 @@ class LearnerModels:
     """Sequence packing of the learner's forward passes (``models/packing.py``; "": padded rows)."""
 
 
-def learn(models: LearnerModels, rollout: Rollout, rows: list[int], batch_size: int, kl_coef: float, iteration: int,
-          version: int, settings: LearnSettings) -> tuple[dict[str, float], Experience]:
-    """One PPO update on ``rollout``, which holds the global rows ``rows`` (ascending) of a batch
-    of ``batch_size`` rows; returns the update's metrics and the experience it trained on.
+@dataclass(frozen=True)
+class BatchShard:
+    """This rank's rows of a scored batch."""
 
-    ``version`` is the policy's version before the update: rows of that version were sampled by
-    pi_prox itself (asynchronous mode). Collective: every rank calls it in the same iteration.
-    """
-    p = settings.ppo
-    plan = minibatch_plan(batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, iteration))
+    rollout: Rollout
+    """The rows, in ascending global order."""
+    rows: list[int]
+    """Their global indices in the batch."""
+    batch_size: int
+    """Rows in the whole batch, every rank's (the minibatch plan's rows, the group ids' bound)."""
+
+    @staticmethod
+    def whole(rollout: Rollout) -> "BatchShard":
+        """The whole batch, held by one process (the in-process trainer)."""
+        return BatchShard(rollout=rollout, rows=list(range(len(rollout))), batch_size=len(rollout))
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What changes from one learn step to the next."""
+
+    iteration: int
+    """Seeds the minibatch plan (``minibatch_seed``); the guard names it in its reports."""
+    version: int
+    """The policy's version before the update: rows of that version were sampled by pi_prox
+    itself (asynchronous mode)."""
+    kl_coef: float
+    """beta, the KL controller's current value."""
+
+
+@dataclass(frozen=True)
+class LearnResult:
+    """What a learn step reports: typed fields for the driver's decisions, a dict for the log (as
+    torchtune's ``PPOStats``)."""
+
+    version: int
+    """The policy's version after the update (one more per update): what the weight sync publishes."""
+    kl_ref: float | None
+    """Mean KL(pi || pi_ref) per response over the batch (``Experience.kl_ref``): what the KL
+    controller and ``stop.kl_budget`` read; None without a reference or without an update."""
+    metrics: dict[str, float]
+    """The update's figures (``kl/ref_mean``, ``policy/loss``, ...): for logging only."""
+
+
+def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
+          settings: LearnSettings) -> tuple[LearnResult, Experience]:
+    """One PPO update on this rank's ``shard`` of the batch; returns its result and the experience
+    it trained on. Collective: every rank calls it in the same iteration."""
+    p, rollout = settings.ppo, shard.rollout
+    plan = minibatch_plan(shard.batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, step.iteration))
+
     def planned(keep: list[float] | None = None) -> list[Minibatch]:
-        return local_minibatches(plan, torch.tensor(rows, dtype=torch.long), rollout.lengths(), models.collective,
-                                 settings.micro_batch_tokens, cut_layout(models.pack_mode),
-                                 trained=rollout.trained_tokens(), keep=keep)
+        return local_minibatches(plan, torch.tensor(shard.rows, dtype=torch.long), rollout.lengths(),
+                                 models.collective, settings.experience.micro_batch_tokens,
+                                 cut_layout(models.pack_mode), trained=rollout.trained_tokens(), keep=keep)
 
     minibatches = planned()
     # pi_prox: these weights, before this update's first step (asynchronous mode, rollout correction).
-    proximal = ProximalPolicy(models.policy, settings.temperature, version)
-    exp, stats = make_experience(rollout, models.critic, models.pad_id, kl_coef, p, settings.truncation,
-                                 models.collective, models.device, settings.max_staleness, proximal,
-                                 first_rows_kept(minibatches), batch_size, settings.micro_batch_tokens,
-                                 models.pack_mode, settings.correction)
+    proximal = ProximalPolicy(models.policy, settings.temperature, step.version)
+    tensors = dataclasses.replace(RolloutTensors.of(rollout, models.pad_id, models.device, models.pack_mode),
+                                  num_groups=shard.batch_size, first_rows=first_rows_kept(minibatches))
+    exp, stats = make_experience(tensors, models.critic, step.kl_coef, settings.experience, models.collective,
+                                 proximal)
     if exp.row_keep is not None:  # rows the geometric-mean mask dropped count in no share (same rows and cuts)
         minibatches = planned(exp.row_keep.tolist())
-    guard = MismatchGuard.of(settings.config, iteration)
+    guard = MismatchGuard.of(settings.config, step.iteration)
     stats |= ppo_update(models.policy, models.critic, exp, minibatches, p, settings.temperature, models.steps,
                         models.collective, guard, settings.max_new_tokens)
-    return stats, exp
+    return LearnResult(version=step.version + 1, kl_ref=exp.kl_ref, metrics=stats), exp

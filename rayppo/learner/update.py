@@ -5,8 +5,8 @@ the functions of ``rayppo.learner.ppo``. A rank holds a contiguous shard of the 
 ``local_minibatches`` gives it its part of each global minibatch with the shares that make the
 ranks' averaged gradients the gradient of the global token mean. Before the first optimiser
 step the sync check ``logprob_mismatch`` runs (``guard`` stops the update there when it fails):
-on the first minibatch in the synchronous iteration, on the rows of the learner's own version in
-asynchronous mode (``same_version_mismatch``).
+on the first minibatch when pi_prox is pi_old, else (asynchronous mode, rollout correction: pi_prox
+recomputed for every row) on the tokens of the learner's own version (``same_version_mismatch``).
 """
 
 from __future__ import annotations
@@ -204,8 +204,10 @@ def ppo_update(
     ``same_version_mismatch``'s instead, also before the first step.
     """
     weighted: dict[str, torch.Tensor] = {}
-    asynchronous = exp.prox_logprobs is not None
-    mismatch = same_version_mismatch(exp, collective, guard) if asynchronous else {}
+    # pi_prox recomputed for every row (asynchronous mode, or rollout correction in a synchronous
+    # bf16 run): the check compares mu with it, not with the first minibatch's log-probs.
+    prox_recomputed = exp.prox_logprobs is not None
+    mismatch = same_version_mismatch(exp, collective, guard) if prox_recomputed else {}
     drifts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the first minibatch's (drift, mask, generator)
     first = torch.zeros(2, dtype=torch.float64, device=exp.batch.mask.device)  # its share-weighted mean |d| and k3
     processed, real = 0, torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # the policy's passes
@@ -219,7 +221,7 @@ def ppo_update(
             real = real + part.batch.attention_mask.sum()
             value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
             objective, stats, drift = policy_objective(policy, part, mb, cfg, temperature, max_length)
-            if i == 0 and not asynchronous:
+            if i == 0 and not prox_recomputed:
                 width = exp.batch.mask.shape[1]  # micro-batches are cut to their own widths: pad back to one
                 drifts.append((_widen(drift, width), _widen(part.batch.mask, width), part.generator_ids))
                 token_means = [ppo.masked_mean(x, part.batch.mask) for x in (drift.abs(), _k3(drift))]
@@ -230,7 +232,7 @@ def ppo_update(
             for key, value in stats.items():  # each stat averaged with the weights of its own aggregation
                 share = mb.row_share if key in ROW_AGGREGATED and cfg.loss_agg != "token-mean" else mb.token_share
                 weighted[key] = weighted.get(key, 0.0) + value.double() * share
-        if i == 0 and not asynchronous and guard is not None:
+        if i == 0 and not prox_recomputed and guard is not None:
             drift, mask, generators = (torch.cat(column) for column in zip(*drifts))
             guard.check(drift, generators, collective, mask)
         steps.step()
@@ -244,7 +246,7 @@ def ppo_update(
     out["tokens/learn_packed"] = float(cut_layout(exp.batch.pack_mode) == "packed")
     out["tokens/learn_right_padded"] = float(exp.batch.pack_mode == "right_padded")
     summed = summed[:-2]
-    if asynchronous:
+    if prox_recomputed:
         return out | mismatch
     out["logprob_mismatch/mean"] = float(summed[-2] / collective.world_size)
     out["logprob_mismatch/kl"] = float(summed[-1] / collective.world_size)

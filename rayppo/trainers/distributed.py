@@ -42,6 +42,7 @@ from rayppo.data.prompts import PromptBatch, PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError
+from rayppo.learner.step import LearnResult
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
@@ -88,6 +89,7 @@ class DistributedTrainer:
         self._initial_state = self._state_now()  # where a learner restart goes with no checkpoint yet
         self.learner_restarts = 0
         self.last_rollout: Rollout | None = None
+        self.last_update: LearnResult | None = None
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all, cfg.cluster.call_timeout_s)
         self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s,
@@ -143,14 +145,15 @@ class DistributedTrainer:
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
             with self._stage("learn", seconds):
-                stats = self._learn(rollout, kl_coef, it)
+                update = self._learn(rollout, kl_coef, it)
             with self._stage("sync", seconds):
-                sync_bytes = self.weight_sync.sync(int(stats["policy/version"]))
+                sync_bytes = self.weight_sync.sync(update.version)
             with self._stage("verify", seconds):
-                verified = self._verify(int(stats["policy/version"])) if self.cfg.checks.verify_sync else 0.0
+                verified = self._verify(update.version) if self.cfg.checks.verify_sync else 0.0
         self.supervisor.progress()
-        return self._metrics(stats, rollout, seconds, {**score_times, **dynamic, "kl_coef": kl_coef,
-                                                       "sync/bytes": float(sync_bytes), "sync/verified": float(verified)})
+        return self._metrics(update.metrics, rollout, seconds, {**score_times, **dynamic, "kl_coef": kl_coef,
+                                                                "sync/bytes": float(sync_bytes),
+                                                                "sync/verified": float(verified)})
 
     def _metrics(self, stats: dict[str, float], rollout: Rollout, seconds: dict[str, float],
                  more: dict[str, float]) -> dict[str, float]:
@@ -174,12 +177,12 @@ class DistributedTrainer:
         seconds[name] = time.perf_counter() - start
         self.phase = "idle"
 
-    def _learn(self, rollout: Rollout, kl_coef: float, it: int) -> dict[str, float]:
+    def _learn(self, rollout: Rollout, kl_coef: float, it: int) -> LearnResult:
         """The learner group's update on a scored batch; from its return a checkpoint holds this
         iteration (``_commit_update``)."""
-        stats = self.learner.train(rollout, kl_coef, it)
-        self._commit_update(stats, rollout)
-        return stats
+        update = self.learner.train(rollout, kl_coef, it)
+        self._commit_update(update, rollout)
+        return update
 
     def dynamic_sampling(self, rollout: Rollout, it: int) -> tuple[Rollout, dict[str, float]]:
         """``rollout.dynamic_sampling_rounds`` > 0: the informative groups of this batch and of up
@@ -240,17 +243,19 @@ class DistributedTrainer:
             verify_sync(self.learner, self.generators, self.iteration_count, self.supervisor, self.weight_sync.refresh,
                         [i])
 
-    def _commit_update(self, stats: dict[str, float], rollout: Rollout) -> None:
+    def _commit_update(self, update: LearnResult, rollout: Rollout) -> None:
         """The learner has taken this iteration's update: the driver's state moves with it (beta,
         the iteration count), so that a checkpoint written after a later failure of this iteration
         (the sync, its check) pairs the updated learner with the state after the iteration, never
         with the state before it (which would train the batch twice on resume)."""
-        self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
+        # kl_ref None: no reference (beta = 0), or no row trained; the controller sees 0.
+        self.kl_ctl.update(0.0 if update.kl_ref is None else update.kl_ref, len(rollout))
         if self.cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
             rollout = rollout.trained(*self.learner.trained_targets())
         self.iteration_count += 1
         self._start_state = None
         self.last_rollout = rollout
+        self.last_update = update
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """Each generator of the fleet samples its share of the prompts, in groups (``group_shares``);

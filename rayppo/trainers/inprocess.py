@@ -32,7 +32,7 @@ from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.step import LearnerModels, LearnSettings, learn
+from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
 from rayppo.learner.update import Steps
 from rayppo.learner.full_weights import full_tensors
 from rayppo.models.checkpoint_names import checkpoint_tensors
@@ -92,6 +92,7 @@ class InProcessTrainer:
         self.kl_ctl = make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
         self.iteration_count = 0
         self.last_rollout: Rollout | None = None
+        self.last_update: LearnResult | None = None
         self._prompts_at_start: dict[str, int] | None = None  # set while an iteration runs
 
     def iteration(self) -> dict[str, float]:
@@ -108,18 +109,20 @@ class InProcessTrainer:
         rollout = rollout.scored(score, ref_logprobs)
         t3 = clock()
         kl_coef = self.kl_ctl.value
-        stats, exp = learn(self.models, rollout, list(range(len(rollout))), len(rollout), kl_coef, it, it,
-                           self.settings)
-        self.kl_ctl.update(stats.get("kl/ref_mean", 0.0), len(rollout))
+        # One process, one update per iteration: the policy's version is the iteration count.
+        step = StepInputs(iteration=it, version=it, kl_coef=kl_coef)
+        update, exp = learn(self.models, BatchShard.whole(rollout), step, self.settings)
+        self.kl_ctl.update(0.0 if update.kl_ref is None else update.kl_ref, len(rollout))  # None: beta = 0
         if cfg.output.save_rollouts:  # each row's advantages (and returns) into its rollout file
             rollout = rollout.trained(*exp.trained_targets(self.critic is not None))
         t4 = clock()
         self.iteration_count += 1
         self._prompts_at_start = None
         self.last_rollout = rollout
+        self.last_update = update
         timings = {"time/generate": t1 - t0, "time/reference": t2 - t1, "time/reward": t3 - t2,
                    "time/learn": t4 - t3, "time/sync": 0.0, "time/iteration": t4 - t0}
-        return {**stats, **rollout_stats(rollout, t4 - t0, cfg.rollout.max_turns), **timings, **dynamic,
+        return {**update.metrics, **rollout_stats(rollout, t4 - t0, cfg.rollout.max_turns), **timings, **dynamic,
                 "kl_coef": kl_coef}
 
     def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:

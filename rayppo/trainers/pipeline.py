@@ -179,10 +179,10 @@ class PipelinedTrainer(DistributedTrainer):
         kl_coef = self.kl_ctl.value
         with self.learner.failures():  # a dead or hung rank: LearnerFailedError, then recover()
             self.phase = "learn"
-            stats = self._learn(rollout, kl_coef, it)  # from its return a checkpoint holds this iteration
+            update = self._learn(rollout, kl_coef, it)  # from its return a checkpoint holds this iteration
             t_learn = clock()
             self.phase = "sync"
-            self._publish(int(stats["policy/version"]))
+            self._publish(update.version)
         t_end = clock()
         self.phase = "idle"
         with self._cond:
@@ -205,7 +205,7 @@ class PipelinedTrainer(DistributedTrainer):
                    "faults/actor_restarts": float(self.supervisor.restarts),
                    "faults/learner_restarts": float(self.learner_restarts)}
         shown = rollout if len(rollout) else scored  # every row dropped: the batch's figures as generated
-        return {**stats, **rollout_stats(shown, wall, self.cfg.rollout.max_turns), **timings, **staleness,
+        return {**update.metrics, **rollout_stats(shown, wall, self.cfg.rollout.max_turns), **timings, **staleness,
                 **self.fleet.metrics(), "kl_coef": kl_coef}
 
     def _next_scored(self) -> tuple[int, Rollout, dict[str, float], int]:
