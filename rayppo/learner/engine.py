@@ -388,7 +388,13 @@ class LearnerEngine(Engine):
         called without an active exception", exit -6) after its work succeeded."""
         self.policy = self.critic = None
         if dist.is_initialized():
-            dist.destroy_process_group()
+            # DeepSpeed's own teardown also drops the groups it cached (deepspeed/comm/comm.py,
+            # destroy_process_group -> utils/groups._release_process_group_references, 0.19.8):
+            # torch's alone left a stale clone of the world group, and the next in-process engine
+            # failed "Group ... is not registered".
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
 
 
 SPLIT_FILE = "learner.json"
