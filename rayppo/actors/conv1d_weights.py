@@ -21,11 +21,7 @@ from __future__ import annotations
 import torch
 
 from rayppo.actors.held_weights import worker_held_prints as held_prints
-from rayppo.models.fingerprint import probe_rows, split_rows
-
-ROWS = 256
-"""Identity rows handed to a kernel at a time (a [256, out] output)."""
-
+from rayppo.models.fingerprint import probe_rows, read_back, split_rows
 
 def transposed_names(model: torch.nn.Module, shapes: dict[str, list[int]]) -> set[str]:
     """The sent 2-D tensors ``model``'s loader transposes, as its own ``_transpose_conv1d`` decides
@@ -41,13 +37,8 @@ def sent_layout_rows(module: torch.nn.Module, param: torch.Tensor, shape: list[i
     """``[in, PROBES]`` probe rows of the held ``[out, in]`` weight read as the sent ``[in, out]``."""
     if param.numel() or not hasattr(module, "cpu_linear"):
         return probe_rows(param.t())
-    n = shape[0]
-    parts = []
-    for start in range(0, n, ROWS):  # rows start..stop of the identity [in, in] give rows of W^T
-        eye = torch.zeros(min(ROWS, n - start), n, dtype=param.dtype)
-        eye[:, start:start + ROWS] = torch.eye(eye.shape[0], dtype=param.dtype)
-        parts.append(probe_rows(module.cpu_linear(eye, param, None)))
-    return torch.cat(parts)
+    blocks = read_back(lambda x: module.cpu_linear(x, param, None), shape[0], param.dtype)  # rows of W^T
+    return torch.cat([probe_rows(rows) for _, rows in blocks])
 
 
 @torch.no_grad()

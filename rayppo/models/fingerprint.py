@@ -34,7 +34,7 @@ Only ``torch`` is imported: learner, generators and tests share this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import prod
 
@@ -117,14 +117,21 @@ def kernel_rows(linear: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: t
     product, ~1 s per billion weights x K / 1000 on a CPU core."""
     p = probes(k)
     rows = None
+    for start, columns in read_back(linear, k, dtype):
+        part = columns.double().T @ p[start:start + columns.shape[0]]
+        rows = part if rows is None else rows + part
+    return rows
+
+
+def read_back(linear: Callable[[torch.Tensor], torch.Tensor], k: int,
+              dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, W[:, start:stop]^T)`` blocks of ``KERNEL_CHUNK`` columns of the weight behind
+    ``linear(x) = x @ W^T``, exactly (``kernel_rows``): the kernel is handed rows of the identity."""
     for start in range(0, k, KERNEL_CHUNK):
         stop = min(k, start + KERNEL_CHUNK)
         eye = torch.zeros(stop - start, k, dtype=dtype)
         eye[:, start:stop] = torch.eye(stop - start, dtype=dtype)
-        columns = linear(eye).double()  # [c, N]: columns start..stop of W, transposed
-        part = columns.T @ p[start:stop]
-        rows = part if rows is None else rows + part
-    return rows
+        yield start, linear(eye)
 
 
 def gamma(n: int) -> float:
