@@ -183,6 +183,8 @@ from safetensors.torch import load_file
 saved = load_file(os.path.join(path, "model.safetensors"))
 with deepspeed.zero.GatheredParameters(list(model.parameters())):  # each partition holds the file's values
     print("EQUAL", rank, all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if n in saved))
+deepspeed.comm.barrier()  # leave together: a gloo group torn down at exit while a peer runs can abort
+deepspeed.comm.destroy_process_group()
 """
 
 

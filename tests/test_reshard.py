@@ -60,6 +60,9 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
             engine.step()
         engine.save_checkpoint(f"{folder}/ckpt/policy", tag="state", save_latest=False)
         whole = _whole_state(engine)
+        # Leave the group together before rank 0 converts: a rank that exits while its peer still holds
+        # the gloo pairs open can abort in the group's destructor (SIGABRT seen in CI, 2026-12-05).
+        _leave()
         if rank == 0:
             torch.save(whole, f"{folder}/whole.pt")
             (Path(folder) / "ckpt" / "learner.json").write_text('{"num_ranks": %d, "zero_stage": %d}' % (world, stage))
@@ -71,8 +74,17 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
     steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values()}
     # The weights the module computes with (bf16: the master weights rounded), before any step.
     module = {name: p.detach().clone() for name, p in engine.module.named_parameters()} if stage < 3 else {}
+    _leave()
     if rank == 0:
         torch.save({"whole": whole, "steps": sorted(steps), "module": module}, f"{folder}/loaded.pt")
+
+
+def _leave() -> None:
+    """Every rank reaches this point, then the process group is torn down on all of them at once."""
+    import deepspeed
+
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage, before, after, dtype", [(2, 2, 1, "float32"), (1, 1, 2, "float32"), (3, 2, 1, "float32"),
