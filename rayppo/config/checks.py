@@ -283,12 +283,15 @@ def _validate_system(cfg: Config) -> Config:
              lr_.num_ranks)
     _validate_weight_sync(cfg)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
-    for name, role in (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
-        _require(role.threads is None or role.threads >= 1, f"{name}.threads", "must be >= 1 or null", role.threads)
-        _check_cores(cfg, f"{name}.cores", role.cores)
-    for name, role in (("reference", cfg.reference), ("reward", cfg.reward), ("learner", lr_)):
-        _require(role.micro_batch_tokens >= 0, f"{name}.micro_batch_tokens",
-                 "must be >= 0 (padded tokens per forward pass; 0: unbucketed)", role.micro_batch_tokens)
+    placed: tuple[tuple[str, Any], ...] = (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward),
+                                           ("learner", lr_))  # every role with threads and cores
+    for name, placed_role in placed:
+        _require(placed_role.threads is None or placed_role.threads >= 1, f"{name}.threads", "must be >= 1 or null",
+                 placed_role.threads)
+        _check_cores(cfg, f"{name}.cores", placed_role.cores)
+    for name, placed_role in placed[1:]:  # the roles that run forward passes in micro-batches
+        _require(placed_role.micro_batch_tokens >= 0, f"{name}.micro_batch_tokens",
+                 "must be >= 0 (padded tokens per forward pass; 0: unbucketed)", placed_role.micro_batch_tokens)
     _require(cfg.cluster.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", cfg.cluster.placement_timeout_s)
     _require(cfg.cluster.max_actor_restarts >= 0, "cluster.max_actor_restarts", "must be >= 0",
              cfg.cluster.max_actor_restarts)

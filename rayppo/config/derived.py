@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rayppo.choices import Truncation
 from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig, PPOConfig
 
 
@@ -147,7 +148,7 @@ def uses_reference(ppo: PPOConfig) -> bool:
     return ppo.kl_coef > 0
 
 
-def truncation_mode(cfg: Config) -> str:
+def truncation_mode(cfg: Config) -> Truncation:
     """``rollout.truncation`` resolved: ``auto`` bootstraps with a critic and is ``terminal`` without."""
     if cfg.rollout.truncation != "auto":
         return cfg.rollout.truncation

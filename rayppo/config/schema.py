@@ -306,9 +306,12 @@ def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str
 
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        body = ast.parse(inspect.getsource(klass)).body[0].body
+        class_def = ast.parse(inspect.getsource(klass)).body[0]
+        assert isinstance(class_def, ast.ClassDef)
+        body = class_def.body
         for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)):
                 docs[node.target.id] = " ".join(str(nxt.value.value).split())
     rows: list[tuple[str, str, str]] = []
     instance = cls()

@@ -223,9 +223,9 @@ def render_prompts(rows: PromptRows, tokenizer, max_tokens: int) -> tuple[list[s
                                   f"{rows.column!r}: {type(exc).__name__}: {exc}") from None
     plain = [i for i, p in enumerate(rows.prompts) if isinstance(p, str)]
     ids: list[list[int]] = [[] for _ in texts]
-    for group, special in ((plain, True), (chats, False)):
+    for group, add_special in ((plain, True), (chats, False)):
         if group:
-            encoded = tokenizer([texts[i] for i in group], add_special_tokens=special)["input_ids"]
+            encoded = tokenizer([texts[i] for i in group], add_special_tokens=add_special)["input_ids"]
             for i, prompt_ids in zip(group, encoded):
                 ids[i] = list(prompt_ids)
     # <unk> is a token the model reads (a prompt of unknown words still reaches it); BOS, EOS, pad are not text.

@@ -133,7 +133,7 @@ class Rollout:
         filled takes its neutral value there when it has one (plain prompts, no extra fields, the
         row's version on every token); any other such mix is an error."""
         parts = [p for p in parts if len(p)]
-        merged = {f.name: [] for f in dataclasses.fields(Rollout)}
+        merged: dict[str, list[Any]] = {f.name: [] for f in dataclasses.fields(Rollout)}
         for name, column in merged.items():
             filled = any(getattr(p, name) for p in parts)
             for part in parts:
@@ -183,7 +183,7 @@ class Rollout:
     def from_arrow(table: pa.Table) -> "Rollout":
         """Inverse of ``to_arrow``; all-null columns, and columns a table written by an older
         rayppo lacks, come back empty."""
-        data = {}
+        data: dict[str, Any] = {}
         for f in ROLLOUT_SCHEMA:
             if f.name not in table.column_names:
                 data[f.name] = []

@@ -24,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from rayppo.choices import GroupEstimator, KLEstimator, Truncation
 from rayppo.config.derived import NO_CORRECTION, Correction, rollout_correction, truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
@@ -43,7 +45,7 @@ class TruncationRule:
     """How a response's length enters its reward: rows cut at the limit (``rollout.truncation``)
     and DAPO's overlong shaping (``rollout.overlong_buffer``)."""
 
-    mode: str = "bootstrap"
+    mode: Truncation = "bootstrap"
     """``bootstrap``: no score, GAE bootstrapped with V(S_T). ``terminal``: score, bootstrap 0."""
     missing_eos_penalty: float = 0.0
     """Subtracted from a cut row's score under ``terminal``."""
@@ -154,9 +156,9 @@ class Experience:
 
     def rows(self, index: torch.Tensor) -> "Experience":
         """The sub-experience of the given rows (without ``first_values``)."""
-        picked = {name: getattr(self, name) for name in TOKEN_FIELDS + ROW_FIELDS}
-        return dataclasses.replace(self, batch=self.batch.rows(index), first_values=None,
-                                   **{name: None if t is None else t[index] for name, t in picked.items()})
+        picked: dict[str, Any] = {name: getattr(self, name) for name in TOKEN_FIELDS + ROW_FIELDS}
+        cut: dict[str, Any] = {name: None if t is None else t[index] for name, t in picked.items()}
+        return dataclasses.replace(self, batch=self.batch.rows(index), first_values=None, **cut)
 
     def micro(self, index: torch.Tensor) -> "Experience":
         """The rows of one micro-batch, cut to their own widths (``PackedBatch.trimmed``): the
@@ -305,7 +307,7 @@ def _gae_targets(
 
 
 def batch_group_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int, estimator: str, std_floor: float,
+    scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int, estimator: GroupEstimator, std_floor: float,
     collective: Collective,
 ) -> torch.Tensor:
     """``[B]`` the group estimator's A_i of this rank's rows, from the statistics of each group's
@@ -413,7 +415,7 @@ def make_experience(
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
     has_reference = rows.ref_logprobs is not None
-    ref_logprobs = rows.ref_logprobs if has_reference else policy_logprobs
+    ref_logprobs = policy_logprobs if rows.ref_logprobs is None else rows.ref_logprobs
     values, last_values, first_values = _critic_values(critic, batch, rows.first_rows, settings.micro_batch_tokens,
                                                        collective)
     reward_kl_coef = kl_coef if cfg.kl_mode == "reward" else 0.0
@@ -426,7 +428,8 @@ def make_experience(
     # The value targets correct for staleness only: on tokens pi_prox's own version sampled the
     # ratio is numerics (bf16), and V-trace's traces min(1, pi_prox / mu) would shrink the targets on
     # noise alone (0.06 instead of 1 at token 0 of a 200-token row at |log ratio| ~ 0.03).
-    stale_ratio = None if settings.max_staleness == 0 or log_ratio is None else log_ratio.masked_fill(same_version, 0.0)
+    stale_ratio = (None if settings.max_staleness == 0 or log_ratio is None or same_version is None
+                   else log_ratio.masked_fill(same_version, 0.0))
     advantages, returns = _episode_advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg,
                                               stale_ratio, rows.group_ids, rows.num_groups, collective,
                                               rows.episodes)
@@ -434,7 +437,8 @@ def make_experience(
     stats = {} if kl is None else kl.metrics()
     if critic is not None:
         stats |= value_stats(values, returns, mask, collective)
-    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if settings.correction.geo_mask else None
+    row_keep = (ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound)
+                if settings.correction.geo_mask and log_ratio is not None else None)
     if log_ratio is not None:
         stats |= offpolicy_stats(log_ratio, mask, collective, row_keep)
     exp = Experience(batch=batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=values,
@@ -448,7 +452,7 @@ def make_experience(
 
 def _shaped_rewards(
     rows: RolloutTensors, last_values: torch.Tensor, policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-    kl_coef: float, kl_estimator: str, rule: TruncationRule,
+    kl_coef: float, kl_estimator: KLEstimator, rule: TruncationRule,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rewards [B, T], bootstrap [B], task_scores [B])``: the shaped reward (docs/algorithm.md) of
     each row after the length rules (the overlong ramp, then the truncation rule) with -kl_coef KL_t
@@ -466,7 +470,7 @@ def _shaped_rewards(
                                                  rule.missing_eos_penalty)
     rewards = ppo.shape_rewards(returned, policy_logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
     task_scores = returned.to(rewards.dtype)
-    if rows.turn_rewards is not None:
+    if rows.turn_rewards is not None and rows.turn_ends is not None:  # set together (RolloutTensors.of)
         rewards = ppo.add_turn_rewards(rewards, rows.turn_ends, rows.turn_rewards)
         task_scores = task_scores + ppo.add_turn_rewards(torch.zeros_like(rewards), rows.turn_ends,
                                                          rows.turn_rewards).sum(dim=-1)
@@ -484,8 +488,8 @@ def _episode_advantages(
     if not multi_turn:
         return _advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg, log_ratio, group_ids,
                            num_groups, collective)
-    compact = [ppo.gather_actions(x, mask) for x in (rewards, kl_rewards, values)]
+    action_rewards, action_kl_rewards, action_values = (ppo.gather_actions(x, mask) for x in (rewards, kl_rewards, values))
     ratio = None if log_ratio is None else ppo.gather_actions(log_ratio, mask)
-    advantages, returns = _advantages(*compact[:2], task_scores, compact[2], ppo.gathered_mask(mask), bootstrap, cfg,
-                                      ratio, group_ids, num_groups, collective)
+    advantages, returns = _advantages(action_rewards, action_kl_rewards, task_scores, action_values,
+                                      ppo.gathered_mask(mask), bootstrap, cfg, ratio, group_ids, num_groups, collective)
     return ppo.scatter_actions(advantages, mask), ppo.scatter_actions(returns, mask)

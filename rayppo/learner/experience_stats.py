@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rayppo.choices import KLEstimator
 from rayppo.learner import ppo
 from rayppo.learner.collective import Collective
 
@@ -35,7 +36,7 @@ class ReferenceKL:
 
 
 def kl_stats(
-    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_estimator: str,
+    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_estimator: KLEstimator,
     collective: Collective,
 ) -> ReferenceKL:
     """KL to the reference over the global batch (all [B, T] inputs)."""

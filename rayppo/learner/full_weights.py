@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -64,11 +65,12 @@ def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 def _unit_tensors(name: str, module: torch.nn.Module, is_lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
     prefix = f"{name}." if name else ""
     if is_lora:
-        base = module.base_layer
+        lora: Any = module  # a peft LoraLayer: its attributes are not declared on nn.Module
+        base = lora.base_layer
         weight = base.weight.detach()
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:
-                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+        for adapter in lora.active_adapters:
+            if adapter in lora.lora_A:
+                weight = weight + lora.get_delta_weight(adapter).to(weight.dtype)
         yield _clean(prefix + "weight"), weight
         if getattr(base, "bias", None) is not None:
             yield _clean(prefix + "bias"), base.bias.detach()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
@@ -83,7 +84,7 @@ class RolloutTensors:
         return int(self.scores.shape[0])
 
 
-def padded(rows: list[list[float]], dtype: torch.dtype = torch.float32, value: float = 0.0) -> torch.Tensor:
+def padded(rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.float32, value: float = 0.0) -> torch.Tensor:
     """Ragged per-token rows (a ``Rollout`` column such as ``logprobs``) right-padded with ``value``
     into a ``[B, max_len]`` tensor."""
     width = max((len(r) for r in rows), default=0)

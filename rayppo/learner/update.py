@@ -119,7 +119,7 @@ def first_rows_kept(minibatches: list[Minibatch]) -> torch.Tensor | None:
 
 
 def policy_objective(
-    policy: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, temperature: float, max_length: int = 0,
+    policy: torch.nn.Module, part: Experience, mb: MicroBatch, cfg: PPOConfig, temperature: float, max_length: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """``(objective, stats, drift)`` of the policy on this rank's part of a minibatch; ``drift``
     [b, T] is log pi - log pi_old per token (0 on padding), the log-prob check of the synchronous
@@ -130,12 +130,14 @@ def policy_objective(
     mask = part.trained_mask  # rows the geometric-mean mask dropped are in no term and no metric
     logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
                                        entropy_grad=cfg.entropy_coef != 0)
-    clip = dict(clip_eps=cfg.clip_eps, agg=cfg.loss_agg, clip_eps_high=cfg.clip_eps_high, max_length=max_length)
+    assert entropy is not None  # asked for (with_entropy=True)
     if part.prox_logprobs is None or not part.truncated_is:
-        pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, **clip)
+        pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, clip_eps=cfg.clip_eps,
+                                            agg=cfg.loss_agg, clip_eps_high=cfg.clip_eps_high, max_length=max_length)
     else:
         pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, part.prox_logprobs, part.old_logprobs, part.advantages,
-                                                      mask, is_clip=cfg.is_clip, **clip)
+                                                      mask, is_clip=cfg.is_clip, clip_eps=cfg.clip_eps, agg=cfg.loss_agg,
+                                                      clip_eps_high=cfg.clip_eps_high, max_length=max_length)
     entropy_mean = ppo.masked_mean(entropy, mask)  # the figure shown; the bonus is aggregated as the loss is
     entropy_bonus = ppo.aggregate(entropy, mask, cfg.loss_agg, max_length) if cfg.entropy_coef else entropy_mean
     drift = (logprobs.detach() - part.old_logprobs) * part.batch.mask  # the check sees every row
@@ -150,7 +152,7 @@ def policy_objective(
     return pg_share * (pg_loss - cfg.entropy_coef * entropy_bonus), stats, drift
 
 
-def value_objective(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig,
+def value_objective(critic: torch.nn.Module, part: Experience, mb: MicroBatch, cfg: PPOConfig,
                     values: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(objective, stats)`` of the critic on this rank's part of a minibatch; ``values`` [b, T]
     is its forward when already done (the experience pass's, ``Experience.first_values``)."""
@@ -219,7 +221,7 @@ def ppo_update(
             kept = exp.first_values[:, : part.batch.mask.shape[1]] if i == 0 and exp.first_values is not None else None
             processed += part.batch.processed_tokens  # padding included; real tokens stay on the device (no sync)
             real = real + part.batch.attention_mask.sum()
-            value_stats = None if kept is None else _critic_backward(critic, part, mb, cfg, steps, kept)
+            value_stats = None if kept is None or critic is None else _critic_backward(critic, part, mb, cfg, steps, kept)
             objective, stats, drift = policy_objective(policy, part, mb, cfg, temperature, max_length)
             if i == 0 and not prox_recomputed:
                 width = exp.batch.mask.shape[1]  # micro-batches are cut to their own widths: pad back to one
@@ -254,8 +256,10 @@ def ppo_update(
     return out
 
 
-def _critic_backward(critic: torch.nn.Module, part: Experience, mb: Minibatch, cfg: PPOConfig, steps: Steps,
+def _critic_backward(critic: torch.nn.Module, part: Experience, mb: MicroBatch, cfg: PPOConfig, steps: Steps,
                      values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    if steps.critic_backward is None:
+        raise ValueError("a critic's objective needs Steps.critic_backward")
     objective, stats = value_objective(critic, part, mb, cfg, values)
     steps.critic_backward(objective)
     return stats
@@ -282,6 +286,8 @@ def same_version_mismatch(exp: Experience, collective: Collective, guard: Mismat
     are over the compared tokens of all ranks (NaN when no rank compared any); rows counts the
     rows with a compared token.
     """
+    if exp.prox_logprobs is None or exp.same_version is None:
+        raise ValueError("same_version_mismatch compares pi_prox with mu: the experience has no prox_logprobs")
     mask = exp.batch.mask * exp.same_version.to(exp.batch.mask.dtype)
     drift = (exp.prox_logprobs - exp.old_logprobs) * mask
     gap = drift.abs()

@@ -35,6 +35,10 @@ from rayppo.models.weights import with_aliases
 
 BACKENDS = ("gloo", "nccl")
 
+SyncGroup = torch._C._distributed_c10d.Backend
+"""A gloo or NCCL group built outside torch.distributed's world (``ProcessGroupGloo``/``ProcessGroupNCCL``
+are this class in torch 2.13; the public ``dist.Backend`` is the backend-name enum, not it)."""
+
 
 @dataclass(frozen=True)
 class SyncEndpoint:
@@ -91,14 +95,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def open_sync_group(endpoint: SyncEndpoint, rank: int) -> dist.ProcessGroup:
+def open_sync_group(endpoint: SyncEndpoint, rank: int) -> SyncGroup:
     """Join the sync group as ``rank`` (rank 0 hosts the store). Blocks until all ranks joined."""
     if endpoint.backend not in BACKENDS:
         raise ValueError(f"weight sync backend must be one of {BACKENDS}, got {endpoint.backend!r}")
     timeout = datetime.timedelta(seconds=endpoint.timeout_s)
-    store = dist.TCPStore(endpoint.host, endpoint.port, endpoint.world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
-    store = dist.PrefixStore("rayppo-weight-sync", store)
+    store = dist.PrefixStore("rayppo-weight-sync", dist.TCPStore(
+        endpoint.host, endpoint.port, endpoint.world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False))
     if endpoint.backend == "nccl":
         # The timeout bounds every NCCL collective of the group, as gloo's does (without it a
         # generator that died mid-sync would leave rank 0 waiting on NCCL's default of 10 min+).
@@ -119,12 +122,13 @@ def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     return [param_spec(n, t) for n, t in named]
 
 
-def broadcast_from_root(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+def broadcast_from_root(group: SyncGroup, tensor: torch.Tensor) -> None:
     """One tensor from rank 0 to every rank of ``group`` (in place on the receivers)."""
-    group.broadcast([tensor], dist.BroadcastOptions()).wait()
+    # torch 2.13's stub declares broadcast on ProcessGroup only; the Backend binding has it too.
+    group.broadcast([tensor], dist.BroadcastOptions()).wait()  # type: ignore[attr-defined]
 
 
-def receive_stream(group: dist.ProcessGroup, specs: list[ParamSpec], device: torch.device):
+def receive_stream(group: SyncGroup, specs: list[ParamSpec], device: torch.device):
     """Yield ``(name, tensor)`` as each broadcast of a sync arrives (receiver side)."""
     for spec in specs:
         tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
