@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # torch (and then break `import transformers`); text models do not need them.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
-.PHONY: train test install install-test bench clean
+.PHONY: train test lint install install-test bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -29,7 +29,12 @@ install-test: $(VENV)/.installed-test
 train: install
 	$(VENV)/bin/rayppo train $(ARGS)
 
-test: install-test
+# ruff (bugs, imports, one way of writing a thing) and mypy (the type hints) before the suite.
+lint: install-test
+	$(VENV)/bin/ruff check rayppo tests benchmarks examples
+	$(VENV)/bin/mypy
+
+test: lint
 	PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 clean:

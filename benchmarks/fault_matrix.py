@@ -98,19 +98,20 @@ def _inject(trainer: DistributedTrainer, cells: list[Cell], sig: int, done: thre
     sup = trainer.supervisor
     for cell in cells:
         fire_at = sup.completed + GAP
-        if not _wait(lambda: sup.completed >= fire_at, done, 0.05):
+        # Each condition is polled by _wait before the loop moves on: the loop variables it reads are current.
+        if not _wait(lambda: sup.completed >= fire_at, done, 0.05):  # noqa: B023
             return
         pid = _pid(trainer, cell.role, cell.phase)  # asked before the phase: a busy actor answers after its call
-        if not _wait(lambda: trainer.phase == cell.phase and sup.completed >= fire_at, done):
+        if not _wait(lambda: trainer.phase == cell.phase and sup.completed >= fire_at, done):  # noqa: B023
             return
         restarts, learner_restarts = sup.restarts, trainer.learner_restarts
         os.kill(pid, sig)
         start = time.monotonic()
         cell.landed, cell.outcome = trainer.phase, "stopped"
-        if not _wait(lambda: sup.restarts > restarts, done, 0.01):
+        if not _wait(lambda: sup.restarts > restarts, done, 0.01):  # noqa: B023
             return
         completed = sup.completed
-        if not _wait(lambda: sup.completed > completed, done, 0.01):
+        if not _wait(lambda: sup.completed > completed, done, 0.01):  # noqa: B023
             return
         cell.recovered_s = time.monotonic() - start
         cell.outcome = "learner restarted" if trainer.learner_restarts > learner_restarts else "replaced"

@@ -169,8 +169,13 @@ def test_no_full_vocabulary_tensor_is_kept_for_backward(small_chunks):
     full_size = batch.mask.numel() * config.vocab_size
     largest = {}
     for forward in (policy_forward, _full_logits_forward):
-        sizes = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        sizes: list[int] = []
+
+        def record(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
             forward(model, batch, 1.0, True, True)
         largest[forward.__name__] = max(sizes)
     assert largest["_full_logits_forward"] >= full_size

@@ -14,7 +14,7 @@ def gae_reference(rewards, values, length, gamma, lam, bootstrap):
         return values[t] if t < length else bootstrap
 
     deltas = [rewards[t] + gamma * v(t + 1) - values[t] for t in range(length)]
-    adv = [sum((gamma * lam) ** l * deltas[t + l] for l in range(length - t)) for t in range(length)]
+    adv = [sum((gamma * lam) ** k * deltas[t + k] for k in range(length - t)) for t in range(length)]
     return adv, [a + values[t] for t, a in enumerate(adv)]
 
 

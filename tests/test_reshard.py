@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
         _leave()
         if rank == 0:
             torch.save(whole, f"{folder}/whole.pt")
-            (Path(folder) / "ckpt" / "learner.json").write_text('{"num_ranks": %d, "zero_stage": %d}' % (world, stage))
+            (Path(folder) / "ckpt" / "learner.json").write_text(f'{{"num_ranks": {world}, "zero_stage": {stage}}}')
             _to_universal(Path(folder) / "ckpt", Path(folder) / "ckpt" / "universal", ["policy"])
         return
     with _universal(engine, True):

@@ -151,7 +151,7 @@ def test_gradient_checkpointing_recomputes_every_layer_in_backward(embedded_dir,
         layers = [m for name, m in model.named_modules() if name.endswith("layers.0") or name.endswith("layers.1")]
         calls = []
         for layer in layers:  # count calls of the layers' forward (hooks do not fire on a recompute)
-            layer.forward = (lambda f: lambda *a, **k: calls.append(1) or f(*a, **k))(layer.forward)
+            layer.forward = (lambda f, calls=calls: lambda *a, **k: calls.append(1) or f(*a, **k))(layer.forward)
         ids = torch.tensor([[2, 5, 6, 7, 8, 9]])
         out = model(ids).logits if hasattr(model, "lm_head") else model(ids, torch.ones_like(ids), torch.arange(6)[None])
         forward_calls = len(calls)

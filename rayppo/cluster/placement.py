@@ -95,7 +95,7 @@ def _bundle(cpus: float, gpus: float, extra: dict[str, float]) -> dict[str, floa
 
 def role_specs(cfg: Config) -> list[RoleSpec]:
     """The resources each role's actors ask for themselves, from the config."""
-    g, l = cfg.generators, cfg.learner
+    g, lrn = cfg.generators, cfg.learner
     # across_nodes: the actor holds no GPU; vLLM's ray executor puts a worker in each bundle.
     gen_gpus = 0.0 if g.tensor_parallel_layout == "across_nodes" else role_gpus(cfg, "generators")
     return [
@@ -103,7 +103,7 @@ def role_specs(cfg: Config) -> list[RoleSpec]:
         RoleSpec("reference", reference_actors(cfg),  # none when ppo.kl_coef = 0
                  _bundle(cfg.reference.cpus, role_gpus(cfg, "reference"), cfg.reference.resources)),
         RoleSpec("reward", reward_actors(cfg), _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
-        RoleSpec("learner", l.num_ranks, _bundle(l.cpus_per_rank, role_gpus(cfg, "learner"), l.resources)),
+        RoleSpec("learner", lrn.num_ranks, _bundle(lrn.cpus_per_rank, role_gpus(cfg, "learner"), lrn.resources)),
     ]
 
 
