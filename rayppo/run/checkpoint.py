@@ -192,13 +192,14 @@ def read_driver_state(path: Path) -> dict[str, Any]:
     return state
 
 
-# Fields a resumed run may change: none of them changes the math of the iterations to come.
-RESUMABLE_SECTIONS = ("stop.", "output.", "cluster.")
-RESUMABLE_FIELDS = ("cpus", "cpus_per_worker", "cpus_per_rank", "threads", "cores", "resources", "gpus",
-                    "gpus_per_worker", "gpus_per_rank", "placement_timeout_s", "min_num")
-SPLIT_FIELDS = ("learner.num_ranks", "learner.zero_stage", "generators.num", "reference.num", "reward.num")
-"""The split of the work over actors: a resumed run may change it (the learner's DeepSpeed state is
-resharded, ``learner/checkpoint.py``); the update is the same up to the order of its reductions."""
+def split_fields() -> list[str]:
+    """The split of the work over actors (fields marked ``SPLIT`` in ``config/system.py``): a
+    resumed run may change it. The learner's first, as messages name them: its change is the one
+    that reshards a checkpoint."""
+    from rayppo.config.schema import resume_kinds
+
+    names = [name for name, kind in resume_kinds().items() if kind == "split"]
+    return sorted(names, key=lambda name: not name.startswith("learner."))
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]):
@@ -218,24 +219,20 @@ def continued_config(run_dir: Path, overrides: list[str]):
     """``run_dir``'s saved config with ``overrides`` applied, when they change only what a resumed
     run may change (``resume_config``); else ``ConfigError`` naming the field."""
     from rayppo.config.load import load_config
-    from rayppo.config.schema import ConfigError, field_docs
+    from rayppo.config.schema import ConfigError, field_docs, resume_kinds
 
     saved = run_dir / "config.yaml"
     before = _flat(load_config(saved, paths_relative_to_file=False))
     cfg = load_config(saved, overrides, paths_relative_to_file=False)
     after = _flat(cfg)
+    resumable = resume_kinds()  # what each field's metadata says (config/system.py)
     for name in (n for n, _, _ in field_docs()):
-        if before[name] != after[name] and (name == "output.dir" or not _resumable(name)):
+        if before[name] != after[name] and (name == "output.dir" or name not in resumable):
             raise ConfigError(f"{name}: cannot change on --resume ({before[name]!r} -> {after[name]!r}): it changes "
                               "the run's math; only resources, the split over actors (learner.num_ranks, "
                               "generators.num, reference.num, reward.num), stop.*, output.* and cluster.* may change")
     check_stage_change(before["learner.zero_stage"], after["learner.zero_stage"])
     return cfg
-
-
-def _resumable(name: str) -> bool:
-    return (name.startswith(RESUMABLE_SECTIONS) or name.rsplit(".", 1)[-1] in RESUMABLE_FIELDS
-            or name in SPLIT_FIELDS)
 
 
 def split_change(checkpoint: Path, cfg) -> str:
