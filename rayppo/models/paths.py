@@ -45,7 +45,8 @@ def _build_guess(out: Path, cache: Path) -> None:
 
 
 def _build_smollm2(out: Path, cache: Path) -> None:
-    from rayppo.models.gguf_import import convert_gguf, smollm2_gguf
+    from rayppo.models.gguf_import import convert_gguf
+    from rayppo.models.pypi_fetch import smollm2_gguf
 
     convert_gguf(smollm2_gguf(cache), out)
 
@@ -60,7 +61,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 """The built-in model names: ``embedded`` (the default task's tiny Llama, ``embedded.py``),
 ``embedded-guess`` (the multi-turn one, ``embedded_guess.py``), both built here with nothing
 downloaded, and ``smollm2-135m-instruct``, the one real model, whose GGUF file is fetched from
-PyPI (``gguf_import.py``)."""
+PyPI (``pypi_fetch.py``, rayppo's one download) and converted (``gguf_import.py``)."""
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
