@@ -153,7 +153,7 @@ def test_pure_math_imports_only_torch():
     """The bottom layer and the PPO math import torch and the standard library, the math also
     the bottom layer's helpers and choices: no config object, no role."""
     modules = _modules()
-    for module in (*LAYERS[-1], "rayppo.learner.ppo", "rayppo.learner.group_math"):
+    for module in (*LAYERS[-1], "rayppo.learner.ppo", "rayppo.learner.group_math", "rayppo.learner.rewards"):
         names = {name for name, _, _ in _imports(modules[module], set(modules))}
         tops = {name.split(".")[0] for name in names - set(LAYERS[-1])}
         assert tops <= {"torch", "__future__", "math", "dataclasses", "typing"}, (module, tops)
