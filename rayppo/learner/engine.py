@@ -316,6 +316,7 @@ class LearnerEngine(Engine):
         return {"policy": self.policy} | ({"critic": self.critic} if self.critic is not None else {})
 
     def _split(self) -> LearnerSplit:
+        """This learner's split: its ranks and ZeRO stage (what a checkpoint records)."""
         return LearnerSplit(num_ranks=self.world_size, zero_stage=self.cfg.learner.zero_stage)
 
     def save(self, out_dir: str) -> None:
