@@ -198,12 +198,13 @@ def _build_first_use_models(cfg) -> None:
     """Built-in models and GGUF files become folders here, once, before any actor loads them
     (each says so on the terminal; later runs find them in ``model.cache_dir``)."""
     from rayppo.console import console
-    from rayppo.models.paths import FIRST_USE, built_on_first_use, embedded_path
+    from rayppo.models.paths import BUILTIN_MODELS, built_on_first_use, embedded_path
 
     for name in dict.fromkeys((cfg.model.policy, cfg.model.reference)):
         if not built_on_first_use(name) or (embedded_path(cfg.model.cache_dir, name) / "config.json").is_file():
             continue
-        what = FIRST_USE.get(name, "the GGUF file dequantized to fp32 safetensors, with its tokenizer")
+        what = (BUILTIN_MODELS[name].first_use if name in BUILTIN_MODELS
+                else "the GGUF file dequantized to fp32 safetensors, with its tokenizer")
         console.phase(f"building the {name} model in {embedded_path(cfg.model.cache_dir, name)} (first use only: {what})")
         from rayppo.models.loading import resolve_model_path
 

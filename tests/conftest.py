@@ -16,9 +16,9 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    from rayppo.models.embedded import embedded_model_dir
+    from rayppo.models.paths import builtin_model_dir
 
-    return embedded_model_dir()
+    return builtin_model_dir()
 
 
 @pytest.fixture(scope="session")

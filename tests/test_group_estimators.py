@@ -1,5 +1,6 @@
-"""The critic-free estimators of ``rayppo/learner/group_math.py`` on hand-computed groups, and their
-group statistics over a batch split across ranks (docs/estimators.md, "Correct across ranks").
+"""The critic-free estimators of ``rayppo/learner/group_math.py`` (and REINFORCE++'s returns and the
+overlong ramp of ``rewards.py``) on hand-computed groups, and their group statistics over a batch
+split across ranks (docs/estimators.md, "Correct across ranks").
 
 Hand values are exact decimals or simple surds; the comparisons allow float64 rounding of a few
 operations on numbers of order 1 (1e-12) unless stated."""
@@ -11,9 +12,10 @@ import math
 import pytest
 import torch
 
-from rayppo.learner import group_math, ppo
+from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import batch_group_advantages
+from rayppo.learner.rewards import discounted_returns, overlong_penalty
 
 EXACT = 1e-12
 """A few float64 operations on O(1) values: rounding is ~1e-16 each."""
@@ -127,7 +129,7 @@ def test_reinforce_pp_returns_are_gae_with_zero_values_and_lambda_one():
     rewards = torch.randn(4, 7, dtype=torch.float64)
     mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 1 + [0] * 6, [1] * 3 + [0] * 4], dtype=torch.float64)
     rewards = rewards * mask
-    returns = group_math.discounted_returns(rewards, mask, gamma=0.9)
+    returns = discounted_returns(rewards, mask, gamma=0.9)
     gae, _ = ppo.compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=0.9, lam=1.0)
     assert torch.allclose(returns, gae, rtol=0, atol=EXACT)
     # By hand for row 3: G_2 = r_2, G_1 = r_1 + 0.9 r_2, G_0 = r_0 + 0.9 r_1 + 0.81 r_2.
@@ -140,9 +142,9 @@ def test_reinforce_pp_returns_are_gae_with_zero_values_and_lambda_one():
 def test_overlong_penalty_ramps_over_the_last_buffer_tokens():
     lengths = torch.tensor([10, 12, 14, 16, 20])
     # L_max 20, buffer 8: free up to 12, then -(|y| - 12) / 8 down to -1 at 20.
-    assert group_math.overlong_penalty(lengths, 20, 8, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
-    assert group_math.overlong_penalty(lengths, 20, 8, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
-    assert group_math.overlong_penalty(lengths, 20, 0).tolist() == [0.0] * 5
+    assert overlong_penalty(lengths, 20, 8, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(lengths, 20, 8, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert overlong_penalty(lengths, 20, 0).tolist() == [0.0] * 5
 
 
 def test_seq_mean_token_sum_norm_divides_by_rows_times_the_length_limit():

@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayppo.actors",),                                 # the roles' engines
     ("rayppo.episodes",),                               # multi-turn episodes: the turn loop, environments
     ("rayppo.usercode",),                               # the user's code: imported, in child processes
-    ("rayppo.learner", "rayppo.run"),                   # DeepSpeed learner; what a run writes
+    ("rayppo.run",),                                    # what a run writes (the learner's checkpoint part too)
+    ("rayppo.learner",),                                # DeepSpeed learner
     ("rayppo.config",),                                 # the dataclass tree, its checks and loading
     ("rayppo.engine", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
     ("rayppo.tasks",),                                  # built-in tasks and their reward functions
@@ -33,11 +34,11 @@ LAYERS: list[tuple[str, ...]] = [
 THIRD_PARTY = {
     "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.engine"),
     "vllm": ("rayppo.actors.generator", "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe"),
-    "deepspeed": ("rayppo.learner.engine",),
+    "deepspeed": ("rayppo.learner.engine", "rayppo.learner.checkpoint"),
 }
 """Who may import them: Ray where actors are spawned or called, in the engine base (an actor asks
 Ray for its own GPUs and node); vLLM in the generator engine, its weight-transfer plugin and its CPU MoE patch, DeepSpeed in
-the learner engine."""
+the learner engine and its checkpoints (DeepSpeed's universal-checkpoint converter)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -152,7 +153,7 @@ def test_pure_math_imports_only_torch():
     """The bottom layer and the PPO math import torch and the standard library, the math also
     the bottom layer's helpers and choices: no config object, no role."""
     modules = _modules()
-    for module in (*LAYERS[-1], "rayppo.learner.ppo", "rayppo.learner.group_math"):
+    for module in (*LAYERS[-1], "rayppo.learner.ppo", "rayppo.learner.group_math", "rayppo.learner.rewards"):
         names = {name for name, _, _ in _imports(modules[module], set(modules))}
         tops = {name.split(".")[0] for name in names - set(LAYERS[-1])}
         assert tops <= {"torch", "__future__", "math", "dataclasses", "typing"}, (module, tops)

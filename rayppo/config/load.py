@@ -114,9 +114,9 @@ def _builtin(value: str) -> bool:
     """A built-in model or prompt set (``embedded``, ``smollm2-135m-instruct``, ``arithmetic``, ...),
     not a path."""
     from rayppo.data.prompts import EMBEDDED_PROMPTS
-    from rayppo.models.paths import EMBEDDED_MODELS
+    from rayppo.models.paths import BUILTIN_MODELS
 
-    return value in EMBEDDED_MODELS or value in EMBEDDED_PROMPTS
+    return value in BUILTIN_MODELS or value in EMBEDDED_PROMPTS
 
 
 def _paths_relative_to(data: dict[str, Any], folder: Path) -> None:

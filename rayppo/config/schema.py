@@ -18,7 +18,7 @@ from typing import Any
 
 from rayppo.choices import (Advantage, Dtype, KLEstimator, KLMode, LossAgg, OffpolicyAdvantages, RolloutCorrection,
                             TrainerKind, TruncationSetting, ValueTargets)
-from rayppo.config.system import (ChecksConfig, ClusterConfig, GeneratorConfig, LearnerConfig, OutputConfig,
+from rayppo.config.system import (SECTION, ChecksConfig, ClusterConfig, GeneratorConfig, LearnerConfig, OutputConfig,
                                   RewardConfig, ScorerConfig, StopConfig)
 from rayppo.errors import RayppoError
 
@@ -280,7 +280,7 @@ class Config:
     trainer: TrainerKind = "distributed"
     """``distributed``: the Ray system (vLLM generators, reference/reward actors, DeepSpeed
     learner group). ``reference``: the in-process golden path (transformers only)."""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata=SECTION)
     generators: GeneratorConfig = field(default_factory=GeneratorConfig)
     reference: ScorerConfig = field(default_factory=ScorerConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -291,8 +291,8 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
-    stop: StopConfig = field(default_factory=StopConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
+    stop: StopConfig = field(default_factory=StopConfig, metadata=SECTION)
+    output: OutputConfig = field(default_factory=OutputConfig, metadata=SECTION)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -322,3 +322,19 @@ def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str
         else:
             rows.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "")))
     return rows
+
+
+def resume_kinds(cls: type = Config, prefix: str = "", section: str | None = None) -> dict[str, str]:
+    """``{dotted name: kind}`` of every leaf field a resumed run may change, in the tree's order,
+    read off the fields' ``resume`` metadata (``system.py``): ``resource``, ``split``, or
+    ``section`` for every field of a section marked as a whole. Fields not named change the math."""
+    kinds: dict[str, str] = {}
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        kind = f.metadata.get("resume", section)
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            kinds.update(resume_kinds(type(value), f"{prefix}{f.name}.", kind))
+        elif kind is not None:
+            kinds[f"{prefix}{f.name}"] = kind
+    return kinds

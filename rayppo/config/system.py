@@ -8,25 +8,35 @@ from dataclasses import dataclass, field
 
 from rayppo.choices import GeneratorBackend, Packing, SyncFault, TensorParallelLayout, WandbMode, WeightSync, ZeroStage
 
+# What a resumed run (``rayppo train --resume``, ``rayppo scale``) may change is said on the field,
+# ``field(metadata=...)``, and read by ``schema.resume_kinds``; everything else would change the math.
+RESOURCE: dict[str, str] = {"resume": "resource"}
+"""An actor's resources (CPUs, GPUs, threads, cores, the fleet's floor): where the work runs, not its math."""
+SPLIT: dict[str, str] = {"resume": "split"}
+"""The split of the work over actors: the learner's DeepSpeed state is resharded on load
+(``learner/checkpoint.py``); the update is the same up to the order of its reductions."""
+SECTION: dict[str, str] = {"resume": "section"}
+"""On a section of ``Config``: every field of it (stops, outputs, the cluster)."""
+
 
 @dataclass
 class ScorerConfig:
-    num: int = 1
+    num: int = field(default=1, metadata=SPLIT)
     """Actors for this role; a rollout is split across them."""
-    cpus: float = 0.25
+    cpus: float = field(default=0.25, metadata=RESOURCE)
     """Ray CPUs per actor."""
-    threads: int | None = None
+    threads: int | None = field(default=None, metadata=RESOURCE)
     """torch threads per actor; default: its CPU share rounded down (at least 1)."""
-    gpus: float = 0.0
+    gpus: float = field(default=0.0, metadata=RESOURCE)
     """GPUs per actor (fractions share a GPU)."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict, metadata=RESOURCE)
     """Extra Ray resources per actor."""
     micro_batch_tokens: int = 16384
     """Padded tokens per forward pass of this role's model (the reference policy, a reward model):
     rows sorted by length and cut like ``learner.micro_batch_tokens``, results back in row order.
     0: fixed batches in row order (64 rows for the reference, ``reward.batch_size`` for a reward
     model), each padded to its longest row."""
-    cores: list[int] | None = None
+    cores: list[int] | None = field(default=None, metadata=RESOURCE)
     """CPU cores every actor of this role is pinned to (all its threads and child processes),
     e.g. ``[0]``. Roles on disjoint cores no longer slow each other down, as roles on separate
     GPUs would not (``rayppo bench`` of ``rollout.max_staleness``). Core numbers of the node
@@ -200,9 +210,9 @@ class ClusterConfig:
 
 @dataclass
 class GeneratorConfig:
-    num: int = 1
+    num: int = field(default=1, metadata=SPLIT)
     """G: generator actors; the prompts of an iteration are split across them."""
-    min_num: int = 1
+    min_num: int = field(default=1, metadata=RESOURCE)
     """The fewest generators the run goes on with. A generator whose node is gone and whose
     replacement finds no place within ``cluster.placement_timeout_s`` leaves the fleet: the others
     take its share of the next batches (the same rows: a row's sampling noise does not depend on
@@ -212,12 +222,12 @@ class GeneratorConfig:
     with a learner rank."""
     backend: GeneratorBackend = "vllm"
     """``vllm`` (vLLM engine) or ``hf`` (transformers generate, for models vLLM cannot load)."""
-    cpus_per_worker: float = 0.5
+    cpus_per_worker: float = field(default=0.5, metadata=RESOURCE)
     """Ray CPUs per generator (its torch/OpenMP threads follow this share)."""
-    threads: int | None = None
+    threads: int | None = field(default=None, metadata=RESOURCE)
     """torch/OpenMP threads per generator; default: its CPU share rounded down (at least 1).
     Stages run one after another, so a role may use more threads than its share."""
-    gpus_per_worker: float = 0.0
+    gpus_per_worker: float = field(default=0.0, metadata=RESOURCE)
     """GPUs per generator: above 1 it is vLLM's tensor-parallel size; a fraction shares one GPU
     with other roles (vLLM's memory share follows it, see ``gpu_memory_utilization``)."""
     tensor_parallel_size: int | None = None
@@ -242,23 +252,23 @@ class GeneratorConfig:
     """vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
     """vLLM: skip graph capture/compilation (faster start; set false for long GPU runs)."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict, metadata=RESOURCE)
     """Extra Ray resources per generator, e.g. ``{generator_node: 1}`` to pin to node types."""
-    cores: list[int] | None = None
+    cores: list[int] | None = field(default=None, metadata=RESOURCE)
     """CPU cores every generator (and its vLLM workers) is pinned to; see ``reference.cores``."""
 
 
 @dataclass
 class LearnerConfig:
-    num_ranks: int = 2
+    num_ranks: int = field(default=2, metadata=SPLIT)
     """N: learner ranks, one torch.distributed group (gloo on CPU, nccl on GPU)."""
-    cpus_per_rank: float = 0.5
+    cpus_per_rank: float = field(default=0.5, metadata=RESOURCE)
     """Ray CPUs per rank."""
-    threads: int | None = None
+    threads: int | None = field(default=None, metadata=RESOURCE)
     """torch threads per rank; default: its CPU share rounded down (at least 1)."""
-    gpus_per_rank: float = 0.0
+    gpus_per_rank: float = field(default=0.0, metadata=RESOURCE)
     """GPUs per rank: 0, 1, or a fraction to share one GPU with other roles."""
-    zero_stage: ZeroStage = 2
+    zero_stage: ZeroStage = field(default=2, metadata=SPLIT)
     """DeepSpeed ZeRO stage 0-3 for policy and critic."""
     offload: bool = False
     """ZeRO: keep optimizer states (and, at stage 3, parameters) in CPU memory."""
@@ -290,9 +300,9 @@ class LearnerConfig:
     """LoRA rank on the policy (peft); 0 trains all weights. Synced as merged weights."""
     lora_alpha: float = 16.0
     """LoRA alpha (scaling = alpha / rank)."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict, metadata=RESOURCE)
     """Extra Ray resources per rank, e.g. ``{learner_node: 1}``."""
-    cores: list[int] | None = None
+    cores: list[int] | None = field(default=None, metadata=RESOURCE)
     """CPU cores every rank is pinned to; see ``reference.cores``."""
     weight_sync: WeightSync = "auto"
     """How new weights reach the generators: ``broadcast`` (learner rank 0 broadcasts over a

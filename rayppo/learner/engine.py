@@ -4,12 +4,12 @@
 Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a shard of every
 rollout (rows dealt by tokens, ``data/micro_batches.py``), and runs the learn step on it
 (``step.py``, the in-process trainer's too) with DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
+Its checkpoints (and resharding them onto another split) are ``checkpoint.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -23,6 +23,7 @@ from rayppo.config.derived import has_critic, role_gpus
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
+from rayppo.learner.checkpoint import LearnerSplit, load_states, save_states
 from rayppo.learner.experience import check_staleness
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
@@ -300,52 +301,23 @@ class LearnerEngine(Engine):
         return self._ipc_held
 
     def save_checkpoint(self, path: str) -> None:
-        """DeepSpeed states of policy and critic under ``path`` (each rank writes its own ZeRO
-        partitions and optimizer shards; the folder must be shared by the ranks' nodes), and the
-        split they were written by (``learner.json``). No ``critic/`` folder without a critic."""
-        self.policy.save_checkpoint(f"{path}/policy", tag="state", client_state={"version": self.version},
-                                    save_latest=False)
-        if self.critic is not None:
-            self.critic.save_checkpoint(f"{path}/critic", tag="state", save_latest=False)
-        if self.rank == 0:
-            split = {"num_ranks": self.world_size, "zero_stage": self.cfg.learner.zero_stage}
-            (Path(path) / SPLIT_FILE).write_text(json.dumps(split))
+        """DeepSpeed states of policy and critic under ``path`` and the split that wrote them
+        (``checkpoint.py``: ``save_states``). No ``critic/`` folder without a critic."""
+        save_states(Path(path), self._engines(), self.version, self.rank, self._split())
 
     def load_checkpoint(self, path: str) -> int:
         """Load what ``save_checkpoint`` wrote (weights, optimizer moments and steps), resharded
         when it was written by another number of ranks or ZeRO stage; returns the policy version."""
-        folder = self._resharded(Path(path)) if self._needs_reshard(Path(path)) else Path(path)
-        engines = [("policy", self.policy)] + ([("critic", self.critic)] if self.critic is not None else [])
-        client: dict[str, Any] = {}
-        for name, engine in engines:
-            with _universal(engine, folder != Path(path)):
-                loaded, state = engine.load_checkpoint(str(folder / name), tag="state")
-            if loaded is None:
-                raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint of rank {self.rank} under {path}")
-            client = client or state
-        self.version = int(client["version"])
+        self.version = load_states(Path(path), self._engines(), self.rank, self._split())
         return self.version
 
-    def _needs_reshard(self, path: Path) -> bool:
-        """Whether ``path`` was written by another split of the learner (its ``learner.json``; a
-        checkpoint without one is taken as this split's). Stage 0 holds whole optimizer states on
-        every rank: any number of ranks loads them as they are."""
-        if not (path / SPLIT_FILE).is_file():
-            return False
-        saved = json.loads((path / SPLIT_FILE).read_text())
-        stage = self.cfg.learner.zero_stage
-        return stage > 0 and (saved["num_ranks"], saved["zero_stage"]) != (self.world_size, stage)
+    def _engines(self) -> dict[str, Any]:
+        """The DeepSpeed engines a checkpoint holds, by folder name."""
+        return {"policy": self.policy} | ({"critic": self.critic} if self.critic is not None else {})
 
-    def _resharded(self, path: Path) -> Path:
-        """``path`` converted once to DeepSpeed's universal checkpoint (``path/universal``: each
-        parameter's fp32 weights and Adam moments whole), which any number of ranks loads. Rank 0
-        converts; the others wait."""
-        out = path / "universal"
-        if self.rank == 0 and not (out / SPLIT_FILE).is_file():
-            _to_universal(path, out, [name for name in ("policy", "critic") if (path / name).is_dir()])
-        if self.world_size > 1:
-            dist.barrier()
-        return out
+    def _split(self) -> LearnerSplit:
+        """This learner's split: its ranks and ZeRO stage (what a checkpoint records)."""
+        return LearnerSplit(num_ranks=self.world_size, zero_stage=self.cfg.learner.zero_stage)
 
     def save(self, out_dir: str) -> None:
         """Final models in Hugging Face format: the policy is its sync stream written as
@@ -395,46 +367,6 @@ class LearnerEngine(Engine):
             import deepspeed.comm
 
             deepspeed.comm.destroy_process_group()
-
-
-SPLIT_FILE = "learner.json"
-"""The learner split a checkpoint was written by: ``{"num_ranks": N, "zero_stage": z}``."""
-
-
-def _to_universal(path: Path, out: Path, engines: list[str]) -> None:
-    """DeepSpeed's ZeRO checkpoints under ``path/<engine>/state`` as universal checkpoints under
-    ``out/<engine>/state``, by DeepSpeed's own converter (``deepspeed/checkpoint/ds_to_universal.py``,
-    0.19.8: ``main(args)`` with the arguments of its command line). Written next to ``out`` and
-    renamed into place, so an interrupted conversion is redone, never half-read."""
-    import argparse
-    import shutil
-
-    from deepspeed.checkpoint.ds_to_universal import main as to_universal
-
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    for name in engines:
-        to_universal(argparse.Namespace(input_folder=str(path / name / "state"),
-                                        output_folder=str(staging / name / "state"), num_extract_workers=1,
-                                        num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                        inject_missing_state=True))
-    shutil.copy(path / SPLIT_FILE, staging / SPLIT_FILE)  # marks a finished conversion
-    staging.rename(out)
-
-
-@contextmanager
-def _universal(engine: Any, on: bool) -> Iterator[None]:
-    """Load ``engine``'s next checkpoint as a universal one. DeepSpeed reads the choice from its
-    config (``DeepSpeedEngine.load_universal_checkpoint`` returns ``_config.load_universal_checkpoint``,
-    deepspeed/runtime/engine.py, 0.19.8), fixed at ``initialize``: it is set for this one load."""
-    if not on:
-        yield
-        return
-    engine._config.load_universal_checkpoint = True
-    try:
-        yield
-    finally:
-        engine._config.load_universal_checkpoint = False
 
 
 def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:

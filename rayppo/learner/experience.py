@@ -1,8 +1,8 @@
 """The learner's half of an iteration, first part: a scored rollout -> the tensors PPO needs.
 
 ``make_experience`` computes values, shaped rewards, advantages and returns, and whitens the
-advantages over the global batch, calling only the functions of ``rayppo.learner.ppo`` and
-``group_math``; the PPO
+advantages over the global batch, calling only the functions of ``rayppo.learner.ppo``,
+``group_math`` and ``rewards``; the PPO
 epochs that follow are ``rayppo.learner.update``.
 
 Asynchronous mode (``rollout.max_staleness`` = k > 0, docs/async.md, "Off-policy corrections"): rows
@@ -35,6 +35,7 @@ from rayppo.data.micro_batches import token_batches
 from rayppo.learner import group_math, ppo
 from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.experience_stats import kl_stats, offpolicy_stats, value_stats
+from rayppo.learner.rewards import discounted_returns, overlong_penalty
 from rayppo.models.packing import cut_layout
 from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.models.sequences import PackedBatch, critic_forward, policy_forward
@@ -336,7 +337,7 @@ def _advantages(
         advantages, returns = _gae_targets(rewards, values, mask, bootstrap, cfg, log_ratio)
         whiten = cfg.whiten_advantages
     elif cfg.advantage == "reinforce_pp":
-        advantages, returns, whiten = group_math.discounted_returns(rewards, mask, cfg.gamma), torch.zeros_like(values), True
+        advantages, returns, whiten = discounted_returns(rewards, mask, cfg.gamma), torch.zeros_like(values), True
     else:
         if group_ids is None:
             raise ValueError(f"ppo.advantage={cfg.advantage} needs each row's group id (Rollout.group_id)")
@@ -346,7 +347,7 @@ def _advantages(
         # reward-to-go, -beta sum_{k>=t} KL_k (OpenRLHF's order).
         per_row = batch_group_advantages(task_scores, group_ids, num_groups, cfg.advantage, cfg.group_std_floor,
                                          collective)
-        advantages = per_row[:, None] * mask.to(per_row.dtype) + group_math.discounted_returns(kl_rewards, mask, cfg.gamma)
+        advantages = per_row[:, None] * mask.to(per_row.dtype) + discounted_returns(kl_rewards, mask, cfg.gamma)
         returns = torch.zeros_like(values)
         whiten = cfg.advantage == "reinforce_pp_baseline"
     if whiten:
@@ -464,7 +465,7 @@ def _shaped_rewards(
     # The overlong ramp counts the policy's own tokens (an episode's actions): a long tool output is
     # not the policy's length (single-turn rows: every response token is an action).
     lengths = mask.sum(-1)
-    scores = rows.scores + group_math.overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
+    scores = rows.scores + overlong_penalty(lengths, rule.max_new_tokens, rule.overlong_buffer, rule.overlong_penalty)
     # A cut row: either V(S_T) stands in for its score (bootstrap) or the cut is final (terminal).
     returned, bootstrap = ppo.truncation_targets(scores, last_values, rows.truncated, rule.mode,
                                                  rule.missing_eos_penalty)

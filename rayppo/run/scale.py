@@ -21,21 +21,19 @@ import json
 import os
 from pathlib import Path
 
-from rayppo.run.checkpoint import RESUMABLE_FIELDS, SPLIT_FIELDS, CheckpointError, continued_config
+from rayppo.run.checkpoint import CheckpointError, continued_config, split_fields
 
 SCALE_FILE = "scale.json"
 """The pending request in a run folder: ``{"overrides": ["generators.num=2", ...]}``."""
-ROLES = ("generators", "reference", "reward", "learner")
 
 
 def scalable() -> list[str]:
     """The fields a request may change: the split over actors, and each role's resources (GPUs and
     CPUs per actor, threads, cores, custom resources)."""
-    from rayppo.config.schema import field_docs
+    from rayppo.config.schema import resume_kinds
 
-    resources = [name for name, _, _ in field_docs()
-                 if name.split(".")[0] in ROLES and name.rsplit(".", 1)[-1] in RESUMABLE_FIELDS]
-    return list(SPLIT_FIELDS) + resources
+    resources = [name for name, kind in resume_kinds().items() if kind == "resource"]  # the roles' own
+    return split_fields() + resources
 
 
 def request_scale(run_dir: str | Path, overrides: list[str]) -> str:
@@ -51,12 +49,12 @@ def request_scale(run_dir: str | Path, overrides: list[str]) -> str:
         raise CheckpointError(f"{saved} not found: {run_dir} is not a rayppo run folder")
     if not overrides:
         raise ConfigError(f"scale: nothing to change; give the new split, e.g. generators.num=2 "
-                          f"(any of {', '.join(SPLIT_FIELDS)})")
+                          f"(any of {', '.join(split_fields())})")
     fields = scalable()
     for override in overrides:
         key = override.split("=", 1)[0]
         if "=" not in override or key not in fields:
-            raise ConfigError(f"{key}: not part of the split over actors ({', '.join(SPLIT_FIELDS)}) nor a role's "
+            raise ConfigError(f"{key}: not part of the split over actors ({', '.join(split_fields())}) nor a role's "
                               f"resources; other fields change with: rayppo train --resume {run_dir} {override}")
     merged = _merged(pending(run_dir), overrides)
     before, after = load_config(saved, paths_relative_to_file=False), continued_config(run_dir, merged)
