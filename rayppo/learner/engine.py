@@ -48,7 +48,7 @@ class TorchCollective:
         self.world_size = world_size
         self.device = device
 
-    def _reduce(self, x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
         y = x.detach().clone().to(self.device)
         dist.all_reduce(y, op=op)
         return y.to(x.device)
@@ -173,7 +173,7 @@ class LearnerEngine(Engine):
         self.policy, *_ = deepspeed.initialize(
             model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad], config=policy_ds)
         self.critic = None  # a critic-free estimator: no model, optimizer, value pass or checkpoint
-        if critic is not None:
+        if critic is not None and critic_path is not None:  # loaded exactly when there is a critic path
             critic_ds = deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path))
             self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
                                                    config=critic_ds)
@@ -221,7 +221,13 @@ class LearnerEngine(Engine):
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
         if self.critic is None:
             return Steps(self.policy.backward, None, self.policy.step)
-        return Steps(self.policy.backward, self.critic.backward, lambda: (self.policy.step(), self.critic.step()))
+        policy, critic = self.policy, self.critic
+
+        def step_both() -> None:
+            policy.step()
+            critic.step()
+
+        return Steps(policy.backward, critic.backward, step_both)
 
     def _full_policy(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` of the policy in its checkpoint's layout (``checkpoint_names.py``),
@@ -241,7 +247,8 @@ class LearnerEngine(Engine):
         """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere)."""
         stream = self._full_policy()
         if self.rank != 0:
-            return _drain(stream)
+            _drain(stream)
+            return None
         # Host copies: the gathered module is released as soon as the next one is requested.
         named = {name: tensor.to("cpu", copy=True) for name, tensor in self._fingerprinted(stream)}
         return pack_weights(named, self.version)
@@ -272,7 +279,8 @@ class LearnerEngine(Engine):
         bytes delivered (0 off rank 0)."""
         stream = self._full_policy()
         if self.rank != 0:
-            return _drain(stream) or 0
+            _drain(stream)
+            return 0
         if self.sender is None:
             raise RuntimeError("send_weights before open_weight_sync: the sync group is not open")
         return self.sender.send(self._fingerprinted(stream))
