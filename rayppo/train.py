@@ -1,4 +1,4 @@
-"""The training driver: iterations, progress bar, metrics, early stop, final save.
+"""The training driver: iterations, metrics, early stop, a rescale between iterations, final save.
 
 The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``save(dir)``,
 ``last_rollout``, ``last_update``); this module only runs it and records what happened. Its

@@ -107,6 +107,7 @@ class DistributedTrainer(LoopTrainer):
             raise
 
     def _spawn_roles(self) -> None:
+        """Every role's actors, the fleet, the weight sync, and the supervisor watching them."""
         cfg = self.cfg
         roles = spawn_roles(cfg, self.placements, self.context, self.schedule)
         self.generators, self.reference, self.rewards, self.learner = (roles.generators, roles.reference,
@@ -143,15 +144,19 @@ class DistributedTrainer(LoopTrainer):
         return self.learner.train(rollout, kl_coef, it)
 
     def _trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
+        """The learner ranks' advantages and returns of the last update, in row order."""
         return self.learner.trained_targets()
 
     def _learner_failures(self) -> AbstractContextManager[Any]:
+        """A dead or hung rank: ``LearnerFailedError``, then ``recover``."""
         return self.learner.failures()
 
     def _iteration_done(self) -> None:
+        """One more iteration completed: the clock of the supervisor's restart window."""
         self.supervisor.progress()
 
     def _run_figures(self) -> dict[str, float]:
+        """Restarts so far and the fleet's size."""
         return {"faults/actor_restarts": float(self.supervisor.restarts),
                 "faults/learner_restarts": float(self.learner_restarts), **self.fleet.metrics()}
 
@@ -225,6 +230,7 @@ class DistributedTrainer(LoopTrainer):
             self._restore(path, state)
 
     def _restore(self, path: Path | None, state: dict[str, Any]) -> None:
+        """``restore`` inside a pause the caller holds (a learner restart holds it longer)."""
         with self.clock.during("restore"):
             version = self.learner.load_checkpoint(str(path)) if path is not None else 0
             check_pairing(path, version, state)

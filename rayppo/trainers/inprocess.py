@@ -36,6 +36,7 @@ from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import eval_seed, rollout_seed
+from rayppo.errors import LearnerFailedError
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import Experience
 from rayppo.learner.full_weights import full_tensors
@@ -186,6 +187,7 @@ class InProcessTrainer(LoopTrainer):
         return update
 
     def _trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
+        """The last update's advantages (and returns, with a critic) per row."""
         assert self._experience is not None, "no update yet"
         return self._experience.trained_targets(self.critic is not None)
 
@@ -238,6 +240,10 @@ class InProcessTrainer(LoopTrainer):
             model.load_state_dict(saved[name])
             opt.load_state_dict(saved[f"{name}_opt"])
         self._load_driver_state(state)
+
+    def recover(self, failure: LearnerFailedError) -> int:
+        """One process: no learner group to restart; the failure is the run's."""
+        raise failure
 
     def room_to_grow(self, generators: int) -> bool:
         """One process: there is no fleet to grow."""

@@ -40,10 +40,9 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from rayppo.actors.generator import GeneratorEngine
-from rayppo.cluster.group import get, get_within
 from rayppo.config.schema import Config
 from rayppo.data.partial_rollouts import (carried_by, carry_from_json, carry_to_json, renumber_groups,
                                           split_finished_groups, unfinished, with_unique_groups)
@@ -51,15 +50,14 @@ from rayppo.data.prompts import PromptBatch, PromptSampler
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import rollout_seed
 from rayppo.errors import GeneratorLostError
-from rayppo.learner.guard import check_weights
 from rayppo.trainers.iteration import group_shares
 from rayppo.trainers.pipeline_stages import POLL_S, Batch, BusyClock, Published, Stages, StoppedError
+from rayppo.trainers.pipeline_weights import GeneratorWeights
 from rayppo.trainers.role_calls import RoleCalls
 from rayppo.trainers.source import Drawn, StageClock
 from rayppo.trainers.staleness import drop_stale, generator_lead, staleness_stats
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CLOSE_JOIN_S = 60.0
 """How long ``close`` waits for each stage thread once the actors are killed (their calls fail at once)."""
@@ -77,13 +75,10 @@ class PipelinedSource:
         # every rank needs rows in each minibatch.
         self._rows_needed = cfg.ppo.minibatches * cfg.learner.num_ranks
         self._cond = threading.Condition()
-        self._payload_nbytes: int | None = None
-        self._published = Published(0)
-        # Per generator (the fleet may grow): the version it holds (it built the initial weights), its busy time.
-        self._held: defaultdict[int, int] = defaultdict(int)
+        self.weights = GeneratorWeights(calls, cfg.checks.verify_sync, self._cond)
+        # Per generator (the fleet may grow): its busy time.
         self._clocks: defaultdict[int, BusyClock] = defaultdict(BusyClock)
         self._scoring_clock = BusyClock()
-        self._unverified = False
         self._stages: Stages | None = None
         """The running start of the pipeline (None until the first ``start``)."""
         self._resume_carry: list[Rollout] | None = None  # the carries a restore goes on with
@@ -97,7 +92,7 @@ class PipelinedSource:
             index, rollout, score_times, depth = self._next_scored()
         assert index == iteration, f"pipeline delivered batch {index} for iteration {iteration}"
         self._iteration, self._t_data = iteration, time.perf_counter()
-        version = self._published.version  # the learner's: it publishes after every update
+        version = self.weights.published.version  # the learner's: it publishes after every update
         staleness = staleness_stats(rollout, version)
         kept, dropped = drop_stale(rollout, version, self.k)
         figures = {**score_times, **staleness, "async/dropped_rows": float(dropped), "async/queue_depth": float(depth)}
@@ -126,23 +121,13 @@ class PipelinedSource:
     def publish(self, version: int) -> dict[str, float]:
         """``version`` to where the generators take it; the trained batch's records let go."""
         with self.clock.stage("sync"):
-            self._publish(version)
+            self.weights.publish(version)
         self._t_end = time.perf_counter()
         with self._cond:
             for records in (self._stages.batches, self._stages.prompt_states, self._stages.carry_states):
                 records.pop(self._iteration, None)
-        return {"sync/bytes": float(self._payload_bytes()), "sync/verified": self._verified()}
-
-    def _publish(self, version: int) -> None:
-        """Rank 0's weights of ``version`` into the object store; waiting generators may go on."""
-        learner = self.calls.learner
-        payload = learner.policy_weights()
-        prints = learner.sent_fingerprints() if self.cfg.checks.verify_sync else None
-        if self._payload_nbytes is None:  # the size never changes: read the payload once
-            self._payload_nbytes = get(payload).nbytes
-        with self._cond:
-            self._published = Published(version, payload, prints)
-            self._cond.notify_all()
+        return {"sync/bytes": float(self.weights.payload_bytes(len(self._stages.fleet))),
+                "sync/verified": self.weights.verified()}
 
     def timings(self, seconds: dict[str, float]) -> dict[str, float]:
         """The iteration's wall time runs from the previous one's return (the stages never stop);
@@ -158,17 +143,6 @@ class PipelinedSource:
                 "time/sync_verify": 0.0, "time/iteration": wall,
                 "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - learn / wall,
                 "async/carried_rows": float(sum(len(c) for c in self._stages.carry))}
-
-    def _verified(self) -> float:
-        """``sync/verified``: 1.0 when every generator's loads were checked (a failed check stops
-        the run), NaN when some generator cannot be fingerprinted, 0.0 with the check off."""
-        if not self.cfg.checks.verify_sync:
-            return 0.0
-        return float("nan") if self._unverified else 1.0
-
-    def _payload_bytes(self) -> int:
-        """Bytes of one copy of the weights times the generators (as ``sync/bytes`` counts them)."""
-        return (self._payload_nbytes or 0) * len(self._stages.fleet)
 
     # ------------------------------------------------------------------- pauses, restores, state
     def start(self) -> None:
@@ -186,22 +160,20 @@ class PipelinedSource:
         self._halt_stages()
         if current:
             for g in self.calls.fleet.active:
-                if self._published.version > self._held[g]:
-                    self._load(g, self._published)
+                self.weights.catch_up(g)
         yield
         self._start_stages()
 
     def bring_up_to_date(self, i: int) -> None:
         """Replacement generator ``i`` (built with the initial weights) takes the published ones."""
-        self._held[i] = 0
-        if self._published.version > 0:
-            self._load(i, self._published)
+        self.weights.built(i)
+        self.weights.catch_up(i)
 
     def restart(self, version: int) -> None:
         """The restored weights are published; every generator loads them (and is checked)
         before its first batch."""
-        self._publish(version)
-        self._held = defaultdict(lambda: -1)
+        self.weights.publish(version)
+        self.weights.forget_held()
 
     def state(self, iteration: int) -> dict[str, Any]:
         """The sampler's position before batch ``iteration`` (batches in flight are drawn again
@@ -254,7 +226,7 @@ class PipelinedSource:
 
     def _next_batch(self) -> int:
         """The batch the learner trains next: its version (it publishes after every update)."""
-        return self._published.version
+        return self.weights.published.version
 
     def _halt_stages(self) -> None:
         """Stop the stages and move the prompt sampler back to the next batch to train: the
@@ -292,10 +264,6 @@ class PipelinedSource:
             if not stages.stop.is_set() and stages.error is None:
                 stages.error = exc
 
-    def _call(self, g: int, method: Callable[..., T], args: tuple, refresh: Callable[..., None]) -> T:
-        """``method`` on generator ``g`` alone, replaced and redone by the supervisor when it dies."""
-        return self.calls.supervisor.call_one(self.calls.generators, "generators", g, method, args, refresh=refresh)
-
     def _generate_loop(self, stages: Stages, g: int) -> None:
         """Generator g: its share of batches first, first + 1, ... within the staleness window."""
         b, position = stages.first, stages.fleet.index(g)  # its share's place in each batch
@@ -304,8 +272,7 @@ class PipelinedSource:
             batch = self._batch(stages, b)
             self._clocks[g].start()
             try:
-                if published.version > self._held[g]:
-                    self._load(g, published)
+                self.weights.catch_up(g, published)
                 shares = group_shares(batch.prompts, len(stages.fleet), self.cfg.rollout.samples_per_prompt)
                 part = self._sample_share(stages, g, b, shares[position])
             finally:
@@ -323,14 +290,14 @@ class PipelinedSource:
         each call, never under the one that drew its earlier tokens."""
         seed = rollout_seed(self.cfg.seed, b)
         if not self.partial:
-            return self._call(g, GeneratorEngine.generate, (share, seed), refresh=self._refresh)
+            return self.calls.on_generator(g, GeneratorEngine.generate, (share, seed), refresh=self.weights.refresh)
         share.groups = with_unique_groups(share.groups, b, self.cfg.rollout.batch_size)
         waiting, round_ = stages.carry[g], 0
         while True:  # a round: every unfinished row gets up to partial_tokens more
             todo = unfinished(waiting)
             done = sorted(set(range(len(waiting))) - set(todo))
-            out = self._call(g, GeneratorEngine.generate_partial, (share, waiting.select(todo), seed, self.partial),
-                             refresh=self._refresh)
+            out = self.calls.on_generator(g, GeneratorEngine.generate_partial, (share, waiting.select(todo), seed, self.partial),
+                             refresh=self.weights.refresh)
             ready, waiting = split_finished_groups(Rollout.concat([waiting.select(done), out]))
             if len(ready) >= -(-self._rows_needed // len(stages.fleet)) or not unfinished(waiting):
                 break
@@ -345,13 +312,13 @@ class PipelinedSource:
     def _wait_for_window(self, stages: Stages, b: int) -> Published:
         """Block until batch b may be sampled (b <= published version + lead); the newest weights."""
         with self._cond:
-            while b > self._published.version + self.lead:
+            while b > self.weights.published.version + self.lead:
                 if stages.stop.is_set():
                     raise StoppedError
                 self._cond.wait(POLL_S)
             if stages.stop.is_set():
                 raise StoppedError
-            return self._published
+            return self.weights.published
 
     def _batch(self, stages: Stages, b: int) -> Batch:
         """Batch b's prompts, drawn (in order) by the first generator to reach it."""
@@ -362,36 +329,6 @@ class PipelinedSource:
                 stages.prompt_states[b] = self.prompts.state_dict()
                 stages.batches[b] = Batch(self.prompts.next_batch(), [None] * len(stages.fleet))
             return stages.batches[b]
-
-    def _load(self, g: int, published: Published) -> None:
-        """Generator g takes the published weights, then (``checks.verify_sync``) proves it holds them."""
-        # A generator replaced during these calls takes *these* weights (the ones it is checked
-        # against below), not newer ones published meanwhile.
-        def refresh(i: int) -> None:
-            self._refresh(i, published)
-
-        version = self._call(g, GeneratorEngine.load_weights, (published.payload,), refresh=refresh)
-        if version != published.version:
-            raise RuntimeError(f"generator {g} reports policy version {version} after loading {published.version}")
-        if published.fingerprints is not None:
-            # A generator replaced during this call takes the published weights first (``_refresh``):
-            # a fresh engine has loaded nothing, so it would fingerprint nothing.
-            held = self._call(g, GeneratorEngine.weight_fingerprints, (), refresh=refresh)
-            if held is None:  # tensor-parallel vLLM cannot be fingerprinted yet: sync/verified = NaN
-                self._unverified = True
-            else:
-                check_weights(published.fingerprints, held, g, version)
-        self._held[g] = version
-
-    def _refresh(self, i: int, published: Published | None = None) -> None:
-        """A replacement generator i takes ``published`` (default: the newest) weights, within the
-        call deadline; its own build is version 0."""
-        published = published or self._published
-        self._held[i] = 0
-        if published.payload is not None:
-            future = self.calls.generators.call_at(i, GeneratorEngine.load_weights, (published.payload,))
-            self._held[i] = get_within(future, self.calls.supervisor.timeout_s,
-                                       f"replacement generator {i} could not load policy version {published.version}")
 
     def _score_loop(self, stages: Stages) -> None:
         """Score each complete batch (reference and reward at the same time), in order."""

@@ -5,7 +5,7 @@ share redone). Every rollout source and the evaluation call them; none knows ano
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
@@ -22,6 +22,8 @@ from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.engine import Engine
 from rayppo.trainers.iteration import group_shares
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,6 +58,12 @@ class RoleCalls:
         shares = split(len(self.fleet.active))
         return Rollout.concat(sampled_shares(self.supervisor, self.fleet, method, shares, PromptBatch.whole_groups,
                                              (*options, seed), self.weight_sync.refresh))
+
+    def on_generator(self, g: int, method: Callable[..., T], args: tuple[Any, ...],
+                     refresh: Callable[[int], None]) -> T:
+        """``method`` on generator ``g`` alone (the pipeline drives each on its own), replaced and
+        redone by the supervisor when it dies or hangs, ``refresh`` bringing its replacement up to date."""
+        return self.supervisor.call_one(self.generators, "generators", g, method, args, refresh=refresh)
 
     def scored_by_reward(self, rollout: Rollout) -> Rollout:
         """``rollout`` with r_phi of every row (the reward pass alone)."""
