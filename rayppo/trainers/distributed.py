@@ -28,7 +28,8 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
-from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve, room_for_generators
+from rayppo.cluster.placement import (Placement, placement_report, release, requested_resources, reserve,
+                                     room_for_generators)
 from rayppo.cluster.roles import actor_count, add_generators, spawn_roles
 from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
@@ -72,7 +73,8 @@ class DistributedTrainer(LoopTrainer):
 
     def __init__(self, cfg: Config):
         # Everything that can fail on bad input is checked before any process starts.
-        self.policy_path = str(resolve_model_path(cfg.model.policy, cfg.model.cache_dir))  # builds the embedded model once
+        # Builds the embedded model once.
+        self.policy_path = str(resolve_model_path(cfg.model.policy, cfg.model.cache_dir))
         positions = max_positions(self.policy_path)
         limit = cfg.generators.max_model_len or positions
         prompt_set, eval_prompts = load_prompts(cfg, load_tokenizer(self.policy_path),

@@ -157,7 +157,8 @@ class InProcessTrainer(LoopTrainer):
         self.tokenizer = self.generator.tokenizer
         self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
-        self.reference = ReferenceEngine(**reference_args(cfg, gpus, model_path=ref_path)) if uses_reference(cfg.ppo) else None
+        self.reference = (ReferenceEngine(**reference_args(cfg, gpus, model_path=ref_path))
+                          if uses_reference(cfg.ppo) else None)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         self.reward = (RewardEngine(**reward_args(cfg, gpus, model=reward_model))
                        if has_reward(cfg) else None)  # an environment's turn rewards alone
@@ -168,7 +169,8 @@ class InProcessTrainer(LoopTrainer):
         super().__init__(cfg, *load_prompts(cfg, self.tokenizer,
                                             self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens))
         self.clock = StageClock()
-        self.source: LocalSource = LocalSource(cfg, self.generator, self.reference, self.reward, self.prompts, self.clock)
+        self.source: LocalSource = LocalSource(cfg, self.generator, self.reference, self.reward, self.prompts,
+                                               self.clock)
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
         self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr,

@@ -290,14 +290,14 @@ class PipelinedSource:
         each call, never under the one that drew its earlier tokens."""
         seed = rollout_seed(self.cfg.seed, b)
         if not self.partial:
-            return self.calls.on_generator(g, GeneratorEngine.generate, (share, seed), refresh=self.weights.refresh)
+            return self.calls.on_generator(g, GeneratorEngine.generate, (share, seed), self.weights.refresh)
         share.groups = with_unique_groups(share.groups, b, self.cfg.rollout.batch_size)
         waiting, round_ = stages.carry[g], 0
         while True:  # a round: every unfinished row gets up to partial_tokens more
             todo = unfinished(waiting)
             done = sorted(set(range(len(waiting))) - set(todo))
-            out = self.calls.on_generator(g, GeneratorEngine.generate_partial, (share, waiting.select(todo), seed, self.partial),
-                             refresh=self.weights.refresh)
+            out = self.calls.on_generator(g, GeneratorEngine.generate_partial,
+                                          (share, waiting.select(todo), seed, self.partial), self.weights.refresh)
             ready, waiting = split_finished_groups(Rollout.concat([waiting.select(done), out]))
             if len(ready) >= -(-self._rows_needed // len(stages.fleet)) or not unfinished(waiting):
                 break
