@@ -1,4 +1,4 @@
-"""The training driver: iterations, progress bar, metrics, early stop, final save.
+"""The training driver: iterations, metrics, early stop, a rescale between iterations, final save.
 
 The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``save(dir)``,
 ``last_rollout``, ``last_update``); this module only runs it and records what happened. Its
@@ -8,18 +8,14 @@ stop rule reads the typed result (``last_update.kl_ref``), not a metric by its n
 from __future__ import annotations
 
 import shutil
-import signal
-import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import yaml
-from tqdm import tqdm
 
+from rayppo.config.derived import fleet_minimum
 from rayppo.config.schema import Config, to_dict
 from rayppo.console import console
 from rayppo.data.rollout import Rollout
@@ -31,13 +27,17 @@ from rayppo.run.checkpoint import (CheckpointError, continued_config, latest_che
                                    write_checkpoint)
 from rayppo.run.folder import release_output_dir
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
+from rayppo.run.progress import Bar
 from rayppo.run.samples import format_samples, pick_samples, shown_prompt
 from rayppo.run.scale import changes, grows_fleet_only, take_request
+from rayppo.run.stop import StopRequest
 from rayppo.run.tracking import make_trackers
 from rayppo.trainers.evaluation import due
 
 
 class Trainer(Protocol):
+    """What the run loop asks of a trainer (``rayppo/trainers/``)."""
+
     last_rollout: Rollout | None
     last_update: LearnResult | None
     """The last iteration's update: the policy's version, its KL to the reference (the stop rule's)."""
@@ -55,6 +55,14 @@ class Trainer(Protocol):
     def restore(self, path: Path, state: dict[str, Any]) -> None: ...
 
     def recover(self, failure: LearnerFailedError) -> int: ...
+
+    def room_to_grow(self, generators: int) -> bool:
+        """Whether ``generators`` in all can sample without a restart (in one process: never)."""
+        ...
+
+    def grow_fleet(self, generators: int, minimum: int) -> list[int]:
+        """``generators`` in all from now on, at least ``minimum`` sampling; the new ones' indices."""
+        ...
 
     def close(self) -> None: ...
 
@@ -100,96 +108,6 @@ class TrainResult:
 
 def _mean_reward(records: list[dict[str, float]]) -> float:
     return sum(r["reward/mean"] for r in records) / max(len(records), 1)
-
-
-class StopRequest:
-    """How a run is asked to stop, between iterations when there is time, at once otherwise.
-
-    - Ctrl-C (SIGINT): stop after the current iteration, then write a checkpoint; a second Ctrl-C
-      stops at once.
-    - SIGTERM, a preemption (``ray job stop``, Kubernetes eviction, spot reclaim: SIGKILL follows
-      within a grace period): stop after the current iteration and write its checkpoint when that
-      fits in ``grace_s`` (estimated from the last iteration's and the last checkpoint's seconds);
-      otherwise, or once the grace is nearly spent, stop at once.
-
-    Stopping at an iteration boundary keeps the interrupt out of Ray and DeepSpeed calls in flight,
-    so the checkpoint that follows is consistent. A stop at once (``KeyboardInterrupt`` in the
-    loop) writes no checkpoint: the learner may be half-way through its update, so the latest
-    checkpoint stands.
-    """
-
-    def __init__(self, grace_s: float = 25.0) -> None:
-        self.grace_s = grace_s
-        self.requested: str | None = None
-        """``interrupted`` (Ctrl-C) or ``preempted`` (SIGTERM) once asked."""
-        self.iteration_started = time.monotonic()
-        self.last_iteration_s: float | None = None
-        self.last_checkpoint_s: float | None = None
-        self._timer: threading.Timer | None = None
-        self._lock = threading.Lock()
-        self._stopping = False  # the loop has ended: nothing left to cut short
-
-    def _sigint(self, signum, frame) -> None:
-        if self._stopping:  # a late signal (or the grace timer) after the loop ended: nothing to stop
-            return
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = "interrupted"
-        console.write("Ctrl-C: stopping after this iteration, then saving a checkpoint (Ctrl-C again to stop now)")
-
-    def _sigterm(self, signum, frame) -> None:
-        if self._stopping:
-            return
-        asked, self.requested = self.requested, "preempted"
-        if asked:  # a second signal: no more waiting
-            raise KeyboardInterrupt
-        checkpoint_s = self.last_checkpoint_s if self.last_checkpoint_s is not None else self.grace_s / 4
-        left = (self.last_iteration_s or 0.0) - (time.monotonic() - self.iteration_started)
-        if max(0.0, left) + checkpoint_s > self.grace_s:
-            console.write(f"SIGTERM: the iteration in flight needs ~{max(0.0, left):.0f} s more and its checkpoint "
-                          f"~{checkpoint_s:.0f} s, over stop.sigterm_grace_s={self.grace_s:g}: stopping now")
-            raise KeyboardInterrupt
-        console.write(f"SIGTERM: finishing this iteration and saving its checkpoint within "
-                      f"stop.sigterm_grace_s={self.grace_s:g} s")
-        self._timer = threading.Timer(max(0.0, self.grace_s - checkpoint_s), self._grace_spent)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _grace_spent(self) -> None:
-        with self._lock:
-            if not self._stopping:  # the iteration is still running: cut it short
-                console.write(f"SIGTERM: stop.sigterm_grace_s={self.grace_s:g} s nearly spent: stopping now")
-                # A real signal to the main thread: it also wakes a blocking wait there (sleep, a
-                # socket, Ray's get), which _thread.interrupt_main would leave sleeping.
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # _sigint: KeyboardInterrupt
-
-    def iteration_begins(self) -> None:
-        self.iteration_started = time.monotonic()
-
-    def iteration_done(self, seconds: float) -> None:
-        self.last_iteration_s = seconds
-
-    def stopping(self) -> None:
-        """The loop has ended; a timer still pending no longer cuts anything short."""
-        with self._lock:
-            self._stopping = True
-        if self._timer is not None:
-            self._timer.cancel()
-
-    @contextmanager
-    def installed(self) -> Iterator["StopRequest"]:
-        if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
-            yield self
-            return
-        previous = signal.signal(signal.SIGINT, self._sigint), signal.signal(signal.SIGTERM, self._sigterm)
-        try:
-            yield self
-        finally:
-            try:
-                self.stopping()
-            finally:
-                signal.signal(signal.SIGINT, previous[0])
-                signal.signal(signal.SIGTERM, previous[1])
 
 
 def train(cfg: Config, progress: bool = True, resume: Path | None = None) -> TrainResult:
@@ -255,7 +173,7 @@ class _Loop:
     trainer: Trainer
     out: Path
     logger: MetricsLogger
-    bar: "Bar"
+    bar: Bar
     stop: StopRequest
     it: int
     """Iterations completed so far."""
@@ -306,9 +224,9 @@ class _Loop:
         # No restart when only generators are added and the cluster has room for them now: they join the
         # running fleet. Else (a local Ray instance sized to the job has none) through a checkpoint.
         if grows_fleet_only(self.cfg, cfg) and self.trainer.room_to_grow(cfg.generators.num):
-            self.cfg.generators.min_num = cfg.generators.min_num
-            self.trainer.grow_fleet(cfg.generators.num)  # the trainer's config is this one: it moves .num
-            _save_config(self.out, self.cfg)
+            self.trainer.grow_fleet(cfg.generators.num, fleet_minimum(cfg))
+            self.cfg = cfg  # the loop goes on under the grown split; config.yaml says it for a resume
+            _save_config(self.out, cfg)
             console.write(f"rayppo scale: {said} after iteration {self.it - 1}: the new generators join the fleet "
                           "once placed and up to date (no restart)")
             return False
@@ -396,39 +314,6 @@ def _after_iteration(cfg: Config, trainer: Trainer, out: Path, it: int, metrics:
         for line in format_samples(pick_samples(questions, rollout.response_text, rollout.total_rewards(), n),
                                    shutil.get_terminal_size().columns):
             console.write(line)
-
-
-class Bar:
-    """The progress bar: iterations, ETA, and the figures a user watches (reward, held-out
-    reward, KL, tokens/s). The last evaluation's reward stays on it until the next one. When
-    stderr is not a terminal (a log file, CI, nohup) there is no bar, whose redraws would fill the
-    log: one plain line every tenth of the run (and the last) says the same."""
-
-    def __init__(self, total: int, first: int, enabled: bool) -> None:
-        self.lines = enabled and not sys.stderr.isatty()
-        self.done, self.total, self.every = first, total, max(1, total // 10)
-        self.bar = tqdm(total=total, initial=first, desc="PPO", unit="it", disable=not enabled or self.lines,
-                        file=sys.stderr, dynamic_ncols=True)
-        self.eval: str | None = None
-
-    def update(self, metrics: dict[str, float]) -> None:
-        if "eval/reward/mean" in metrics:
-            self.eval = f"{metrics['eval/reward/mean']:.3f}"
-        shown = {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
-                 **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
-                 "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
-        self.bar.set_postfix(shown, refresh=False)
-        self.bar.update()
-        self.done += 1  # a disabled tqdm does not count
-        if self.lines and (self.done % self.every == 0 or self.done == self.total):
-            console.write(f"PPO {self.done}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
-
-    def rewind(self, iteration: int) -> None:
-        self.done = self.bar.n = iteration
-        self.bar.refresh()
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _finish(cfg: Config, trainer: Trainer, out: Path, stop_reason: str, done: int, at_once: bool) -> None:

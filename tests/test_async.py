@@ -18,10 +18,11 @@ from rayppo.engine import Engine
 from rayppo.learner.guard import WeightSyncError
 from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
-from rayppo.trainers import pipeline
-from rayppo.trainers.distributed import DistributedTrainer
+from rayppo.trainers import pipeline_stages
+from rayppo.trainers.distributed import DistributedTrainer, source_class
 from rayppo.trainers.choice import trainer_class
-from rayppo.trainers.pipeline import BusyClock, PipelinedTrainer
+from rayppo.trainers.pipeline import PipelinedSource
+from rayppo.trainers.pipeline_stages import BusyClock
 from rayppo.trainers.staleness import drop_stale, staleness_stats
 
 
@@ -46,7 +47,7 @@ def test_staleness_stats_are_versions_behind_the_learner():
 
 def test_busy_clock_counts_the_busy_seconds_inside_a_window(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(pipeline_stages.time, "perf_counter", lambda: now[0])
     clock = BusyClock()
     for start, end in ((1.0, 3.0), (5.0, 6.0)):
         now[0] = start
@@ -60,8 +61,11 @@ def test_busy_clock_counts_the_busy_seconds_inside_a_window(monkeypatch):
 
 
 def test_staleness_zero_is_the_synchronous_trainer_and_k_selects_the_pipeline():
-    assert trainer_class(load_config(None, [])) is DistributedTrainer
-    assert trainer_class(load_config(None, ["rollout.max_staleness=2"])) is PipelinedTrainer
+    from rayppo.trainers.sync_source import SynchronousSource
+
+    synchronous, pipelined = load_config(None, []), load_config(None, ["rollout.max_staleness=2"])
+    assert trainer_class(synchronous) is DistributedTrainer and source_class(synchronous) is SynchronousSource
+    assert trainer_class(pipelined) is DistributedTrainer and source_class(pipelined) is PipelinedSource
 
 
 ASYNC = ["rollout.max_staleness=1", "rollout.batch_size=16", "learner.num_ranks=1", "ppo.minibatches=2",
@@ -84,7 +88,7 @@ def _prompt_batches(cfg, n: int) -> list[list[str]]:
 def test_pipeline_overlaps_with_staleness_one_and_resumes_from_the_batch_after_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     cfg = load_config(None, ASYNC + ["stop.iterations=3", f"output.dir={out}"])
-    run(cfg, PipelinedTrainer(cfg), progress=False)
+    run(cfg, DistributedTrainer(cfg), progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # k = 1: batch 0 comes from the initial weights; every later batch was sampled while the
     # learner trained the one before, with the weights one version behind (never two).
@@ -102,7 +106,7 @@ def test_pipeline_overlaps_with_staleness_one_and_resumes_from_the_batch_after_t
 
     # The run ended with a checkpoint of iteration 3; batch 3 was in flight and is drawn again.
     resumed, checkpoint = resume_config(str(out), ["stop.iterations=4"])
-    run(resumed, PipelinedTrainer(resumed), progress=False, resume=checkpoint)
+    run(resumed, DistributedTrainer(resumed), progress=False, resume=checkpoint)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2, 3]
     assert records[3]["async/staleness_max"] == 0.0  # sampled with the restored weights
@@ -120,7 +124,7 @@ def test_a_killed_generator_is_replaced_with_the_published_weights_and_no_prompt
                              "generators.num=2", "generators.cpus_per_worker=0.25", "eval.every=100",
                              f"output.dir={tmp_path}"])
     expected = _prompt_batches(cfg, 5)
-    trainer = PipelinedTrainer(cfg)
+    trainer = DistributedTrainer(cfg)
     try:
         records = [trainer.iteration()]
         pid, _ = get(trainer.generators.call_at(1, Engine.process_id, ()))
@@ -149,7 +153,7 @@ def test_the_weight_check_runs_after_each_generators_own_sync(tmp_path):
     runs after every load, between that generator's batches, as after a synchronous sync."""
     cfg = load_config(None, ["rollout.max_staleness=1", "rollout.batch_size=16", "learner.num_ranks=1",
                              "checks.sync_fault=skip_tensor", "eval.every=0", f"output.dir={tmp_path}"])
-    trainer = PipelinedTrainer(cfg)
+    trainer = DistributedTrainer(cfg)
     try:
         with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1 \(the update of iteration 0\): generator 0 does not hold the "
                                                   r"weights the learner sent: model.layers.0.mlp.down_proj.weight"):

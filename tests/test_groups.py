@@ -153,7 +153,7 @@ def test_the_asynchronous_pipeline_trains_groups_sampled_by_one_policy_version_a
     finally:
         trainer.close()
     assert stats["async/staleness_max"] <= 1
-    assert [t.name for t in trainer._stages.threads if t.is_alive()] == []
+    assert [t.name for t in trainer.source._stages.threads if t.is_alive()] == []
     assert trainer.supervisor.restarts == 0  # the actors close killed under calls in flight were not replaced
 
 

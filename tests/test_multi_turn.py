@@ -493,11 +493,11 @@ def test_the_episode_figures_count_turns_tokens_and_each_budgets_cuts():
 def test_the_asynchronous_pipeline_trains_on_episodes(guess_dir, tmp_path):
     """rollout.max_staleness=1: generators play the next batch's episodes while the learner trains;
     every row is an episode of one policy version, and the iterations' figures count its turns."""
-    from rayppo.trainers.pipeline import PipelinedTrainer
+    from rayppo.trainers.distributed import DistributedTrainer
 
     cfg = load_config(None, MULTI_TURN + ["rollout.max_staleness=1", "learner.weight_sync=object_store",
                                           f"output.dir={tmp_path / 'run'}"])
-    trainer = PipelinedTrainer(cfg)
+    trainer = DistributedTrainer(cfg)
     try:
         stats = [trainer.iteration() for _ in range(3)]
         rollout = trainer.last_rollout

@@ -144,10 +144,10 @@ def test_a_generator_killed_mid_continuation_and_a_restored_checkpoint_lose_and_
     then trained exactly once, or is still in flight, or was dropped as stale and counted."""
     from rayppo.cluster.group import get
     from rayppo.engine import Engine
-    from rayppo.trainers.pipeline import PipelinedTrainer
+    from rayppo.trainers.distributed import DistributedTrainer
 
     cfg = load_config(None, PARTIAL + [f"output.dir={tmp_path}"])
-    trainer = PipelinedTrainer(cfg)
+    trainer = DistributedTrainer(cfg)
     records: list[dict[str, float]] = []
     lags: list[int] = []  # versions between each trained row's oldest token and the learner
 
@@ -160,10 +160,10 @@ def test_a_generator_killed_mid_continuation_and_a_restored_checkpoint_lose_and_
     try:
         trained = [step()]
         for _ in range(5):
-            if len(trainer._stages.carry[1]):  # generator 1 holds unfinished rows: kill it now
+            if len(trainer.source._stages.carry[1]):  # generator 1 holds unfinished rows: kill it now
                 break
             trained.append(step())
-        assert len(trainer._stages.carry[1]), "generator 1 never held an unfinished row"
+        assert len(trainer.source._stages.carry[1]), "generator 1 never held an unfinished row"
         pid, _ = get(trainer.generators.call_at(1, Engine.process_id, ()))
         os.kill(pid, signal.SIGKILL)
         trained += [step() for _ in range(2)]
@@ -175,7 +175,7 @@ def test_a_generator_killed_mid_continuation_and_a_restored_checkpoint_lose_and_
         trainer.restore(tmp_path / "ckpt", state)
         assert trainer.iteration_count == at
         trained += [step() for _ in range(2)]
-        in_flight = Rollout.concat(trainer._stages.carry_states[trainer.iteration_count])
+        in_flight = Rollout.concat(trainer.source._stages.carry_states[trainer.iteration_count])
         end = trainer.iteration_count
     finally:
         trainer.close()

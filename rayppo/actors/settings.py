@@ -1,13 +1,18 @@
-"""A generator's settings from the config: how it samples, its multi-turn episodes, its seed."""
+"""The roles' settings from the config: how a generator samples, its multi-turn episodes, its
+seed; the scorers' constructor arguments (the same for an actor and the in-process trainer)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rayppo.actors.hf_backend import SamplingSettings
+from rayppo.actors.reward import endpoint_from
 from rayppo.config.schema import Config
 from rayppo.episodes.loop import EpisodeSettings
 
 
 def sampling_settings(cfg: Config) -> SamplingSettings:
+    """How a generator samples: the response budget, the temperature, whether EOS ends a response."""
     r = cfg.rollout
     return SamplingSettings(r.max_new_tokens, r.temperature, r.ignore_eos)
 
@@ -25,3 +30,21 @@ def generator_seed(seed: int, generator_id: int) -> int:
     """The seed of generator ``generator_id``'s engine, fixed by the run's seed. No response draws
     from it: each row carries its own seed (``hf_backend.sample_seeds``)."""
     return (seed * 1_000_003 + 104_729 * (generator_id + 1)) % 2**31
+
+
+def reference_args(cfg: Config, gpus: float, num_threads: int | None = None,
+                   model_path: str | None = None) -> dict[str, Any]:
+    """``ReferenceEngine``'s constructor arguments; the model ``model.reference`` (else the
+    policy's) unless ``model_path`` gives it resolved."""
+    m = cfg.model
+    return dict(model_path=model_path or m.reference or m.policy, temperature=cfg.rollout.temperature, dtype=m.dtype,
+                num_threads=num_threads, gpus=gpus, micro_batch_tokens=cfg.reference.micro_batch_tokens)
+
+
+def reward_args(cfg: Config, gpus: float, num_threads: int | None = None, model: str | None = None) -> dict[str, Any]:
+    """``RewardEngine``'s constructor arguments: one of ``reward.function``, ``reward.model``
+    (unless ``model`` gives it resolved) and ``reward.url``."""
+    r = cfg.reward
+    return dict(function=r.function, model=model or r.model, batch_size=r.batch_size, dtype=cfg.model.dtype,
+                num_threads=num_threads, http=endpoint_from(r.url, r.timeout_s, r.retries), gpus=gpus,
+                timeout_s=r.timeout_s, timeout_score=r.timeout_score, micro_batch_tokens=r.micro_batch_tokens)

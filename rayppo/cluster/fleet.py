@@ -55,7 +55,7 @@ class Fleet:
         """Times a generator left the fleet (``faults/generators_lost``)."""
         self._left: set[int] = set()  # generators that left it at some time
         self.iteration = 0
-        """The iteration the trainer is in (for the messages and ``fleet.json``)."""
+        """The iteration the trainer is in (for the messages and ``fleet.json``; set by ``returned``)."""
         self._save()
 
     @property
@@ -65,18 +65,19 @@ class Fleet:
 
     def on_active(self, call: Callable[[list[int]], T]) -> T:
         """``call(active generators)``, made again over the generators left each time one leaves
-        the fleet during it (``GeneratorLostError``)."""
+        the fleet during it (the supervisor's fan-out cannot return every result then, and says
+        so with ``GeneratorLostError``)."""
         while True:
             try:
                 return call(list(self.active))
             except GeneratorLostError as exc:
                 log.warning("%s: making the call again on generators %s", exc, self.active)
 
-    def started(self, i: int, first_answer: Any, timeout_s: float) -> Any:
+    def started(self, i: int, first_answer: Any, timeout_s: float) -> Any | None:
         """Wait for replacement generator ``i``'s ``first_answer`` (a future) and return its value;
         ``GetTimeoutError`` past ``timeout_s``. A Ray-placed replacement whose bundle has no
-        node after ``cluster.placement_timeout_s`` leaves the fleet instead (``GeneratorLostError``;
-        ``FleetTooSmallError`` below ``generators.min_num``), and one that dies before it runs its
+        node after ``cluster.placement_timeout_s`` leaves the fleet instead: None (and
+        ``FleetTooSmallError`` below ``generators.min_num``). One that dies before it runs its
         constructor (placed on the lost node before Ray noticed it is gone) is started again."""
         if not self.placed_by_ray:
             return get(first_answer, timeout=timeout_s)
@@ -95,9 +96,12 @@ class Fleet:
             first_answer = self.group.call_at(i, Engine.process_id, ())
         if not bundle_placed(self.placement, i):
             self._leave(i, first_answer)
+            return None
         return get(first_answer, timeout=max(0.0, timeout_s - self.place_timeout_s))
 
     def _leave(self, i: int, first_answer: Any) -> None:
+        """Generator ``i`` waits for a place (its replacement's ``first_answer``) out of the fleet;
+        below ``minimum`` the run stops (``FleetTooSmallError``)."""
         if i in self.active:
             self.active.remove(i)
         self.waiting[i] = first_answer
@@ -114,12 +118,13 @@ class Fleet:
                 f"generators.num={max(1, len(self.active))}")
         console.write(f"generator {i} left the fleet at iteration {self.iteration}: {where}; going on with "
                       f"{len(self.active)} of {len(self.group)} (it rejoins when the cluster has room)")
-        raise GeneratorLostError(f"generator {i} left the fleet")
 
-    def returned(self) -> list[int]:
-        """The waiting generators whose replacement is placed and built now (no waiting). One that
-        died meanwhile (its new node lost too) is replaced again and keeps waiting; one whose
-        constructor failed stops the run (``ActorFailedError``)."""
+    def returned(self, iteration: int) -> list[int]:
+        """At the boundary before ``iteration`` (which the fleet's messages and ``fleet.json`` name
+        from now on): the waiting generators whose replacement is placed and built now (no
+        waiting). One that died meanwhile (its new node lost too) is replaced again and keeps
+        waiting; one whose constructor failed stops the run (``ActorFailedError``)."""
+        self.iteration = iteration
         back = []
         for i, answer in list(self.waiting.items()):
             ready, _ = ray.wait([answer], timeout=0)
@@ -136,10 +141,13 @@ class Fleet:
                 self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
         return back
 
-    def add(self, i: int) -> None:
-        """New generator ``i`` (``rayppo scale``) waits like a lost one: it joins at the first
-        iteration boundary after it is placed and built (``returned``, ``rejoin``)."""
-        self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
+    def grow(self, added: list[int], minimum: int) -> None:
+        """New generators ``added`` (``rayppo scale``) wait like lost ones: each joins at the first
+        iteration boundary after it is placed and built (``returned``, ``rejoin``); from now on the
+        run goes on with no fewer than ``minimum`` (``generators.min_num`` may come with them)."""
+        self.minimum = minimum
+        for i in added:
+            self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
         self._save()
 
     def wait(self, generators: list[int], timeout_s: float) -> None:
@@ -174,6 +182,7 @@ class Fleet:
                       f"{len(self.group)} generators")
 
     def metrics(self) -> dict[str, float]:
+        """The fleet's figures of the metrics line."""
         return {"fleet/generators": float(len(self.active)), "faults/generators_lost": float(self.lost)}
 
     def state(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
-from rayppo.actors.reward import RewardEngine, endpoint_from
+from rayppo.actors.reward import RewardEngine
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
@@ -28,7 +28,7 @@ from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.models.weights import SyncFault
-from rayppo.actors.settings import episode_settings, generator_seed, sampling_settings
+from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
 
 
 @dataclass
@@ -45,7 +45,7 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
                 schedule: DeviceSchedule) -> Roles:
     """Every role's actors, in the order the GPUs need (``generators_start_first``);
     ``context`` is vLLM's max_model_len (``config.derived.generator_context``)."""
-    g, m = cfg.generators, cfg.model
+    g = cfg.generators
     threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
                "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
                "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
@@ -66,14 +66,8 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
         schedule.stage("spawn generators")
         generators.get(generators.call_all(Engine.ready))
         schedule.stage("generators ready")
-    reference = dict(model_path=m.reference or m.policy, temperature=cfg.rollout.temperature, dtype=m.dtype,
-                     num_threads=threads["reference"], gpus=gpus["reference"],
-                     micro_batch_tokens=cfg.reference.micro_batch_tokens)
-    reward = dict(function=cfg.reward.function, model=cfg.reward.model, batch_size=cfg.reward.batch_size,
-                  dtype=m.dtype, num_threads=threads["reward"],
-                  http=endpoint_from(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries), gpus=gpus["reward"],
-                  timeout_s=cfg.reward.timeout_s, timeout_score=cfg.reward.timeout_score,
-                  micro_batch_tokens=cfg.reward.micro_batch_tokens)
+    reference = reference_args(cfg, gpus["reference"], threads["reference"])
+    reward = reward_args(cfg, gpus["reward"], threads["reward"])
     roles = Roles(
         generators,
         ActorGroup(ReferenceEngine, [reference] * reference_actors(cfg), options("reference", reference_actors(cfg))),

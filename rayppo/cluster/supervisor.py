@@ -35,8 +35,7 @@ from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.engine import Engine
-from rayppo.errors import (ActorFailedError, GeneratorLostError, RayppoError, RunClosedError, SharesLostError, brief,
-                           restated)
+from rayppo.errors import ActorFailedError, RayppoError, RunClosedError, SharesLostError, brief, restated
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +73,15 @@ class Supervisor:
         """Iterations completed, redone ones included: the clock of the restart window."""
         self._recent: deque[int] = deque()  # ``completed`` at each restart still inside the window
         self._lock = threading.Lock()
-        self._where: dict[tuple[int, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
+        self._where: dict[tuple[ActorGroup, int], tuple[int, str]] = {}  # (group, actor) -> (pid, node address)
         self.closed = False
         """Set by ``close``: the run is ending and its actors are being killed."""
-        self._fleets: dict[int, Fleet] = {}  # id(group) -> its fleet (the generators')
+        self.fleet: Fleet | None = None
+        """The generators' fleet (``add_fleet``)."""
 
     def add_fleet(self, fleet: Fleet) -> None:
         """A replacement in ``fleet.group`` that finds no place leaves the fleet (``Fleet.started``)."""
-        self._fleets[id(fleet.group)] = fleet
+        self.fleet = fleet
 
     def close(self) -> None:
         """No replacements from now on: a call whose actor dies (killed by the run's own
@@ -92,7 +92,7 @@ class Supervisor:
         """Note where each actor of ``group`` runs (waits until they are built)."""
         if not group.local:
             for i, where in enumerate(group.get(group.call_all(Engine.process_id))):
-                self._where[id(group), i] = where
+                self._where[group, i] = where
 
     def call(self, group: ActorGroup, role: str, method: Callable[..., Any], args: Sequence[tuple],
              refresh: Callable[[int], None] | None = None, actors: Sequence[int] | None = None) -> list[Any]:
@@ -157,9 +157,7 @@ class Supervisor:
               f: "Fanout", pos: int, cause: str, hung: bool = False) -> None:
         """Replace the actor of ``f``'s share ``pos`` and send the share again; when the actor left
         the fleet instead, note the share as lost (``run`` raises once the others are done)."""
-        try:
-            self._replace(f, f.actor_at(pos), cause, hung)
-        except GeneratorLostError:
+        if not self.replace(f.group, f.role, f.actor_at(pos), cause, hung, f.refresh):
             lost.setdefault(next(k for k, g in enumerate(fanouts) if g is f), []).append(pos)
             return
         self._send(pending, f, pos)
@@ -195,34 +193,36 @@ class Supervisor:
             self._recent.append(self.completed)
             self.restarts += 1
 
-    def _replace(self, f: "Fanout", i: int, cause: str, hung: bool = False) -> None:
-        self.replace(f.group, f.role, i, cause, hung, f.refresh)
-
     def replace(self, group: ActorGroup, role: str, i: int, cause: str, hung: bool = False,
-                refresh: Callable[[int], None] | None = None) -> None:
+                refresh: Callable[[int], None] | None = None) -> bool:
         """Replace actor ``i`` of ``group`` (counted against the budget; a hung one's stacks
-        dumped first), wait until it is built, bring it up to date with ``refresh``."""
+        dumped first), wait until it is built, bring it up to date with ``refresh``. False when
+        it found no place and left the generator fleet instead (``Fleet.started``)."""
         if self.closed:
             raise RunClosedError(f"{role} actor {i} {cause} after the run was closed: not replaced")
         self.count_restart(f"{role} actor {i} {cause}", hint=console.details(role, i))
         if hung:
-            dump_stacks(*self._where.get((id(group), i), (None, None)))
+            dump_stacks(*self._where.get((group, i), (None, None)))
         start = time.perf_counter()
         group.restart(i)
-        self._where[id(group), i] = self._started(group, role, i)
+        where = self._started(group, role, i)
+        if where is None:
+            return False
+        self._where[group, i] = where
         if refresh is not None:
             refresh(i)
         log.warning("%s actor %d %s: replaced in %.1f s (%s); redoing its share", role, i, cause,
                     time.perf_counter() - start, self.budget_text())
+        return True
 
-    def _started(self, group: ActorGroup, role: str, i: int) -> tuple[int, str]:
-        """Wait (within the call deadline) until replacement actor i is built; where it runs. A
-        replacement that fails while starting, or does not start in time, stops the run naming it."""
+    def _started(self, group: ActorGroup, role: str, i: int) -> tuple[int, str] | None:
+        """Wait (within the call deadline) until replacement actor i is built; where it runs (None:
+        a generator that left the fleet). A replacement that fails while starting, or does not
+        start in time, stops the run naming it."""
         first_answer = group.call_at(i, Engine.process_id, ())
         try:
-            fleet = self._fleets.get(id(group))
-            if fleet is not None:  # no place within cluster.placement_timeout_s: it leaves the fleet
-                return fleet.started(i, first_answer, self.timeout_s)
+            if self.fleet is not None and group is self.fleet.group:  # no place in time: it leaves the fleet
+                return self.fleet.started(i, first_answer, self.timeout_s)
             return get(first_answer, timeout=self.timeout_s)
         except GetTimeoutError:
             raise ActorFailedError(f"the replacement of {role} actor {i} did not start within cluster.call_timeout_s="

@@ -28,7 +28,7 @@ from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
 from rayppo.config.schema import Config
-from rayppo.errors import ActorFailedError, GeneratorLostError, LearnerFailedError, brief
+from rayppo.errors import ActorFailedError, LearnerFailedError, brief
 from rayppo.learner.guard import check_weights
 from rayppo.learner.weight_sync import SyncEndpoint
 
@@ -151,10 +151,7 @@ class BroadcastSync:
     def _replace(self, i: int, cause: str, hung: bool) -> None:
         """Replace generator ``i``; when it finds no place it has left the fleet, and the group is
         formed again without it."""
-        try:
-            self.supervisor.replace(self.generators, "generators", i, cause, hung)
-        except GeneratorLostError:
-            pass
+        self.supervisor.replace(self.generators, "generators", i, cause, hung)
 
     def _failed_call(self, futures: list[Any], method: str) -> tuple[int, str, bool] | None:
         """The first call (one future per active generator) whose generator died or missed the call

@@ -103,8 +103,7 @@ def grows_fleet_only(before, after) -> bool:
     learner's bundles)."""
     fields = set(changed_fields(before, after))
     return ("generators.num" in fields and fields <= {"generators.num", "generators.min_num"}
-            and after.generators.num > before.generators.num and not before.cluster.colocate_all
-            and before.trainer == "distributed")
+            and after.generators.num > before.generators.num and not before.cluster.colocate_all)
 
 
 def _merged(earlier: list[str], later: list[str]) -> list[str]:

@@ -1,8 +1,11 @@
 """Which trainer runs a config: the one place the choice is made.
 
-    trainer=reference                      InProcessTrainer  (one process, transformers only)
-    trainer=distributed, max_staleness=0   DistributedTrainer (the synchronous iteration on Ray)
-    trainer=distributed, max_staleness>0   PipelinedTrainer  (generation, scoring, learning overlapped)
+    trainer=reference                      InProcessTrainer   (one process, transformers only)
+    trainer=distributed                    DistributedTrainer (on Ray), whose rollout source is
+        max_staleness=0                    SynchronousSource  (generate, score, learn, sync in turn)
+        max_staleness>0                    PipelinedSource    (generation, scoring, learning overlapped)
+
+The rollout source is chosen by ``distributed.source_class``, at the one call site that builds it.
 
 The modules are imported on demand: the in-process trainer never imports Ray.
 """
@@ -20,10 +23,6 @@ def trainer_class(cfg: Config) -> type:
         from rayppo.trainers.inprocess import InProcessTrainer
 
         return InProcessTrainer
-    if cfg.rollout.max_staleness > 0:
-        from rayppo.trainers.pipeline import PipelinedTrainer
-
-        return PipelinedTrainer
     from rayppo.trainers.distributed import DistributedTrainer
 
     return DistributedTrainer

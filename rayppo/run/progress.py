@@ -1,0 +1,45 @@
+"""The progress bar of a run (or, without a terminal, a plain line every tenth of it)."""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+from rayppo.console import console
+
+
+class Bar:
+    """The progress bar: iterations, ETA, and the figures a user watches (reward, held-out
+    reward, KL, tokens/s). The last evaluation's reward stays on it until the next one. When
+    stderr is not a terminal (a log file, CI, nohup) there is no bar, whose redraws would fill the
+    log: one plain line every tenth of the run (and the last) says the same."""
+
+    def __init__(self, total: int, first: int, enabled: bool) -> None:
+        self.lines = enabled and not sys.stderr.isatty()
+        self.done, self.total, self.every = first, total, max(1, total // 10)
+        self.bar = tqdm(total=total, initial=first, desc="PPO", unit="it", disable=not enabled or self.lines,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.eval: str | None = None
+
+    def update(self, metrics: dict[str, float]) -> None:
+        """One more iteration done, with its ``metrics``."""
+        if "eval/reward/mean" in metrics:
+            self.eval = f"{metrics['eval/reward/mean']:.3f}"
+        shown = {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
+                 **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
+                 "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update()
+        self.done += 1  # a disabled tqdm does not count
+        if self.lines and (self.done % self.every == 0 or self.done == self.total):
+            console.write(f"PPO {self.done}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+
+    def rewind(self, iteration: int) -> None:
+        """Back to ``iteration`` (a learner restart redoes the iterations since its checkpoint)."""
+        self.done = self.bar.n = iteration
+        self.bar.refresh()
+
+    def close(self) -> None:
+        """The bar leaves the terminal."""
+        self.bar.close()

@@ -1,0 +1,123 @@
+"""The distributed roles' calls an iteration makes: a batch sampled by the fleet, scored by the
+reference and reward actors, under the ``Supervisor`` (a dead or hung actor is replaced and its
+share redone). Every rollout source and the evaluation call them; none knows another's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.reference import ReferenceEngine
+from rayppo.actors.reward import RewardEngine
+from rayppo.cluster.colocation import DeviceSchedule
+from rayppo.cluster.fleet import Fleet
+from rayppo.cluster.group import ActorGroup
+from rayppo.cluster.learner_group import LearnerGroup
+from rayppo.cluster.shares import sampled_shares
+from rayppo.cluster.supervisor import Fanout, Supervisor
+from rayppo.cluster.weight_sync import BroadcastSync, IpcSync, ObjectStoreSync, verify_sync
+from rayppo.config.schema import Config
+from rayppo.data.prompts import PromptBatch
+from rayppo.data.rollout import Rollout, split_evenly
+from rayppo.engine import Engine
+from rayppo.trainers.iteration import group_shares
+
+T = TypeVar("T")
+
+
+@dataclass
+class RoleCalls:
+    """The actor groups of a distributed run and the calls the iteration makes on them."""
+
+    cfg: Config
+    generators: ActorGroup
+    reference: ActorGroup
+    rewards: ActorGroup
+    learner: LearnerGroup
+    supervisor: Supervisor
+    fleet: Fleet
+    schedule: DeviceSchedule
+    weight_sync: ObjectStoreSync | BroadcastSync | IpcSync
+    """Replaced with the learner group after a learner restart (``DistributedTrainer.recover``)."""
+
+    def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
+        """Each generator of the fleet samples its share of the prompts, in groups (``group_shares``);
+        a row's noise is its group's and place's (``sample_seeds``), whichever generator draws it."""
+        n = self.cfg.rollout.samples_per_prompt
+        return self.sample(GeneratorEngine.generate, lambda g: group_shares(prompts, g, n), seed)
+
+    def sample(self, method: Callable[..., Rollout], split: Callable[[int], list[PromptBatch]], seed: int,
+               *options: Any) -> Rollout:
+        """``method`` (generate or evaluate) on each generator of the fleet with its share of the
+        prompts (``split(generators)``), ``options`` and the call's seed (last; each row's noise
+        follows from it and the row's group, ``sample_seeds``). A generator that dies or hangs is
+        replaced, given the current weights, and samples its share again. When one leaves the fleet
+        meanwhile, the other shares are kept and only the lost one is split again over the
+        generators left (``cluster/shares.py``, ``PromptBatch.whole_groups``)."""
+        shares = split(len(self.fleet.active))
+        return Rollout.concat(sampled_shares(self.supervisor, self.fleet, method, shares, PromptBatch.whole_groups,
+                                             (*options, seed), self.weight_sync.refresh))
+
+    def on_generator(self, g: int, method: Callable[..., T], args: tuple[Any, ...],
+                     refresh: Callable[[int], None]) -> T:
+        """``method`` on generator ``g`` alone (the pipeline drives each on its own), replaced and
+        redone by the supervisor when it dies or hangs, ``refresh`` bringing its replacement up to date."""
+        return self.supervisor.call_one(self.generators, "generators", g, method, args, refresh=refresh)
+
+    def scored_by_reward(self, rollout: Rollout) -> Rollout:
+        """``rollout`` with r_phi of every row (the reward pass alone)."""
+        (score,) = self.reward_scores([rollout])
+        return rollout.scored(score)
+
+    def reward_scores(self, rollouts: list[Rollout]) -> list[list[float]]:
+        """r_phi of each rollout's rows (the reward pass alone); 0 when nothing but an environment
+        rewards them."""
+        if not len(self.rewards):
+            return [[0.0] * len(r) for r in rollouts]
+        return [[x for part in parts for x in part] for parts in self.supervisor.run([self._reward_pass(r) for r in rollouts])]
+
+    def _reward_pass(self, rollout: Rollout) -> Fanout:
+        """r_phi of ``rollout``'s rows, split across the reward actors."""
+        rows = split_evenly(len(rollout), len(self.rewards))
+        return Fanout(self.rewards, "reward", RewardEngine.scores, [(rollout.select(r),) for r in rows])
+
+    def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
+        only when no reference runs, at ppo.kl_coef = 0)."""
+        if not len(self.rewards):  # an environment's turn rewards are the whole reward
+            rollout = rollout.scored([0.0] * len(rollout))
+        scored = len(rollout.score) == len(rollout)  # dynamic sampling has rewarded it already
+        passes = [] if scored else [self._reward_pass(rollout)]
+        if len(self.reference):
+            ref_rows = split_evenly(len(rollout), len(self.reference))
+            passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
+                                 [(rollout.select(r),) for r in ref_rows]))
+        parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
+        score = [x for part in parts["reward"] for x in part] if "reward" in parts else rollout.score
+        rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part])
+        seconds = {p.role: p.seconds for p in passes}
+        return rollout, {"time/reward": seconds.get("reward", 0.0), "time/reference": seconds.get("reference", 0.0)}
+
+    def verify(self, version: int, generators: list[int] | None = None) -> float:
+        """The guard's check of ``generators``' weights (default: the fleet's) after a sync
+        (``verify_sync``); made again over the generators left when one leaves the fleet."""
+        if generators is not None:
+            return verify_sync(self.learner, self.generators, version, self.supervisor, self.weight_sync.refresh,
+                               generators)
+        return self.fleet.on_active(lambda active: verify_sync(self.learner, self.generators, version,
+                                                               self.supervisor, self.weight_sync.refresh, active))
+
+    def groups(self) -> dict[str, ActorGroup]:
+        """Each role's actor group, by role."""
+        return {"generators": self.generators, "reference": self.reference, "reward": self.rewards,
+                "learner": self.learner.ranks}
+
+    def peak_memory(self) -> dict[str, int]:
+        """Peak resident memory (bytes) of the largest process of each role."""
+        groups = self.groups()
+        actors = {role: list(self.fleet.active) if role == "generators" else list(range(len(group)))
+                  for role, group in groups.items()}  # a generator waiting for a place answers nothing
+        return {role: max(m["rss"] for m in group.get([group.call_at(i, Engine.peak_memory_bytes, ())
+                                                       for i in actors[role]]))
+                for role, group in groups.items() if actors[role]}
