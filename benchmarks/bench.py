@@ -39,10 +39,16 @@ from rayppo.models.paths import cache_root
 
 # The report and TRL's environment are modules beside this one (benchmarks/ is not a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_report import (length_stats, plot_stages, plot_sweep, print_sweep, print_table,  # noqa: E402
-                          stage_tokens, summarize)
-from bench_trl_venv import (TRL_REQUIREMENTS, TrlVenv, choose_trl_venv, clear_leftovers,  # noqa: E402,F401
-                            ensure_trl_venv, install_line, venv_state)
+from bench_report import plot_stages, plot_sweep, print_sweep, print_table, summarize  # noqa: E402
+from bench_trl_venv import (  # noqa: E402,F401
+    TRL_REQUIREMENTS,
+    TrlVenv,
+    choose_trl_venv,
+    clear_leftovers,
+    ensure_trl_venv,
+    install_line,
+    venv_state,
+)
 
 HERE = Path(__file__).resolve().parent
 TRL_SCRIPTS = {"gae": "trl_ppo.py", "grpo": "trl_grpo.py"}
@@ -69,7 +75,6 @@ def load_workloads(path: Path = HERE / "workloads.yaml") -> dict[str, Workload]:
 def prepare_models(workload: Workload) -> tuple[Path, Path]:
     """(policy folder, reward-model folder) for a workload, built once and cached."""
     from rayppo.models.embedded import build_random_llama
-
     from rayppo.models.loading import resolve_model_path
     from rayppo.models.paths import built_on_first_use
 
@@ -231,10 +236,10 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     from rayppo.actors.generator import GeneratorEngine
     from rayppo.actors.reference import ReferenceEngine
     from rayppo.actors.reward import RewardEngine
-    from rayppo.cluster.learner_group import LearnerGroup
-    from rayppo.data.prompts import PromptBatch
-    from rayppo.cluster.roles import vllm_settings
     from rayppo.actors.settings import sampling_settings
+    from rayppo.cluster.learner_group import LearnerGroup
+    from rayppo.cluster.roles import vllm_settings
+    from rayppo.data.prompts import PromptBatch
 
     g, m, lr = cfg.generators, cfg.model, cfg.learner
     threads = {"gen": g.num * actor_threads(g.threads, g.cpus_per_worker),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 
 from rayppo.config.derived import batch_rows, weight_sync_backend
 from rayppo.config.schema import Config
+
 
 def length_stats(rollout) -> dict[str, float]:
     """The measured batch's response lengths: mean, p50, p90, max, and the share cut at the cap."""

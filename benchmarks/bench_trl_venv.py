@@ -9,11 +9,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from rayppo.errors import RayppoError
 from rayppo.models.paths import cache_root

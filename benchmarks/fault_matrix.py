@@ -40,8 +40,8 @@ from rayppo.engine import Engine
 from rayppo.errors import brief
 from rayppo.run.checkpoint import CheckpointError, latest_checkpoint
 from rayppo.train import run
-from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.choice import make_trainer
+from rayppo.trainers.distributed import DistributedTrainer
 
 CELLS = {
     # The synchronous trainer: each role where it has a call in flight, then two idle ones

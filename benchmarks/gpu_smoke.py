@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 # benchmarks/ is this script's directory, hence first on sys.path when it runs as a file.
 from bench import Workload, load_workloads, prepare_models
 from transformers.utils import logging as hf_logging

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import TextIO
 
 LOG_DIR = "logs"
 """Folder of the run's log files, under ``output.dir``."""
@@ -50,7 +51,7 @@ class _Once(logging.Filter):
 class _TerminalHandler(logging.Handler):
     """Writes records through tqdm, so that a progress bar on screen is not broken by them."""
 
-    def __init__(self, console: "Console") -> None:
+    def __init__(self, console: Console) -> None:
         super().__init__()
         self.console = console
 

@@ -23,8 +23,14 @@ from rayppo.errors import ActorFailedError, LearnerFailedError, RayppoError, bri
 from rayppo.learner.guard import CorrectnessError
 from rayppo.learner.step import LearnResult
 from rayppo.plan.fit import preflight
-from rayppo.run.checkpoint import (CheckpointError, continued_config, latest_checkpoint, read_driver_state, split_change,
-                                   write_checkpoint)
+from rayppo.run.checkpoint import (
+    CheckpointError,
+    continued_config,
+    latest_checkpoint,
+    read_driver_state,
+    split_change,
+    write_checkpoint,
+)
 from rayppo.run.folder import release_output_dir
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.progress import Bar

@@ -19,8 +19,8 @@ from rayppo.learner.guard import WeightSyncError
 from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
 from rayppo.trainers import pipeline_stages
-from rayppo.trainers.distributed import DistributedTrainer, source_class
 from rayppo.trainers.choice import trainer_class
+from rayppo.trainers.distributed import DistributedTrainer, source_class
 from rayppo.trainers.pipeline import PipelinedSource
 from rayppo.trainers.pipeline_stages import BusyClock
 from rayppo.trainers.staleness import drop_stale, staleness_stats

@@ -22,12 +22,25 @@ from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import (Experience, ExperienceSettings, ProximalPolicy, check_staleness, make_experience,
-                                       proximal_logprobs)
+from rayppo.learner.experience import (
+    Experience,
+    ExperienceSettings,
+    ProximalPolicy,
+    check_staleness,
+    make_experience,
+    proximal_logprobs,
+)
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner.rollout_tensors import RolloutTensors, padded, truncated
-from rayppo.learner.update import (Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update,
-                                   same_version_mismatch)
+from rayppo.learner.update import (
+    Minibatch,
+    Steps,
+    first_rows_kept,
+    local_minibatches,
+    minibatch_plan,
+    ppo_update,
+    same_version_mismatch,
+)
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 

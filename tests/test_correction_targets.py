@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from rayppo.config.derived import Correction
+from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import ExperienceSettings, ProximalPolicy, TruncationRule, make_experience
 from rayppo.learner.ppo import kl_penalty
 from rayppo.learner.rollout_tensors import RolloutTensors, padded
-from rayppo.config.schema import PPOConfig
 from rayppo.learner.update import MicroBatch, local_minibatches, policy_objective, value_objective
 from rayppo.models.loading import load_causal_lm
 

@@ -244,12 +244,12 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
     against a TP=1 engine with the same seed: the same tokens, and log-probs equal to fp32
     rounding (a row-parallel layer sums two partial products instead of one)."""
     from rayppo.actors.generator import GeneratorEngine
+    from rayppo.actors.settings import sampling_settings
     from rayppo.cluster.group import ActorGroup
     from rayppo.cluster.placement import release, reserve
+    from rayppo.cluster.roles import vllm_settings
     from rayppo.cluster.session import ACTOR_ENV
     from rayppo.data.prompts import PromptBatch
-    from rayppo.cluster.roles import vllm_settings
-    from rayppo.actors.settings import sampling_settings
 
     texts = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 4
     prompts = PromptBatch(texts, [tokenizer(t)["input_ids"] for t in texts])

@@ -8,11 +8,11 @@ import torch
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
+from rayppo.actors.settings import sampling_settings
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.config.load import load_config
 from rayppo.data.prompts import PromptSampler, load_prompt_set
 from rayppo.models.weights import pack_weights, unpack_weights
-from rayppo.actors.settings import sampling_settings
 
 
 def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):

@@ -564,7 +564,6 @@ class RunsAShell:
 
 
 def test_a_timed_out_tool_leaves_no_process_it_started(tmp_path, monkeypatch):
-    import os
 
     (tmp_path / "spawns_env.py").write_text(SPAWNS)
     monkeypatch.chdir(tmp_path)

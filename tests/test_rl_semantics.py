@@ -5,8 +5,8 @@ Everything here runs in this process on the embedded model (no Ray, no vLLM): a 
 
 from __future__ import annotations
 
-import math
 import json
+import math
 
 import pytest
 import torch
@@ -144,6 +144,14 @@ def test_trained_models_are_in_train_mode_without_dropout(embedded_dir, tmp_path
     torch.testing.assert_close(first, model.eval()(ids).logits, atol=0, rtol=0)
 
 
+def _counted(forward, calls: list[int]):
+    """``forward`` that appends to ``calls`` each time it runs."""
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+    return wrapper
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gradient_checkpointing_recomputes_every_layer_in_backward(embedded_dir, checkpointing):
     for model in (load_causal_lm(embedded_dir), Critic.from_pretrained(embedded_dir)):
@@ -151,7 +159,7 @@ def test_gradient_checkpointing_recomputes_every_layer_in_backward(embedded_dir,
         layers = [m for name, m in model.named_modules() if name.endswith("layers.0") or name.endswith("layers.1")]
         calls = []
         for layer in layers:  # count calls of the layers' forward (hooks do not fire on a recompute)
-            layer.forward = (lambda f, calls=calls: lambda *a, **k: calls.append(1) or f(*a, **k))(layer.forward)
+            layer.forward = _counted(layer.forward, calls)
         ids = torch.tensor([[2, 5, 6, 7, 8, 9]])
         out = model(ids).logits if hasattr(model, "lm_head") else model(ids, torch.ones_like(ids), torch.arange(6)[None])
         forward_calls = len(calls)

@@ -7,10 +7,10 @@ import gc
 import pytest
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
-from rayppo.data.prompts import PromptBatch
-from rayppo.models.sequences import pack
 from rayppo.actors.settings import generator_seed
+from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+from rayppo.models.sequences import pack
 from rayppo.trainers.iteration import group_shares
 
 pytestmark = pytest.mark.slow

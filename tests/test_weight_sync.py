@@ -16,8 +16,14 @@ import torch
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.data.prompts import PromptBatch
 from rayppo.learner.guard import WeightSyncError, check_weights
-from rayppo.learner.weight_sync import (SyncEndpoint, WeightSender, free_port, open_sync_group, param_specs,
-                                        receive_stream)
+from rayppo.learner.weight_sync import (
+    SyncEndpoint,
+    WeightSender,
+    free_port,
+    open_sync_group,
+    param_specs,
+    receive_stream,
+)
 from rayppo.models.fingerprint import sent_prints
 from rayppo.models.loading import load_causal_lm, load_tokenizer
 from rayppo.models.sequences import pack, policy_forward

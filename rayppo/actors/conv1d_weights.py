@@ -23,6 +23,7 @@ import torch
 from rayppo.actors.held_weights import worker_held_prints as held_prints
 from rayppo.models.fingerprint import probe_rows, read_back, split_rows
 
+
 def transposed_names(model: torch.nn.Module, shapes: dict[str, list[int]]) -> set[str]:
     """The sent 2-D tensors ``model``'s loader transposes, as its own ``_transpose_conv1d`` decides
     (empty for a model without one)."""

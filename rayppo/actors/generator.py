@@ -24,11 +24,12 @@ import torch
 
 from rayppo.actors.conv1d_weights import worker_held_prints
 from rayppo.actors.held_weights import worker_tied_aliases
-# SamplingSettings and split_response are imported from here by the roles' callers.
-from rayppo.data.seeds import turn_seed
 from rayppo.actors.hf_backend import HFBackend, SamplingSettings, sample_seeds, split_response, stop_token_ids  # noqa: F401
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+
+# SamplingSettings and split_response are imported from here by the roles' callers.
+from rayppo.data.seeds import turn_seed
 from rayppo.engine import Engine, model_size
 from rayppo.episodes.environment import EnvironmentPool
 from rayppo.episodes.loop import EpisodeSettings

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rayppo.usercode.child import ChildExitedError, ChildProcess, ChildTimeoutError, serve
 from rayppo.usercode.imports import import_object, number, row_caller

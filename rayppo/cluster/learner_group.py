@@ -9,8 +9,9 @@ checkpoint (``DistributedTrainer.recover``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -23,11 +24,11 @@ from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.micro_batches import balanced_shards
 from rayppo.data.rollout import Rollout, split_evenly
+from rayppo.data.seeds import minibatch_seed
 from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
 from rayppo.learner.engine import LearnerEngine
 from rayppo.learner.step import LearnResult
-from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.update import minibatch_plan
 from rayppo.learner.weight_sync import SyncEndpoint, free_port
 

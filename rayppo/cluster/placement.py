@@ -7,8 +7,9 @@ import copy
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo plan``) needs none
     from ray.util.placement_group import PlacementGroup

@@ -17,18 +17,25 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
+from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, reserve_generators, role_specs
 from rayppo.cluster.session import ACTOR_ENV
-from rayppo.config.derived import (actor_threads, reference_actors, reward_actors, role_gpus, tensor_parallel_size,
-                                   vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.derived import (
+    actor_threads,
+    reference_actors,
+    reward_actors,
+    role_gpus,
+    tensor_parallel_size,
+    vllm_memory_utilization,
+    weight_sync_backend,
+)
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.models.weights import SyncFault
-from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
 
 
 @dataclass

@@ -44,7 +44,7 @@ class RaySession:
         self.verbose = verbose
         self.started = False
 
-    def __enter__(self) -> "RaySession":
+    def __enter__(self) -> RaySession:
         if ray.is_initialized():
             return self
         quiet = {"log_to_driver": self.verbose, "logging_level": logging.INFO if self.verbose else logging.WARNING}

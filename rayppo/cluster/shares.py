@@ -13,7 +13,8 @@ the batch is the one an undisturbed fleet would have sampled, in the same order.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.supervisor import Supervisor

@@ -24,8 +24,9 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -106,7 +107,7 @@ class Supervisor:
         own); replaced and redone like a share of ``call``."""
         return self.run([Fanout(group, role, method, [args], refresh, actors=[i])])[0][0]
 
-    def run(self, fanouts: list["Fanout"]) -> list[list[Any]]:
+    def run(self, fanouts: list[Fanout]) -> list[list[Any]]:
         """Several fan-outs at once (e.g. reference and reward scoring); each one's results, and
         ``Fanout.seconds`` set to when its last result arrived. Every call has its own deadline,
         ``cluster.call_timeout_s`` from when it was sent: a share redone on a replacement gets the
@@ -153,8 +154,8 @@ class Supervisor:
                                   [f.results for f in fanouts], positions)
         return [f.results for f in fanouts]
 
-    def _redo(self, pending: dict[Any, tuple["Fanout", int, float]], fanouts: list["Fanout"], lost: dict[int, list[int]],
-              f: "Fanout", pos: int, cause: str, hung: bool = False) -> None:
+    def _redo(self, pending: dict[Any, tuple[Fanout, int, float]], fanouts: list[Fanout], lost: dict[int, list[int]],
+              f: Fanout, pos: int, cause: str, hung: bool = False) -> None:
         """Replace the actor of ``f``'s share ``pos`` and send the share again; when the actor left
         the fleet instead, note the share as lost (``run`` raises once the others are done)."""
         if not self.replace(f.group, f.role, f.actor_at(pos), cause, hung, f.refresh):
@@ -162,10 +163,10 @@ class Supervisor:
             return
         self._send(pending, f, pos)
 
-    def _send(self, pending: dict[Any, tuple["Fanout", int, float]], f: "Fanout", pos: int) -> None:
+    def _send(self, pending: dict[Any, tuple[Fanout, int, float]], f: Fanout, pos: int) -> None:
         pending[f.group.call_at(f.actor_at(pos), f.method, f.args[pos])] = (f, pos, time.monotonic() + self.timeout_s)
 
-    def _replace_hung(self, pending: dict[Any, tuple["Fanout", int, float]], fanouts: list["Fanout"],
+    def _replace_hung(self, pending: dict[Any, tuple[Fanout, int, float]], fanouts: list[Fanout],
                       lost: dict[int, list[int]]) -> None:
         """The calls past their deadline count as hung: their actors are replaced, their shares sent again."""
         now = time.monotonic()

@@ -11,14 +11,14 @@ from rayppo.choices import Truncation
 from rayppo.config.schema import ChecksConfig, Config, GeneratorConfig, PPOConfig
 
 
-def mismatch_limit(checks: "ChecksConfig", dtype: str) -> float:
+def mismatch_limit(checks: ChecksConfig, dtype: str) -> float:
     """``checks.max_logprob_mismatch``, or the default of ``model.dtype`` (inf: not checked)."""
     if checks.max_logprob_mismatch is not None:
         return checks.max_logprob_mismatch
     return 1e-3 if dtype == "float32" else math.inf
 
 
-def kl_limit(checks: "ChecksConfig", dtype: str) -> float:
+def kl_limit(checks: ChecksConfig, dtype: str) -> float:
     """``checks.max_logprob_kl``, or the default of ``model.dtype``."""
     if checks.max_logprob_kl is not None:
         return checks.max_logprob_kl
@@ -38,7 +38,7 @@ class Correction:
     are dropped from the update (``ppo.geometric_mean_mask``)."""
 
     @staticmethod
-    def named(name: str) -> "Correction":
+    def named(name: str) -> Correction:
         """The correction a resolved ``ppo.rollout_correction`` choice names: ``none``, ``tis`` or
         ``tis+geo_mask`` (the mask only ever comes with the weights)."""
         return {"none": NO_CORRECTION, "tis": Correction(truncated_is=True),
@@ -49,7 +49,7 @@ NO_CORRECTION = Correction()
 """mu is taken for pi_old: the plain clipped loss, no row masked."""
 
 
-def rollout_correction(ppo: "PPOConfig", dtype: str, max_staleness: int) -> Correction:
+def rollout_correction(ppo: PPOConfig, dtype: str, max_staleness: int) -> Correction:
     """``ppo.rollout_correction`` with ``auto`` resolved: ``none`` in float32 (mu = pi_prox to 1e-5),
     ``tis+geo_mask`` in bfloat16, ``tis`` in asynchronous mode (staleness would leave the band)."""
     if ppo.rollout_correction != "auto":

@@ -16,10 +16,29 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayppo.choices import (Advantage, Dtype, KLEstimator, KLMode, LossAgg, OffpolicyAdvantages, RolloutCorrection,
-                            TrainerKind, TruncationSetting, ValueTargets)
-from rayppo.config.system import (SECTION, ChecksConfig, ClusterConfig, GeneratorConfig, LearnerConfig, OutputConfig,
-                                  RewardConfig, ScorerConfig, StopConfig)
+from rayppo.choices import (
+    Advantage,
+    Dtype,
+    KLEstimator,
+    KLMode,
+    LossAgg,
+    OffpolicyAdvantages,
+    RolloutCorrection,
+    TrainerKind,
+    TruncationSetting,
+    ValueTargets,
+)
+from rayppo.config.system import (
+    SECTION,
+    ChecksConfig,
+    ClusterConfig,
+    GeneratorConfig,
+    LearnerConfig,
+    OutputConfig,
+    RewardConfig,
+    ScorerConfig,
+    StopConfig,
+)
 from rayppo.errors import RayppoError
 
 

@@ -265,14 +265,14 @@ class PromptBatch:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def select(self, rows: list[int] | range) -> "PromptBatch":
+    def select(self, rows: list[int] | range) -> PromptBatch:
         """A batch of the given rows, in that order (empty columns stay empty)."""
         return PromptBatch([self.texts[i] for i in rows], [self.ids[i] for i in rows],
                            [self.messages[i] for i in rows] if self.messages else [],
                            [self.fields[i] for i in rows] if self.fields else [],
                            [self.groups[i] for i in rows] if self.groups else [])
 
-    def whole_groups(self, parts: int) -> list["PromptBatch"]:
+    def whole_groups(self, parts: int) -> list[PromptBatch]:
         """This batch cut into at most ``parts`` contiguous batches of whole groups (counts of groups
         differing by at most one; a row without a group is a group of its own), none empty: how a
         lost generator's share is taken over by the generators left, each group by one engine."""
@@ -287,7 +287,7 @@ class PromptBatch:
             first = last
         return out
 
-    def groups_of(self, n: int, first_group: int = 0) -> "PromptBatch":
+    def groups_of(self, n: int, first_group: int = 0) -> PromptBatch:
         """Each prompt ``n`` times in a row, the copies of prompt i forming group ``first_group + i``
         (two draws of the same text are two groups)."""
         batch = PromptBatch.select(self, [i for i in range(len(self)) for _ in range(n)])

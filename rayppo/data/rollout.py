@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+
 def _column(arrow: pa.DataType, default: bool = True) -> Any:
     """A field of ``Rollout`` and its Arrow type (the schema is read off the fields)."""
     if default:
@@ -96,12 +97,12 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.response_ids)
 
-    def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None) -> "Rollout":
+    def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None) -> Rollout:
         """A new record with the scorers' columns filled (this one is left as it is)."""
         return dataclasses.replace(self, score=list(score),
                                    ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs))
 
-    def trained(self, advantages: list[list[float]], returns: list[list[float]]) -> "Rollout":
+    def trained(self, advantages: list[list[float]], returns: list[list[float]]) -> Rollout:
         """A new record with the learner's columns filled (``output.save_rollouts``)."""
         return dataclasses.replace(self, advantages=list(advantages), returns=list(returns))
 
@@ -109,7 +110,7 @@ class Rollout:
         # Crossing a process boundary (Ray's object store) the rollout travels as an Arrow table.
         return (Rollout.from_arrow, (self.to_arrow(),))
 
-    def select(self, rows: list[int] | range) -> "Rollout":
+    def select(self, rows: list[int] | range) -> Rollout:
         """A new rollout with the given rows, in that order (empty columns stay empty)."""
         picked = {}
         for f in dataclasses.fields(self):
@@ -128,7 +129,7 @@ class Rollout:
         return [len(r) for r in self.response_ids]
 
     @staticmethod
-    def concat(parts: list["Rollout"]) -> "Rollout":
+    def concat(parts: list[Rollout]) -> Rollout:
         """Rows of several rollouts, one after the other. A column one part left empty that another
         filled takes its neutral value there when it has one (plain prompts, no extra fields, the
         row's version on every token); any other such mix is an error."""
@@ -180,7 +181,7 @@ class Rollout:
         return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
     @staticmethod
-    def from_arrow(table: pa.Table) -> "Rollout":
+    def from_arrow(table: pa.Table) -> Rollout:
         """Inverse of ``to_arrow``; all-null columns, and columns a table written by an older
         rayppo lacks, come back empty."""
         data: dict[str, Any] = {}

@@ -26,9 +26,10 @@ import inspect
 import math
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rayppo.errors import RayppoError
 from rayppo.usercode.child import ChildExitedError, ChildProcess, ChildTimeoutError, serve

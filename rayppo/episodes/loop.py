@@ -13,8 +13,8 @@ the next observation or turn, or after ``rollout.max_turns`` turns.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode, Step
 from rayppo.errors import RayppoError

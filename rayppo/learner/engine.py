@@ -28,16 +28,24 @@ from rayppo.learner.experience import check_staleness
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
 from rayppo.learner.update import Steps
-from rayppo.learner.weight_sync import (IpcChunk, ParamSpec, SyncEndpoint, WeightSender, free_port, ipc_chunk,
-                                        layer_runs, param_specs)
+from rayppo.learner.weight_sync import (
+    IpcChunk,
+    ParamSpec,
+    SyncEndpoint,
+    WeightSender,
+    free_port,
+    ipc_chunk,
+    layer_runs,
+    param_specs,
+)
 from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.packing import pack_mode
-from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.shape import ModelShape, layer_params, read_shape
+from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.weights import WeightsPayload, pack_weights
 
 

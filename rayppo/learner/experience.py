@@ -36,8 +36,8 @@ from rayppo.learner import group_math, ppo
 from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.experience_stats import kl_stats, offpolicy_stats, value_stats
 from rayppo.learner.rewards import discounted_returns, overlong_penalty
-from rayppo.models.packing import cut_layout
 from rayppo.learner.rollout_tensors import RolloutTensors
+from rayppo.models.packing import cut_layout
 from rayppo.models.sequences import PackedBatch, critic_forward, policy_forward
 
 
@@ -58,7 +58,7 @@ class TruncationRule:
     """The score lost at L_max under ``overlong_buffer``."""
 
     @staticmethod
-    def of(cfg: Config) -> "TruncationRule":
+    def of(cfg: Config) -> TruncationRule:
         r = cfg.rollout
         return TruncationRule(mode=truncation_mode(cfg), missing_eos_penalty=r.missing_eos_penalty,
                               max_new_tokens=r.max_new_tokens, overlong_buffer=r.overlong_buffer,
@@ -82,7 +82,7 @@ class ExperienceSettings:
     """Rollout correction in force (``config.derived.rollout_correction``)."""
 
     @staticmethod
-    def of(cfg: Config) -> "ExperienceSettings":
+    def of(cfg: Config) -> ExperienceSettings:
         return ExperienceSettings(ppo=cfg.ppo, truncation=TruncationRule.of(cfg),
                                   max_staleness=cfg.rollout.max_staleness,
                                   micro_batch_tokens=cfg.learner.micro_batch_tokens,
@@ -155,13 +155,13 @@ class Experience:
         returns = [row[:n].tolist() for row, n in zip(self.returns.float().cpu(), lengths)] if with_returns else []
         return advantages, returns
 
-    def rows(self, index: torch.Tensor) -> "Experience":
+    def rows(self, index: torch.Tensor) -> Experience:
         """The sub-experience of the given rows (without ``first_values``)."""
         picked: dict[str, Any] = {name: getattr(self, name) for name in TOKEN_FIELDS + ROW_FIELDS}
         cut: dict[str, Any] = {name: None if t is None else t[index] for name, t in picked.items()}
         return dataclasses.replace(self, batch=self.batch.rows(index), first_values=None, **cut)
 
-    def micro(self, index: torch.Tensor) -> "Experience":
+    def micro(self, index: torch.Tensor) -> Experience:
         """The rows of one micro-batch, cut to their own widths (``PackedBatch.trimmed``): the
         forward pass then processes their tokens, not the padding of the batch's longest row."""
         part = self.rows(index)

@@ -103,7 +103,7 @@ class MismatchGuard:
     sampling, not the weights."""
 
     @classmethod
-    def of(cls, cfg: Config, iteration: int) -> "MismatchGuard":
+    def of(cls, cfg: Config, iteration: int) -> MismatchGuard:
         """The check of ``iteration`` as the config sets it (bounds by ``model.dtype``)."""
         dtype = cfg.model.dtype
         return cls(mismatch_limit(cfg.checks, dtype), iteration, kl_limit(cfg.checks, dtype), cfg.checks.verify_sync)

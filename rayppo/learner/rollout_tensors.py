@@ -10,8 +10,8 @@ Shapes follow docs/algorithm.md, "Tensor conventions": ``[B, T]`` over response 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -58,7 +58,7 @@ class RolloutTensors:
 
     @staticmethod
     def of(rollout: Rollout, pad_id: int, device: torch.device | str = "cpu",
-           pack_mode: str = "") -> "RolloutTensors":
+           pack_mode: str = "") -> RolloutTensors:
         """Every column the update reads, as tensors on ``device``; ``pack_mode``: how the forward
         passes lay the rows out (``PackedBatch.pack_mode``; "": padded rows)."""
         n = len(rollout)

@@ -54,7 +54,7 @@ class LearnSettings:
         return self.experience.ppo
 
     @staticmethod
-    def of(cfg: Config) -> "LearnSettings":
+    def of(cfg: Config) -> LearnSettings:
         return LearnSettings(experience=ExperienceSettings.of(cfg), seed=cfg.seed, temperature=cfg.rollout.temperature,
                              max_new_tokens=cfg.rollout.max_new_tokens, config=cfg)
 
@@ -90,7 +90,7 @@ class BatchShard:
     """Rows in the whole batch, every rank's (the minibatch plan's rows, the group ids' bound)."""
 
     @staticmethod
-    def whole(rollout: Rollout) -> "BatchShard":
+    def whole(rollout: Rollout) -> BatchShard:
         """The whole batch, held by one process (the in-process trainer)."""
         return BatchShard(rollout=rollout, rows=list(range(len(rollout))), batch_size=len(rollout))
 

@@ -12,8 +12,8 @@ recomputed for every row) on the tokens of the learner's own version (``same_ver
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -23,10 +23,9 @@ import datetime
 import random
 import re
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -196,7 +195,7 @@ class IpcChunk:
         """The ``update_info`` of vLLM's ``LLM.update_weights``."""
         return {k: v for k, v in asdict(self).items() if k not in ("nbytes", "held")}
 
-    def with_aliases(self, aliases: dict[str, str]) -> "IpcChunk":
+    def with_aliases(self, aliases: dict[str, str]) -> IpcChunk:
         """This run with each tensor also under the names ``aliases`` (``{alias: source}``) shares
         with it (a tied head: ``models/weights.py``, ``with_aliases``). An alias reuses the handle:
         torch rebuilds a handle it already opened from its cache of shared storages

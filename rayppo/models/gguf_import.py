@@ -52,7 +52,6 @@ def convert_gguf(path: Path, out: Path) -> Path:
     adding, special ids, chat template) carried over and checked, on the saved folder too."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     check_gguf_architecture(path)

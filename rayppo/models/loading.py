@@ -13,8 +13,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                          AutoTokenizer, PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from rayppo.errors import ModelFolderError
@@ -102,7 +109,7 @@ def _from_pretrained(auto: Any, path: str | Path, dtype: str, weights_elsewhere:
     return model_class.from_pretrained(None, config=config, state_dict=placeholder_weights(path), dtype=DTYPES[dtype])
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", weights_elsewhere: bool = False) -> torch.nn.Module:
+def load_causal_lm(path: str | Path, dtype: str = "float32", weights_elsewhere: bool = False) -> PreTrainedModel:
     """A causal LM (policy or reference) from a local folder, with dropout off; in bf16 or fp16 its
     head computes fp32 logits (``head_precision.py``), as the generator's does."""
     model = _from_pretrained(AutoModelForCausalLM, path, dtype, weights_elsewhere)
@@ -168,7 +175,7 @@ class Critic(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32", seed: int = 0,
-                        weights_elsewhere: bool = False) -> "Critic":
+                        weights_elsewhere: bool = False) -> Critic:
         """Backbone of any causal-LM / reward-model folder; the value head too if saved there
         (``weights_elsewhere``: as for ``load_causal_lm``)."""
         # A causal-LM or reward-model folder has a head the backbone does not use: not a problem,

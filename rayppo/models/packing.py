@@ -93,7 +93,7 @@ class RowPacking:
     """``varlen`` mode: where each sequence of the one packed row sits, for the attention of
     ``models/varlen_attention.py`` (a forward's ``rayppo_segments``)."""
 
-    def to(self, device: torch.device | str) -> "RowPacking":
+    def to(self, device: torch.device | str) -> RowPacking:
         return RowPacking(self.input_ids.to(device), self.position_ids.to(device), self.index.to(device),
                           None if self.segments is None else self.segments.to(device))
 

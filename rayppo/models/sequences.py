@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from rayppo.token_math import entropy_from_logits, logprobs_from_logits
 from rayppo.models.packing import RowPacking, pack_sequences, unpack
 from rayppo.models.vocab_head import token_logprobs
+from rayppo.token_math import entropy_from_logits, logprobs_from_logits
 
 
 @dataclass
@@ -56,7 +56,7 @@ class PackedBatch:
         """[B, T]: 1 on every real response token (what a row's length counts)."""
         return self.mask if self.response_mask is None else self.response_mask
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
+    def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(
             self.input_ids.to(device),
             self.attention_mask.to(device),
@@ -69,7 +69,7 @@ class PackedBatch:
             None if self.response_mask is None else self.response_mask.to(device),
         )
 
-    def packed(self, mode: str = "rows") -> "PackedBatch":
+    def packed(self, mode: str = "rows") -> PackedBatch:
         """The same batch, its forward run on the rows of ``models.packing.pack_sequences(mode)``."""
         return dataclasses.replace(self, packing=pack_sequences(self.input_ids, self.attention_mask, mode))
 
@@ -89,7 +89,7 @@ class PackedBatch:
         """A forward's ``[rows, width, ...]`` outputs in this batch's ``[B, P + T, ...]`` layout."""
         return outputs if self.packing is None else unpack(outputs, self.packing)
 
-    def rows(self, index: torch.Tensor | slice) -> "PackedBatch":
+    def rows(self, index: torch.Tensor | slice) -> PackedBatch:
         """The sub-batch of the given rows (columns are kept, so P stays the same)."""
         return PackedBatch(
             self.input_ids[index],
@@ -102,7 +102,7 @@ class PackedBatch:
             response_mask=None if self.response_mask is None else self.response_mask[index],
         )
 
-    def trimmed(self) -> "PackedBatch":
+    def trimmed(self) -> PackedBatch:
         """The same rows without the columns that are padding in every row: the prompt part cut
         to its longest prompt, the response part to its longest response (at least one column).
         Position ids count from each row's first real token, so no row's numbers change. With a

@@ -12,8 +12,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rayppo.token_math import masked_mean
 from rayppo.models.sequences import pack, policy_forward
+from rayppo.token_math import masked_mean
 
 
 def sft_train(

@@ -50,7 +50,7 @@ class Segments:
     """``[N]`` long: where each packed column's output sits in the buckets' outputs, flattened in
     bucket order (``[sum_b S_b * L_b]``)."""
 
-    def to(self, device: torch.device | str) -> "Segments":
+    def to(self, device: torch.device | str) -> Segments:
         return Segments([b.to(device) for b in self.buckets], self.restore.to(device))
 
 

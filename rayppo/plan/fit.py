@@ -19,10 +19,25 @@ from pathlib import Path
 from typing import Any
 
 from rayppo.cluster.address import chosen_address
-from rayppo.cluster.placement import (changed, fewer_actors, local_cpus, override_text, plan_groups,
-                                      requested_resources, role_specs, running_cluster_resources, shortage_lines)
-from rayppo.config.derived import (batch_rows, reference_actors, reward_actors, role_gpus, tensor_parallel_size,
-                                   vllm_memory_utilization)
+from rayppo.cluster.placement import (
+    changed,
+    fewer_actors,
+    local_cpus,
+    override_text,
+    plan_groups,
+    requested_resources,
+    role_specs,
+    running_cluster_resources,
+    shortage_lines,
+)
+from rayppo.config.derived import (
+    batch_rows,
+    reference_actors,
+    reward_actors,
+    role_gpus,
+    tensor_parallel_size,
+    vllm_memory_utilization,
+)
 from rayppo.config.schema import Config, ConfigError
 from rayppo.models.shape import param_count
 from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs

@@ -24,8 +24,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayppo.config.derived import (batch_rows, generator_context, has_critic, role_gpus, tensor_parallel_size,
-                                   vllm_memory_utilization, weight_sync_backend)
+from rayppo.config.derived import (
+    batch_rows,
+    generator_context,
+    has_critic,
+    role_gpus,
+    tensor_parallel_size,
+    vllm_memory_utilization,
+    weight_sync_backend,
+)
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeoutError, load_reward_function
 from rayppo.config.schema import ConfigError

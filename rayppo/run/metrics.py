@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rayppo.errors import RayppoError
 from rayppo.run.samples import Sample
@@ -51,7 +51,7 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(iteration, metrics)
 
-    def log_samples(self, iteration: int, samples: Sequence["Sample"]) -> None:
+    def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """A few completions of ``iteration`` (``pick_samples``) to every tracker."""
         for tracker in self.trackers:
             tracker.log_samples(iteration, samples)

@@ -21,8 +21,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError, brief
@@ -40,7 +41,7 @@ class Tracker(Protocol):
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
         """Record the metrics of one iteration."""
 
-    def log_samples(self, iteration: int, samples: Sequence["Sample"]) -> None:
+    def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """Record a few (prompt, response, reward) completions of one iteration."""
 
     def rewind(self, iteration: int) -> None:
@@ -122,7 +123,7 @@ class TensorBoardTracker:
         for key, value in metrics.items():
             writer.add_scalar(key, value, iteration)
 
-    def log_samples(self, iteration: int, samples: Sequence["Sample"]) -> None:
+    def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """The samples as one Markdown table under the text tag ``samples``."""
         rows = [f"| {s.reward:.4g} | {_md_cell(s.prompt)} | {_md_cell(s.response)} |" for s in samples]
         table = "\n".join(["| reward | prompt | response |", "| ---: | --- | --- |", *rows])
@@ -178,7 +179,7 @@ class WandbTracker:
         """The metrics, with ``iteration`` as their x axis."""
         self._run.log({"iteration": iteration, **metrics})
 
-    def log_samples(self, iteration: int, samples: Sequence["Sample"]) -> None:
+    def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """A table ``samples`` (iteration, reward, prompt, response)."""
         table = self._wandb.Table(columns=["iteration", "reward", "prompt", "response"],
                                   data=[[iteration, s.reward, s.prompt, s.response] for s in samples])
@@ -302,7 +303,7 @@ class MlflowTracker:
         for batch in _chunks(entries, MAX_METRICS_PER_BATCH):
             self._client.log_batch(self.run_id, metrics=batch)
 
-    def log_samples(self, iteration: int, samples: Sequence["Sample"]) -> None:
+    def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """The samples, full text, as ``samples/iter_NNNNNN.txt``."""
         blocks = [f"reward: {s.reward:.6g}\nprompt:\n{s.prompt}\nresponse:\n{s.response}\n" for s in samples]
         self._client.log_text(self.run_id, "\n".join(blocks), f"samples/iter_{iteration:06d}.txt")

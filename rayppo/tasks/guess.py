@@ -14,7 +14,7 @@ The policy has to read the replies to do it, the whole point of a multi-turn tas
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 
 DIGITS = tuple(str(d) for d in range(10))
 PROMPT = "guess my digit"
@@ -80,7 +80,7 @@ def sft_games(n: int = 4096, seed: int = 1) -> list[list[tuple[str, str | None]]
     return [aimless_game(rng.randrange(10), rng) for _ in range(n)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def expected_turns(low: int, high: int, bisect: bool) -> float:
     """Mean turns to find a secret uniform on [low, high], guessing uniformly among what is left
     (``bisect`` False, the warm-up) or always the middle (True)."""

@@ -28,8 +28,14 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
-from rayppo.cluster.placement import (Placement, placement_report, release, requested_resources, reserve,
-                                     room_for_generators)
+from rayppo.cluster.placement import (
+    Placement,
+    placement_report,
+    release,
+    requested_resources,
+    reserve,
+    room_for_generators,
+)
 from rayppo.cluster.roles import actor_count, add_generators, spawn_roles
 from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready

@@ -7,7 +7,7 @@ learner. Both trainers' synchronous iteration call ``fill_batch``; the metrics s
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from rayppo.data.rollout import Rollout
 

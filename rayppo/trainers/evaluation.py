@@ -17,8 +17,9 @@ Pass rates are reported for verifier rewards only (a reward model's scale has no
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from rayppo.data.prompts import EMBEDDED_PROMPTS
 
@@ -71,7 +72,7 @@ def due(every: int, iteration: int, last: int) -> bool:
     return every > 0 and ((iteration + 1) % every == 0 or iteration + 1 == last)
 
 
-def eval_source(cfg: "Config") -> tuple[str, str] | None:
+def eval_source(cfg: Config) -> tuple[str, str] | None:
     """``(prompts, split)`` of the held-out set, or None when nothing is evaluated: the
     configured ``eval.prompts``, else the embedded task's held-out split when training on it."""
     if cfg.eval.every == 0:
@@ -81,7 +82,7 @@ def eval_source(cfg: "Config") -> tuple[str, str] | None:
     return (cfg.data.prompts, "test") if cfg.data.prompts in EMBEDDED_PROMPTS else None
 
 
-def eval_plan(cfg: "Config") -> EvalPlan:
+def eval_plan(cfg: Config) -> EvalPlan:
     e = cfg.eval
     return EvalPlan(e.greedy, e.samples, cfg.rollout.temperature, e.pass_threshold, cfg.reward.function is not None)
 

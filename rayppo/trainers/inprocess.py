@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.hf_backend import HFBackend
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.actors.settings import episode_settings, reference_args, reward_args, sampling_settings
@@ -155,7 +156,10 @@ class InProcessTrainer(LoopTrainer):
                                          episodes=episode_settings(cfg))
         self.device = self.generator.device
         self.tokenizer = self.generator.tokenizer
-        self.policy = self.generator.backend.model  # pi_theta: sampled from and trained in place
+        backend = self.generator.backend
+        if not isinstance(backend, HFBackend):  # asked for above: the in-process trainer trains what it samples
+            raise TypeError(f"the in-process trainer samples with transformers, not {type(backend).__name__}")
+        self.policy = backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
         self.reference = (ReferenceEngine(**reference_args(cfg, gpus, model_path=ref_path))
                           if uses_reference(cfg.ppo) else None)
@@ -195,18 +199,22 @@ class InProcessTrainer(LoopTrainer):
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts (``rayppo/trainers/evaluation.py``); {} without them."""
-        if self.eval_prompts is None:
+        prompts = self.eval_prompts
+        if prompts is None:
             return {}
 
         def score_pass(temperature: float, k: int) -> list[float]:
-            rollout = self.generator.evaluate(self.eval_prompts, temperature, k, eval_seed(self.cfg.seed))
+            rollout = self.generator.evaluate(prompts, temperature, k, eval_seed(self.cfg.seed))
             return rollout.scored(self.source.scores(rollout)).total_rewards()
 
-        return run_evaluation(eval_plan(self.cfg), len(self.eval_prompts), score_pass)
+        return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
 
     def _trained(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
         """(model, optimiser) of the policy and, with one, the critic."""
-        return [(self.policy, self.policy_opt)] + ([(self.critic, self.critic_opt)] if self.critic is not None else [])
+        trained: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = [(self.policy, self.policy_opt)]
+        if self.critic is not None and self.critic_opt is not None:  # built together
+            trained.append((self.critic, self.critic_opt))
+        return trained
 
     def _step(self) -> None:
         """One optimiser step of policy and critic (two models, two optimisers)."""
@@ -230,7 +238,7 @@ class InProcessTrainer(LoopTrainer):
         """Models and optimizers (tensors only, read back with ``weights_only``); returns the
         driver's state."""
         states = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict()}
-        if self.critic is not None:
+        if self.critic is not None and self.critic_opt is not None:
             states |= {"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict()}
         torch.save(states, path / "trainer.pt")
         return self.driver_state()

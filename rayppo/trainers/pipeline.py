@@ -38,14 +38,21 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.config.schema import Config
-from rayppo.data.partial_rollouts import (carried_by, carry_from_json, carry_to_json, renumber_groups,
-                                          split_finished_groups, unfinished, with_unique_groups)
+from rayppo.data.partial_rollouts import (
+    carried_by,
+    carry_from_json,
+    carry_to_json,
+    renumber_groups,
+    split_finished_groups,
+    unfinished,
+    with_unique_groups,
+)
 from rayppo.data.prompts import PromptBatch, PromptSampler
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import rollout_seed
@@ -103,12 +110,12 @@ class PipelinedSource:
         """The next scored batch and how many more wait behind it; raises a stage's error. A
         generator that left the fleet restarts the stages over the generators left, which draw the
         batches in flight again."""
-        stages = self._stages
+        stages = self._running
         while True:
             if stages.lost_generator:
                 self._halt_stages()
                 self._start_stages()
-                stages = self._stages
+                stages = self._running
             with self.calls.learner.failures():  # rank 0's death can surface in a generator loading its weights
                 if stages.error is not None:
                     raise stages.error
@@ -124,9 +131,9 @@ class PipelinedSource:
             self.weights.publish(version)
         self._t_end = time.perf_counter()
         with self._cond:
-            for records in (self._stages.batches, self._stages.prompt_states, self._stages.carry_states):
+            for records in (self._running.batches, self._running.prompt_states, self._running.carry_states):
                 records.pop(self._iteration, None)
-        return {"sync/bytes": float(self.weights.payload_bytes(len(self._stages.fleet))),
+        return {"sync/bytes": float(self.weights.payload_bytes(len(self._running.fleet))),
                 "sync/verified": self.weights.verified()}
 
     def timings(self, seconds: dict[str, float]) -> dict[str, float]:
@@ -135,14 +142,14 @@ class PipelinedSource:
         t0, t_end = self._last_return, self._t_end
         self._last_return = t_end
         wall, learn = t_end - t0, seconds["learn"]
-        sampling = self._stages.fleet
+        sampling = self._running.fleet
         generate = sum(self._clocks[g].busy(t0, t_end) for g in sampling) / len(sampling)
         return {"time/generate": generate, "time/score": self._scoring_clock.busy(t0, t_end),
                 "time/wait_for_data": self._t_data - t0, "time/learn": learn, "time/sync": seconds["sync"],
                 # Each generator checks its own loads, inside its busy time (time/generate).
                 "time/sync_verify": 0.0, "time/iteration": wall,
                 "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - learn / wall,
-                "async/carried_rows": float(sum(len(c) for c in self._stages.carry))}
+                "async/carried_rows": float(sum(len(c) for c in self._running.carry))}
 
     # ------------------------------------------------------------------- pauses, restores, state
     def start(self) -> None:
@@ -182,8 +189,8 @@ class PipelinedSource:
         if self._stages is None:
             return {"prompts": self.prompts.state_dict()}
         with self._cond:
-            prompts = self._stages.prompt_states.get(iteration) or self.prompts.state_dict()
-            carry = self._stages.carry_states.get(iteration) or self._stages.carry
+            prompts = self._running.prompt_states.get(iteration) or self.prompts.state_dict()
+            carry = self._running.carry_states.get(iteration) or self._running.carry
         partial_rows = {"partial_rows": carry_to_json(carry)} if self.partial else {}
         return {"prompts": dict(prompts), **partial_rows}
 
@@ -200,14 +207,21 @@ class PipelinedSource:
     def stop(self) -> None:
         """Tell the stages to stop, without waiting: the errors of actors killed next end them quietly."""
         if self._stages is not None:
-            self._stages.stop.set()
+            self._running.stop.set()
 
     # ------------------------------------------------------------------------------ the stages
+    @property
+    def _running(self) -> Stages:
+        """The current start of the stages (``start`` made one; a restart replaces it)."""
+        if self._stages is None:
+            raise RuntimeError("the pipeline's stages were never started (RolloutSource.start)")
+        return self._stages
+
     def _start_stages(self) -> None:
         """Start the stage threads at the next batch to train, the generators' carries what a
         restore loaded or else what they were before that batch (or empty)."""
         first = self._next_batch()
-        old = self._stages.carry_states.get(first) if self._stages else None
+        old = self._running.carry_states.get(first) if self._stages else None
         carry = list(self._resume_carry or old or [])
         self._resume_carry = None
         carry += [Rollout.concat([]) for _ in range(len(self.calls.generators) - len(carry))]  # the fleet may have grown
@@ -233,7 +247,7 @@ class PipelinedSource:
         batches in flight are drawn again by the next start."""
         self._stop_stages()
         with self._cond:
-            position = self._stages.prompt_states.get(self._next_batch()) if self._stages else None
+            position = self._running.prompt_states.get(self._next_batch()) if self._stages else None
         if position is not None:
             self.prompts.load_state_dict(position)
 
@@ -337,11 +351,11 @@ class PipelinedSource:
                 b = stages.to_score.get(timeout=POLL_S)
             except queue.Empty:
                 if stages.stop.is_set():
-                    raise StoppedError
+                    raise StoppedError from None
                 continue
             self._scoring_clock.start()
             try:
-                parts = Rollout.concat(stages.batches[b].parts)
+                parts = stages.batches[b].whole()
                 rollout, times = self.calls.score(renumber_groups(parts) if self.partial else parts)
             finally:
                 self._scoring_clock.stop()
@@ -351,5 +365,5 @@ class PipelinedSource:
                     break
                 except queue.Full:
                     if stages.stop.is_set():
-                        raise StoppedError
+                        raise StoppedError from None
 

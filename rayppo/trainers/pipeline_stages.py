@@ -62,6 +62,14 @@ class Batch:
 
     prompts: PromptBatch
     parts: list[Rollout | None]
+    """Each generator's part, None until it arrives."""
+
+    def whole(self) -> Rollout:
+        """The parts as one rollout, in generator order; only once every part has arrived."""
+        missing = [g for g, part in enumerate(self.parts) if part is None]
+        if missing:
+            raise RuntimeError(f"batch scored before generators {missing} delivered their parts")
+        return Rollout.concat([part for part in self.parts if part is not None])
 
 
 @dataclass
@@ -82,7 +90,7 @@ class Stages:
     """Partial rollouts: each generator's rows not yet delivered (``rayppo/data/partial_rollouts.py``)."""
     carry_states: dict[int, list[Rollout]] = field(default_factory=dict)
     """Every generator's carry before its call for each batch (what a checkpoint records)."""
-    to_score: "queue.Queue[int]" = field(default_factory=queue.Queue)
+    to_score: queue.Queue[int] = field(default_factory=queue.Queue)
     scored: queue.Queue = field(default_factory=queue.Queue)
     """(batch, scored rollout, scoring seconds), bounded to k + 1 batches."""
     error: BaseException | None = None

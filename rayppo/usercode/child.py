@@ -19,7 +19,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 STARTUP_TIMEOUT_S = 120.0  # importing the user's module (and what it imports)
 

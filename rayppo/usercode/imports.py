@@ -12,7 +12,8 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def import_object(spec: str, field: str, form: str) -> Any:
