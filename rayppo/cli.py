@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 PLAN_EPILOG = """Estimates each role's peak memory per actor from the models' config.json (no model is
 loaded) and checks CPUs, GPUs, per-GPU memory and total RSS against the cluster: exit 0 when it
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "run stands, its generator fleet included)"),
                        ("logs", "print a job's logs"), ("stop", "stop a running job")):
         job = sub.add_parser(name, help=text)
-        job.add_argument("job_id", metavar="JOB", **({"nargs": "?"} if name == "status" else {}))
+        optional: dict[str, Any] = {"nargs": "?"} if name == "status" else {}
+        job.add_argument("job_id", metavar="JOB", **optional)
         _address(job)
         if name == "logs":
             job.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
@@ -277,6 +279,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     console.setup(args.output, args.verbose)  # as for train: the libraries' output to DIR/logs/
     _quiet_libraries(args.verbose)
     spec = importlib.util.spec_from_file_location("rayppo_benchmarks", path)
+    assert spec is not None and spec.loader is not None  # a .py file: its source loader is found
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

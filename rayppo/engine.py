@@ -33,7 +33,8 @@ if os.environ.get(LOG_FILE_ENV):
 # Every role's process writes its threads' stacks to its log on SIGUSR1: the driver sends it to an
 # actor that missed its deadline before replacing it (rayppo/cluster/supervisor.py).
 try:
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    if sys.__stderr__ is not None:  # None: no real stderr, nothing to dump to
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 except (AttributeError, ValueError, OSError):  # no real stderr here (a captured test run): nothing to dump to
     pass
 

@@ -143,7 +143,8 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
     logger = MetricsLogger(out, trackers, resume_at=first if resume is not None else None)
     loop = _Loop(cfg, trainer, out, logger, Bar(cfg.stop.iterations, first, progress),
                  StopRequest(cfg.stop.sigterm_grace_s), first)
-    stop_reason, at_once, failure, started = "completed", False, None, time.monotonic()
+    failure: Exception | None = None
+    stop_reason, at_once, started = "completed", False, time.monotonic()
     try:
         with loop.stop.installed():
             stop_reason = loop.run()
@@ -198,6 +199,7 @@ class _Loop:
                 self.logger.rewind(self.it)
                 self.bar.rewind(self.it)
                 continue
+            assert self.trainer.last_update is not None  # one() ran an iteration, whose update set it
             kl = self.trainer.last_update.kl_ref  # None without a reference (kl_coef = 0)
             if kl is not None and kl > cfg.stop.kl_budget:
                 console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = {kl:.2f} nats per "

@@ -18,6 +18,8 @@ plain parameter is transposed; every other weight is left to
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayppo.actors.held_weights import worker_held_prints as held_prints
@@ -27,7 +29,7 @@ from rayppo.models.fingerprint import probe_rows, read_back, split_rows
 def transposed_names(model: torch.nn.Module, shapes: dict[str, list[int]]) -> set[str]:
     """The sent 2-D tensors ``model``'s loader transposes, as its own ``_transpose_conv1d`` decides
     (empty for a model without one)."""
-    transpose = next((m._transpose_conv1d for m in model.modules() if hasattr(m, "_transpose_conv1d")), None)
+    transpose: Any = next((m._transpose_conv1d for m in model.modules() if hasattr(m, "_transpose_conv1d")), None)
     if transpose is None:
         return set()
     sent = [(name, torch.empty(shape, device="meta")) for name, shape in shapes.items() if len(shape) == 2]
@@ -38,7 +40,8 @@ def sent_layout_rows(module: torch.nn.Module, param: torch.Tensor, shape: list[i
     """``[in, PROBES]`` probe rows of the held ``[out, in]`` weight read as the sent ``[in, out]``."""
     if param.numel() or not hasattr(module, "cpu_linear"):
         return probe_rows(param.t())
-    blocks = read_back(lambda x: module.cpu_linear(x, param, None), shape[0], param.dtype)  # rows of W^T
+    cpu_linear: Any = module.cpu_linear  # vLLM's kernel call: untyped (the Module reads it as a Tensor or Module)
+    blocks = read_back(lambda x: cpu_linear(x, param, None), shape[0], param.dtype)  # rows of W^T
     return torch.cat([probe_rows(rows) for _, rows in blocks])
 
 

@@ -268,6 +268,7 @@ class GeneratorEngine(Engine):
         if episodes is not None:  # refused before the engine loads: a template that rewrites earlier turns
             texts = {self.tokenizer.decode([i]): i for i in eos_ids}
             self.turn_end_ids = [texts[t] for t in check_template(self.tokenizer, list(texts), episodes.observation_role)]
+        self.backend: _VLLMBackend | HFBackend
         if backend == "vllm":
             self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
@@ -293,15 +294,18 @@ class GeneratorEngine(Engine):
         if self.sync_fault.kind != "none":
             raise ValueError("checks.sync_fault is not implemented for the CUDA-IPC weight sync")
         self.sent_shapes = {}
+        assert isinstance(self.backend, _VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.start_ipc()
 
     def load_ipc(self, chunk: IpcChunk) -> None:
         """Load one run of tensors that the learner rank on this GPU shares by CUDA-IPC."""
         self.sent_shapes.update(zip(chunk.names, chunk.shapes))
+        assert isinstance(self.backend, _VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.load_ipc(chunk)
 
     def finish_ipc_update(self, version: int) -> int:
         """Close the weight update; later rollouts carry ``version``. Returns it."""
+        assert isinstance(self.backend, _VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.finish_ipc()
         self.policy_version = version
         return version
@@ -408,6 +412,7 @@ class GeneratorEngine(Engine):
         """Each prompt row's multi-turn episode, each turn sampled with a seed of its own, the
         environment in this generator's processes (started on first use, kept for the next calls)."""
         e = self.episodes
+        assert e is not None  # its callers call _play only when self.episodes is set
         if self._pool is None:
             self._pool = EnvironmentPool(e.environment, e.workers, e.timeout_s)
         def sample(contexts: list[list[int]], limits: list[int], turn: int, rows: list[int]):

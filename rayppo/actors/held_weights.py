@@ -9,6 +9,8 @@ fingerprint math are imported; the vLLM objects come in as arguments.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayppo.actors.cpu_moe import expert_probes
@@ -67,7 +69,10 @@ def worker_held_prints(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[
                 continue
             k = matrix_shape(shapes[names[0]])[1]
             if param.numel() == 0 and hasattr(module, "cpu_linear"):  # read back exactly through its kernel
-                rows = kernel_rows(lambda x, m=module, w=param: m.cpu_linear(x, w, None), k, param.dtype)
+                def linear(x: torch.Tensor, m: Any = module, w: torch.Tensor = param) -> torch.Tensor:
+                    return m.cpu_linear(x, w, None)  # vLLM's layer: its cpu_linear is untyped
+
+                rows = kernel_rows(linear, k, param.dtype)
             else:
                 rows = probe_rows(param.reshape(-1, k))  # padded vocabulary rows are ignored by split_rows
             out.update(split_rows(rows, names, shapes))
@@ -85,7 +90,7 @@ def engine_names(model, shapes: dict[str, list[int]]) -> dict[str, list[str]]:
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is None:
         return {}
-    parts: dict[str, list[tuple[int, str]]] = {}
+    parts: dict[str, list[tuple[int | str, str]]] = {}
     for sent in shapes:
         mapped = mapper._map_name_with_shard(sent)
         if mapped is not None and mapped[0] != sent:
@@ -93,9 +98,9 @@ def engine_names(model, shapes: dict[str, list[int]]) -> dict[str, list[str]]:
     return {engine: [sent for _, sent in sorted(held)] for engine, held in parts.items()}
 
 
-def _shard_order(shard) -> int:  # noqa: ANN001 - vLLM's ShardIds: None, an int, "q"/"k"/"v", or a list
+def _shard_order(shard) -> int | str:  # noqa: ANN001 - vLLM's ShardIds: None, an int, "q"/"k"/"v", or a list
     """Where a stacked shard's rows sit in the engine's parameter: q, k, v in that order; an int
-    is its own position."""
+    is its own position (another string, unknown here, is returned as it is)."""
     first = shard[0] if isinstance(shard, (list, tuple)) and shard else shard
     return {"q": 0, "k": 1, "v": 2}.get(first, first) if isinstance(first, str) else int(first or 0)
 

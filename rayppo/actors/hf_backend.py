@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rayppo.data.seeds import row_seeds
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import pack, policy_forward
@@ -78,7 +78,7 @@ class HFBackend:
         self.model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.sync_group = None
+        self.sync_group: SyncGroup | None = None
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         # Tensors not given keep their values (what the correctness guard's weight check is for).

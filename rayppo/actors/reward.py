@@ -124,6 +124,7 @@ class RewardEngine(Engine):
     def _http_scores(self, rollout: Rollout) -> list[float]:
         messages, rows = rollout.conversations(), rollout.row_fields()
         out: list[float] = []
+        assert self.http is not None  # scores() calls this only with an endpoint
         for start in range(0, len(rollout), self.batch_size):
             part = slice(start, start + self.batch_size)
             out.extend(self.http.scores(rollout.prompt_text[part], rollout.response_text[part], messages[part],
@@ -132,6 +133,7 @@ class RewardEngine(Engine):
 
     def _verifier_scores(self, rollout: Rollout) -> list[float]:
         out = []
+        assert self.function is not None  # scores() calls this only with a verifier
         rows = zip(rollout.prompt_text, rollout.response_text, rollout.row_fields(), rollout.conversations())
         for prompt, response, fields, messages in rows:
             try:

@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransfe
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rayppo.actors.held_weights import tied_aliases
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, open_sync_group, receive_stream
+from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
 from rayppo.models.weights import SyncFault, with_aliases
 
 BACKEND = "rayppo"
@@ -62,7 +62,7 @@ class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, Collectiv
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group = None
+        self.group: SyncGroup | None = None
         # Read now: once a layerwise reload has begun, the layers' parameters are placeholders and
         # a tied head no longer shares the embedding's.
         self.aliases = tied_aliases(model)  # a tied head that is a module of its own gets its tensor too

@@ -47,6 +47,12 @@ class DeviceSchedule:
         """What the generators have given back and not taken again: ``weights``, ``kv_cache``."""
         self._warned = False
 
+    def _spawned(self) -> ActorGroup:
+        """The generators, which colocated mode sleeps and wakes only once they are spawned."""
+        if self.generators is None:
+            raise RuntimeError("colocation: the generators are slept or woken before they are spawned")
+        return self.generators
+
     def stage(self, name: str) -> None:
         """Record a stage of the iteration (only in colocated mode, where order matters)."""
         if self.colocated:
@@ -70,7 +76,8 @@ class DeviceSchedule:
     def sleep_generators(self) -> None:
         """Before scoring and learning: the generators give their GPU memory back."""
         if self.colocated:
-            self._record("sleep", self._get(self.generators, self.generators.call_all(GeneratorEngine.sleep), "sleep"))
+            generators = self._spawned()
+            self._record("sleep", self._get(generators, generators.call_all(GeneratorEngine.sleep), "sleep"))
             self.asleep = {"weights", "kv_cache"}
 
     def wake_weights(self) -> None:
@@ -78,8 +85,9 @@ class DeviceSchedule:
         keep its peak reserved), then the generators' weights come back to be overwritten."""
         if self.colocated:
             self._release_others()
+            generators = self._spawned()
             self._record("wake weights",
-                         self._get(self.generators, self.generators.call_all(GeneratorEngine.wake_up, ["weights"]),
+                         self._get(generators, generators.call_all(GeneratorEngine.wake_up, ["weights"]),
                                    "wake weights"))
             self.asleep.discard("weights")
 
@@ -88,8 +96,9 @@ class DeviceSchedule:
         sync's gathers and IPC-shared tensors held."""
         if self.colocated:
             self._release_others()
+            generators = self._spawned()
             self._record("wake kv_cache",
-                         self._get(self.generators, self.generators.call_all(GeneratorEngine.wake_up, ["kv_cache"]),
+                         self._get(generators, generators.call_all(GeneratorEngine.wake_up, ["kv_cache"]),
                                    "wake kv_cache"))
             self.asleep.discard("kv_cache")
 

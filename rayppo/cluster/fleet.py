@@ -95,6 +95,7 @@ class Fleet:
             time.sleep(RETRY_S)
             self.group.restart(i)
             first_answer = self.group.call_at(i, Engine.process_id, ())
+        assert self.placement is not None  # placed_by_ray, checked above
         if not bundle_placed(self.placement, i):
             self._leave(i, first_answer)
             return None

@@ -152,11 +152,13 @@ class BroadcastSync:
     def _replace(self, i: int, cause: str, hung: bool) -> None:
         """Replace generator ``i``; when it finds no place it has left the fleet, and the group is
         formed again without it."""
+        assert self.supervisor is not None  # a call fails only where a supervisor looks for failures (_failed_call's callers)
         self.supervisor.replace(self.generators, "generators", i, cause, hung)
 
     def _failed_call(self, futures: list[Any], method: str) -> tuple[int, str, bool] | None:
         """The first call (one future per active generator) whose generator died or missed the call
         deadline: (position in ``futures``, cause, hung); None when every one answered."""
+        assert self.supervisor is not None  # called only when self.supervisor is not None
         index = {ref: i for i, ref in enumerate(futures)}
         pending, deadline = list(futures), time.monotonic() + self.supervisor.timeout_s
         while pending:
@@ -174,6 +176,7 @@ class BroadcastSync:
         """Let the calls on the broken group end (their collectives time out), the failed
         generator's aside (it is about to be killed); a learner rank that died meanwhile is the
         learner's failure."""
+        assert self.supervisor is not None  # a call fails only where a supervisor looks for failures (_failed_call's callers)
         try:
             self.learner.gather(sends, "the broken weight broadcast")
         except LearnerFailedError:

@@ -14,8 +14,13 @@ every conversion these models use is a split or a rename of one tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 
 def _conversions(model: torch.nn.Module) -> list | None:
@@ -29,7 +34,7 @@ def _conversions(model: torch.nn.Module) -> list | None:
     return found or None
 
 
-def checkpoint_tensors(model: torch.nn.Module,
+def checkpoint_tensors(model: PreTrainedModel | PeftModel,
                        stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``stream`` (``(name, tensor)`` under the model's own names, e.g. ``full_tensors``) under the
     checkpoint's names and layout; passed through unchanged for a model without conversions."""

@@ -69,7 +69,7 @@ def _name_shards(out: Path, names: list[list[str]]) -> None:
     if len(names) == 1:
         _shard_path(out, 1).rename(out / "model.safetensors")
         return
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for index, shard_names in enumerate(names, start=1):
         final = f"model-{index:05d}-of-{len(names):05d}.safetensors"
         _shard_path(out, index).rename(out / final)

@@ -120,6 +120,8 @@ def kernel_rows(linear: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: t
     for start, columns in read_back(linear, k, dtype):
         part = columns.double().T @ p[start:start + columns.shape[0]]
         rows = part if rows is None else rows + part
+    if rows is None:
+        raise ValueError("kernel_rows: a weight of no columns (k=0) has no rows to read back")
     return rows
 
 

@@ -13,9 +13,13 @@ generator, the full-logits path of families with their own logits), and vLLM's
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -27,7 +31,7 @@ def _fp32_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden.float(), self.weight.float(), bias)
 
 
-def set_head_fp32(model: torch.nn.Module, on: bool = True) -> bool:
+def set_head_fp32(model: PreTrainedModel, on: bool = True) -> bool:
     """Make ``model``'s output embedding (a ``nn.Linear``) compute its logits in fp32 (``on``) or
     in its own dtype again; returns whether the head is now fp32-computed.
 
@@ -38,7 +42,8 @@ def set_head_fp32(model: torch.nn.Module, on: bool = True) -> bool:
     if type(head) is not torch.nn.Linear or head.weight.dtype not in LOW_PRECISION:
         return False
     if on:
-        head.forward = types.MethodType(_fp32_forward, head)
+        # The instance's own forward (what Module.__setattr__ stores for a method), popped below.
+        vars(head)["forward"] = types.MethodType(_fp32_forward, head)
     else:
         vars(head).pop("forward", None)
     return on

@@ -117,7 +117,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", weights_elsewhere: 
     return model
 
 
-def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+def prepare_for_training(model: PreTrainedModel | Critic, gradient_checkpointing: bool) -> torch.nn.Module:
     """Train mode (``from_pretrained`` returns eval mode, in which transformers never
     checkpoints), optional non-reentrant gradient checkpointing, and every ``nn.Dropout`` at 0
     in case a model class builds one the config does not name."""
@@ -142,7 +142,7 @@ def load_reward_model(path: str | Path, dtype: str = "float32") -> torch.nn.Modu
 class Critic(torch.nn.Module):
     """V_w: a transformer backbone with a scalar value head on every position's hidden state."""
 
-    def __init__(self, backbone: torch.nn.Module, seed: int = 0) -> None:
+    def __init__(self, backbone: PreTrainedModel, seed: int = 0) -> None:
         super().__init__()
         self.backbone = backbone
         hidden = backbone.config.hidden_size

@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rayppo.models.packing import RowPacking, pack_sequences, unpack
 from rayppo.models.vocab_head import token_logprobs
 from rayppo.token_math import entropy_from_logits, logprobs_from_logits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -214,9 +217,9 @@ PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_mo
 in Cohere/Granite/Falcon-H1, trimmed or masked vocabularies, ...) compute their own logits."""
 
 
-def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+def _causal_lm(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers model inside DeepSpeed's engine (``.module``) and PEFT's wrapper."""
-    inner = getattr(model, "module", model)
+    inner: Any = getattr(model, "module", model)  # DeepSpeed's engine and PEFT's wrapper: untyped here
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 

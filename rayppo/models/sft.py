@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Sequence
 
 import torch
 from tqdm import tqdm
@@ -39,7 +40,7 @@ TokenExample = tuple[list[int], list[int], list[int] | None]
 a multi-turn episode trains its own turns, not the environment's replies between them)."""
 
 
-def sft_train_ids(model: torch.nn.Module, pad_id: int, examples: list[TokenExample], epochs: int = 3,
+def sft_train_ids(model: torch.nn.Module, pad_id: int, examples: Sequence[TokenExample], epochs: int = 3,
                   batch_size: int = 64, lr: float = 1e-3, seed: int = 0, progress: bool = True) -> list[float]:
     """``sft_train`` over token ids (and masks); returns the loss per step."""
     encoded = list(examples)

@@ -124,5 +124,6 @@ def use_varlen_attention(model: torch.nn.Module) -> None:
     """Switch a transformers model (or a PEFT wrapper's, or a critic's ``backbone``) to
     ``VARLEN_SDPA``: its padded and masked calls are unchanged."""
     register()
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    wrapped: Any = model  # PEFT's wrapper, transformers' model and the critic's backbone: untyped here
+    inner = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
     getattr(inner, "backbone", inner).set_attn_implementation(VARLEN_SDPA)

@@ -39,6 +39,8 @@ response-token logits exist for that call only and are never kept for backward).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.utils.checkpoint
 
@@ -98,6 +100,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
             z = _logits(hidden[s:s + chunk], weight_stats, temperature)
             lse[s:s + chunk], logprobs[s:s + chunk], h = _chunk_stats(z, targets[s:s + chunk], with_entropy)
             if with_entropy:
+                assert h is not None  # _chunk_stats returns H with_entropy
                 entropy[s:s + chunk] = h
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and entropy_grad
@@ -143,8 +146,10 @@ def _logits_grad(p: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, shift:
     """``dL/dz [n, V]`` from ``dL/dlog pi(y)`` and ``dL/dH`` ([n, 1] each, either may be None);
     ``shift`` [n] is H - lse. Overwrites ``p``."""
     if grad_entropy is None:  # ([v = y] - p) g
+        assert grad_logprobs is not None  # backward returned early when neither gradient came
         dz = p.mul_(-grad_logprobs)
     else:  # -p (z - lse + H) g_H - p g  (the [v = y] g part is added below)
+        assert shift is not None  # backward computes the shift whenever grad_entropy is given
         dz = p.mul_(-(z + shift.unsqueeze(1)) * grad_entropy - (0 if grad_logprobs is None else grad_logprobs))
     if grad_logprobs is not None:
         dz.scatter_add_(1, targets.unsqueeze(1), grad_logprobs)
@@ -188,7 +193,7 @@ def token_logprobs(
     tokens' logits (default ``chunk_tokens(V)``). ``entropy_grad=False`` returns the entropy as a
     statistic (no gradient flows through it, and its backward costs nothing).
     """
-    chunk = chunk or chunk_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
+    chunk = chunk or chunk_tokens(getattr(head, "out_features", None) or cast(torch.Tensor, head.weight).shape[0])
     targets = targets.long()
     weight = plain_weight(head)
     if weight is not None:

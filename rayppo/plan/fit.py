@@ -177,11 +177,11 @@ def _gpu_memory_shortages(cfg: Config, est: dict[str, Estimate], gpu_memory_gib:
         if sum(load.values()) > gpu_memory_gib * GiB:
             over.setdefault((phase, *((r, round(b / GiB, 1)) for r, b in load.items())), []).append(i)
     out = []
-    for (phase, *load), gpus in over.items():
+    for (phase, *shares), gpus in over.items():  # shares: (role, GiB) pairs
         which = f"GPU {gpus[0]} needs" if len(gpus) == 1 else f"{len(gpus)} GPUs need"
-        roles = [r for r, _ in sorted(load, key=lambda role_gib: -role_gib[1])]
-        out.append(Shortage("GPU memory", roles, f"GPU memory: {which} {sum(b for _, b in load):.1f} GiB ({phase}: "
-                            f"{' + '.join(f'{r} {b:g}' for r, b in load)}), the device has {gpu_memory_gib:g} GiB"))
+        roles = [r for r, _ in sorted(shares, key=lambda role_gib: -role_gib[1])]
+        out.append(Shortage("GPU memory", roles, f"GPU memory: {which} {sum(b for _, b in shares):.1f} GiB ({phase}: "
+                            f"{' + '.join(f'{r} {b:g}' for r, b in shares)}), the device has {gpu_memory_gib:g} GiB"))
     return out
 
 
@@ -223,7 +223,7 @@ def _memory_options(cfg: Config, role: str, on_gpu: bool) -> list[dict[str, Any]
     to try them (the mildest first)."""
     lr = cfg.learner
     if role == "learner":
-        options = [] if lr.gradient_checkpointing else [{"learner.gradient_checkpointing": True}]
+        options: list[dict[str, Any]] = [] if lr.gradient_checkpointing else [{"learner.gradient_checkpointing": True}]
         options += [{"learner.zero_stage": 3}] if lr.zero_stage < 3 else []
         options += [{"learner.offload": True}] if on_gpu and not lr.offload else []  # to host memory: not for RSS
         b, m = batch_rows(cfg), cfg.ppo.minibatches

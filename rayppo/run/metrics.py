@@ -130,7 +130,7 @@ def _column(records: list[dict[str, float]], key: str) -> list[float]:
     return [r.get(key, math.nan) for r in records]
 
 
-def _reward_panel(ax, records: list[dict[str, float]], its: list[int]) -> None:
+def _reward_panel(ax, records: list[dict[str, float]], its: list[float]) -> None:
     mean = _column(records, "reward/mean")
     if any("reward/min" in r and "reward/max" in r for r in records):
         ax.fill_between(its, _column(records, "reward/min"), _column(records, "reward/max"), color="tab:blue",

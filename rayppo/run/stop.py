@@ -71,7 +71,9 @@ class StopRequest:
                 console.write(f"SIGTERM: stop.sigterm_grace_s={self.grace_s:g} s nearly spent: stopping now")
                 # A real signal to the main thread: it also wakes a blocking wait there (sleep, a
                 # socket, Ray's get), which _thread.interrupt_main would leave sleeping.
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # _sigint: KeyboardInterrupt
+                main_ident = threading.main_thread().ident
+                assert main_ident is not None  # the main thread is always started
+                signal.pthread_kill(main_ident, signal.SIGINT)  # _sigint: KeyboardInterrupt
 
     def iteration_begins(self) -> None:
         """An iteration starts now (what a SIGTERM estimates the time left from)."""

@@ -29,6 +29,9 @@ from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError, brief
 
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from rayppo.choices import WandbMode
     from rayppo.run.samples import Sample
 
 INSTALL_HINT = "(pip install 'rayppo[track]')"
@@ -71,7 +74,8 @@ def make_trackers(cfg: Config, resolved_config: dict[str, Any], resume: bool) ->
     MLflow; ``resume``: continue the W&B and MLflow runs recorded in ``output.dir``.
     TensorBoard's redone iterations are dropped by ``Tracker.rewind`` (``MetricsLogger`` calls it)."""
     check_trackers(cfg)
-    out, trackers = Path(cfg.output.dir).resolve(), []
+    out = Path(cfg.output.dir).resolve()
+    trackers: list[Tracker] = []
     out.mkdir(parents=True, exist_ok=True)
     try:
         if cfg.output.tensorboard:
@@ -106,7 +110,7 @@ class TensorBoardTracker:
 
     def __init__(self, log_dir: str | Path):
         self.log_dir = Path(log_dir)
-        self._writer = None
+        self._writer: SummaryWriter | None = None
         self._purge_step: int | None = None
 
     def _open(self):
@@ -154,7 +158,7 @@ class WandbTracker:
     rather than W&B's own step, which must only increase: after a rewind the redone iterations
     are logged again at their iteration (W&B keeps both points; its history cannot be cut)."""
 
-    def __init__(self, out_dir: Path, project: str, name: str, mode: str, config: dict[str, Any], resume: bool):
+    def __init__(self, out_dir: Path, project: str, name: str, mode: WandbMode, config: dict[str, Any], resume: bool):
         # wandb advertises its Weave LLM tracing on the terminal when it sees an LLM client
         # library imported (vLLM brings openai); rayppo does not use Weave.
         os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")

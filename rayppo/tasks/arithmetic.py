@@ -52,7 +52,8 @@ def _draw(rng: random.Random) -> tuple[int, str, int]:
 def problems(split: str = "train", n: int = 4096, seed: int = 0) -> list[tuple[int, str, int]]:
     """``n`` seeded training problems (never held out), or the ``EVAL_PROBLEMS`` held-out ones."""
     rng = random.Random(seed if split == "train" else 10_000 + seed)
-    want, out = (n, False) if split == "train" else (EVAL_PROBLEMS, True), []
+    want = (n, False) if split == "train" else (EVAL_PROBLEMS, True)
+    out: list[tuple[int, str, int]] = []
     while len(out) < want[0]:
         problem = _draw(rng)
         if held_out(*problem) == want[1] and (split == "train" or problem not in out):

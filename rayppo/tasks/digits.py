@@ -83,6 +83,7 @@ def sft_examples(n: int = 4096, seed: int = 1) -> list[tuple[str, str]]:
     examples = []
     for prompt in _sft_prompts(n, seed):
         target = target_digit(prompt)
+        assert target is not None  # _sft_prompts makes prompts of this task only
         length = rng.randint(3, MAX_LENGTH)
         digits = [target if rng.random() < SFT_TARGET_RATE else rng.choice(DIGITS) for _ in range(length)]
         examples.append((prompt, " ".join(digits)))

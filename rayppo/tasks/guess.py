@@ -64,7 +64,8 @@ def eval_secrets() -> list[int]:
 def aimless_game(secret: int, rng: random.Random) -> list[tuple[str, str | None]]:
     """The warm-up's play: ``[(guess, reply or None on the right guess), ...]``, each guess uniform
     among the digits the replies so far allow."""
-    low, high, turns = 0, 9, []
+    low, high = 0, 9
+    turns: list[tuple[str, str | None]] = []
     while True:
         guess = rng.randint(low, high)
         if guess == secret:

@@ -110,6 +110,7 @@ class ChildProcess:
 
     def _kill_group(self) -> None:
         """SIGKILL to the child's whole process group (its own session: ``_start``)."""
+        assert self.proc is not None  # called only while a child is held (_reap, close)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):  # the group is empty already
