@@ -40,7 +40,7 @@ from rayppo.learner.weight_sync import (
 )
 from rayppo.learner.zero_sizes import zero_sizes
 from rayppo.models.checkpoint_names import checkpoint_tensors
-from rayppo.models.export import write_pretrained
+from rayppo.models.export import write_policy
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.packing import pack_mode
@@ -343,8 +343,7 @@ class LearnerEngine(Engine):
         stream = self._full_policy()
         if self.rank == 0:
             base = resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir)
-            write_pretrained(((name, t.to("cpu", copy=True)) for name, t in stream), base, out / "policy")
-            self.tokenizer.save_pretrained(str(out / "policy"))
+            write_policy(stream, base, self.tokenizer, out / "policy")
         else:
             _drain(stream)
         if self.critic is None:

@@ -18,6 +18,7 @@ import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -27,6 +28,15 @@ MAX_SHARD_BYTES = 2 << 30
 the writer's memory)."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def write_policy(stream: Iterable[tuple[str, torch.Tensor]], base: Path, tokenizer: Any, out: Path) -> int:
+    """A run's final policy: ``stream`` written as ``write_pretrained`` does, from host copies (a
+    ZeRO-3 module's gathered tensors are released when the stream moves on), and the tokenizer
+    beside it, so ``out`` loads with ``from_pretrained`` alone. Returns the tensors written."""
+    written = write_pretrained(((name, t.to("cpu", copy=True)) for name, t in stream), base, out)
+    tokenizer.save_pretrained(str(out))
+    return written
 
 
 def write_pretrained(stream: Iterable[tuple[str, torch.Tensor]], base: Path, out: Path,

@@ -44,7 +44,7 @@ from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
 from rayppo.learner.update import Steps
 from rayppo.models.checkpoint_names import checkpoint_tensors
-from rayppo.models.export import write_pretrained
+from rayppo.models.export import write_policy
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import eval_plan, run_evaluation
@@ -228,9 +228,8 @@ class InProcessTrainer(LoopTrainer):
         """The final policy (Hugging Face format, with tokenizer) and critic (when there is one)."""
         out_dir = Path(out_dir)
         stream = checkpoint_tensors(self.policy, full_tensors(self.policy))  # the learner's export (models/export.py)
-        write_pretrained(((name, t.to("cpu", copy=True)) for name, t in stream),
-                         resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), out_dir / "policy")
-        self.tokenizer.save_pretrained(str(out_dir / "policy"))
+        write_policy(stream, resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), self.tokenizer,
+                     out_dir / "policy")
         if self.critic is not None:
             self.critic.save_pretrained(out_dir / "critic")
 
