@@ -50,7 +50,7 @@ from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import eval_plan, run_evaluation
 from rayppo.trainers.iteration import group_shares
 from rayppo.trainers.loop import LoopTrainer, load_prompts
-from rayppo.trainers.source import Drawn, StageClock
+from rayppo.trainers.source import Drawn, SamplerPosition, StageClock
 
 
 class LocalSource:
@@ -61,11 +61,11 @@ class LocalSource:
                  reward: RewardEngine | None, prompts: PromptSampler, clock: StageClock) -> None:
         self.cfg, self.generator, self.reference, self.reward = cfg, generator, reference, reward
         self.prompts, self.clock = prompts, clock
-        self._before: tuple[int, dict[str, int]] | None = None  # (batch, the sampler's position before it)
+        self.position = SamplerPosition(prompts)
 
     def next(self, iteration: int) -> Drawn:
         """Batch ``iteration``: sampled, its informative groups kept (dynamic sampling), scored."""
-        self._before = (iteration, self.prompts.state_dict())
+        self.position.drawing(iteration)
         with self.clock.stage("generate"):
             rollout, dynamic = self._sample(iteration)
         with self.clock.stage("reference"):
@@ -117,14 +117,11 @@ class LocalSource:
     def state(self, iteration: int) -> dict[str, Any]:
         """The sampler's position before batch ``iteration``: stopped half-way through an iteration
         (a reward error, the guard before its update), its prompts are drawn again on resume."""
-        if self._before is not None and self._before[0] == iteration:
-            return {"prompts": dict(self._before[1])}
-        return {"prompts": self.prompts.state_dict()}
+        return self.position.state(iteration)
 
     def load_state(self, state: dict[str, Any]) -> None:
         """The sampler goes on from the saved position."""
-        self._before = None
-        self.prompts.load_state_dict(state["prompts"])
+        self.position.load_state(state)
 
     def timings(self, seconds: dict[str, float]) -> dict[str, float]:
         """Each stage's seconds; the iteration's are their sum."""

@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rayppo.data.prompts import PromptSampler
 from rayppo.data.rollout import Rollout
 
 if TYPE_CHECKING:  # the clock only calls it: the in-process trainer never imports Ray
@@ -89,6 +90,31 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Stop what the source runs on its own and wait for it; its actors are the trainer's."""
         ...
+
+
+class SamplerPosition:
+    """The prompt sampler's position before the batch being drawn, for a source that samples when
+    asked: a checkpoint taken with that batch untrained (a reward error, the guard before its
+    update) records the position before it, so the batch is drawn again on resume."""
+
+    def __init__(self, prompts: PromptSampler) -> None:
+        self.prompts = prompts
+        self._before: tuple[int, dict[str, int]] | None = None  # (batch, the position before it)
+
+    def drawing(self, iteration: int) -> None:
+        """Batch ``iteration`` is about to be drawn."""
+        self._before = (iteration, self.prompts.state_dict())
+
+    def state(self, iteration: int) -> dict[str, Any]:
+        """The position before batch ``iteration`` (``RolloutSource.state``)."""
+        if self._before is not None and self._before[0] == iteration:
+            return {"prompts": dict(self._before[1])}
+        return {"prompts": self.prompts.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """The sampler goes on from the saved position."""
+        self._before = None
+        self.prompts.load_state_dict(state["prompts"])
 
 
 class StageClock:

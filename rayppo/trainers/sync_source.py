@@ -22,7 +22,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import rollout_seed
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.role_calls import RoleCalls
-from rayppo.trainers.source import Drawn, StageClock
+from rayppo.trainers.source import Drawn, SamplerPosition, StageClock
 
 
 class SynchronousSource:
@@ -32,11 +32,11 @@ class SynchronousSource:
         self.cfg, self.calls, self.prompts, self.clock = cfg, calls, prompts, clock
         self.version = 0
         """The policy version every generator holds (the initial weights until the first sync)."""
-        self._before: tuple[int, dict[str, int]] | None = None  # (batch, the sampler's position before it)
+        self.position = SamplerPosition(prompts)
 
     def next(self, iteration: int) -> Drawn:
         """Batch ``iteration``, sampled by the fleet now, its informative groups kept, scored."""
-        self._before = (iteration, self.prompts.state_dict())
+        self.position.drawing(iteration)
         with self.clock.stage("generate"):
             rollout = self.calls.generate(self.prompts.next_batch(), rollout_seed(self.cfg.seed, iteration))
             rollout, dynamic = self._dynamic_sampling(rollout, iteration)  # {} when off
@@ -89,14 +89,11 @@ class SynchronousSource:
 
     def state(self, iteration: int) -> dict[str, Any]:
         """The sampler's position before batch ``iteration`` (drawn again on resume when it was not trained)."""
-        if self._before is not None and self._before[0] == iteration:
-            return {"prompts": dict(self._before[1])}
-        return {"prompts": self.prompts.state_dict()}
+        return self.position.state(iteration)
 
     def load_state(self, state: dict[str, Any]) -> None:
         """The sampler goes on from the saved position."""
-        self._before = None
-        self.prompts.load_state_dict(state["prompts"])
+        self.position.load_state(state)
 
     def timings(self, seconds: dict[str, float]) -> dict[str, float]:
         """Each stage's seconds; the iteration's are their sum."""
