@@ -309,14 +309,23 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
 
 
 def sweep_points(specs: list[str]) -> list[dict[str, str]]:
-    """``["generators.num=1,2", "learner.num_ranks=1,2"]`` -> the 4 combinations."""
+    """``["generators.num=1,2", "learner.num_ranks=1,2"]`` -> the 4 combinations. Keys that move
+    together are joined by ``:`` with their values: ``learner.num_ranks:learner.threads=1:2,2:1`` is
+    two points (1 rank of 2 threads, 2 ranks of 1), the layouts of a machine's cores."""
     axes = []
     for spec in specs:
         if "=" not in spec:
-            raise ValueError(f"--sweep {spec!r}: expected key=v1,v2,...")
-        key, values = spec.split("=", 1)
-        axes.append([(key, v) for v in values.split(",")])
-    return [dict(combo) for combo in itertools.product(*axes)]
+            raise ValueError(f"--sweep {spec!r}: expected key=v1,v2,... or key1:key2=a1:a2,b1:b2")
+        keys, values = spec.split("=", 1)
+        names = keys.split(":")
+        axis = []
+        for value in values.split(","):
+            parts = value.split(":")
+            if len(parts) != len(names):
+                raise ValueError(f"--sweep {spec!r}: {value!r} has {len(parts)} values for {len(names)} keys")
+            axis.append(tuple(zip(names, parts)))
+        axes.append(axis)
+    return [dict(pair for group in combo for pair in group) for combo in itertools.product(*axes)]
 
 
 def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | None, iterations: int | None,

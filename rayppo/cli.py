@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, help="warm-up iterations (default: the workload's)")
     bench.add_argument("--iters", type=int, help="measured iterations (default: the workload's)")
     bench.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
-                       help="scaling sweep, e.g. --sweep generators.num=1,2 learner.num_ranks=1,2")
+                       help="scaling sweep, e.g. --sweep generators.num=1,2 learner.num_ranks=1,2; keys that move "
+                            "together: --sweep learner.num_ranks:learner.threads=1:2,2:1")
     bench.add_argument("--skip-alone", action="store_true", help="do not measure the stages alone")
     bench.add_argument("--verbose", "-v", action="store_true",
                        help="show the libraries' output here too (by default it goes to DIR/logs/)")

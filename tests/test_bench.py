@@ -104,6 +104,16 @@ def test_sweep_points(bench):
         bench.sweep_points(["generators.num"])
 
 
+def test_sweep_points_move_joined_keys_together(bench):
+    points = bench.sweep_points(["learner.num_ranks:learner.threads=1:2,2:1", "generators.threads=1,2"])
+    assert points == [{"learner.num_ranks": "1", "learner.threads": "2", "generators.threads": "1"},
+                      {"learner.num_ranks": "1", "learner.threads": "2", "generators.threads": "2"},
+                      {"learner.num_ranks": "2", "learner.threads": "1", "generators.threads": "1"},
+                      {"learner.num_ranks": "2", "learner.threads": "1", "generators.threads": "2"}]
+    with pytest.raises(ValueError, match="has 1 values for 2 keys"):
+        bench.sweep_points(["learner.num_ranks:learner.threads=1:2,2"])
+
+
 def test_workloads_file_defines_the_required_presets(bench):
     workloads = bench.load_workloads()
     assert {"tiny", "small", "small-bf16", "gpu-0.5b", "gpu-1.5b"} <= set(workloads)

@@ -163,7 +163,7 @@ from rayppo.models.loading import load_causal_lm
 from rayppo.models.shape import read_shape
 _skip_shm_comm_op()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-ds = deepspeed_config(load_config(None, ["learner.zero_stage=3", f"model.policy={path}"]), 1e-5, world, read_shape(path))
+ds = deepspeed_config(load_config(None, ["learner.zero_stage=3", f"model.policy={path}"]), world, read_shape(path))
 from transformers import AutoConfig, AutoModelForCausalLM
 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(path))]  # the model's code imported first
 def rss(kind):  # RssAnon: private memory (heap, tensors); VmRSS: also the checkpoint's pages mapped in

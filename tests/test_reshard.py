@@ -44,6 +44,7 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
 
     from rayppo.learner.checkpoint import to_universal, universal_load
     from rayppo.learner.engine import _skip_shm_comm_op, deepspeed_config
+    from rayppo.learner.step import adamw
     from rayppo.models.shape import read_shape
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -53,8 +54,8 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
     cfg = load_config(None, [f"learner.zero_stage={stage}", "ppo.lr=0.01", f"model.dtype={dtype}"])
     model = _model()
     model.config.save_pretrained(folder)  # read_shape reads a folder's config.json
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                      config=deepspeed_config(cfg, 0.01, world, read_shape(Path(folder))))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(list(model.parameters()), 0.01, 0.0),
+                                      config=deepspeed_config(cfg, world, read_shape(Path(folder))))
     if mode == "save":
         for step in range(3):  # rows differ by rank, so the ranks' gradients and moments differ
             ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(10 * rank + step))

@@ -26,7 +26,7 @@ from rayppo.engine import Engine, model_size
 from rayppo.learner.checkpoint import LearnerSplit, load_states, save_states
 from rayppo.learner.experience import check_staleness
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
+from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import Steps
 from rayppo.learner.weight_sync import (
     IpcChunk,
@@ -68,7 +68,7 @@ class TorchCollective:
         return self._reduce(x, dist.ReduceOp.MAX)
 
 
-def deepspeed_config(cfg: Config, lr: float, world_size: int, shape: ModelShape) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, world_size: int, shape: ModelShape) -> dict[str, Any]:
     """ZeRO stage, buckets sized to the model ``shape`` (``zero_sizes.py``), optimiser and
     precision from the config; backward/step are called by hand."""
     stage = cfg.learner.zero_stage
@@ -86,9 +86,9 @@ def deepspeed_config(cfg: Config, lr: float, world_size: int, shape: ModelShape)
         # caller owns the boundary, backward() accumulates and step() reduces and updates
         # (deepspeed/runtime/engine.py, 0.19.8: ``backward``, ``step``; ZeRO-2/3 reduce per backward).
         "managed_gradient_accumulation": False,
-        # torch's AdamW: no compiled DeepSpeed ops needed, and the same update as the reference.
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": cfg.ppo.weight_decay, "torch_adam": True}},
+        # The optimiser is ours (``step.adamw``), handed to ``deepspeed.initialize``: no "optimizer"
+        # entry. Under offload it runs on the host, where torch's fused AdamW is the fast one.
+        "zero_force_ds_cpu_optimizer": False,
         "gradient_clipping": cfg.ppo.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
@@ -168,7 +168,7 @@ class LearnerEngine(Engine):
         policy_path = resolve_model_path(m.policy, m.cache_dir)
         critic_path = resolve_model_path(m.critic or m.policy, m.cache_dir) if has_critic(cfg.ppo) else None
         self.tokenizer = load_tokenizer(policy_path)
-        policy_ds = deepspeed_config(cfg, cfg.ppo.lr, world_size, read_shape(policy_path))
+        policy_ds = deepspeed_config(cfg, world_size, read_shape(policy_path))
         policy, critic = load_models(cfg, policy_path, critic_path, policy_ds)
         # The critic shares the policy's family unless model.critic names another: pack only if both can.
         modes = {pack_mode(cfg.learner.packing, getattr(getattr(model, "backbone", model), "config", None))
@@ -178,13 +178,15 @@ class LearnerEngine(Engine):
             for model in (policy, critic):
                 if model is not None:
                     use_varlen_attention(model)
-        self.policy, *_ = deepspeed.initialize(
-            model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad], config=policy_ds)
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        self.policy, *_ = deepspeed.initialize(model=policy, optimizer=adamw(trained, cfg.ppo.lr, cfg.ppo.weight_decay),
+                                               config=policy_ds)
         self.critic = None  # a critic-free estimator: no model, optimizer, value pass or checkpoint
         if critic is not None and critic_path is not None:  # loaded exactly when there is a critic path
-            critic_ds = deepspeed_config(cfg, cfg.ppo.critic_lr, world_size, read_shape(critic_path))
-            self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
-                                                   config=critic_ds)
+            critic_ds = deepspeed_config(cfg, world_size, read_shape(critic_path))
+            self.critic, *_ = deepspeed.initialize(
+                model=critic, optimizer=adamw(list(critic.parameters()), cfg.ppo.critic_lr, cfg.ppo.weight_decay),
+                config=critic_ds)
         self.settings = LearnSettings.of(cfg)
         self.models = LearnerModels(self.policy, self.critic, self._steps(), self.collective, self.device,
                                     self.tokenizer.pad_token_id, self.pack_mode)

@@ -41,7 +41,7 @@ from rayppo.errors import LearnerFailedError
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import Experience
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, learn
+from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import Steps
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_policy
@@ -173,9 +173,9 @@ class InProcessTrainer(LoopTrainer):
         self.source: LocalSource = LocalSource(cfg, self.generator, self.reference, self.reward, self.prompts,
                                                self.clock)
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
-        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
-        self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.ppo.critic_lr,
-                                             weight_decay=cfg.ppo.weight_decay) if self.critic is not None else None)
+        self.policy_opt = adamw(list(self.policy.parameters()), cfg.ppo.lr, cfg.ppo.weight_decay)
+        self.critic_opt = (adamw(list(self.critic.parameters()), cfg.ppo.critic_lr, cfg.ppo.weight_decay)
+                           if self.critic is not None else None)
         steps = Steps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None, self._step)
         self.models = LearnerModels(self.policy, self.critic, steps, LocalCollective(), self.device,
                                     self.tokenizer.pad_token_id)
