@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from rayppo.models.varlen_attention import segments, varlen_sdpa_forward
+from rayppo.models.varlen_attention import (
+    MATH_ATTENTION_MAX_LENGTH,
+    causal_attention,
+    math_attention,
+    segments,
+    varlen_sdpa_forward,
+)
 
 LENGTHS = [7, 1, 30, 12, 5, 29, 16, 2, 9]
 
@@ -84,3 +90,45 @@ def test_without_segments_it_is_transformers_sdpa_and_a_short_window_is_refused(
     with pytest.raises(ValueError, match="no sliding window: a sequence is longer than the model's 16"):
         varlen_sdpa_forward(module, *(torch.randn(1, 4, sum(LENGTHS), 8) for _ in range(3)), None,
                             rayppo_segments=segments(LENGTHS), sliding_window=16)
+
+
+@pytest.mark.parametrize("length", [1, 7, 43, MATH_ATTENTION_MAX_LENGTH])
+def test_math_attention_equals_the_fused_kernel_in_bf16_values_and_gradients(length):
+    """The short-bucket path (plain matmuls) against SDPA's fused kernel, bf16, 6 query / 2 key heads.
+
+    Both form the scores and the softmax in fp32 from the same bf16 inputs (the products of two bf16
+    numbers are exact in fp32); they differ where each rounds to bf16 (u = 2^-8): the probabilities
+    before ``p v`` (|error| <= u p_j each, so <= u max|v| on a row's output) and the output itself
+    (u |o|). Each side does both once: |o_math - o_fused| <= 2u (max|v| + |o|). The gradients pass
+    three such roundings (P, dO V^T, the result) on each side: relative norm difference <= 6u."""
+    u = 2.0**-8
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(5, h, length, 16, generator=gen).to(torch.bfloat16).requires_grad_() for h in (6, 2, 2))
+    weights = torch.randn(5, 6, length, 16, generator=gen)
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    fused_grads = torch.autograd.grad((fused.float() * weights).sum(), (q, k, v))
+    plain = math_attention(q, k, v, None)
+    plain_grads = torch.autograd.grad((plain.float() * weights).sum(), (q, k, v))
+    bound = 2 * u * (v.detach().float().abs().max() + fused.detach().float().abs())
+    assert plain.dtype == torch.bfloat16
+    assert ((plain.detach().float() - fused.detach().float()).abs() <= bound).all()
+    for a, b in zip(plain_grads, fused_grads):
+        assert (a.float() - b.float()).norm() <= 6 * u * b.float().norm()
+
+
+def test_causal_attention_takes_the_plain_path_only_where_it_is_faster():
+    """Short bf16 buckets with gradients go through ``math_attention`` (its result is bitwise its
+    own); fp32, no-grad and long buckets stay on the fused kernel (bitwise SDPA's)."""
+    def both(dtype: torch.dtype, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (torch.randn(2, 4, length, 8, generator=torch.Generator().manual_seed(1)).to(dtype) for _ in range(3))
+        fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return causal_attention(q, k, v, 0.0, None), math_attention(q, k, v, None), fused
+
+    out, plain, fused = both(torch.bfloat16, 16)
+    assert torch.equal(out, plain) and not torch.equal(plain, fused)
+    for dtype, length in ((torch.float32, 16), (torch.bfloat16, MATH_ATTENTION_MAX_LENGTH + 1)):
+        out, _, fused = both(dtype, length)
+        assert torch.equal(out, fused)
+    with torch.no_grad():
+        out, _, fused = both(torch.bfloat16, 16)
+    assert torch.equal(out, fused)

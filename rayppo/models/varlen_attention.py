@@ -18,6 +18,11 @@ to every attention call. Without it the function is transformers' own ``sdpa_att
 Read from transformers 5.19 ``integrations/sdpa_attention.py`` (the function's signature and its
 ``[B, N, H, D]`` output) and ``masking_utils.py`` (``_ignore_causal_mask_sdpa``: a 2-D all-ones
 mask and equal query/key lengths give no mask at all).
+
+Short buckets with gradients on a CPU in bf16/fp16 run as plain matmuls (``math_attention``): torch
+2.13's fused CPU kernel pays a fixed cost per block in its backward, 48 ms against 15-26 ms for a
+layer's fwd+bwd over 60 sequences of 43 tokens on 2 cores, and on the real model's ~80-token rows
+attention was a tenth of the learner's step (docs/benchmarks.md, "Kernels").
 """
 
 from __future__ import annotations
@@ -83,6 +88,41 @@ def segments(lengths: list[int]) -> Segments:
     return Segments(buckets, restore)
 
 
+MATH_ATTENTION_MAX_LENGTH = 128
+"""Longest bucket that ``causal_attention`` runs as plain matmuls (bf16/fp16, CPU, with gradients).
+Measured on 2 cores, fwd+bwd of one layer's bucket of ~2,600 tokens, 9 query / 3 key heads of 64:
+fused 56 / 47 / 46 / 60 ms against 26 / 25 / 35 / 49 ms at lengths 43 / 80 / 128 / 180; past 256 the
+fused kernel wins (its memory is linear in the length, the scores here are quadratic)."""
+
+
+def math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+                   ) -> torch.Tensor:
+    """Causal attention ``[S, H, L, D]`` of ``query`` [S, H, L, D] over ``key``/``value`` [S, H_kv, L, D]
+    (H a multiple of H_kv: grouped queries share a key head) as three plain ops: scores
+    ``q k^T * scale`` formed in fp32 from the inputs' values, the masked softmax in fp32, and its
+    probabilities rounded to the input dtype for ``p v``, as the fused kernel does."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    length = query.shape[2]
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2))
+    scores = scores * (query.shape[-1] ** -0.5 if scale is None else scale)
+    future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(query.dtype), value)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
+                     scale: float | None) -> torch.Tensor:
+    """SDPA with ``is_causal=True`` over ``[S, H, L, D]`` batches, or ``math_attention`` where it is
+    faster (short, reduced precision, CPU, gradients on, no dropout)."""
+    if (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0
+            and torch.is_grad_enabled() and query.shape[2] <= MATH_ATTENTION_MAX_LENGTH):
+        return math_attention(query, key, value, scale)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+
+
 def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -100,13 +140,11 @@ def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     window = kwargs.get("sliding_window")
     if window is not None and max(columns.shape[1] for columns in layout.buckets) > window:
         raise ValueError(f"varlen attention has no sliding window: a sequence is longer than the model's {window}")
-    gqa = key.shape[1] != query.shape[1]
     outputs = []
     for columns in layout.buckets:
         # [H, N, D] -> [H, S_b, L_b, D] -> [S_b, H, L_b, D]
         q, k, v = (t[0][:, columns].transpose(0, 1) for t in (query, key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = causal_attention(q, k, v, dropout if module.training else 0.0, scaling)
         outputs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [S_b * L_b, H, D]
     return torch.cat(outputs)[layout.restore].unsqueeze(0), None
 
