@@ -2,7 +2,7 @@
 
 import pytest
 
-from rayppo.config.derived import vllm_memory_utilization, weight_sync_backend
+from rayppo.config.derived import role_threads, vllm_memory_utilization, weight_sync_backend
 from rayppo.config.load import load_config
 from rayppo.config.schema import Config, ConfigError, field_docs
 
@@ -142,3 +142,19 @@ def test_gpu_layouts_nccl_or_vllm_would_refuse_are_refused_at_load(overrides, fi
 )
 def test_vllm_memory_share_follows_the_gpu_share(overrides, expected):
     assert vllm_memory_utilization(load_config(None, overrides)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("overrides, cores, expected", [
+    # stages take turns on a 4-core machine: each stage's actors share every core
+    ([], 4, {"generators": 4, "reference": 2, "reward": 2, "learner": 2}),
+    (["ppo.kl_coef=0"], 4, {"generators": 4, "reference": 4, "reward": 4, "learner": 2}),  # no reference runs
+    (["generators.num=3", "learner.num_ranks=1"], 4, {"generators": 1, "learner": 4}),
+    (["reward.threads=3"], 4, {"reward": 3}),  # the user's number wins
+    # overlapping stages, a joined cluster (cores unknown), a GPU: the actor's CPU share
+    (["rollout.max_staleness=1", "learner.cpus_per_rank=2"], 4, {"generators": 1, "reward": 1, "learner": 2}),
+    ([], None, {"generators": 1, "reward": 1, "learner": 1}),
+    (["reward.gpus=1", "reward.cpus=2"], 4, {"reward": 2, "reference": 2}),
+])
+def test_role_threads_give_a_stage_alone_every_core(overrides, cores, expected):
+    cfg = load_config(None, overrides)
+    assert {role: role_threads(cfg, role, cores) for role in expected} == expected

@@ -41,15 +41,18 @@ def _rendezvous_address() -> tuple[str, int]:
 class LearnerGroup:
     """Ranks 0..N-1; ``train`` shards a rollout across them, ``policy_weights`` gathers on rank 0."""
 
-    def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None):
+    def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None,
+                 threads: int | None = None):
+        """``threads``: each rank's torch threads (``config.derived.role_threads``; default its CPU share)."""
         self._spec = (cfg, placement, options)
+        self._threads = threads or actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
         self.timeout_s = cfg.cluster.call_timeout_s
         self._start()
 
     def _start(self) -> None:
         cfg, placement, options = self._spec
         n = cfg.learner.num_ranks
-        threads = actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
+        threads = self._threads
         if placement is None:  # in-process, one rank (tests)
             addr, port = "127.0.0.1", _rendezvous_address()[1]
             self.ranks = ActorGroup(LearnerEngine, [(cfg, 0, 1, addr, port, None)], local=True)

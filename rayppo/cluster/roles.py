@@ -11,6 +11,7 @@ Model names travel unresolved: each node resolves (or builds) them itself.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,16 +19,17 @@ from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
+from rayppo.cluster.address import chosen_address
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, reserve_generators, role_specs
 from rayppo.cluster.session import ACTOR_ENV
 from rayppo.config.derived import (
-    actor_threads,
     reference_actors,
     reward_actors,
     role_gpus,
+    role_threads,
     tensor_parallel_size,
     vllm_memory_utilization,
     weight_sync_backend,
@@ -53,10 +55,8 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     """Every role's actors, in the order the GPUs need (``generators_start_first``);
     ``context`` is vLLM's max_model_len (``config.derived.generator_context``)."""
     g = cfg.generators
-    threads = {"generators": actor_threads(g.threads, g.cpus_per_worker),
-               "reference": actor_threads(cfg.reference.threads, cfg.reference.cpus),
-               "reward": actor_threads(cfg.reward.threads, cfg.reward.cpus),
-               "learner": actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)}
+    threads = {role: role_threads(cfg, role, machine_cores(cfg)) for role in ("generators", "reference", "reward",
+                                                                                "learner")}
     gpus = {spec.name: spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg)}
 
     def options(role: str, n: int) -> list[dict[str, Any]]:
@@ -79,7 +79,7 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
         generators,
         ActorGroup(ReferenceEngine, [reference] * reference_actors(cfg), options("reference", reference_actors(cfg))),
         ActorGroup(RewardEngine, [reward] * reward_actors(cfg), options("reward", reward_actors(cfg))),
-        LearnerGroup(cfg, placements["learner"], options("learner", cfg.learner.num_ranks)),
+        LearnerGroup(cfg, placements["learner"], options("learner", cfg.learner.num_ranks), threads["learner"]),
     )
     schedule.stage("spawn reference, reward, learner")
     return roles
@@ -90,7 +90,7 @@ def generator_args(cfg: Config, context: int | None, index: int) -> dict[str, An
     g, m = cfg.generators, cfg.model
     gpus = next(spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg) if spec.name == "generators")
     return dict(model_path=m.policy, sampling=sampling_settings(cfg), backend=g.backend, dtype=m.dtype,
-                vllm=vllm_settings(cfg, context), num_threads=actor_threads(g.threads, g.cpus_per_worker),
+                vllm=vllm_settings(cfg, context), num_threads=role_threads(cfg, "generators", machine_cores(cfg)),
                 sync_fault=SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor),  # testing only
                 gpus=gpus, episodes=episode_settings(cfg), generator_id=index, seed=generator_seed(cfg.seed, index))
 
@@ -103,9 +103,15 @@ def add_generators(cfg: Config, group: ActorGroup, placement: Placement, context
         i = len(group)
         placement.groups.append(pg)
         placement.bundles.append(bundle)
-        env = _actor_env(cfg, "generators", i, actor_threads(cfg.generators.threads, cfg.generators.cpus_per_worker))
+        env = _actor_env(cfg, "generators", i, role_threads(cfg, "generators", machine_cores(cfg)))
         added.append(group.add(generator_args(cfg, context, i), placement.actor_options(i, env)))
     return added
+
+
+def machine_cores(cfg: Config) -> int | None:
+    """The cores this process may use, when the run starts its own local Ray instance (every actor
+    on this machine); None when it joins a cluster, whose machines it does not see from here."""
+    return None if chosen_address(cfg.cluster.address) else len(os.sched_getaffinity(0))
 
 
 def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, str]:

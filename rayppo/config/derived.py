@@ -64,6 +64,28 @@ def actor_threads(threads: int | None, cpus: float) -> int:
     return threads or max(1, int(cpus))
 
 
+def role_threads(cfg: Config, role: str, machine_cores: int | None) -> int:
+    """torch threads of one actor of ``role`` (``generators``, ``reference``, ``reward``, ``learner``).
+
+    ``<role>.threads`` when set. Otherwise, where the stages take turns on one machine's CPUs (the
+    synchronous iteration, ``rollout.max_staleness`` 0; a local instance on ``machine_cores`` cores,
+    None when joining a cluster; no GPUs for the role), the machine's cores shared among the actors
+    that run at the same moment: the role's own, and for the scorers reference and reward together
+    (``RoleCalls.score`` runs both passes at once). A stage alone then uses every core: the
+    SmolLM2 reward pass took 7.2 s on its 1-thread share and 4.6 s on 2 threads (``docs/benchmarks.md``,
+    "Kernels"). Else (overlapping stages, GPUs, a cluster) the actor's CPU share rounded down."""
+    threads, cpus, gpus = {
+        "generators": (cfg.generators.threads, cfg.generators.cpus_per_worker, cfg.generators.gpus_per_worker),
+        "reference": (cfg.reference.threads, cfg.reference.cpus, cfg.reference.gpus),
+        "reward": (cfg.reward.threads, cfg.reward.cpus, cfg.reward.gpus),
+        "learner": (cfg.learner.threads, cfg.learner.cpus_per_rank, cfg.learner.gpus_per_rank)}[role]
+    if threads or not machine_cores or gpus or cfg.rollout.max_staleness > 0:
+        return actor_threads(threads, cpus)
+    at_once = {"generators": cfg.generators.num, "learner": cfg.learner.num_ranks,
+               "reference": reference_actors(cfg) + reward_actors(cfg)}
+    return max(1, machine_cores // max(1, at_once.get(role, at_once["reference"])))
+
+
 COLOCATED_SHARES = {"learner": 0.4, "generators": 0.4, "reference": 0.1, "reward": 0.1}
 """Ray's accounting of one GPU in colocated mode (``cluster.colocate_all``): the roles share it
 in time (vLLM sleeps while the learner trains), so the fractions only let Ray place four actors

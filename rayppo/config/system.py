@@ -26,7 +26,9 @@ class ScorerConfig:
     cpus: float = field(default=0.25, metadata=RESOURCE)
     """Ray CPUs per actor."""
     threads: int | None = field(default=None, metadata=RESOURCE)
-    """torch threads per actor; default: its CPU share rounded down (at least 1)."""
+    """torch threads per actor; default (``config.derived.role_threads``): where the stages take turns
+    on this machine (a local instance, max_staleness 0, no GPU) every core, shared with the other
+    scorer's actors; else its CPU share rounded down (at least 1)."""
     gpus: float = field(default=0.0, metadata=RESOURCE)
     """GPUs per actor (fractions share a GPU)."""
     resources: dict[str, float] = field(default_factory=dict, metadata=RESOURCE)
@@ -225,8 +227,9 @@ class GeneratorConfig:
     cpus_per_worker: float = field(default=0.5, metadata=RESOURCE)
     """Ray CPUs per generator (its torch/OpenMP threads follow this share)."""
     threads: int | None = field(default=None, metadata=RESOURCE)
-    """torch/OpenMP threads per generator; default: its CPU share rounded down (at least 1).
-    Stages run one after another, so a role may use more threads than its share."""
+    """torch/OpenMP threads per generator; default (``config.derived.role_threads``): where the
+    stages take turns on this machine (a local instance, max_staleness 0, no GPU) its share of every
+    core among the generators; else its CPU share rounded down (at least 1)."""
     gpus_per_worker: float = field(default=0.0, metadata=RESOURCE)
     """GPUs per generator: above 1 it is vLLM's tensor-parallel size; a fraction shares one GPU
     with other roles (vLLM's memory share follows it, see ``gpu_memory_utilization``)."""
@@ -265,7 +268,9 @@ class LearnerConfig:
     cpus_per_rank: float = field(default=0.5, metadata=RESOURCE)
     """Ray CPUs per rank."""
     threads: int | None = field(default=None, metadata=RESOURCE)
-    """torch threads per rank; default: its CPU share rounded down (at least 1)."""
+    """torch threads per rank; default (``config.derived.role_threads``): where the stages take turns
+    on this machine (a local instance, max_staleness 0, no GPU) the cores divided among the ranks;
+    else its CPU share rounded down (at least 1)."""
     gpus_per_rank: float = field(default=0.0, metadata=RESOURCE)
     """GPUs per rank: 0, 1, or a fraction to share one GPU with other roles."""
     zero_stage: ZeroStage = field(default=2, metadata=SPLIT)
