@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -162,41 +161,47 @@ def _run_child(name: str, what: str, command: list[str]) -> None:
                                                                        if log else ""))
 
 
-def learn_arithmetic(cfg: Config, rollout) -> dict[str, float]:
-    """The learner stage's useful FLOPs for this rollout (``rayppo.plan.flops``) and, measured here and
-    now, the GFLOP/s of one matmul of the size the learner runs most: a minibatch's tokens through
-    the MLP's up projection, in the model's dtype, on the learner's threads (the actors are gone)."""
+def machine_rate(cfg: Config) -> dict[str, Any]:
+    """The rate MFU is measured against, at the start (nothing else computing): GFLOP/s of the
+    matmul the policy runs most (``plan/machine_rate.peak_rate``'s shape), in the workload's dtype,
+    on the learner's threads, or its GPU with ``learner.gpus_per_rank`` > 0."""
     from rayppo.models.shape import read_shape
-    from rayppo.plan.flops import Sequences, learn_flops
+    from rayppo.run.mfu import probe_tokens
+
+    policy = read_shape(cfg.model.policy)
+    lr = cfg.learner
+    threads = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)
+    device = "cuda" if lr.gpus_per_rank > 0 and torch.cuda.is_available() else "cpu"
+    shape = [probe_tokens(cfg), policy.hidden, policy.intermediate]
+    return {"matmul_gflop_per_s": matmul_gflop_per_s(*shape, cfg.model.dtype, threads, device=device),
+            "matmul_shape": shape, "matmul_threads": threads, "matmul_device": device, "matmul_dtype": cfg.model.dtype}
+
+
+def learn_arithmetic(cfg: Config, rollout, rate: dict[str, Any]) -> dict[str, Any]:
+    """Each stage's useful FLOPs for this rollout (``rayppo.plan.flops``: ``stage_gflop``, the
+    learner's also as ``learn_gflop``) beside the measured ``rate`` (``machine_rate``)."""
+    from rayppo.models.shape import read_shape
+    from rayppo.plan.flops import learn_flops
+    from rayppo.run.mfu import StageCounter, rollout_sequences
 
     policy = read_shape(cfg.model.policy)
     critic = read_shape(cfg.model.critic or cfg.model.policy) if has_critic(cfg.ppo) else None
-    seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
-                    sum(len(r) for r in rollout.response_ids))
+    seq = rollout_sequences(rollout)
     # Asynchronous mode's learner also recomputes log pi_prox (one policy forward per row).
     lockstep, proximal = (learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=p)
                           for p in (False, True))
-    flops = proximal if cfg.rollout.max_staleness > 0 else lockstep
-    lr = cfg.learner
-    threads = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)
-    shape = [sum(seq.lengths) // cfg.ppo.minibatches, policy.hidden, policy.intermediate]
-    return {"learn_gflop": flops / 1e9, "matmul_gflop_per_s": matmul_gflop_per_s(*shape, cfg.model.dtype, threads),
-            "matmul_shape": shape, "matmul_threads": threads, "proximal_flops_ratio": proximal / lockstep}
+    stages = StageCounter.of(cfg).flops(seq).as_dict()
+    return rate | {"learn_gflop": stages["learn"] / 1e9, "stage_gflop": {k: v / 1e9 for k, v in stages.items()},
+                   "proximal_flops_ratio": proximal / lockstep}
 
 
-def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats: int = 15) -> float:
-    """GFLOP/s of an ``[m, k] x [k, n]`` matmul on ``threads`` torch threads: the median of
-    ``repeats`` timed calls after a warm-up (a minimum would catch the CPU's best moment)."""
-    before = torch.get_num_threads()
-    a = torch.randn(m, k).to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    b = torch.randn(k, n).to(a.dtype)
-    torch.set_num_threads(threads)
-    try:
-        a @ b
-        seconds = statistics.median(_timed(torch.mm, a, b)[0] for _ in range(repeats))
-    finally:
-        torch.set_num_threads(before)
-    return 2 * m * k * n / seconds / 1e9
+def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats: int = 15,
+                       device: str = "cpu") -> float:
+    """GFLOP/s of an ``[m, k] x [k, n]`` matmul on ``threads`` torch threads
+    (``rayppo.plan.machine_rate.matmul_flops_per_s``: the median of timed calls after a warm-up)."""
+    from rayppo.plan.machine_rate import matmul_flops_per_s
+
+    return matmul_flops_per_s(m, k, n, dtype, threads, device, repeats) / 1e9
 
 
 def plan_estimate(cfg: Config, rollout) -> dict[str, int]:
@@ -349,9 +354,10 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
         for point in sweep_points(sweep):
             cfg = workload_config(w, policy, reward_model, overrides + [f"{k}={v}" for k, v in point.items()])
             label = " ".join(f"{k}={v}" for k, v in point.items())
+            rate = machine_rate(cfg)
             records, memory, rollout = run_rayppo(cfg, warmup, iterations, label)
             points.append({"point": point, **summarize(w.name, cfg, records, memory, None, None,
-                                                       plan_estimate(cfg, rollout), learn_arithmetic(cfg, rollout),
+                                                       plan_estimate(cfg, rollout), learn_arithmetic(cfg, rollout, rate),
                                                        rollout)})
             print_table(points[-1])
         for p in points:  # side by side, one run: each point against the first
@@ -363,8 +369,9 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
         print_sweep(points)
         return summary
     cfg = workload_config(w, policy, reward_model, overrides)
+    rate = machine_rate(cfg)  # before any role starts: the machine to the probe alone
     records, memory, rollout = run_rayppo(cfg, warmup, iterations, w.name)
-    arithmetic = learn_arithmetic(cfg, rollout)
+    arithmetic = learn_arithmetic(cfg, rollout, rate)
     alone = None if skip_alone else stages_alone(cfg, rollout)
     trl = run_trl(cfg, rollout, warmup, iterations, out) if compare == "trl" else None
     summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout), arithmetic, rollout)

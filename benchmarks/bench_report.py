@@ -75,6 +75,20 @@ def _overlap_bound(col: dict[str, list[float]], learn_factor: float = 1.0) -> di
                            "learners": 1 - busy["learn"] / busy[busiest]}}
 
 
+STAGES = ("generate", "reference", "reward", "learn")
+
+
+def stage_rates(arithmetic: dict[str, Any], seconds: dict[str, float]) -> dict[str, Any]:
+    """Per stage that ran a model (GFLOP > 0, seconds > 0): ``stage_gflop_per_s`` (its useful
+    GFLOP over its median seconds) and ``stage_mfu`` (that over ``matmul_gflop_per_s``, the rate
+    measured at the start); the learner's also as ``learn_gflop_per_s`` and ``learn_efficiency``."""
+    gflop = arithmetic.get("stage_gflop") or {"learn": arithmetic["learn_gflop"]}
+    per_s = {s: g / seconds[s] for s, g in gflop.items() if g > 0 and seconds.get(s, 0) > 0}
+    mfu = {s: r / arithmetic["matmul_gflop_per_s"] for s, r in per_s.items()}
+    return {"stage_gflop": gflop, "stage_gflop_per_s": per_s, "stage_mfu": mfu,
+            "learn_gflop_per_s": per_s["learn"], "learn_efficiency": mfu["learn"]}
+
+
 def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: dict[str, int],
               alone: dict[str, float] | None, trl: list[dict[str, float]] | None,
               estimate: dict[str, int] | None = None, arithmetic: dict[str, float] | None = None,
@@ -103,7 +117,7 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
         "iteration_s": _mmm(col["time/iteration"]),
         "stage_s": {s: _mmm(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn", "sync")},
         # A stage that did not run (no reference at ppo.kl_coef = 0) has no rate.
-        "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")
+        "stage_tokens_per_s": {s: tokens / statistics.median(col[f"time/{s}"]) for s in STAGES
                                if statistics.median(col[f"time/{s}"]) > 0},
         "idle_s": {"generators": _mmm([p["generator_idle_s"] for p in per_iteration]),
                    "learners": _mmm([p["learner_idle_s"] for p in per_iteration])},
@@ -126,10 +140,8 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
     if estimate:  # the pre-flight plan against what was measured, per role
         out["plan_estimate_bytes"] = estimate
         out["plan_ratio"] = {role: estimate[role] / memory[role] for role in memory if role in estimate}
-    if arithmetic:  # the learner's achieved rate against a matmul's, both on the learner's threads
-        achieved = arithmetic["learn_gflop"] / statistics.median(col["time/learn"])
-        out |= arithmetic | {"learn_gflop_per_s": achieved,
-                             "learn_efficiency": achieved / arithmetic["matmul_gflop_per_s"]}
+    if arithmetic:  # each stage's achieved rate against a matmul's, measured on the learner's threads
+        out |= arithmetic | stage_rates(arithmetic, {s: statistics.median(col[f"time/{s}"]) for s in STAGES})
     if alone:
         limit = alone["generate"] + max(alone["reference"], alone["reward"]) + alone["learn"]
         out["stages_alone_s"] = alone
@@ -169,8 +181,8 @@ def print_table(s: dict[str, Any]) -> None:
     print(f"  overlap bound        {s['overlap_bound']:.2f}x: every role on its own device, the iteration "
           f"could shrink to its busiest stage ({s['busiest_stage']}); idle shares then at least generators "
           f"{100 * s['idle_floor']['generators']:.0f}%, learners {100 * s['idle_floor']['learners']:.0f}%")
-    print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}   per stage: "
-          + ", ".join(f"{k} {v:,.0f}" for k, v in s["stage_tokens_per_s"].items()))
+    print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}")
+    print_stages(s)
     print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
           f"{100 * s['sync_share']:.1f}% of the iteration; its weight check {100 * s['sync_verify_share']:.0f}% of the sync")
     print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
@@ -179,10 +191,11 @@ def print_table(s: dict[str, Any]) -> None:
                                                    for k, r in s["plan_ratio"].items()))
     if "learn_efficiency" in s:
         print(f"  learner arithmetic   {s['learn_gflop']:,.0f} GFLOP in {s['stage_s']['learn']['median']:.1f} s = "
-              f"{s['learn_gflop_per_s']:.0f} GFLOP/s; a {' x '.join(map(str, s['matmul_shape']))} matmul "
-              f"{s['matmul_gflop_per_s']:.0f} GFLOP/s -> learn_efficiency {s['learn_efficiency']:.2f}")
-        print("  (learn_efficiency: the learner's FLOP rate over a plain matmul's on the same threads; 1.0 is the "
-              "machine's arithmetic limit)")
+              f"{s['learn_gflop_per_s']:.0f} GFLOP/s; a {' x '.join(map(str, s['matmul_shape']))} "
+              f"{s.get('matmul_dtype', '')} matmul on {s.get('matmul_device', 'cpu')} {s['matmul_gflop_per_s']:.0f} GFLOP/s "
+              f"-> learn_efficiency {s['learn_efficiency']:.2f}")
+        print("  (learn_efficiency: the learner's FLOP rate over a plain matmul's on the same threads, its MFU above; "
+              "1.0 is the machine's arithmetic limit)")
     if "overhead_ratio" in s:
         alone = s["stages_alone_s"]
         print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
@@ -192,6 +205,16 @@ def print_table(s: dict[str, Any]) -> None:
               f"(iteration {s['trl_iteration_s']['median']:.3f} s, of which gc.collect {s['trl_gc_s']:.3f} s)")
         print(f"  rayppo / TRL         {s['ratio_vs_trl']:.2f}x as shipped, "
               f"{s['ratio_vs_trl_without_gc']:.2f}x against TRL without its gc.collect calls")
+
+
+def print_stages(s: dict[str, Any]) -> None:
+    """Per stage: median seconds, generated tokens/s, achieved GFLOP/s and MFU (where measured)."""
+    gflop_per_s, mfu = s.get("stage_gflop_per_s", {}), s.get("stage_mfu", {})
+    print(f"  {'stage':<18}{'seconds':>9}{'tokens/s':>11}{'GFLOP/s':>10}{'MFU':>7}")
+    for stage in STAGES:
+        rate = f"{gflop_per_s[stage]:>10,.1f}{mfu[stage]:>7.2f}" if stage in mfu else f"{'-':>10}{'-':>7}"
+        tokens = s["stage_tokens_per_s"].get(stage)
+        print(f"  {stage:<18}{s['stage_s'][stage]['median']:>9.3f}{'-' if tokens is None else f'{tokens:,.0f}':>11}{rate}")
 
 
 def print_sweep(points: list[dict[str, Any]]) -> None:

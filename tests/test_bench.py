@@ -67,6 +67,23 @@ def test_summary_ratios(bench):
     assert s["tokens_per_iteration"] == 2048 and s["end_to_end_tokens_per_s"] == pytest.approx(2048 / 1.5)
 
 
+def test_summary_reports_every_stages_flop_rate_and_mfu(bench, capsys):
+    """Per stage that runs a model: its GFLOP over its median seconds, and that over the matmul rate;
+    a stage without a model (a reward function: 0 GFLOP) has neither; learn_efficiency is learn's MFU."""
+    cfg = load_config(None, ["rollout.batch_size=64", "rollout.max_new_tokens=32"])
+    records = [record(1.0, 0.5, 0.3, 0.05), record(2.0, 1.0, 0.6, 0.1), record(1.5, 0.7, 0.5, 0.15)]
+    arithmetic = {"learn_gflop": 100.0, "matmul_gflop_per_s": 250.0, "matmul_shape": [8, 4, 2], "matmul_threads": 2,
+                  "stage_gflop": {"generate": 35.0, "reference": 5.0, "reward": 0.0, "learn": 100.0}}
+    s = bench.summarize("tiny", cfg, records, {"learner": 1}, None, None, arithmetic=arithmetic)
+    # Medians: generate 0.7 s, reference 0.1 s, learn 0.5 s.
+    assert s["stage_gflop_per_s"] == pytest.approx({"generate": 50.0, "reference": 50.0, "learn": 200.0})
+    assert s["stage_mfu"] == pytest.approx({"generate": 0.2, "reference": 0.2, "learn": 0.8})
+    assert s["learn_efficiency"] == s["stage_mfu"]["learn"] and s["stage_gflop"] == arithmetic["stage_gflop"]
+    bench.print_table(s)
+    table = capsys.readouterr().out
+    assert "GFLOP/s" in table and "MFU" in table and "0.80" in table
+
+
 def test_summary_counts_real_tokens_and_what_padding_costs(bench):
     """Variable lengths: rates count the responses' real tokens (rows x mean length), per iteration;
     bench.json gives the length distribution and, per stage, processed against real tokens."""

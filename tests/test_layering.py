@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayppo.usercode",),                               # the user's code: imported, in child processes
     ("rayppo.run",),                                    # what a run writes (the learner's checkpoint part too)
     ("rayppo.learner",),                                # DeepSpeed learner
+    ("rayppo.plan.flops", "rayppo.plan.machine_rate"),  # a stage's useful FLOPs, the measured matmul rate
     ("rayppo.config",),                                 # the dataclass tree, its checks and loading
     ("rayppo.engine", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
     ("rayppo.tasks",),                                  # built-in tasks and their reward functions

@@ -28,6 +28,8 @@ def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):
         r.ref_logprobs, r.score = reference.ref_logprobs(r), reward.scores(r)
         return r
 
+    # perf/mfu/*'s denominator, measured by the ranks on their own device and threads (FLOP/s).
+    assert 0 < learner.matmul_rate(64) < float("inf")
     update = learner.train(rollout(), kl_coef=0.05, iteration=0)
     stats = update.metrics
     # The typed result: the new version, beta's input; the metrics carry the same for the log.

@@ -1,5 +1,7 @@
 """The in-process reference trainer: the golden path of one PPO iteration."""
 
+import math
+
 import torch
 
 from rayppo.config.load import load_config
@@ -18,6 +20,8 @@ def test_one_iteration_reports_design_metrics_and_changes_the_policy(small_overr
     # pi_old == pi_ref == pi_theta before the first update: the sync check and the KL are ~0.
     assert metrics["logprob_mismatch/max"] < 1e-4
     assert abs(metrics["kl/ref_mean"]) < 1e-4
+    # The learner's MFU: its useful FLOP/s over the matmul rate measured at the start (output.mfu).
+    assert math.isfinite(metrics["perf/mfu/learn"]) and 0 < metrics["perf/mfu/learn"] <= 1.5
     changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the PPO update did not change the policy"
     rollout = trainer.last_rollout

@@ -127,6 +127,11 @@ class LearnerGroup:
         """Address of rank 0's node and a port free there now (for another rendezvous store)."""
         return self.rank0_host, self._gather(self.ranks.call_all(LearnerEngine.free_port), "free_port")[0]
 
+    def matmul_rate(self, tokens: int) -> float:
+        """The learner's arithmetic rate (FLOP/s): every rank's probe (``LearnerEngine.matmul_rate``)
+        at the same time, summed, so ranks that share cores share them here too."""
+        return sum(self._gather(self.ranks.call_all(LearnerEngine.matmul_rate, tokens), "matmul_rate"))
+
     def train(self, rollout: Rollout, kl_coef: float, iteration: int) -> LearnResult:
         """One PPO iteration over ``rollout``, its rows dealt to the ranks by tokens (``shards``);
         rank 0's result (its figures are global). A rollout without rows (the pipeline dropped every

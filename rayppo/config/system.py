@@ -159,6 +159,11 @@ class OutputConfig:
     folder (``pip install mlflow-skinny``)."""
     run_name: str | None = None
     """Run name in W&B and MLflow; default: the last part of ``dir``."""
+    mfu: bool = True
+    """Per-stage FLOP rates in every iteration's metrics: ``perf/tflops/<stage>``,
+    ``perf/tokens_per_s/<stage>`` and ``perf/mfu/<stage>``, the last over a matmul rate measured
+    once at the start (about a second, in ``model.dtype`` on the learner's threads or GPU;
+    docs/benchmarks.md, "MFU per stage"). false: no probe and no ``perf/mfu/*``."""
 
 
 @dataclass

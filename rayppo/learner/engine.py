@@ -47,6 +47,7 @@ from rayppo.models.packing import pack_mode
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.weights import WeightsPayload, pack_weights
+from rayppo.plan.machine_rate import peak_rate
 
 
 class TorchCollective:
@@ -361,6 +362,13 @@ class LearnerEngine(Engine):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+    def matmul_rate(self, tokens: int) -> float:
+        """FLOP/s of this rank's device (its GPU, or its CPU threads) on the matmul the policy runs
+        most, in ``model.dtype`` (``plan/machine_rate.peak_rate``): the denominator of ``perf/mfu/*``."""
+        shape = read_shape(resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir))
+        return peak_rate(self.cfg.model.dtype, torch.get_num_threads(), shape.hidden, shape.intermediate, tokens,
+                         self.device)
 
     def describe(self) -> str:
         import deepspeed

@@ -52,6 +52,7 @@ from rayppo.learner.step import LearnResult
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
+from rayppo.run.mfu import probe_tokens
 from rayppo.trainers.evaluation import eval_plan, run_evaluation
 from rayppo.trainers.loop import LoopTrainer, load_prompts
 from rayppo.trainers.role_calls import RoleCalls
@@ -107,6 +108,10 @@ class DistributedTrainer(LoopTrainer):
             console.phase("warming up the generators (their first call allocates)")
             self.generators.get(self.generators.call_all(GeneratorEngine.warmup))
             self._write_placement()
+            if cfg.output.mfu:  # perf/mfu/*'s denominator, once, with nothing else computing yet: the
+                # learner's GPUs, or on CPU its threads on the cores the roles share (the synchronous
+                # source's stages take turns on them; the pipelined one's overlap)
+                self.stage_counter.rate = self.learner.matmul_rate(probe_tokens(cfg))
             self.source: RolloutSource = source_class(cfg)(cfg, self.calls, self.prompts, self.clock)
             self._initial_state = self.driver_state()  # where a learner restart goes with no checkpoint yet
             self.source.start()

@@ -46,6 +46,8 @@ from rayppo.learner.update import Steps
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_policy
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
+from rayppo.plan.machine_rate import peak_rate
+from rayppo.run.mfu import probe_tokens
 from rayppo.trainers.dynamic_sampling import fill_batch
 from rayppo.trainers.evaluation import eval_plan, run_evaluation
 from rayppo.trainers.iteration import group_shares
@@ -173,6 +175,10 @@ class InProcessTrainer(LoopTrainer):
         self.source: LocalSource = LocalSource(cfg, self.generator, self.reference, self.reward, self.prompts,
                                                self.clock)
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
+        if cfg.output.mfu:  # perf/mfu/*'s denominator: every stage runs here, on this device and these threads
+            shape = self.stage_counter.policy
+            self.stage_counter.rate = peak_rate(m.dtype, torch.get_num_threads(), shape.hidden, shape.intermediate,
+                                                probe_tokens(cfg), self.device)
         self.policy_opt = adamw(list(self.policy.parameters()), cfg.ppo.lr, cfg.ppo.weight_decay)
         self.critic_opt = (adamw(list(self.critic.parameters()), cfg.ppo.critic_lr, cfg.ppo.weight_decay)
                            if self.critic is not None else None)

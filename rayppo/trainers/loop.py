@@ -19,6 +19,7 @@ from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler, PromptSet, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.step import LearnResult
+from rayppo.run.mfu import StageCounter
 from rayppo.trainers.evaluation import eval_source
 from rayppo.trainers.iteration import make_kl_controller, rollout_stats
 from rayppo.trainers.source import RolloutSource, StageClock
@@ -51,6 +52,8 @@ class LoopTrainer:
         self.iteration_count = 0
         self.last_rollout: Rollout | None = None
         self.last_update: LearnResult | None = None
+        self.stage_counter = StageCounter.of(cfg)
+        """Each stage's FLOPs and the measured rate (``rate``: the trainer's probe) for ``perf/*``."""
 
     @property
     def phase(self) -> str:
@@ -73,7 +76,8 @@ class LoopTrainer:
         self._iteration_done()
         timings = self.source.timings(self.clock.seconds)
         shown = drawn.shown if drawn.shown is not None else drawn.rollout
-        return {**update.metrics, **rollout_stats(shown, timings["time/iteration"], self.cfg.rollout.max_turns),
+        perf = self.stage_counter.metrics(drawn.rollout, {**timings, **drawn.figures})  # time/reference|reward: figures
+        return {**update.metrics, **rollout_stats(shown, timings["time/iteration"], self.cfg.rollout.max_turns), **perf,
                 **timings, **self._run_figures(), **drawn.figures, **published, "kl_coef": kl_coef}
 
     def _learn(self, rollout: Rollout, kl_coef: float, it: int) -> LearnResult:

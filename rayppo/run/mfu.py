@@ -1,0 +1,111 @@
+"""Per-stage throughput figures of an iteration: ``perf/tokens_per_s/<stage>``,
+``perf/tflops/<stage>`` and ``perf/mfu/<stage>`` (docs/benchmarks.md, "MFU per stage").
+
+    achieved FLOP/s = the stage's useful FLOPs for this rollout (plan/flops.py) / its time/* seconds
+    MFU             = achieved / the matmul rate measured once at the start (plan/machine_rate.py)
+
+The trainers measure the rate (``output.mfu``) where the learner computes and hand it to
+``StageCounter``; a stage that did not run (no reference at ``ppo.kl_coef = 0``: its time is 0)
+reports nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayppo.config.derived import has_critic, uses_reference
+from rayppo.config.schema import Config
+from rayppo.data.rollout import Rollout
+from rayppo.models.loading import resolve_model_path
+from rayppo.models.shape import ModelShape, read_shape
+from rayppo.plan.flops import Sequences, StageFlops, stage_flops
+
+STAGES = ("generate", "reference", "reward", "learn")
+
+
+def stage_metrics(flops: StageFlops, seconds: dict[str, float], rate: float | None,
+                  tokens: dict[str, int] | None = None) -> dict[str, float]:
+    """``perf/tflops/<stage>`` (achieved: FLOPs / seconds / 1e12), ``perf/mfu/<stage>`` (achieved
+    FLOP/s / ``rate``; none when ``rate`` is None) and ``perf/tokens_per_s/<stage>`` (``tokens``
+    / seconds) of each stage with seconds > 0 (``seconds``: by stage name, or as the ``time/*``
+    figures of an iteration); FLOP figures only for a stage that runs a model (FLOPs > 0)."""
+    out: dict[str, float] = {}
+    for stage, stage_flops_ in flops.as_dict().items():
+        s = seconds.get(stage, seconds.get(f"time/{stage}", 0.0))
+        if not s > 0:
+            continue
+        if tokens and stage in tokens:
+            out[f"perf/tokens_per_s/{stage}"] = tokens[stage] / s
+        if stage_flops_ > 0:
+            achieved = stage_flops_ / s
+            out[f"perf/tflops/{stage}"] = achieved / 1e12
+            if rate is not None and rate > 0 and math.isfinite(rate):
+                out[f"perf/mfu/{stage}"] = achieved / rate
+    return out
+
+
+def stage_tokens(seq: Sequences) -> dict[str, int]:
+    """The tokens each stage processes: generation its generated tokens, the scoring passes and the
+    learner every prompt and response token (the learner's once, not per epoch)."""
+    total = sum(seq.lengths)
+    return {"generate": seq.response_tokens, "reference": total, "reward": total, "learn": total}
+
+
+def rollout_sequences(rollout: Rollout) -> Sequences:
+    """The token counts of a rollout record (``prompt_ids``, ``response_ids``)."""
+    return Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
+                     sum(len(r) for r in rollout.response_ids))
+
+
+def _shape(name: str | None, cache_dir: str | None) -> ModelShape | None:
+    """The shape of a model folder; None for no model, or one whose ``config.json`` is not here."""
+    if name is None:
+        return None
+    path = resolve_model_path(name, cache_dir)
+    return read_shape(path) if (Path(path) / "config.json").is_file() else None
+
+
+def probe_tokens(cfg: Config) -> int:
+    """Rows of the rate probe's matmul: about a minibatch's response tokens (at most 4096)."""
+    rows = cfg.rollout.batch_size * cfg.rollout.samples_per_prompt
+    return max(64, min(4096, rows * cfg.rollout.max_new_tokens // max(cfg.ppo.minibatches, 1)))
+
+
+@dataclass
+class StageCounter:
+    """The models of each stage (read once) and the measured rate: an iteration's ``perf/*`` figures."""
+
+    policy: ModelShape
+    reference: ModelShape | None
+    reward: ModelShape | None
+    critic: ModelShape | None
+    epochs: int
+    minibatches: int
+    proximal: bool
+    rate: float | None = None
+    """FLOP/s of the probe (``plan/machine_rate.peak_rate``), set by the trainer; None: not measured."""
+
+    @classmethod
+    def of(cls, cfg: Config) -> StageCounter:
+        """The shapes ``cfg``'s stages run (its models already built: the trainers resolve them first)."""
+        m = cfg.model
+        policy = _shape(m.policy, m.cache_dir)
+        assert policy is not None, f"model.policy={m.policy}: no config.json"
+        return cls(policy, _shape(m.reference or m.policy, m.cache_dir) if uses_reference(cfg.ppo) else None,
+                   _shape(cfg.reward.model, m.cache_dir),
+                   _shape(m.critic or m.policy, m.cache_dir) if has_critic(cfg.ppo) else None,
+                   cfg.ppo.epochs, cfg.ppo.minibatches, cfg.rollout.max_staleness > 0)
+
+    def flops(self, seq: Sequences) -> StageFlops:
+        """Each stage's useful FLOPs for a rollout of these token counts."""
+        return stage_flops(self.policy, self.reference, self.reward, self.critic, seq, self.epochs,
+                           self.minibatches, self.proximal)
+
+    def metrics(self, rollout: Rollout, timings: dict[str, float]) -> dict[str, float]:
+        """The ``perf/*`` figures of the iteration that trained ``rollout`` in ``timings`` (``time/*``)."""
+        if not len(rollout):
+            return {}
+        seq = rollout_sequences(rollout)
+        return stage_metrics(self.flops(seq), timings, self.rate, stage_tokens(seq))
