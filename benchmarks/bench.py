@@ -6,9 +6,10 @@ the distributed system (Ray + vLLM + DeepSpeed), then, in the same invocation:
 - each stage alone, in a child process, on the same batch (vLLM generation, one reference pass, one
   reward pass, one learner step): ``overhead_ratio = iteration / (generate + max(reference,
   reward) + learn)``, everything above 1.0 being orchestration, serialization and sync;
-- with ``--compare trl``, TRL 1.12's PPO on the identical workload in its own virtual
-  environment (``.venv-trl`` beside the repository, created on first use; ``RAYPPO_TRL_VENV``
-  names another, and a repository folder that is not writable puts it in rayppo's cache).
+- with ``--compare trl``, TRL on the identical workload in its own virtual environment, created on
+  first use beside the repository (a repository folder that is not writable puts it in rayppo's
+  cache): TRL 1.12's PPO for ``ppo.advantage=gae`` in ``.venv-trl`` (``RAYPPO_TRL_VENV`` names
+  another), TRL 1.16's GRPO for ``grpo`` in ``.venv-trl-1.16`` (``RAYPPO_TRL_GRPO_VENV``).
 
 Writes ``DIR/bench.json``, ``DIR/stages.png`` and, for sweeps, ``DIR/sweep.json`` and
 ``DIR/sweep.png``; prints a table.
@@ -40,7 +41,9 @@ from rayppo.models.paths import cache_root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_report import plot_stages, plot_sweep, print_sweep, print_table, summarize  # noqa: E402
 from bench_trl_venv import (  # noqa: E402,F401
-    TRL_REQUIREMENTS,
+    TRL_GRPO,
+    TRL_PPO,
+    TrlPins,
     TrlVenv,
     choose_trl_venv,
     clear_leftovers,
@@ -50,8 +53,9 @@ from bench_trl_venv import (  # noqa: E402,F401
 )
 
 HERE = Path(__file__).resolve().parent
-TRL_SCRIPTS = {"gae": "trl_ppo.py", "grpo": "trl_grpo.py"}
-"""The TRL trainer compared for each ``ppo.advantage`` (``--compare trl``)."""
+TRL_SCRIPTS: dict[str, tuple[str, TrlPins]] = {"gae": ("trl_ppo.py", TRL_PPO), "grpo": ("trl_grpo.py", TRL_GRPO)}
+"""The TRL trainer compared for each ``ppo.advantage`` (``--compare trl``), and the environment it
+runs in: PPO in TRL 1.12 (the last release with its value-head ``PPOTrainer``), GRPO in 1.16."""
 
 
 @dataclass
@@ -286,14 +290,15 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
 
 
 def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
-            venv: TrlVenv | None = None) -> list[dict[str, float]]:
+            venv: TrlVenv | None = None) -> dict[str, Any]:
     """TRL on the same workload, timed per iteration, in its own environment (``ensure_trl_venv``):
-    its PPO for ``ppo.advantage=gae`` (``trl_ppo.py``), its GRPO for ``grpo`` (``trl_grpo.py``)."""
-    script = TRL_SCRIPTS.get(cfg.ppo.advantage)
-    if script is None:
+    TRL 1.12's PPO for ``ppo.advantage=gae`` (``trl_ppo.py``), TRL 1.16's GRPO for ``grpo``
+    (``trl_grpo.py``). Returns what the script wrote: ``trl_version`` and the ``iterations``."""
+    if cfg.ppo.advantage not in TRL_SCRIPTS:
         raise RayppoError(f"--compare trl: no TRL trainer is compared for ppo.advantage={cfg.ppo.advantage} "
                           f"(compared: {', '.join(TRL_SCRIPTS)})")
-    python = ensure_trl_venv(venv)
+    script, pins = TRL_SCRIPTS[cfg.ppo.advantage]
+    python = ensure_trl_venv(venv or choose_trl_venv(pins))
     n = cfg.rollout.samples_per_prompt
     spec = {"policy": cfg.model.policy, "reward_model": cfg.reward.model, "prompts": rollout.prompt_text[::n],
             "num_generations": n, "clip_eps": cfg.ppo.clip_eps,
@@ -310,7 +315,7 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
     _run_child("trl", f"TRL on the same workload ({script})", [str(python), str(HERE / script), "--spec",
                                                                  str(out_dir / "trl_spec.json"), "--out",
                                                                  str(out_dir / "trl.json")])
-    return json.loads((out_dir / "trl.json").read_text())["iterations"]
+    return json.loads((out_dir / "trl.json").read_text())
 
 
 def sweep_points(specs: list[str]) -> list[dict[str, str]]:
@@ -374,7 +379,10 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     arithmetic = learn_arithmetic(cfg, rollout, rate)
     alone = None if skip_alone else stages_alone(cfg, rollout)
     trl = run_trl(cfg, rollout, warmup, iterations, out) if compare == "trl" else None
-    summary = summarize(w.name, cfg, records, memory, alone, trl, plan_estimate(cfg, rollout), arithmetic, rollout)
+    summary = summarize(w.name, cfg, records, memory, alone, trl["iterations"] if trl else None,
+                        plan_estimate(cfg, rollout), arithmetic, rollout)
+    if trl:
+        summary["trl_version"] = trl["trl_version"]
     (out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot_stages(summary, out / "stages.png")
     print_table(summary)

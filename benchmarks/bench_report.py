@@ -201,7 +201,9 @@ def print_table(s: dict[str, Any]) -> None:
         print("  stages alone         " + ", ".join(f"{k} {v:.3f} s" for k, v in alone.items())
               + f"  -> overhead ratio {s['overhead_ratio']:.2f}")
     if "ratio_vs_trl" in s:
-        print(f"  TRL 1.12 {s.get('trl_trainer', 'PPOTrainer'):<12}{s['trl_end_to_end_tokens_per_s']:,.0f} tokens/s "
+        release = ".".join(s.get("trl_version", "1.12").split(".")[:2])  # bench.json from before: 1.12
+        trl = f"TRL {release} {s.get('trl_trainer', 'PPOTrainer')}"
+        print(f"  {trl:<21}{s['trl_end_to_end_tokens_per_s']:,.0f} tokens/s "
               f"(iteration {s['trl_iteration_s']['median']:.3f} s, of which gc.collect {s['trl_gc_s']:.3f} s)")
         print(f"  rayppo / TRL         {s['ratio_vs_trl']:.2f}x as shipped, "
               f"{s['ratio_vs_trl_without_gc']:.2f}x against TRL without its gc.collect calls")

@@ -16,7 +16,21 @@ names the model folders, the unique prompts and the shape. The two sides are set
   rayppo side has them.
 
 A callback stamps each optimiser step; an iteration is ``steps_per_generation`` of them.
-(Field names read from TRL's ``trl/trainer/grpo_config.py``; pinned: trl 1.12.0.)
+
+Pinned: trl 1.16.0 (``TRL_GRPO`` in ``bench_trl_venv.py``, its own environment; PPO stays on
+1.12). Field names read from its ``trl/trainer/grpo_config.py``: the same 77 ``GRPOConfig`` fields
+as 1.12's, so the arguments below are unchanged; what 1.16 does differently with them:
+
+- ``pad_to_multiple_of`` now defaults to ``"auto"``, which ``GRPOConfig.__post_init__`` resolves to
+  ``None`` off Neuron (grpo_config.py: ``128 if self.device.type == "neuron" else None``): no
+  padding of the prompts and completions, as in 1.12 and rayppo;
+- the log-probabilities come from a fused LM head (``add_fused_lm_head``, trainer/utils.py: no full
+  logits) called ``with self.accelerator.autocast():``, so the bf16 workloads' log-prob passes run
+  under bf16 autocast as the update does;
+- ``generation_kwargs`` still update the ``GenerationConfig`` of ``transformers.generate``
+  (grpo_trainer.py: ``generation_kwargs.update(args.generation_kwargs)``): ``min_new_tokens`` holds;
+- ``beta == 0.0`` still loads no reference model (grpo_trainer.py: ``if self.beta == 0.0: ...
+  self.ref_model = None``), and ``use_transformers_continuous_batching`` (new) stays off.
 """
 
 from __future__ import annotations
@@ -72,6 +86,7 @@ def main() -> None:
     ends = clock.stamps[::per]
     walls = [{"wall_s": b - a, "gc_s": 0.0} for a, b in zip(ends, ends[1:])]
     json.dump({"trl_version": __import__("trl").__version__, "trainer": "GRPOTrainer",
+               "mixed_precision": str(trainer.accelerator.mixed_precision),  # "bf16" for a bf16 workload
                "threads": torch.get_num_threads(), "iterations": walls[spec["warmup"]:]}, open(s.out, "w"), indent=1)
 
 

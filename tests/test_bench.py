@@ -154,16 +154,17 @@ def test_workloads_file_defines_the_required_presets(bench):
         load_config(None, [f"{k}={v}" for k, v in w.config.items()])
 
 
-def fake_venv(bench, path: Path, python: bool = True, packages: bool = True) -> Path:
+def fake_venv(bench, path: Path, python: bool = True, packages: bool = True, pins=None) -> Path:
     """A virtual environment's layout as venv and pip leave it, nothing installed: ``python``
-    False is an interrupted ``python -m venv``, ``packages`` False a failed pip install."""
+    False is an interrupted ``python -m venv``, ``packages`` False a failed pip install; ``pins``
+    (TRL 1.12's by default) the requirements whose dist-info folders it holds."""
     site = path / "lib" / "python3.11" / "site-packages"
     site.mkdir(parents=True)
     (path / "pyvenv.cfg").write_text("home = /usr/bin\n")
     (path / "bin").mkdir()
     if python:
         (path / "bin" / "python").symlink_to(sys.executable)
-    for requirement in bench.TRL_REQUIREMENTS if packages else []:
+    for requirement in (pins or bench.TRL_PPO).requirements if packages else []:
         name, version = requirement.split("==")
         (site / f"{name}-{version}{'+cpu' if name == 'torch' else ''}.dist-info").mkdir()
     return path
@@ -186,35 +187,59 @@ def read_only_dir(tmp_path):
 
 
 def test_trl_venv_states(bench, tmp_path):
-    assert bench.venv_state(tmp_path / "nothing") == "missing"
+    ppo = bench.TRL_PPO
+    assert bench.venv_state(tmp_path / "nothing", ppo) == "missing"
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
-    assert bench.venv_state(tmp_path / "dangling") == "a dangling symlink"
+    assert bench.venv_state(tmp_path / "dangling", ppo) == "a dangling symlink"
     (tmp_path / "file").write_text("")
-    assert bench.venv_state(tmp_path / "file") == "a file"
-    assert bench.venv_state(fake_venv(bench, tmp_path / "no-python", python=False)) == "half-made (no bin/python)"
+    assert bench.venv_state(tmp_path / "file", ppo) == "a file"
+    no_python = fake_venv(bench, tmp_path / "no-python", python=False)
+    assert bench.venv_state(no_python, ppo) == "half-made (no bin/python)"
     no_trl = fake_venv(bench, tmp_path / "no-trl", packages=False)  # pip failed or was interrupted
-    assert bench.venv_state(no_trl) == f"half-made (no {bench.TRL_REQUIREMENTS[0]})"
-    assert bench.venv_state(fake_venv(bench, tmp_path / "ready")) == "ready"
+    assert bench.venv_state(no_trl, ppo) == f"half-made (no {ppo.requirements[0]})"
+    assert bench.venv_state(fake_venv(bench, tmp_path / "ready"), ppo) == "ready"
     (tmp_path / "link").symlink_to(tmp_path / "ready")
-    assert bench.venv_state(tmp_path / "link") == "ready"
+    assert bench.venv_state(tmp_path / "link", ppo) == "ready"
+
+
+def test_trl_venvs_one_per_trainer_each_ready_by_its_own_pins(bench, tmp_path):
+    """PPO is compared with TRL 1.12 (the last release with its value-head PPOTrainer), GRPO with
+    1.16: each environment is ready only with its own list installed."""
+    ppo, grpo = bench.TRL_PPO, bench.TRL_GRPO
+    assert (ppo.trl, grpo.trl) == ("1.12.0", "1.16.0")
+    assert bench.TRL_SCRIPTS == {"gae": ("trl_ppo.py", ppo), "grpo": ("trl_grpo.py", grpo)}
+    for pins in (ppo, grpo):  # exact pins, torch the same on both sides
+        assert all("==" in r for r in pins.requirements) and "torch==2.13.0" in pins.requirements
+    assert len({ppo.folder, grpo.folder}) == 2 and len({ppo.env, grpo.env}) == 2
+    old = fake_venv(bench, tmp_path / "old", pins=ppo)
+    new = fake_venv(bench, tmp_path / "new", pins=grpo)
+    assert bench.venv_state(old, ppo) == "ready" and bench.venv_state(new, grpo) == "ready"
+    assert bench.venv_state(old, grpo) == "half-made (no trl==1.16.0)"
+    assert bench.venv_state(new, ppo) == "half-made (no trl==1.12.0)"
 
 
 def test_trl_venv_goes_beside_the_repo_else_named_else_in_the_cache(bench, tmp_path, monkeypatch, read_only_dir):
     monkeypatch.setenv("RAYPPO_CACHE", str(tmp_path / "cache"))
     repo = tmp_path / "repo"
     repo.mkdir()
-    assert bench.choose_trl_venv(repo, {}) == bench.TrlVenv(repo / ".venv-trl", "beside the repository")
-    named = bench.choose_trl_venv(repo, {"RAYPPO_TRL_VENV": str(tmp_path / "mine")})
-    assert named == bench.TrlVenv(tmp_path / "mine", "from RAYPPO_TRL_VENV")
-    assert bench.choose_trl_venv(read_only_dir, {}) == bench.TrlVenv(tmp_path / "cache" / "venv-trl",
-                                                                      f"{read_only_dir} is not writable")
+    ppo, grpo = bench.TRL_PPO, bench.TRL_GRPO
+    assert bench.choose_trl_venv(ppo, repo, {}) == bench.TrlVenv(repo / ".venv-trl", "beside the repository", ppo)
+    assert bench.choose_trl_venv(grpo, repo, {}) == bench.TrlVenv(repo / ".venv-trl-1.16", "beside the repository",
+                                                                  grpo)
+    mine = {"RAYPPO_TRL_VENV": str(tmp_path / "mine"), "RAYPPO_TRL_GRPO_VENV": str(tmp_path / "mine-1.16")}
+    assert bench.choose_trl_venv(ppo, repo, mine) == bench.TrlVenv(tmp_path / "mine", "from RAYPPO_TRL_VENV", ppo)
+    assert bench.choose_trl_venv(grpo, repo, mine) == bench.TrlVenv(tmp_path / "mine-1.16",
+                                                                    "from RAYPPO_TRL_GRPO_VENV", grpo)
+    assert bench.choose_trl_venv(ppo, read_only_dir, {}) == bench.TrlVenv(tmp_path / "cache" / "venv-trl",
+                                                                           f"{read_only_dir} is not writable", ppo)
+    assert bench.choose_trl_venv(grpo, read_only_dir, {}).path == tmp_path / "cache" / "venv-trl-1.16"
     assert list(repo.iterdir()) == []  # the writability probe leaves nothing behind
 
 
 def test_trl_venv_leftovers_are_replaced_and_nothing_else_is(bench, tmp_path, capsys):
     repo = tmp_path / "repo"
     repo.mkdir()
-    venv = bench.choose_trl_venv(repo, {})
+    venv = bench.choose_trl_venv(bench.TRL_PPO, repo, {})
     link = venv.path
     link.symlink_to(tmp_path / "gone")
     bench.clear_leftovers(venv, venv.state)
@@ -240,8 +265,16 @@ def test_trl_venv_leftovers_are_replaced_and_nothing_else_is(bench, tmp_path, ca
     assert bench.ensure_trl_venv(venv) == link / "bin" / "python"  # ready: used as it is, silently
     assert capsys.readouterr().err == ""
     line = bench.install_line(venv, "a dangling symlink")
-    assert line == (f"TRL's environment: {link} (beside the repository): it was a dangling symlink, so it is rebuilt: "
-                    f"a one-time install of {' '.join(bench.TRL_REQUIREMENTS)}, reused by later --compare trl runs")
+    assert line == (f"TRL 1.12.0's environment: {link} (beside the repository): it was a dangling symlink, so it is "
+                    f"rebuilt: a one-time install of {' '.join(bench.TRL_PPO.requirements)}, reused by later "
+                    "--compare trl runs")
+    grpo = bench.choose_trl_venv(bench.TRL_GRPO, repo, {})  # the other environment: its own folder and pins
+    assert bench.install_line(grpo, "missing") == (
+        f"TRL 1.16.0's environment: {repo / '.venv-trl-1.16'} (beside the repository): a one-time install of "
+        f"{' '.join(bench.TRL_GRPO.requirements)}, reused by later --compare trl runs")
+    fake_venv(bench, grpo.path, pins=bench.TRL_GRPO)
+    assert bench.ensure_trl_venv(grpo) == grpo.path / "bin" / "python"
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow
