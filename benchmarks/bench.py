@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import yaml
 
-from rayppo.config.derived import actor_threads, has_critic, uses_reference
+from rayppo.cluster.address import machine_cores
+from rayppo.config.derived import has_critic, role_threads, uses_reference
 from rayppo.config.load import load_config
 from rayppo.config.schema import Config, to_dict
 from rayppo.errors import RayppoError
@@ -174,7 +175,7 @@ def machine_rate(cfg: Config) -> dict[str, Any]:
 
     policy = read_shape(cfg.model.policy)
     lr = cfg.learner
-    threads = lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)
+    threads = lr.num_ranks * role_threads(cfg, "learner", machine_cores(cfg.cluster.address))
     device = "cuda" if lr.gpus_per_rank > 0 and torch.cuda.is_available() else "cpu"
     shape = [probe_tokens(cfg), policy.hidden, policy.intermediate]
     return {"matmul_gflop_per_s": matmul_gflop_per_s(*shape, cfg.model.dtype, threads, device=device),
@@ -251,14 +252,14 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     from rayppo.data.prompts import PromptBatch
 
     g, m, lr = cfg.generators, cfg.model, cfg.learner
-    threads = {"gen": g.num * actor_threads(g.threads, g.cpus_per_worker),
-               "learn": lr.num_ranks * actor_threads(lr.threads, lr.cpus_per_rank)}
+    cores = machine_cores(cfg.cluster.address)  # the threads each role ran on in the run (config.derived.role_threads)
+    threads = {"gen": g.num * role_threads(cfg, "generators", cores), "learn": lr.num_ranks * role_threads(cfg, "learner", cores)}
     prompts = PromptBatch(rollout.prompt_text, rollout.prompt_ids)
     out: dict[str, float] = {}
     # The generator goes last: vLLM's CPU worker pins this process's threads and from then on
     # ignores torch.set_num_threads, which gave the reference and reward passes (1 thread each in
     # the run) the generator's 2 threads here and halved their "alone" times.
-    torch.set_num_threads(cfg.reference.num * actor_threads(cfg.reference.threads, cfg.reference.cpus))
+    torch.set_num_threads(cfg.reference.num * role_threads(cfg, "reference", cores))
     out["reference"] = 0.0  # none at ppo.kl_coef = 0
     if uses_reference(cfg.ppo):
         reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype,
@@ -266,7 +267,7 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
         reference.ref_logprobs(rollout)
         out["reference"], _ = _timed(reference.ref_logprobs, rollout)
         del reference
-    torch.set_num_threads(cfg.reward.num * actor_threads(cfg.reward.threads, cfg.reward.cpus))
+    torch.set_num_threads(cfg.reward.num * role_threads(cfg, "reward", cores))
     reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype,
                           micro_batch_tokens=cfg.reward.micro_batch_tokens)
     reward.scores(rollout)

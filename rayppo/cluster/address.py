@@ -40,6 +40,13 @@ def chosen_address(configured: str | None) -> str | None:
     return env
 
 
+def machine_cores(configured: str | None) -> int | None:
+    """The cores this process may use, when the run starts its own local Ray instance (every actor
+    on this machine; ``configured`` is ``cluster.address``); None when it joins a cluster, whose
+    machines it does not see from here."""
+    return None if chosen_address(configured) else len(os.sched_getaffinity(0))
+
+
 def running_cluster() -> str | None:
     """The GCS address of the cluster ``cluster.address=auto`` would join on this machine, if a
     server answers there; None if Ray's ``ray_current_cluster`` file is missing or left over."""

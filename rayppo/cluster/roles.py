@@ -11,7 +11,6 @@ Model names travel unresolved: each node resolves (or builds) them itself.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ from rayppo.actors.generator import GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
-from rayppo.cluster.address import chosen_address
+from rayppo.cluster.address import machine_cores
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
@@ -55,8 +54,8 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     """Every role's actors, in the order the GPUs need (``generators_start_first``);
     ``context`` is vLLM's max_model_len (``config.derived.generator_context``)."""
     g = cfg.generators
-    threads = {role: role_threads(cfg, role, machine_cores(cfg)) for role in ("generators", "reference", "reward",
-                                                                                "learner")}
+    cores = machine_cores(cfg.cluster.address)
+    threads = {role: role_threads(cfg, role, cores) for role in ("generators", "reference", "reward", "learner")}
     gpus = {spec.name: spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg)}
 
     def options(role: str, n: int) -> list[dict[str, Any]]:
@@ -90,7 +89,8 @@ def generator_args(cfg: Config, context: int | None, index: int) -> dict[str, An
     g, m = cfg.generators, cfg.model
     gpus = next(spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg) if spec.name == "generators")
     return dict(model_path=m.policy, sampling=sampling_settings(cfg), backend=g.backend, dtype=m.dtype,
-                vllm=vllm_settings(cfg, context), num_threads=role_threads(cfg, "generators", machine_cores(cfg)),
+                vllm=vllm_settings(cfg, context),
+                num_threads=role_threads(cfg, "generators", machine_cores(cfg.cluster.address)),
                 sync_fault=SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor),  # testing only
                 gpus=gpus, episodes=episode_settings(cfg), generator_id=index, seed=generator_seed(cfg.seed, index))
 
@@ -103,15 +103,9 @@ def add_generators(cfg: Config, group: ActorGroup, placement: Placement, context
         i = len(group)
         placement.groups.append(pg)
         placement.bundles.append(bundle)
-        env = _actor_env(cfg, "generators", i, role_threads(cfg, "generators", machine_cores(cfg)))
+        env = _actor_env(cfg, "generators", i, role_threads(cfg, "generators", machine_cores(cfg.cluster.address)))
         added.append(group.add(generator_args(cfg, context, i), placement.actor_options(i, env)))
     return added
-
-
-def machine_cores(cfg: Config) -> int | None:
-    """The cores this process may use, when the run starts its own local Ray instance (every actor
-    on this machine); None when it joins a cluster, whose machines it does not see from here."""
-    return None if chosen_address(cfg.cluster.address) else len(os.sched_getaffinity(0))
 
 
 def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, str]:
