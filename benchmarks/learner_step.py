@@ -78,7 +78,8 @@ def _timing_hooks(parts: dict[str, float], calls: dict[str, int]) -> None:
                 calls[name] += 1
         return wrapper
 
-    update.policy_objective = timed("policy forward", update.policy_objective)
+    update.policy_pass = timed("policy forward", update.policy_pass)  # ppo_update's: one per micro-batch
+    update.policy_objective = timed("policy loss", update.policy_objective)
     update.value_objective = timed("critic forward", update.value_objective)
     step.make_experience = timed("experience pass", step.make_experience)  # the learn step's call
     steps = engine.LearnerEngine._steps

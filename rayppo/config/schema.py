@@ -241,7 +241,8 @@ class PPOConfig:
     exp(+-geo_mask_bound)). ``auto``: ``none`` in float32 (mu = pi_prox to 1e-5), ``tis+geo_mask``
     in bfloat16, ``tis`` in asynchronous mode (whose staleness would leave the band by design).
     Costs one forward pass without gradient over the batch (pi_prox) where the synchronous
-    iteration had none. Metrics ``correction/*``."""
+    iteration had none, except when the update is one step of one pass (``ppo.epochs`` =
+    ``ppo.minibatches`` = 1): pi_prox is then its own forward (docs/async.md). Metrics ``correction/*``."""
     geo_mask_bound: float = 0.04
     """``rollout_correction=tis+geo_mask``: a row is masked (out of every loss term, normaliser and
     metric of the update) when |mean_t log(pi_prox / mu)| exceeds this many nats. Set at the

@@ -10,7 +10,9 @@ may come from a behaviour policy mu up to k versions older than the learner. ``m
 then recomputes log pi_prox once with the learner's weights at the start of the update, shapes
 the reward's KL term with it, and computes V-trace targets; the update uses the decoupled
 policy loss and measures ``logprob_mismatch`` only on the rows sampled by the learner's version.
-With k = 0 both run exactly the synchronous iteration.
+With k = 0 both run exactly the synchronous iteration. The pi_prox pass is skipped when the update
+is one pass before one step and nothing here reads pi_prox (``proximal.fused_proximal``): the
+update's forward gives it, and ``ppo_update`` fills in what depends on it.
 
 The learn step (``step.py``) calls it in the in-process trainer and on every learner rank, on the
 rollout made tensors once (``RolloutTensors``) and the config's choices read once
@@ -34,7 +36,7 @@ from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.micro_batches import token_batches
 from rayppo.learner import group_math, ppo
 from rayppo.learner.collective import Collective, LocalCollective
-from rayppo.learner.experience_stats import kl_stats, offpolicy_stats, value_stats
+from rayppo.learner.experience_stats import ProximalTerms, proximal_terms, value_stats
 from rayppo.learner.rewards import discounted_returns, overlong_penalty
 from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.models.packing import cut_layout
@@ -272,22 +274,25 @@ def proximal_logprobs(proximal: ProximalPolicy, batch: PackedBatch, chunks: int,
 
 def _proximal_inputs(
     rows: RolloutTensors, settings: ExperienceSettings, proximal: ProximalPolicy | None, collective: Collective,
+    fused: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(prox_logprobs [B, T], same_version [B, T] bool)`` in asynchronous mode (k > 0) and under
     rollout correction (``correction.truncated_is``: every row is of the learner's version, mu its
-    generator's numerics); ``(None, None)`` in the synchronous iteration without it."""
+    generator's numerics); ``(None, None)`` in the synchronous iteration without it. ``fused``: the
+    update's forward gives pi_prox (``proximal.fused_proximal``), so no pass runs and
+    ``prox_logprobs`` is None."""
     if settings.max_staleness == 0 and not settings.correction.truncated_is:
         return None, None
     batch, chunks, budget = rows.batch, settings.ppo.minibatches, settings.micro_batch_tokens
     if proximal is None:
         raise ValueError("asynchronous mode and rollout correction need the proximal policy pi_prox")
     if settings.max_staleness == 0:
-        return proximal_logprobs(proximal, batch, chunks, budget, collective), batch.mask.bool()
-    if rows.versions is None:
+        same_version = batch.mask.bool()
+    elif rows.versions is None:
         raise ValueError(f"asynchronous mode needs every row's policy_version ({len(rows)} rows)")
-    # Per token: a partial rollout's row holds tokens of several versions (Rollout.token_versions).
-    same_version = (rows.versions == proximal.version) & batch.mask.bool()
-    return proximal_logprobs(proximal, batch, chunks, budget, collective), same_version
+    else:  # per token: a partial rollout's row holds tokens of several versions (Rollout.token_versions)
+        same_version = (rows.versions == proximal.version) & batch.mask.bool()
+    return None if fused else proximal_logprobs(proximal, batch, chunks, budget, collective), same_version
 
 
 def _gae_targets(
@@ -394,6 +399,7 @@ def make_experience(
     settings: ExperienceSettings,
     collective: Collective = LocalCollective(),
     proximal: ProximalPolicy | None = None,
+    fused: bool = False,
 ) -> tuple[Experience, dict[str, float]]:
     """Values, shaped rewards, advantages and returns, and (global) whitening for this rank's rows.
 
@@ -409,11 +415,14 @@ def make_experience(
     ids are below ``rows.num_groups`` on every rank. The forward passes without gradient (values,
     log pi_prox) run in micro-batches of ``settings.micro_batch_tokens`` padded tokens (0:
     unbucketed), packed as ``rows.batch.pack_mode`` says. A rollout without ``ref_logprobs``
-    (kl_coef = 0: no reference was loaded) has no KL anywhere.
+    (kl_coef = 0: no reference was loaded) has no KL anywhere. ``fused`` (``proximal.fused_proximal``
+    holds): the update's one forward gives log pi_prox, so no pass runs here; ``prox_logprobs``,
+    ``row_keep``, ``kl_ref`` and the ``kl/*``, ``offpolicy/*`` figures are left for ``ppo_update``.
     """
     cfg, batch, mask, old_logprobs = settings.ppo, rows.batch, rows.batch.mask, rows.old_logprobs
-    prox_logprobs, same_version = _proximal_inputs(rows, settings, proximal, collective)
-    # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise.
+    prox_logprobs, same_version = _proximal_inputs(rows, settings, proximal, collective, fused)
+    # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise
+    # (fused: the reward has no KL term, and the figures of pi_prox's come after the update's forward).
     policy_logprobs = old_logprobs if prox_logprobs is None else prox_logprobs
     has_reference = rows.ref_logprobs is not None
     ref_logprobs = policy_logprobs if rows.ref_logprobs is None else rows.ref_logprobs
@@ -425,29 +434,28 @@ def make_experience(
     # The KL part of r_t alone (-beta KL_t): the group estimators keep it out of their statistics.
     kl_rewards = ppo.shape_rewards(torch.zeros_like(rows.scores), policy_logprobs, ref_logprobs, mask, reward_kl_coef,
                                    cfg.kl_estimator)
-    log_ratio = None if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
     # The value targets correct for staleness only: on tokens pi_prox's own version sampled the
     # ratio is numerics (bf16), and V-trace's traces min(1, pi_prox / mu) would shrink the targets on
-    # noise alone (0.06 instead of 1 at token 0 of a 200-token row at |log ratio| ~ 0.03).
-    stale_ratio = (None if settings.max_staleness == 0 or log_ratio is None or same_version is None
+    # noise alone (0.06 instead of 1 at token 0 of a 200-token row at |log ratio| ~ 0.03). Fused: no
+    # token is stale, so the ratio is 0 on every token, as the pass would have given.
+    log_ratio = torch.zeros_like(old_logprobs) if prox_logprobs is None else (prox_logprobs - old_logprobs) * mask
+    stale_ratio = (None if settings.max_staleness == 0 or same_version is None
                    else log_ratio.masked_fill(same_version, 0.0))
     advantages, returns = _episode_advantages(rewards, kl_rewards, task_scores, values, mask, bootstrap, cfg,
                                               stale_ratio, rows.group_ids, rows.num_groups, collective,
                                               rows.episodes)
-    kl = kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective) if has_reference else None
-    stats = {} if kl is None else kl.metrics()
+    terms = (ProximalTerms(None, None, {}) if fused else
+             proximal_terms(policy_logprobs, old_logprobs, rows.ref_logprobs, mask, cfg, settings.correction.geo_mask,
+                            prox_logprobs is not None, collective))
+    stats = dict(terms.stats)
     if critic is not None:
         stats |= value_stats(values, returns, mask, collective)
-    row_keep = (ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound)
-                if settings.correction.geo_mask and log_ratio is not None else None)
-    if log_ratio is not None:
-        stats |= offpolicy_stats(log_ratio, mask, collective, row_keep)
     exp = Experience(batch=batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=values,
                      rewards=rewards, advantages=advantages, returns=returns, scores=rows.scores,
                      generator_ids=rows.generator_ids, prox_logprobs=prox_logprobs, same_version=same_version,
-                     first_values=first_values, row_keep=row_keep, truncated_is=settings.correction.truncated_is,
+                     first_values=first_values, row_keep=terms.row_keep, truncated_is=settings.correction.truncated_is,
                      loss_kl_coef=kl_coef if cfg.kl_mode == "loss" and has_reference else 0.0,
-                     kl_ref=None if kl is None else kl.mean)
+                     kl_ref=None if terms.kl is None else terms.kl.mean)
     return exp, stats
 
 

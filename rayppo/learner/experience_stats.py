@@ -1,5 +1,6 @@
 """The figures ``make_experience`` reports, over the global batch: the KL to the reference, the
-critic's fit, the off-policy ratios. Each rank's sums and counts are all-reduced, so N ranks
+critic's fit, the off-policy ratios (with the geometric-mean mask of rollout correction, which
+reads the same ratios: ``proximal_terms``). Each rank's sums and counts are all-reduced, so N ranks
 report what one process would."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from rayppo.choices import KLEstimator
+from rayppo.config.schema import PPOConfig
 from rayppo.learner import ppo
 from rayppo.learner.collective import Collective
 
@@ -72,3 +74,34 @@ def offpolicy_stats(log_ratio: torch.Tensor, mask: torch.Tensor, collective: Col
         stats |= global_means({"correction/masked_rows": 1.0 - row_keep.double().mean()}, float(len(row_keep)),
                                collective)
     return stats
+
+
+@dataclass(frozen=True)
+class ProximalTerms:
+    """What the experience derives from the log-probs of the policy being improved (pi_old, or
+    pi_prox): whichever computes them, the experience pass or the update's first forward
+    (``proximal.fused_proximal``), gets the same terms from the same code."""
+
+    row_keep: torch.Tensor | None
+    """[B] the geometric-mean mask (``Experience.row_keep``); None: every row kept."""
+    kl: ReferenceKL | None
+    """The KL to the reference; None without one."""
+    stats: dict[str, float]
+    """``kl/*`` and ``offpolicy/*``, ``correction/masked_rows``."""
+
+
+def proximal_terms(
+    policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor,
+    cfg: PPOConfig, geo_mask: bool, off_policy: bool, collective: Collective,
+) -> ProximalTerms:
+    """The KL to the reference (``ref_logprobs`` None: none loaded) of the policy being improved,
+    and, when ``off_policy`` (``policy_logprobs`` is pi_prox, mu the generator's ``old_logprobs``),
+    the off-policy figures of log(pi_prox / mu) and the geometric-mean mask (``geo_mask``,
+    ``cfg.geo_mask_bound``). All ``[B, T]``, 0 on padding. Collective: every rank calls it."""
+    kl = None if ref_logprobs is None else kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective)
+    stats = {} if kl is None else kl.metrics()
+    if not off_policy:
+        return ProximalTerms(None, kl, stats)
+    log_ratio = (policy_logprobs - old_logprobs) * mask
+    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if geo_mask else None
+    return ProximalTerms(row_keep, kl, stats | offpolicy_stats(log_ratio, mask, collective, row_keep))

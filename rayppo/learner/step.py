@@ -8,6 +8,9 @@ global. One step is:
     values, shaped rewards, advantages, whitening, log pi_prox           (experience.py)
     M epochs x minibatches of clipped PPO + value loss, the mismatch guard on the first  (update.py)
 
+log pi_prox comes from the update's own forward instead when that is the only one and nothing
+before the update reads it (``proximal.fused_proximal``).
+
 Its settings are read from the config once (``LearnSettings.of``); what changes per call comes
 in two records, this rank's rows (``BatchShard``) and the step's inputs (``StepInputs``: the
 iteration, the policy's version, beta). It returns a ``LearnResult``: the policy's new version and
@@ -18,6 +21,7 @@ the KL to the reference, which the driver's control flow reads (weight sync, KL 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +32,17 @@ from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.collective import Collective
 from rayppo.learner.experience import Experience, ExperienceSettings, ProximalPolicy, make_experience
 from rayppo.learner.guard import MismatchGuard
+from rayppo.learner.proximal import any_stale, fused_proximal
 from rayppo.learner.rollout_tensors import RolloutTensors
-from rayppo.learner.update import Minibatch, Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import (
+    InUpdateProximal,
+    Minibatch,
+    Steps,
+    first_rows_kept,
+    local_minibatches,
+    minibatch_plan,
+    ppo_update,
+)
 from rayppo.models.packing import cut_layout
 
 
@@ -139,13 +152,14 @@ def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
     proximal = ProximalPolicy(models.policy, settings.temperature, step.version)
     tensors = dataclasses.replace(RolloutTensors.of(rollout, models.pad_id, models.device, models.pack_mode),
                                   num_groups=shard.batch_size, first_rows=first_rows_kept(minibatches))
+    fused = _in_update_proximal(settings, step, tensors, models, len(minibatches[0]), planned)
     exp, stats = make_experience(tensors, models.critic, step.kl_coef, settings.experience, models.collective,
-                                 proximal)
+                                 proximal, fused=fused is not None)
     if exp.row_keep is not None:  # rows the geometric-mean mask dropped count in no share (same rows and cuts)
         minibatches = planned(exp.row_keep.tolist())
     guard = MismatchGuard.of(settings.config, step.iteration)
     stats |= ppo_update(models.policy, models.critic, exp, minibatches, p, settings.temperature, models.steps,
-                        models.collective, guard, settings.max_new_tokens)
+                        models.collective, guard, settings.max_new_tokens, fused)
     return LearnResult(version=step.version + 1, kl_ref=exp.kl_ref, metrics=stats), exp
 
 
@@ -157,3 +171,15 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
     which takes a client optimiser and swaps its parameters for its fp32 partitions (deepspeed 0.19.8,
     ``runtime/engine.py`` ``_configure_optimizer``: "Using client Optimizer as basic optimizer")."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, fused=True)
+
+
+def _in_update_proximal(settings: LearnSettings, step: StepInputs, tensors: RolloutTensors, models: LearnerModels,
+                        micro_batches: int, planned: Callable[[list[float]], list[Minibatch]]) -> InUpdateProximal | None:
+    """What the update needs to take log pi_prox from its own forward, or None where the separate
+    pass runs (``proximal.fused_proximal``). Collective (the staleness check, in asynchronous mode)."""
+    e, has_reference = settings.experience, tensors.ref_logprobs is not None
+    reward_kl = e.ppo.kl_mode == "reward" and step.kl_coef != 0 and has_reference
+    stale = any_stale(tensors, step.version, e.max_staleness, models.collective)
+    if not fused_proximal(e, reward_kl, models.critic is not None, stale, micro_batches):
+        return None  # every input is the same on every rank: all ranks agree
+    return InUpdateProximal(e.correction.geo_mask, has_reference, planned)

@@ -7,6 +7,10 @@ ranks' averaged gradients the gradient of the global token mean. Before the firs
 step the sync check ``logprob_mismatch`` runs (``guard`` stops the update there when it fails):
 on the first minibatch when pi_prox is pi_old, else (asynchronous mode, rollout correction: pi_prox
 recomputed for every row) on the tokens of the learner's own version (``same_version_mismatch``).
+When the update is one pass before one step (``proximal.fused_proximal``), pi_prox is that pass's
+own log-probs, detached: ``fill_proximal`` makes what the experience pass left out of them (the
+geometric-mean mask and the shares it changes, the off-policy and reference-KL figures, the check)
+between the forward and the loss.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from rayppo.data.micro_batches import token_batches
 from rayppo.learner import ppo
 from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.experience import Experience
+from rayppo.learner.experience_stats import proximal_terms
 from rayppo.learner.guard import MismatchGuard
 from rayppo.models.packing import cut_layout
 from rayppo.models.sequences import critic_forward, policy_forward
@@ -120,17 +125,17 @@ def first_rows_kept(minibatches: list[Minibatch]) -> torch.Tensor | None:
 
 def policy_objective(
     policy: torch.nn.Module, part: Experience, mb: MicroBatch, cfg: PPOConfig, temperature: float, max_length: int = 0,
+    forward: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """``(objective, stats, drift)`` of the policy on this rank's part of a minibatch; ``drift``
     [b, T] is log pi - log pi_old per token (0 on padding), the log-prob check of the synchronous
     iteration. With ``part.prox_logprobs`` (asynchronous mode, rollout correction) the policy loss
     is the decoupled one: trust region around pi_prox, tokens weighted by min(pi_prox / mu,
     is_clip), rows outside the geometric-mean band (``part.row_keep``) not trained on. ``max_length``
-    is ``rollout.max_new_tokens``, the constant of ``loss_agg=seq-mean-token-sum-norm``."""
+    is ``rollout.max_new_tokens``, the constant of ``loss_agg=seq-mean-token-sum-norm``. ``forward``:
+    ``policy_pass``'s ``(logprobs, entropy)`` [b, T] of these rows when already run."""
     mask = part.trained_mask  # rows the geometric-mean mask dropped are in no term and no metric
-    logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
-                                       entropy_grad=cfg.entropy_coef != 0)
-    assert entropy is not None  # asked for (with_entropy=True)
+    logprobs, entropy = policy_pass(policy, part, cfg, temperature) if forward is None else forward
     if part.prox_logprobs is None or not part.truncated_is:
         pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, clip_eps=cfg.clip_eps,
                                             agg=cfg.loss_agg, clip_eps_high=cfg.clip_eps_high, max_length=max_length)
@@ -150,6 +155,16 @@ def policy_objective(
     # token-mean weighs the minibatch's tokens; the two sequence aggregations weigh its rows.
     pg_share = mb.token_share if cfg.loss_agg == "token-mean" else mb.row_share
     return pg_share * (pg_loss - cfg.entropy_coef * entropy_bonus), stats, drift
+
+
+def policy_pass(policy: torch.nn.Module, part: Experience, cfg: PPOConfig,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, entropy)`` [b, T] of the policy on ``part``'s rows, with their graph (the
+    entropy's only when its bonus is trained)."""
+    logprobs, entropy = policy_forward(policy, part.batch, temperature, with_entropy=True,
+                                       entropy_grad=cfg.entropy_coef != 0)
+    assert entropy is not None  # asked for (with_entropy=True)
+    return logprobs, entropy
 
 
 def value_objective(critic: torch.nn.Module, part: Experience, mb: MicroBatch, cfg: PPOConfig,
@@ -193,6 +208,7 @@ def ppo_update(
     collective: Collective = LocalCollective(),
     guard: MismatchGuard | None = None,
     max_length: int = 0,
+    fused: InUpdateProximal | None = None,
 ) -> dict[str, float]:
     """M epochs x minibatches of clipped PPO + value loss (none when ``critic`` is None: a
     critic-free estimator); returns stats averaged over ranks. ``max_length``: ``rollout.max_new_tokens``.
@@ -203,13 +219,18 @@ def ppo_update(
     are the sync check ``logprob_mismatch``; ``guard`` stops the update there, before the first
     step, when the check fails. In asynchronous mode and under rollout correction (``exp.prox_logprobs``
     set: pi_prox was recomputed for every row) the check is
-    ``same_version_mismatch``'s instead, also before the first step.
+    ``same_version_mismatch``'s instead, also before the first step. With ``fused``
+    (``proximal.fused_proximal``: one minibatch of one micro-batch) pi_prox is the update's own
+    forward: ``exp``'s pi_prox part is filled in from it (``fill_proximal``), then the loss.
     """
     weighted: dict[str, torch.Tensor] = {}
     # pi_prox recomputed for every row (asynchronous mode, or rollout correction in a synchronous
-    # bf16 run): the check compares mu with it, not with the first minibatch's log-probs.
-    prox_recomputed = exp.prox_logprobs is not None
-    mismatch = same_version_mismatch(exp, collective, guard) if prox_recomputed else {}
+    # bf16 run), or the update's own: the check compares mu with it, not with the first minibatch's log-probs.
+    prox_recomputed = exp.prox_logprobs is not None or fused is not None
+    # The check's figures (fused: with those of pi_prox the experience pass left out).
+    mismatch = same_version_mismatch(exp, collective, guard) if exp.prox_logprobs is not None else {}
+    if fused is not None and (len(minibatches), len(minibatches[0])) != (1, 1):
+        raise ValueError(f"pi_prox from the update's forward needs one pass: {len(minibatches)} minibatches")
     drifts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the first minibatch's (drift, mask, generator)
     first = torch.zeros(2, dtype=torch.float64, device=exp.batch.mask.device)  # its share-weighted mean |d| and k3
     processed, real = 0, torch.zeros((), dtype=torch.float64, device=exp.batch.mask.device)  # the policy's passes
@@ -222,7 +243,11 @@ def ppo_update(
             processed += part.batch.processed_tokens  # padding included; real tokens stay on the device (no sync)
             real = real + part.batch.attention_mask.sum()
             value_stats = None if kept is None or critic is None else _critic_backward(critic, part, mb, cfg, steps, kept)
-            objective, stats, drift = policy_objective(policy, part, mb, cfg, temperature, max_length)
+            forward = policy_pass(policy, part, cfg, temperature)
+            if fused is not None:  # the only pass, before any step: its log-probs are pi_prox's
+                mb, mismatch = fill_proximal(exp, mb, forward[0], cfg, fused, collective, guard)
+                part = exp.micro(mb.rows)
+            objective, stats, drift = policy_objective(policy, part, mb, cfg, temperature, max_length, forward)
             if i == 0 and not prox_recomputed:
                 width = exp.batch.mask.shape[1]  # micro-batches are cut to their own widths: pad back to one
                 drifts.append((_widen(drift, width), _widen(part.batch.mask, width), part.generator_ids))
@@ -254,6 +279,43 @@ def ppo_update(
     out["logprob_mismatch/kl"] = float(summed[-1] / collective.world_size)
     out["logprob_mismatch/max"] = float(collective.max(torch.cat([d.abs().amax()[None] for d, _, _ in drifts]).max().double()))
     return out
+
+
+@dataclass(frozen=True)
+class InUpdateProximal:
+    """pi_prox from the update's one forward (``proximal.fused_proximal``): what ``fill_proximal``
+    needs to make the part of the experience that ``make_experience(fused=True)`` left out."""
+
+    geo_mask: bool
+    """Rollout correction's geometric-mean mask is on (``Correction.geo_mask``)."""
+    has_reference: bool
+    """A reference was loaded: ``kl/ref_mean`` is KL(pi_prox || pi_ref)."""
+    reshare: Callable[[list[float]], list[Minibatch]]
+    """The step's ``local_minibatches`` with ``keep``: the same rows, shares without the dropped rows."""
+
+
+def fill_proximal(exp: Experience, mb: MicroBatch, logprobs: torch.Tensor, cfg: PPOConfig, fused: InUpdateProximal,
+                  collective: Collective, guard: MismatchGuard | None) -> tuple[MicroBatch, dict[str, float]]:
+    """Sets ``exp.prox_logprobs`` [B, T] to ``logprobs`` [b, t] (the update's forward of ``mb.rows``:
+    every row of this rank, weights not moved yet), detached, in ``exp``'s row order, and what the
+    experience pass derives from it (``proximal_terms``: ``row_keep``, ``kl_ref``; without a reference
+    ``ref_logprobs`` is the policy's own, as there); runs the mismatch check (``guard``). Returns
+    ``mb`` with the shares of the kept rows, and the figures the separate pass would have given.
+    Collective: every rank calls it."""
+    if sorted(mb.rows.tolist()) != list(range(exp.batch.mask.shape[0])):
+        raise ValueError("pi_prox from the update's forward needs this rank's every row in its one pass")
+    prox = logprobs.detach().new_zeros(exp.batch.mask.shape)  # 0 on padding, as proximal_logprobs gives
+    prox[mb.rows, : logprobs.shape[1]] = logprobs.detach()
+    exp.prox_logprobs = prox
+    if not fused.has_reference:
+        exp.ref_logprobs = prox
+    terms = proximal_terms(prox, exp.old_logprobs, exp.ref_logprobs if fused.has_reference else None,
+                           exp.batch.mask, cfg, fused.geo_mask, True, collective)
+    exp.row_keep, exp.kl_ref = terms.row_keep, None if terms.kl is None else terms.kl.mean
+    stats = terms.stats | same_version_mismatch(exp, collective, guard)
+    if terms.row_keep is not None:  # the dropped rows count in no share: the same rows, new shares
+        mb = fused.reshare(terms.row_keep.tolist())[0][0]
+    return mb, stats
 
 
 def _critic_backward(critic: torch.nn.Module, part: Experience, mb: MicroBatch, cfg: PPOConfig, steps: Steps,
