@@ -45,14 +45,16 @@ def long_tail_lengths(n: int, max_tokens: int, mean: float = 34.0, seed: int = 0
 
 
 def random_rollout(batch_size: int, response_tokens: int | list[int], vocab: int, seed: int = 0,
-                   group: int = 1) -> Rollout:
-    """``batch_size`` rows of random prompt (4-11 tokens) and response tokens (``response_tokens``
-    each, or row by row from a list); log-probs set; rows in groups of ``group`` consecutive ones
-    (``Rollout.group_id``)."""
+                   group: int = 1, prompt_tokens: tuple[int, int] = (4, 11)) -> Rollout:
+    """``batch_size`` rows of random prompt (``prompt_tokens`` = (fewest, most) tokens) and response
+    tokens (``response_tokens`` each, or row by row from a list); log-probs set; rows in groups of
+    ``group`` consecutive ones (``Rollout.group_id``) that share their prompt, as GRPO's do."""
     g = torch.Generator().manual_seed(seed)
     lengths = response_tokens if isinstance(response_tokens, list) else [response_tokens] * batch_size
-    prompts = [torch.randint(3, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(batch_size)]
+    low, high = prompt_tokens
+    shared = [torch.randint(3, vocab, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(-(-batch_size // group))]
+    prompts = [shared[i // group][:] for i in range(batch_size)]
     responses = [torch.randint(3, vocab, (t,), generator=g).tolist() for t in lengths]
     logprobs = [[-9.0] * t for t in lengths]
     n = batch_size
@@ -97,6 +99,9 @@ def main() -> None:
     parser.add_argument("--pass-overhead-tokens", type=int,
                         help="the token-budget cut's price of one more pass, in tokens (rayppo's "
                              "data/micro_batches.py PASS_OVERHEAD_TOKENS; default: its value)")
+    parser.add_argument("--prompt-tokens", default="4-11", metavar="LOW-HIGH",
+                        help="prompt lengths, drawn per group (default 4-11; the arithmetic prompts in "
+                             "SmolLM2's chat template: 44-50)")
     parser.add_argument("overrides", nargs="*", help="section.field=value config overrides")
     args = parser.parse_args()
     import rayppo.data.micro_batches as micro_batches
@@ -114,7 +119,8 @@ def main() -> None:
     rows, limit = batch_rows(cfg), cfg.rollout.max_new_tokens
     lengths = (long_tail_lengths(rows, limit) if args.lengths == "long-tail"
                else int(args.lengths.split(":")[1]) if args.lengths.startswith("fixed:") else limit)
-    rollout = random_rollout(rows, lengths, shape.vocab, group=cfg.rollout.samples_per_prompt)
+    low, high = (int(x) for x in args.prompt_tokens.split("-"))
+    rollout = random_rollout(rows, lengths, shape.vocab, group=cfg.rollout.samples_per_prompt, prompt_tokens=(low, high))
     parts: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     _timing_hooks(parts, calls)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rayppo.models.packing import RowPacking, pack_sequences, unpack
+from rayppo.models.shared_prompts import pack_shared
 from rayppo.models.vocab_head import token_logprobs
 from rayppo.token_math import entropy_from_logits, logprobs_from_logits
 
@@ -73,7 +74,10 @@ class PackedBatch:
         )
 
     def packed(self, mode: str = "rows") -> PackedBatch:
-        """The same batch, its forward run on the rows of ``models.packing.pack_sequences(mode)``."""
+        """The same batch, its forward run on the rows of ``models.packing.pack_sequences(mode)``; under
+        ``varlen`` rows with the same prompt share its columns (``models.shared_prompts``)."""
+        if mode == "varlen":
+            return dataclasses.replace(self, packing=pack_shared(self.input_ids, self.attention_mask, self.prompt_width))
         return dataclasses.replace(self, packing=pack_sequences(self.input_ids, self.attention_mask, mode))
 
     @property

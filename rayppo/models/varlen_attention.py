@@ -60,31 +60,40 @@ class Segments:
 
 
 def segments(lengths: list[int]) -> Segments:
-    """The ``Segments`` of sequences of ``lengths`` laid end to end (in that order) in one row.
+    """The ``Segments`` of sequences of ``lengths`` laid end to end (in that order) in one row."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return sequence_segments([list(range(starts[i], starts[i + 1])) for i in range(len(lengths))], starts[-1])
+
+
+def sequence_segments(sequences: list[list[int]], width: int) -> Segments:
+    """The ``Segments`` of sequences given as their columns of a row of ``width`` (in order; a column
+    may belong to several sequences, as a shared prompt's do: ``models/shared_prompts.py``, and every
+    column to one at least). A column's output is taken from the first sequence that holds it.
 
     Sequences are bucketed by length so that no row of a bucket is under 1/sqrt(2) of its longest:
     a bucket's attention does at most twice the real work (the quadratic part), in about
     2·log2(longest / shortest) SDPA calls per layer."""
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
     groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n > 0:
-            groups.setdefault(math.floor(2 * math.log2(n)), []).append(i)
+    for i, columns in enumerate(sequences):
+        if columns:
+            groups.setdefault(math.floor(2 * math.log2(len(columns))), []).append(i)
     buckets: list[torch.Tensor] = []
-    restore = torch.zeros(starts[-1], dtype=torch.long)
+    restore = torch.full((width,), -1, dtype=torch.long)
     offset = 0
     for key in sorted(groups, reverse=True):
         rows = groups[key]
-        width = max(lengths[i] for i in rows)
-        steps = torch.arange(width)
-        first = torch.tensor([starts[i] for i in rows])
-        last = torch.tensor([starts[i] + lengths[i] - 1 for i in rows])
-        buckets.append(torch.minimum(first[:, None] + steps, last[:, None]))
+        longest = max(len(sequences[i]) for i in rows)
+        # each sequence padded to the bucket's longest by repeating its last column (read by no real query)
+        buckets.append(torch.tensor([sequences[i] + sequences[i][-1:] * (longest - len(sequences[i])) for i in rows]))
         for r, i in enumerate(rows):
-            restore[starts[i] : starts[i] + lengths[i]] = offset + r * width + torch.arange(lengths[i])
-        offset += len(rows) * width
+            held = torch.tensor(sequences[i])
+            unset = restore[held] < 0
+            restore[held[unset]] = offset + r * longest + torch.arange(len(held))[unset]
+        offset += len(rows) * longest
+    if (restore < 0).any():
+        raise ValueError(f"column {int((restore < 0).nonzero()[0])} of the packed row belongs to no sequence")
     return Segments(buckets, restore)
 
 
