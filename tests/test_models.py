@@ -1,5 +1,7 @@
 """Model plumbing: log-probs, values, generation and reward scoring on the embedded model."""
 
+import os
+
 import pytest
 import torch
 
@@ -137,6 +139,35 @@ def test_reward_model_rescores_text_with_its_own_tokenizer(reward_model_dir, tok
         for p, r, s in zip(prompts, responses, scores):
             alone = model(**rm_tokenizer(f"{p} {r}", return_tensors="pt")).logits[0, 0].item()
             assert s == pytest.approx(alone, abs=1e-5)
+
+
+def test_reward_model_reads_a_groups_shared_prompt_once_and_scores_as_each_text_alone(reward_model_dir):
+    """GRPO's rows: 3 and 2 responses to two prompts, one alone, an empty response. The packed pass
+    runs each group's common token prefix once and gives each text's score alone.
+
+    fp64 on both sides: the packed and padded passes sum the same terms in another order (~1e-16);
+    transformers' RMSNorm rounds to fp32 inside, where that noise can flip a rounding (one fp32 ulp,
+    6e-8 relative, of a hidden state), which the 2 layers and the score head (weights ~0.1, 64 wide)
+    carry to at most ~1e-6 of a score of magnitude ~1."""
+    rm_tokenizer = load_tokenizer(reward_model_dir)
+    prompts = ["say 7 :"] * 3 + ["give 1 :"] + ["write 2 :"] * 2
+    responses = ["7 7", "1 2 3 4 5", "", "1", "2", "2 2 9"]
+    engine = RewardEngine(model=str(reward_model_dir), batch_size=8)
+    assert engine.shared_prefix  # a Llama classifier on SDPA
+    engine.model.double()
+    seen: list[int] = []
+    backbone = engine.model.model
+    handle = backbone.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].numel()), with_kwargs=True)
+    scores = engine.scores(_text_rollout(prompts, responses))
+    handle.remove()
+    texts = [f"{p} {r}" for p, r in zip(prompts, responses)]
+    ids = [rm_tokenizer(t)["input_ids"] for t in texts]
+    shared = sum((len(rows) - 1) * len(os.path.commonprefix([ids[i] for i in rows])) for rows in ([0, 1, 2], [4, 5]))
+    assert shared > 0 and seen == [sum(map(len, ids)) - shared]  # one pass, each group's prefix once
+    model = load_reward_model(reward_model_dir).double().eval()
+    with torch.no_grad():
+        for t, s in zip(texts, scores):
+            assert s == pytest.approx(model(**rm_tokenizer(t, return_tensors="pt")).logits[0, 0].item(), abs=1e-6)
 
 
 def test_stop_words_give_the_benchmark_model_long_tailed_lengths(tmp_path):

@@ -18,6 +18,7 @@ from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
+from rayppo.models.sequence_scores import shared_prefix_scores, shared_scoring
 
 
 class RewardError(RayppoError, RuntimeError):
@@ -100,6 +101,8 @@ class RewardEngine(Engine):
             self.model = load_reward_model(model, dtype).to(self.device).eval().requires_grad_(False)
             self.tokenizer = load_tokenizer(model)
             self.tokenizer.padding_side = "right"
+            # a group's shared prompt run once (models/sequence_scores.py), where the family allows
+            self.shared_prefix = shared_scoring(self.model)
 
     def describe(self) -> str:
         if self.function:
@@ -172,13 +175,21 @@ class RewardEngine(Engine):
     @torch.no_grad()
     def _model_scores(self, rollout: Rollout) -> list[float]:
         texts, templated = self._model_texts(rollout)
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=not templated)["input_ids"]]
+        ids = self.tokenizer(texts, add_special_tokens=not templated)["input_ids"]
+        lengths = [len(row) for row in ids]
         out = [0.0] * len(texts)
         # Micro-batches of about equal padded tokens (``reward.micro_batch_tokens``), or fixed runs of rows.
         for rows in scoring_batches([0] * len(texts), lengths, self.micro_batch_tokens, self.batch_size):
-            enc = self.tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True,
-                                 add_special_tokens=not templated).to(self.device)
-            logits = self.model(**enc).logits  # [b, 1]
-            for i, value in zip(rows, logits[:, 0].float().tolist()):
+            if self.shared_prefix:  # the rows of one prompt share their common prefix's columns
+                groups: dict[str, list[int]] = {}
+                for j, i in enumerate(rows):
+                    groups.setdefault(rollout.prompt_text[i], []).append(j)
+                values = shared_prefix_scores(self.model, [ids[i] for i in rows], list(groups.values()),
+                                              self.tokenizer.pad_token_id)
+            else:
+                enc = self.tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True,
+                                     add_special_tokens=not templated).to(self.device)
+                values = self.model(**enc).logits[:, 0].float().tolist()  # [b, 1] logits
+            for i, value in zip(rows, values):
                 out[i] = value
         return out
