@@ -15,6 +15,8 @@ backbone, under SDPA (``shared_scoring``); others keep the padded pass.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayppo.models.packing import scoring_layout
@@ -62,7 +64,7 @@ def shared_prefix_scores(model: torch.nn.Module, token_rows: list[list[int]], gr
     batch = pack([r[:n] for r, n in zip(token_rows, prefix)], [r[n:] for r, n in zip(token_rows, prefix)],
                  0 if pad_id is None else pad_id).packed("varlen")
     device = next(model.parameters()).device
-    backbone = getattr(model, model.base_model_prefix)
+    backbone: Any = getattr(model, "base_model")  # noqa: B009 - transformers' trunk, untyped for mypy
     hidden = batch.unpacked(backbone(**batch.to(device).model_inputs()).last_hidden_state)  # [B, P + T, H]
     # each row's text starts at column prompt_width - its prefix (prompts are left-padded)
     columns = torch.tensor([batch.prompt_width - n + last_scored(r, pad_id) for r, n in zip(token_rows, prefix)])
