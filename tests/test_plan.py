@@ -273,6 +273,23 @@ def test_json_output_parses(capsys):
     assert plan["roles"]["learner"]["actors"] == 2 and plan["roles"]["learner"]["groups"] == ["learner"]
 
 
+def test_the_plan_gives_each_stage_every_core_of_this_machine_and_says_why(monkeypatch, capsys):
+    """Stages take turns on the machine rayppo would start: each stage's actors share its cores
+    (reference and reward score at once); on a cluster, or with overlapping stages, the CPU share."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert main(["plan", "--json"]) == 0
+    roles = json.loads(capsys.readouterr().out)["roles"]
+    assert {role: r["threads"] for role, r in roles.items()} == {"generators": 4, "reference": 2, "reward": 2,
+                                                                 "learner": 2}
+    assert main(["plan"]) == 0
+    assert "threads: the stages take turns on this machine's 4 cores" in capsys.readouterr().out
+    assert main(["plan", "--json", "rollout.max_staleness=1"]) == 0
+    assert {r["threads"] for r in json.loads(capsys.readouterr().out)["roles"].values()} == {1}
+    assert main(["plan", "--cluster-resources", '{"CPU": 8}']) == 0
+    assert "threads: each actor's CPU share rounded down" in capsys.readouterr().out
+
+
 def test_default_plan_answers_fast_without_torch():
     rayppo = Path(sys.executable).parent / "rayppo"
     start = time.perf_counter()
