@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
     from rayppo.learner.checkpoint import to_universal, universal_load
     from rayppo.learner.engine import _skip_shm_comm_op, deepspeed_config
     from rayppo.learner.step import adamw
-    from rayppo.models.shape import read_shape
+    from rayppo.models.shape import shape_from_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -53,9 +53,11 @@ def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, 
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
     cfg = load_config(None, [f"learner.zero_stage={stage}", "ppo.lr=0.01", f"model.dtype={dtype}"])
     model = _model()
-    model.config.save_pretrained(folder)  # read_shape reads a folder's config.json
+    # The shape from the model's own config, not a shared config.json: two ranks writing one file while
+    # the other reads it gave an empty read once in CI's run (JSONDecodeError, 2026-12-06).
+    shape = shape_from_config(model.config.to_dict())
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(list(model.parameters()), 0.01, 0.0),
-                                      config=deepspeed_config(cfg, world, read_shape(Path(folder))))
+                                      config=deepspeed_config(cfg, world, shape))
     if mode == "save":
         for step in range(3):  # rows differ by rank, so the ranks' gradients and moments differ
             ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(10 * rank + step))
