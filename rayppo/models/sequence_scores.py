@@ -46,8 +46,8 @@ def common_prefix(rows: list[list[int]]) -> int:
 def last_scored(ids: list[int], pad_id: int | None) -> int:
     """The position transformers' classifier reads: the last token that is not ``pad_id`` (the
     last token when every one is, or with no pad token)."""
-    kept = [i for i, t in enumerate(ids) if t != pad_id]
-    return kept[-1] if kept and pad_id is not None else len(ids) - 1
+    kept = [i for i, t in enumerate(ids) if t != pad_id]  # every position when pad_id is None
+    return kept[-1] if kept else len(ids) - 1
 
 
 @torch.no_grad()
