@@ -179,7 +179,10 @@ def _in_update_proximal(settings: LearnSettings, step: StepInputs, tensors: Roll
     pass runs (``proximal.fused_proximal``). Collective (the staleness check, in asynchronous mode)."""
     e, has_reference = settings.experience, tensors.ref_logprobs is not None
     reward_kl = e.ppo.kl_mode == "reward" and step.kl_coef != 0 and has_reference
-    stale = any_stale(tensors, step.version, e.max_staleness, models.collective)
-    if not fused_proximal(e, reward_kl, models.critic is not None, stale, micro_batches):
-        return None  # every input is the same on every rank: all ranks agree
+    # Every input is the same on every rank: all ranks agree, and call the staleness all-reduce
+    # only when the rest allows the fusion (not at every asynchronous step).
+    if not fused_proximal(e, reward_kl, models.critic is not None, False, micro_batches):
+        return None
+    if any_stale(tensors, step.version, e.max_staleness, models.collective):
+        return None
     return InUpdateProximal(e.correction.geo_mask, has_reference, planned)
