@@ -141,12 +141,12 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def learning_args(argv: list[str] | None, doc: str, runs: dict[str, list[str]], out: str, seeds: list[int]
-                  ) -> argparse.Namespace:
+def learning_args(argv: list[str] | None, doc: str, runs: dict[str, list[str]], out: str, seeds: list[int],
+                  iterations: int = 40) -> argparse.Namespace:
     """The command line of a learning comparison: --out, --iterations, --seeds, --only, overrides."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", default=out, help="output folder")
-    parser.add_argument("--iterations", type=int, default=40, help="iterations per run (stop.iterations)")
+    parser.add_argument("--iterations", type=int, default=iterations, help="iterations per run (stop.iterations)")
     parser.add_argument("--seeds", type=int, nargs="+", default=seeds, help="seeds; every run is repeated per seed")
     parser.add_argument("--only", nargs="+", default=None, choices=list(runs), metavar="NAME",
                         help=f"run only these runs (of: {'; '.join(runs)}); put KEY=VALUE overrides before it")

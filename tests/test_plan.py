@@ -458,3 +458,31 @@ def test_plan_sizes_the_jobs_own_prompts_and_flags_fp32_billions_and_idle_gpus(t
     out = capsys.readouterr().out
     assert "3072 prompt tokens (upper bound max_model_len - rollout.max_new_tokens" in out, out
     assert "note: planned for 3072 prompt tokens, the longest the context allows" in out
+
+
+def test_the_plan_suggests_one_learner_rank_on_this_machine_when_it_saves_memory():
+    """On one machine's CPUs, stages taking turns, one rank on every core trained as fast as two
+    (docs/benchmarks.md, Layouts): the plan suggests it when the estimate saves >= 1 GiB, and
+    stays quiet where that does not hold (one rank already, overlapping stages, not this machine,
+    threads set by the user, a saving too small to argue from)."""
+    from rayppo.plan.footprint import inputs
+    from rayppo.plan.layout import WORTH_SAYING, learner_layout_advice
+
+    def advice(*overrides: str, cores: int | None = 2) -> list[str]:
+        cfg = load_config(None, list(overrides))
+        return learner_layout_advice(cfg, inputs(cfg, 64, 80.0), cores)
+
+    big = ["rollout.batch_size=64", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=512"]
+    cfg = load_config(None, big)
+    two = 2 * estimate_roles(cfg, 64)["learner"].rss
+    one = estimate_roles(load_config(None, big + ["learner.num_ranks=1"]), 64)["learner"].rss
+    assert two - one >= WORTH_SAYING  # the case is one the rule speaks about
+    (line,) = advice(*big)
+    assert f"needs {(two - one) / GiB:.2f} GiB less memory than 2 ranks" in line and line.endswith("learner.num_ranks=1")
+    assert advice(*big, "learner.num_ranks=1") == []
+    assert advice(*big, "rollout.max_staleness=1") == []
+    assert advice(*big, "learner.threads=1") == []
+    assert advice(*big, cores=None) == []
+    small = 2 * estimate_roles(load_config(None, []), 64)["learner"].rss - estimate_roles(
+        load_config(None, ["learner.num_ranks=1"]), 64)["learner"].rss
+    assert small < WORTH_SAYING and advice() == []

@@ -41,7 +41,8 @@ from rayppo.config.derived import (
 )
 from rayppo.config.schema import Config, ConfigError
 from rayppo.models.shape import param_count
-from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, estimates, inputs
+from rayppo.plan.footprint import Estimate, GiB, Inputs, estimates, inputs
+from rayppo.plan.layout import learner_layout_advice, size_text, threads_line
 
 ROLES = ("generators", "reference", "reward", "learner")
 ACCELERATOR_MIB = {"H200": 143771, "H100": 81559, "A100-80G": 81920, "A100-40G": 40960, "L40S": 46068, "L4": 23034,
@@ -268,8 +269,9 @@ def make_plan(cfg: Config, available: dict[str, float], source: str, gpu_memory_
     instance rayppo would start, whose CPUs ``cluster.num_cpus`` sets)."""
     target = Target(available, gpu_memory_gib, source == THIS_MACHINE, prompt_tokens)
     m = target.inputs(cfg)
+    cores = machine_cores(cfg.cluster.address) if source == THIS_MACHINE else None
     return Plan(m, estimates(cfg, m), available, gpu_memory_gib, source, fit_lines(cfg, target),
-                advice(cfg, m, available))
+                advice(cfg, m, available) + learner_layout_advice(cfg, m, cores))
 
 
 BILLION = 1e9
@@ -302,10 +304,6 @@ def advice(cfg: Config, m: Inputs, available: dict[str, float]) -> list[str]:
     return out
 
 
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
-
-
 def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
     """The plan as plain data (``rayppo plan --json``); sizes in bytes."""
     groups: dict[str, list[str]] = {}
@@ -332,18 +330,6 @@ def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
             "gpus": [{"phase": phase, "roles": load} for phase, load in gpu_loads(cfg, plan.roles)]}
 
 
-def threads_line(cfg: Config, this_machine: bool) -> str:
-    """Why each role has the threads the plan shows (``config.derived.role_threads``)."""
-    cores = machine_cores(cfg.cluster.address) if this_machine else None
-    if cores and cfg.rollout.max_staleness == 0:
-        return (f"threads: the stages take turns on this machine's {cores} cores, so a stage's actors share all of "
-                "them (unless <role>.threads is set): a stage alone runs on every core, as measured on SmolLM2's "
-                "reward pass, 7.2 s on 1 thread, 4.6 s on 2 (docs/benchmarks.md)")
-    why = ("stages overlap (rollout.max_staleness > 0)" if cfg.rollout.max_staleness else
-           "the machines of a cluster are not seen from here")
-    return f"threads: each actor's CPU share rounded down, as {why} (<role>.threads sets them)"
-
-
 def render(cfg: Config, plan: Plan) -> str:
     """The plan as a table, then ``fits`` or the missing lines."""
     data = plan_json(cfg, plan)
@@ -355,10 +341,10 @@ def render(cfg: Config, plan: Plan) -> str:
     rows = [("role", "actors", "CPU", "GPU", "threads", "group", "peak/actor", "breakdown")]
     for role, r in data["roles"].items():
         group = ", ".join(r["groups"]) if len(r["groups"]) < 3 else f"{r['groups'][0]} .. {r['groups'][-1]}"
-        parts = ", ".join(f"{k} {_size(v)}" for k, v in r["breakdown"].items())
-        parts += f"; host RSS {_size(r['rss_bytes'])}" if r["device"] == "gpu" else ""
+        parts = ", ".join(f"{k} {size_text(v)}" for k, v in r["breakdown"].items())
+        parts += f"; host RSS {size_text(r['rss_bytes'])}" if r["device"] == "gpu" else ""
         rows.append((role, str(r["actors"]), f"{r['cpus']:g}", f"{r['gpus']:g}", str(r["threads"]), group,
-                     f"{_size(r['peak_bytes'])} {'GPU' if r['device'] == 'gpu' else 'RSS'}", parts))
+                     f"{size_text(r['peak_bytes'])} {'GPU' if r['device'] == 'gpu' else 'RSS'}", parts))
     widths = [max(len(row[i]) for row in rows) for i in range(7)]
     out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[7] for row in rows]
     shown = sorted((k, v) for k, v in plan.available.items() if not k.startswith("node:") and "accelerator" not in k)
@@ -367,8 +353,8 @@ def render(cfg: Config, plan: Plan) -> str:
     rss = sum(n * plan.roles[r].rss for r, n in _counts(cfg).items())
     gpus = [sum(gpu["roles"].values()) for gpu in data["gpus"]]
     source = f"{plan.source}, {os.cpu_count() or 1} cores" if plan.source == THIS_MACHINE else plan.source
-    out += ["", f"cluster ({source}): {have}", f"needs: {need}, RSS {_size(rss)} in total"
-            + (f", busiest GPU {_size(max(gpus))} of {plan.gpu_memory_gib:g} GiB" if gpus else "")]
+    out += ["", f"cluster ({source}): {have}", f"needs: {need}, RSS {size_text(rss)} in total"
+            + (f", busiest GPU {size_text(max(gpus))} of {plan.gpu_memory_gib:g} GiB" if gpus else "")]
     out += [threads_line(cfg, plan.source == THIS_MACHINE)]
     out += [f"note: {line}" for line in plan.advice]
     return "\n".join(out + (["fits"] if not plan.missing else ["does not fit:"] + [f"  {x}" for x in plan.missing]))
