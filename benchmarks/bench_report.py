@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rayppo.config.derived import batch_rows, weight_sync_backend
+from rayppo.config.derived import batch_rows, lora_sync, weight_sync_backend
 from rayppo.config.schema import Config
 
 
@@ -126,7 +126,11 @@ def summarize(name: str, cfg: Config, records: list[dict[str, float]], memory: d
                        "learners": statistics.median(p["learner_idle_s"] / p["iteration_s"] for p in per_iteration)},
         **_overlap_bound(col, learn_factor),
         "weight_sync": weight_sync_backend(cfg) or "object_store",
+        "lora_sync": lora_sync(cfg)[0],  # none without LoRA, adapter or merged
         "sync_bytes": col["sync/bytes"][-1],
+        # How far the generators' log-probs are from the learner's, every token of every measured iteration.
+        "logprob_mismatch": {"max": max(col["logprob_mismatch/max"]), "mean": statistics.fmean(col["logprob_mismatch/mean"])}
+        if "logprob_mismatch/max" in col else None,
         "sync_gb_per_s": statistics.median(b / max(t, 1e-9) / 1e9 for b, t in zip(col["sync/bytes"], col["time/sync"])),
         "sync_share": statistics.median(s / i for s, i in zip(col["time/sync"], col["time/iteration"])),
         # The correctness guard's weight check, as a share of the sync it checks (included in it).
@@ -183,8 +187,12 @@ def print_table(s: dict[str, Any]) -> None:
           f"{100 * s['idle_floor']['generators']:.0f}%, learners {100 * s['idle_floor']['learners']:.0f}%")
     print(f"  end-to-end tokens/s  {s['end_to_end_tokens_per_s']:,.0f}")
     print_stages(s)
-    print(f"  weight sync ({s['weight_sync']}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
+    lora = f", LoRA {s['lora_sync']}" if s.get("lora_sync", "none") != "none" else ""
+    print(f"  weight sync ({s['weight_sync']}{lora}) {s['sync_bytes'] / 1e6:.1f} MB/iteration, {s['sync_gb_per_s']:.2f} GB/s, "
           f"{100 * s['sync_share']:.1f}% of the iteration; its weight check {100 * s['sync_verify_share']:.0f}% of the sync")
+    if s.get("logprob_mismatch"):
+        print(f"  log-prob mismatch    max {s['logprob_mismatch']['max']:.2e}, mean {s['logprob_mismatch']['mean']:.2e} nats "
+              "(generators against the learner)")
     print("  peak memory (RSS)    " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in s["peak_memory_bytes"].items()))
     if "plan_ratio" in s:
         print("  rayppo plan's guess  " + ", ".join(f"{k} {s['plan_estimate_bytes'][k] / 2**30:.2f} GiB ({r:.2f}x)"

@@ -93,7 +93,7 @@ def play_continuously(player, prompts, settings) -> list:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from rayppo.actors.generator import _sampled_logprobs
+    from rayppo.actors.vllm_backend import sampled_logprobs
     from rayppo.episodes.environment import Episode
     from rayppo.episodes.loop import EpisodeState, answer_turn, take_turn, turn_limit
 
@@ -119,7 +119,7 @@ def play_continuously(player, prompts, settings) -> list:
             i, sample = int(out.request_id.split(".")[0]), out.outputs[0]
             ids = list(sample.token_ids)
             reason = "length" if sample.finish_reason == "length" else "stop"
-            text = take_turn(states[i], ids, _sampled_logprobs(sample.logprobs, ids), reason, player.turn_end_ids,
+            text = take_turn(states[i], ids, sampled_logprobs(sample.logprobs, ids), reason, player.turn_end_ids,
                              tok, len(states[i].turn_ends) + 1)
             if text is not None:
                 stepping.append((i, text))

@@ -125,7 +125,7 @@ def test_lora_policy_syncs_merged_weights(embedded_dir, tokenizer):
     the rounding of the merge, growing with the adapters' size; that gap is not a sync error and
     is bounded only by the guard's fp32 limit (the run stops above it).
     """
-    trainer = DistributedTrainer(load_config(None, ["learner.lora_rank=4", "learner.lora_alpha=32",
+    trainer = DistributedTrainer(load_config(None, ["learner.lora_rank=4", "learner.lora_alpha=32", "learner.lora_sync=merged",
                                                     "learner.num_ranks=1", "rollout.batch_size=32", "ppo.lr=0.01"]))
     try:
         records = [trainer.iteration() for _ in range(3)]
@@ -142,6 +142,30 @@ def test_lora_policy_syncs_merged_weights(embedded_dir, tokenizer):
     assert (recomputed - padded(rollout.logprobs)).abs().max() < 1e-4
     assert records[2]["kl/ref_mean"] > 1e-4  # the adapters changed the sampled policy
     assert records[-1]["sync/bytes"] == _policy_bytes(embedded_dir)  # full merged weights, no adapter names
+
+
+def test_lora_adapter_sync_moves_only_the_adapter_and_the_base_is_the_reference(embedded_dir, tokenizer):
+    """learner.lora_sync=auto on vLLM generators: each sync moves the adapter's A and B alone
+    (their bytes, no base tensor), the generators serve it (fingerprints every sync, log-probs
+    within the fp32 bound of the merged sync's test), and no reference actor runs: log pi_ref
+    is the learner's base, so the KL to it grows from 0 as the adapter trains."""
+    from rayppo.models.shape import lora_params, read_shape
+
+    records, trainer = run_iterations(["learner.lora_rank=4", "learner.lora_alpha=32", "learner.num_ranks=1",
+                                       "rollout.batch_size=32", "ppo.lr=0.01", "ppo.kl_coef=0.05"], 3)
+    assert len(trainer.reference) == 0
+    assert [r["sync/verified"] for r in records] == [1.0] * 3
+    assert [r["sync/bytes"] for r in records] == [lora_params(read_shape(embedded_dir), 4) * 4] * 3  # fp32 A and B
+    assert max(r["logprob_mismatch/max"] for r in records) < 1e-4
+    assert records[0]["kl/ref_mean"] < 1e-5 < 1e-4 < records[2]["kl/ref_mean"]  # pi = base until the adapter trains
+
+
+def test_a_generator_that_keeps_its_previous_adapter_stops_the_run_at_that_sync():
+    """The silent adapter failure (veRL #7495), on purpose: the generator reports version 1 but
+    keeps serving its previous adapter (here: none). The run stops at that first sync."""
+    with pytest.raises(WeightSyncError, match=r"weight sync to policy version 1 \(the update of iteration 0\): generator 0 "):
+        run_iterations(["checks.sync_fault=skip_all", "learner.lora_rank=4", "rollout.batch_size=16",
+                        "learner.num_ranks=1"], 2)
 
 
 def _equivalence_overrides(ranks: int, zero: int, generators: int = 1) -> list[str]:

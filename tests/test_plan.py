@@ -486,3 +486,24 @@ def test_the_plan_suggests_one_learner_rank_on_this_machine_when_it_saves_memory
     small = 2 * estimate_roles(load_config(None, []), 64)["learner"].rss - estimate_roles(
         load_config(None, ["learner.num_ranks=1"]), 64)["learner"].rss
     assert small < WORTH_SAYING and advice() == []
+
+
+def test_a_lora_policy_needs_no_reference_actor_and_the_plan_says_what_that_saves(capsys):
+    """With LoRA the reference is the policy's base on the learner: no reference actor, and a line
+    naming the memory it would have taken; a reference model of its own brings the actor back.
+    Adapter sync sends the adapter's bytes, not the policy's (the object-store copies shrink)."""
+    est = estimate_roles(load_config(None, ["ppo.kl_coef=0.1"]), 64)
+    assert main(["plan", "--json", "learner.lora_rank=4", "ppo.kl_coef=0.1"]) == 0
+    roles = json.loads(capsys.readouterr().out)["roles"]
+    assert roles["reference"]["actors"] == 0
+    assert main(["plan", "learner.lora_rank=4", "ppo.kl_coef=0.1", "--prompt-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert (f"reference: the LoRA policy's base on the learner (its adapter off), no reference actor: "
+            f"{est['reference'].peak / 2**20:.0f} MiB of RSS not needed") in out
+    assert main(["plan", "--json", "learner.lora_rank=4", "ppo.kl_coef=0.1", "model.reference=embedded"]) == 0
+    assert json.loads(capsys.readouterr().out)["roles"]["reference"]["actors"] == 1
+    adapter = estimate_roles(load_config(None, ["learner.lora_rank=4"]), 64)["generators"].parts
+    merged = estimate_roles(load_config(None, ["learner.lora_rank=4", "learner.lora_sync=merged"]), 64)["generators"].parts
+    key = "weights from the object store (x2)"
+    shape = read_shape(model_dir(load_config(None, []).model.policy))
+    assert adapter[key] == 2 * lora_params(shape, 4) * 4 and merged[key] == 2 * param_count(shape) * 4

@@ -345,3 +345,24 @@ def test_the_driver_refuses_a_split_that_does_not_fit_and_goes_on(tmp_path, caps
     request_scale(out, ["generators.num=2", "learner.num_ranks=1"])
     assert loop._take_rescale() and (loop.rescale.generators.num, loop.rescale.learner.num_ranks) == (2, 1)
     assert "rayppo scale: learner.num_ranks 2 -> 1, generators.num 1 -> 2 after iteration 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_adapter_sync_resumes_as_it_would_have_gone_on(tmp_path):
+    """LoRA with adapter sync and the base as the reference: a run stopped after its checkpoint
+    at iteration 2 and resumed serves the restored adapter to a fresh generator (the weight check
+    passes at the resume's sync) and trains iteration 2 as the run that never stopped did."""
+    lora = [*RUN_ARGS, "learner.lora_rank=4", "learner.lora_alpha=32", "ppo.lr=0.01", "ppo.kl_coef=0.05"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    for out, iterations in ((whole, 3), (stopped, 2)):
+        proc = _train(out, [*lora, f"stop.iterations={iterations}"])
+        assert proc.wait(timeout=400) == 0, proc.communicate()[1][-3000:]
+    resumed = _train(stopped, ["--resume", str(stopped), "stop.iterations=3"])
+    _, stderr = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "LoRA sync: only the LoRA adapter travels (r=4)" in stderr + (stopped / "logs" / "driver.log").read_text()
+    records = _records(stopped)
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert all(r["sync/verified"] == 1.0 for r in records)
+    assert records[2]["kl/ref_mean"] > 1e-4  # the restored adapter, not a fresh one, measured against the base
+    assert _worst_gap(_records(whole)[2:], records[2:]) < RELATIVE

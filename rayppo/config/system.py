@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayppo.choices import GeneratorBackend, Packing, SyncFault, TensorParallelLayout, WandbMode, WeightSync, ZeroStage
+from rayppo.choices import (
+    GeneratorBackend,
+    LoraSync,
+    Packing,
+    SyncFault,
+    TensorParallelLayout,
+    WandbMode,
+    WeightSync,
+    ZeroStage,
+)
 
 # What a resumed run (``rayppo train --resume``, ``rayppo scale``) may change is said on the field,
 # ``field(metadata=...)``, and read by ``schema.resume_kinds``; everything else would change the math.
@@ -96,8 +105,10 @@ class ChecksConfig:
     NaN with tensor-parallel vLLM generators, which are not fingerprinted yet)."""
     sync_fault: SyncFault = "none"
     """Testing only: make every generator break its weight loads on purpose, to show the guard
-    stopping the run: ``none``, ``skip_all`` (load nothing), ``skip_tensor`` / ``perturb_tensor``
-    (skip, or add 1% of its RMS to, the tensor ``sync_fault_tensor``)."""
+    stopping the run: ``none``, ``skip_all`` (load nothing; with LoRA adapter sync, keep serving
+    the previous adapter), ``skip_tensor`` / ``perturb_tensor`` (skip, or add 1% of its RMS to,
+    the tensor ``sync_fault_tensor``), ``drop_adapter`` (adapter sync: load it, then serve every
+    request with no adapter)."""
     sync_fault_tensor: str = "model.layers.0.mlp.down_proj.weight"
     """Testing only: the (Hugging Face) tensor name ``sync_fault`` hits."""
 
@@ -307,9 +318,16 @@ class LearnerConfig:
     models run in train mode with every dropout at 0, so checkpointing is active and the first
     PPO ratio is still exactly 1."""
     lora_rank: int = 0
-    """LoRA rank on the policy (peft); 0 trains all weights. Synced as merged weights."""
+    """LoRA rank on the policy (peft, every linear layer of the decoder); 0 trains all weights."""
     lora_alpha: float = 16.0
     """LoRA alpha (scaling = alpha / rank)."""
+    lora_sync: LoraSync = "auto"
+    """How a LoRA policy reaches the generators (docs/lora.md): ``adapter``, only the adapter's
+    A and B travel and the generators serve them on the base model they loaded once (vLLM's LoRA
+    serving; peft on the hf backend), a few % of the bytes; ``merged``, W + (alpha / r) B A under
+    the base model's names, as a full-weight sync; ``auto``, adapter where it works (the
+    object-store sync, one vLLM worker per generator, a rank vLLM serves), else merged, with one
+    line at start saying why."""
     resources: dict[str, float] = field(default_factory=dict, metadata=RESOURCE)
     """Extra Ray resources per rank, e.g. ``{learner_node: 1}``."""
     cores: list[int] | None = field(default=None, metadata=RESOURCE)

@@ -19,10 +19,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayppo.config.derived import has_critic, role_gpus
+from rayppo.config.derived import has_critic, lora_sync, role_gpus
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
+from rayppo.learner.adapter_weights import (
+    adapter_config,
+    adapter_tensors,
+    engine_form,
+    scaling,
+    unsupported,
+    wrap_lora,
+)
 from rayppo.learner.checkpoint import LearnerSplit, load_states, save_states
 from rayppo.learner.experience import check_staleness
 from rayppo.learner.full_weights import full_tensors
@@ -99,11 +107,8 @@ def deepspeed_config(cfg: Config, world_size: int, shape: ModelShape) -> dict[st
 
 
 def _apply_lora(policy: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=cfg.learner.lora_rank, lora_alpha=cfg.learner.lora_alpha, lora_dropout=0.0,
-                      target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(policy, lora)
+    return wrap_lora(policy, {"r": cfg.learner.lora_rank, "lora_alpha": cfg.learner.lora_alpha,
+                              "target_modules": "all-linear"})
 
 
 @contextmanager
@@ -255,7 +260,11 @@ class LearnerEngine(Engine):
             yield name, tensor
 
     def policy_weights(self) -> WeightsPayload | None:
-        """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere)."""
+        """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere): its
+        LoRA adapter alone under ``learner.lora_sync=adapter`` (``adapter_weights.py``), else
+        the full weights."""
+        if lora_sync(self.cfg)[0] == "adapter":
+            return self._adapter_weights()
         stream = self._full_policy()
         if self.rank != 0:
             _drain(stream)
@@ -263,6 +272,22 @@ class LearnerEngine(Engine):
         # Host copies: the gathered module is released as soon as the next one is requested.
         named = {name: tensor.to("cpu", copy=True) for name, tensor in self._fingerprinted(stream)}
         return pack_weights(named, self.version)
+
+    def _adapter_weights(self) -> WeightsPayload | None:
+        """The adapter's A and B for the object store (rank 0), fingerprinted as the engine holds
+        them (B with the scaling folded in, ``engine_form``)."""
+        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
+        stream = adapter_tensors(self.policy.module, gather)
+        if self.rank != 0:
+            _drain(stream)
+            return None
+        config = adapter_config(self.policy.module)
+        named = {name: tensor.to("cpu", copy=True) for name, tensor in stream}
+        if (why := unsupported(config, list(named))) is not None:
+            raise ValueError(f"learner.lora_sync: vLLM cannot serve this adapter: {why} (learner.lora_sync=merged)")
+        s = scaling(config)
+        self.sent = {name: sent_print(engine_form(name, tensor, s)) for name, tensor in named.items()}
+        return pack_weights(named, self.version, adapter=config)
 
     def sent_fingerprints(self) -> dict[str, SentPrint] | None:
         """Fingerprints of the weights of the last sync (rank 0; None elsewhere): the learner's

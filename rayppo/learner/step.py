@@ -23,14 +23,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from rayppo.config.derived import reference_in_learner
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import minibatch_seed
 from rayppo.learner.collective import Collective
-from rayppo.learner.experience import Experience, ExperienceSettings, ProximalPolicy, make_experience
+from rayppo.learner.experience import (
+    Experience,
+    ExperienceSettings,
+    ProximalPolicy,
+    make_experience,
+    proximal_logprobs,
+)
 from rayppo.learner.guard import MismatchGuard
 from rayppo.learner.proximal import any_stale, fused_proximal
 from rayppo.learner.rollout_tensors import RolloutTensors
@@ -65,6 +73,11 @@ class LearnSettings:
     def ppo(self) -> PPOConfig:
         """The update's section (epochs, minibatches, estimator, clipping, learning rates)."""
         return self.experience.ppo
+
+    @property
+    def reference_from_base(self) -> bool:
+        """log pi_ref is the policy's own with its LoRA adapter off (``config.derived.reference_in_learner``)."""
+        return reference_in_learner(self.config)
 
     @staticmethod
     def of(cfg: Config) -> LearnSettings:
@@ -152,6 +165,8 @@ def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
     proximal = ProximalPolicy(models.policy, settings.temperature, step.version)
     tensors = dataclasses.replace(RolloutTensors.of(rollout, models.pad_id, models.device, models.pack_mode),
                                   num_groups=shard.batch_size, first_rows=first_rows_kept(minibatches))
+    if settings.reference_from_base and tensors.ref_logprobs is None:
+        tensors = dataclasses.replace(tensors, ref_logprobs=base_logprobs(models, tensors, settings))
     fused = _in_update_proximal(settings, step, tensors, models, len(minibatches[0]), planned)
     exp, stats = make_experience(tensors, models.critic, step.kl_coef, settings.experience, models.collective,
                                  proximal, fused=fused is not None)
@@ -161,6 +176,15 @@ def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
     stats |= ppo_update(models.policy, models.critic, exp, minibatches, p, settings.temperature, models.steps,
                         models.collective, guard, settings.max_new_tokens, fused)
     return LearnResult(version=step.version + 1, kl_ref=exp.kl_ref, metrics=stats), exp
+
+
+def base_logprobs(models: LearnerModels, tensors: RolloutTensors, settings: LearnSettings) -> torch.Tensor:
+    """``[B, T]`` log pi_ref(y_t) of a LoRA policy's base: the policy's forward with its adapter
+    switched off (peft's ``disable_adapter``), no gradient, in the passes pi_prox takes."""
+    peft_model: Any = getattr(models.policy, "module", models.policy)  # a DeepSpeed engine wraps it
+    with peft_model.disable_adapter():
+        return proximal_logprobs(ProximalPolicy(models.policy, settings.temperature, -1), tensors.batch,
+                                 settings.ppo.minibatches, settings.experience.micro_batch_tokens, models.collective)
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:

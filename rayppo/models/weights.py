@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -26,19 +26,23 @@ class WeightsPayload:
     """Parameter name -> torch dtype name (``float32``, ``bfloat16``, ...)."""
     version: int
     """Policy version these weights are (the learner's step count)."""
+    adapter: dict[str, Any] | None = None
+    """The peft config when ``arrays`` are a LoRA adapter's A and B under peft's names
+    (``learner.lora_sync=adapter``, ``learner/adapter_weights.py``); None: the full weights."""
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def pack_weights(named: dict[str, torch.Tensor], version: int) -> WeightsPayload:
+def pack_weights(named: dict[str, torch.Tensor], version: int, adapter: dict[str, Any] | None = None
+                 ) -> WeightsPayload:
     arrays, dtypes = {}, {}
     for name, tensor in named.items():
         t = tensor.detach().cpu().contiguous()
         dtypes[name] = str(t.dtype).removeprefix("torch.")
         arrays[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-    return WeightsPayload(arrays, dtypes, version)
+    return WeightsPayload(arrays, dtypes, version, adapter)
 
 
 def unpack_weights(payload: WeightsPayload) -> dict[str, torch.Tensor]:
@@ -74,8 +78,9 @@ class SyncFault:
     so that tests can show the correctness guard stopping the run."""
 
     kind: str = "none"
-    """``none``, ``skip_all`` (load nothing), ``skip_tensor`` (load all but ``tensor``) or
-    ``perturb_tensor`` (load ``tensor`` plus 1% of its RMS)."""
+    """``none``, ``skip_all`` (load nothing; with adapter sync: keep serving the previous
+    adapter), ``skip_tensor`` (load all but ``tensor``), ``perturb_tensor`` (load ``tensor`` plus
+    1% of its RMS) or ``drop_adapter`` (adapter sync: load it, then serve requests with none)."""
     tensor: str = ""
     """The Hugging Face name of the tensor that ``skip_tensor`` / ``perturb_tensor`` hit."""
 

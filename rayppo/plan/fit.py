@@ -42,7 +42,7 @@ from rayppo.config.derived import (
 from rayppo.config.schema import Config, ConfigError
 from rayppo.models.shape import param_count
 from rayppo.plan.footprint import Estimate, GiB, Inputs, estimates, inputs
-from rayppo.plan.layout import learner_layout_advice, size_text, threads_line
+from rayppo.plan.layout import learner_layout_advice, reference_note, size_text, threads_line
 
 ROLES = ("generators", "reference", "reward", "learner")
 ACCELERATOR_MIB = {"H200": 143771, "H100": 81559, "A100-80G": 81920, "A100-40G": 40960, "L40S": 46068, "L4": 23034,
@@ -355,7 +355,7 @@ def render(cfg: Config, plan: Plan) -> str:
     source = f"{plan.source}, {os.cpu_count() or 1} cores" if plan.source == THIS_MACHINE else plan.source
     out += ["", f"cluster ({source}): {have}", f"needs: {need}, RSS {size_text(rss)} in total"
             + (f", busiest GPU {size_text(max(gpus))} of {plan.gpu_memory_gib:g} GiB" if gpus else "")]
-    out += [threads_line(cfg, plan.source == THIS_MACHINE)]
+    out += [threads_line(cfg, plan.source == THIS_MACHINE)] + reference_note(cfg, plan.roles)
     out += [f"note: {line}" for line in plan.advice]
     return "\n".join(out + (["fits"] if not plan.missing else ["does not fit:"] + [f"  {x}" for x in plan.missing]))
 

@@ -29,6 +29,7 @@ from rayppo.config.derived import (
     batch_rows,
     generator_context,
     has_critic,
+    lora_sync,
     role_gpus,
     tensor_parallel_size,
     vllm_memory_utilization,
@@ -293,7 +294,8 @@ def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
     # one decoder layer or the embedding (forward, backward, and each tensor of a sync).
     buckets = {f"ZeRO buckets ({' + '.join(('policy', 'critic')[:len(models)])})": sum(
         bucket_bytes(s.hidden, max(layer_params(s), s.vocab * s.hidden), stage, p) for s in models)}
-    sync = {"policy host copy + object store": 2 * policy * p} if weight_sync_backend(cfg) is None else {}
+    sent = lora_params(m.policy, lr.lora_rank) if lora_sync(cfg)[0] == "adapter" else policy  # what a sync sends
+    sync = {"policy host copy + object store": 2 * sent * p} if weight_sync_backend(cfg) is None else {}
     return _finish(gpu, {"runtime": RSS_LEARNER_WORKER},
                    {**{k: v for k, v in states.items() if k not in offloaded}, **(buckets if stage else {})},
                    transient, {**{f"{k} (offloaded)": v for k, v in states.items() if k in offloaded}, **sync})
@@ -305,7 +307,8 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
     tp = tensor_parallel_size(g)
     gpu = role_gpus(cfg, "generators") > 0 or g.tensor_parallel_layout == "across_nodes"
     weights = param_count(s) * p
-    sync = {"weights from the object store (x2)": 2 * weights} if weight_sync_backend(cfg) is None else {}
+    sent = lora_params(s, cfg.learner.lora_rank) * p if lora_sync(cfg)[0] == "adapter" else weights
+    sync = {"weights from the object store (x2)": 2 * sent} if weight_sync_backend(cfg) is None else {}
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
     if g.backend == "vllm":
         if gpu:  # vLLM sizes weights + activations + KV cache to this share of each of its GPUs

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from rayppo.cluster.address import machine_cores
 from rayppo.cluster.placement import changed
+from rayppo.config.derived import reference_in_learner
 from rayppo.config.schema import Config
-from rayppo.plan.footprint import GiB, Inputs, MiB, learner_estimate
+from rayppo.plan.footprint import Estimate, GiB, Inputs, MiB, learner_estimate
 
 WORTH_SAYING = 1 * GiB
 """Memory a one-rank learner has to save before the plan suggests it; below it the two layouts'
@@ -59,3 +60,14 @@ def learner_layout_advice(cfg: Config, m: Inputs, cores: int | None) -> list[str
     return [f"learner: 1 rank on all {cores} cores needs {size_text(saved)} less memory than {lr.num_ranks} ranks "
             f"and skips the all-reduce of {size_text(alone.parts.get('grads', 0.0))} of gradients per step; the two "
             "trained as fast as each other on 2 cores (docs/benchmarks.md, Layouts): learner.num_ranks=1"]
+
+
+def reference_note(cfg: Config, est: dict[str, Estimate]) -> list[str]:
+    """One line when a LoRA policy's base is its reference (``reference_in_learner``): the
+    reference actors the job does not start, and the memory that saves."""
+    if not reference_in_learner(cfg):
+        return []
+    saved = cfg.reference.num * est["reference"].peak
+    where = "GPU memory" if est["reference"].device == "gpu" else "RSS"
+    return [f"reference: the LoRA policy's base on the learner (its adapter off), no reference actor: "
+            f"{size_text(saved)} of {where} not needed (model.reference names another model)"]

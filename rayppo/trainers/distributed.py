@@ -41,7 +41,7 @@ from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.cluster.weight_sync import make_weight_sync
-from rayppo.config.derived import fleet_minimum, generator_context
+from rayppo.config.derived import fleet_minimum, generator_context, lora_sync
 from rayppo.config.schema import Config
 from rayppo.console import console
 from rayppo.data.prompts import PromptBatch
@@ -103,6 +103,8 @@ class DistributedTrainer(LoopTrainer):
             console.phase(f"starting {actor_count(cfg)}" + (f" (their output: {console.shown(console.log_dir)}/)"
                                                              if console.log_dir else ""))
             self._spawn_roles()
+            if cfg.learner.lora_rank:
+                console.phase("LoRA sync: " + lora_sync(cfg)[1])
             wait_ready(self.calls.groups(), cfg.cluster.call_timeout_s)
             self.learner.locate()
             console.phase("warming up the generators (their first call allocates)")

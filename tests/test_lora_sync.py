@@ -1,0 +1,197 @@
+"""LoRA adapter sync (``learner.lora_sync``, docs/lora.md): only the adapter travels, the
+generators serve it on the base they loaded once, the weight check sees what they serve.
+
+The engines here are real: vLLM's CPU engine with its LoRA support, transformers with peft, and
+on a local Ray the whole distributed trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.config.derived import lora_sync
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError
+from rayppo.data.prompts import PromptBatch
+from rayppo.learner.adapter_weights import (
+    adapter_config,
+    adapter_tensors,
+    engine_form,
+    peft_param_name,
+    scaling,
+    unsupported,
+    wrap_lora,
+)
+from rayppo.learner.guard import WeightSyncError, check_weights
+from rayppo.models.fingerprint import sent_print
+from rayppo.models.loading import load_causal_lm
+from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.weights import SyncFault, pack_weights
+
+SAMPLING = SamplingSettings(max_new_tokens=6, temperature=0.9, ignore_eos=True)
+RANK, ALPHA = 4, 32.0  # s = 8: the scaling vLLM folds into B is not 1, so the check must follow it
+
+
+def test_lora_sync_picks_adapter_where_it_works_and_says_why_it_falls_back():
+    """``auto``: adapter on the defaults (vLLM, object store) and on the hf backend; merged with
+    a reason for a broadcast sync or tensor-parallel generators; ``adapter`` where it cannot work
+    is refused at load, naming the field; no LoRA, no sync choice."""
+    def mode(*overrides: str) -> tuple[str, str]:
+        return lora_sync(load_config(None, ["learner.lora_rank=4", *overrides]))
+
+    assert mode()[0] == "adapter" and "only the LoRA adapter travels (r=4)" in mode()[1]
+    assert mode("generators.backend=hf")[0] == "adapter"
+    assert mode("learner.lora_sync=merged") == ("merged", "learner.lora_sync=merged")
+    merged, why = mode("learner.weight_sync=broadcast")
+    assert merged == "merged" and "learner.weight_sync=broadcast" in why
+    merged, why = mode("generators.gpus_per_worker=2", "generators.tensor_parallel_size=2",
+                       "learner.gpus_per_rank=1")
+    assert merged == "merged" and "tensor-parallel generators" in why
+    with pytest.raises(ConfigError, match=r"learner.lora_sync: adapter sync cannot serve learner.weight_sync=broadcast"):
+        mode("learner.lora_sync=adapter", "learner.weight_sync=broadcast")
+    assert lora_sync(load_config(None, [])) == ("none", "")
+
+
+@pytest.fixture(scope="module")
+def adapted(embedded_dir):
+    """The embedded policy with a LoRA adapter whose B is not zero (a trained adapter's): its
+    log-probs differ from the base's by far more than the tolerances below."""
+    model = wrap_lora(load_causal_lm(embedded_dir, "float32"), {"r": RANK, "lora_alpha": ALPHA,
+                                                                "target_modules": "all-linear"})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def _payload(model, version: int):
+    named = {name: t.clone() for name, t in adapter_tensors(model)}
+    config = adapter_config(model)
+    sent = {name: sent_print(engine_form(name, t, scaling(config))) for name, t in named.items()}
+    return pack_weights(named, version, adapter=config), sent
+
+
+def test_adapter_tensors_are_a_peft_checkpoints(adapted):
+    """The tensors sent are ``get_peft_model_state_dict``'s, under its names, and every linear
+    layer of the decoder has one; the config is peft's own; nothing makes it unservable."""
+    from peft import get_peft_model_state_dict
+
+    named = dict(adapter_tensors(adapted))
+    expected = get_peft_model_state_dict(adapted)
+    assert named.keys() == expected.keys()
+    assert all(torch.equal(named[k], expected[k]) for k in named)
+    assert all(peft_param_name(k) in dict(adapted.named_parameters()) for k in named)
+    config = adapter_config(adapted)
+    assert (config["r"], config["lora_alpha"], scaling(config)) == (RANK, ALPHA, ALPHA / RANK)
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}
+    assert unsupported(config, list(named)) is None
+    assert "DoRA" in unsupported({**config, "use_dora": True}, list(named))
+    assert "modules_to_save" in unsupported({**config, "modules_to_save": ["lm_head"]}, list(named))
+    assert "head" in unsupported(config, list(named) + ["base_model.model.lm_head.lora_A.weight"])
+    assert "rank 1024" in unsupported({**config, "r": 1024}, list(named))
+
+
+def _prompts(tokenizer) -> PromptBatch:
+    texts = ["say 1 2 3", "count to four : 1 2", "w3 w4 w5 w6 w7", "the end is"]
+    return PromptBatch(texts, [tokenizer(t)["input_ids"] for t in texts])
+
+
+def _mismatch(rollout, model, pad_id: int) -> float:
+    """Largest |generator log-prob - ``model``'s| over the rollout's tokens (fp32 both)."""
+    batch = pack(rollout.prompt_ids, rollout.response_ids, pad_id)
+    with torch.no_grad():
+        logprobs, _ = policy_forward(model, batch, SAMPLING.temperature)
+    return max((logprobs[i, : len(lp)] - torch.tensor(lp)).abs().max().item() for i, lp in enumerate(rollout.logprobs))
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_it(backend, embedded_dir, adapted,
+                                                                                    tokenizer):
+    """The adapter payload loads into a real engine, which then samples from base + adapter: its
+    log-probs are the peft model's within fp32 evaluation error (1e-4 nats, as the merged sync's
+    tests bound two fp32 evaluations of one network) and far from the base's; its fingerprints
+    match what was sent, B with the scaling vLLM folds into it. A second version replaces the
+    first."""
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend=backend, vllm=VLLMSettings(lora_rank=RANK))
+    try:
+        payload, sent = _payload(adapted, version=1)
+        assert engine.load_weights(payload) == 1
+        assert check_weights(sent, engine.weight_fingerprints(), 0, 1) == len(sent)
+        rollout = engine.generate(_prompts(tokenizer), seed=3)
+        assert _mismatch(rollout, adapted, tokenizer.pad_token_id) < 1e-4
+        with adapted.disable_adapter():
+            assert _mismatch(rollout, adapted, tokenizer.pad_token_id) > 1e-2  # the adapter is what was served
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if "lora_A" in name:
+                    p.mul_(-1)
+        try:
+            second, sent2 = _payload(adapted, version=2)
+            engine.load_weights(second)
+            assert check_weights(sent2, engine.weight_fingerprints(), 0, 2) == len(sent2)
+            with pytest.raises(WeightSyncError):  # the first version's prints no longer match
+                check_weights(sent, engine.weight_fingerprints(), 0, 1)
+            assert _mismatch(engine.generate(_prompts(tokenizer), seed=3), adapted, tokenizer.pad_token_id) < 1e-4
+        finally:
+            with torch.no_grad():
+                for name, p in adapted.named_parameters():
+                    if "lora_A" in name:
+                        p.mul_(-1)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("fault", ["skip_all", "drop_adapter"])
+def test_a_generator_that_keeps_its_old_adapter_or_serves_none_fails_the_weight_check(fault, embedded_dir, adapted):
+    """veRL #7495's failure, on purpose: the generator says it took version 2 but keeps serving
+    version 1's adapter (``skip_all``), or took it and serves requests with none
+    (``drop_adapter``). The fingerprints of what its requests are served with do not match."""
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm", vllm=VLLMSettings(lora_rank=RANK))
+    try:
+        first, _ = _payload(adapted, version=1)
+        engine.load_weights(first)
+        engine.sync_fault = SyncFault(fault)
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01)
+        try:
+            second, sent = _payload(adapted, version=2)
+        finally:
+            with torch.no_grad():
+                for name, p in adapted.named_parameters():
+                    if "lora_B" in name:
+                        p.sub_(0.01)
+        assert engine.load_weights(second) == 2  # it reports the new version ...
+        with pytest.raises(WeightSyncError, match=r"weight sync to policy version 2 .*generator 3"):
+            check_weights(sent, engine.weight_fingerprints(), 3, 2)  # ... and the check sees it does not serve it
+    finally:
+        engine.close()
+
+
+def test_the_base_with_its_adapter_off_is_the_reference(embedded_dir, adapted, tokenizer):
+    """A LoRA policy's log pi_ref comes from its own forward with the adapter switched off: the
+    same log-probs a separate reference engine on the base checkpoint gives (fp32, the same
+    network evaluated twice: 1e-5 nats), and not the adapted policy's."""
+    from rayppo.actors.reference import ReferenceEngine
+    from rayppo.learner.collective import LocalCollective
+    from rayppo.learner.rollout_tensors import RolloutTensors, padded
+    from rayppo.learner.step import LearnerModels, LearnSettings, base_logprobs
+
+    cfg = load_config(None, ["learner.lora_rank=4", "ppo.kl_coef=0.1", f"rollout.temperature={SAMPLING.temperature}"])
+    settings = LearnSettings.of(cfg)
+    assert settings.reference_from_base
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="hf")
+    rollout = engine.generate(_prompts(tokenizer), seed=5)
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    models = LearnerModels(adapted, None, None, LocalCollective(), "cpu", tokenizer.pad_token_id)  # type: ignore[arg-type]
+    base = base_logprobs(models, tensors, settings) * tensors.batch.mask
+    reference = ReferenceEngine(str(embedded_dir), temperature=SAMPLING.temperature).ref_logprobs(rollout)
+    assert (base - padded(reference)).abs().max() < 1e-5
+    with torch.no_grad():
+        adapted_logprobs, _ = policy_forward(adapted, tensors.batch, SAMPLING.temperature)
+    assert ((adapted_logprobs - base) * tensors.batch.mask).abs().max() > 1e-2  # the adapter was off
