@@ -29,6 +29,7 @@ TensorParallelLayout = Literal["one_node", "across_nodes"]
 Packing = Literal["auto", "packed", "right_padded", "padded"]
 WeightSync = Literal["auto", "broadcast", "object_store", "ipc"]
 LoraSync = Literal["auto", "adapter", "merged"]
+LoraExport = Literal["both", "adapter", "merged"]
 ZeroStage = Literal[0, 1, 2, 3]
 TrainerKind = Literal["distributed", "reference"]
 

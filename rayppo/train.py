@@ -108,7 +108,7 @@ class TrainResult:
 
     def outputs(self) -> list[str]:
         """What the run folder holds of what a run writes (no critic/ without a critic)."""
-        names = ("metrics.jsonl", "plot.png", "tb/", "policy/", "critic/", "logs/")
+        names = ("metrics.jsonl", "plot.png", "tb/", "policy/", "policy-adapter/", "critic/", "logs/")
         return [name for name in names if (self.out_dir / name.rstrip("/")).exists()]
 
 

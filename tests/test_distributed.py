@@ -144,20 +144,38 @@ def test_lora_policy_syncs_merged_weights(embedded_dir, tokenizer):
     assert records[-1]["sync/bytes"] == _policy_bytes(embedded_dir)  # full merged weights, no adapter names
 
 
-def test_lora_adapter_sync_moves_only_the_adapter_and_the_base_is_the_reference(embedded_dir, tokenizer):
+def test_lora_adapter_sync_moves_only_the_adapter_and_the_base_is_the_reference(embedded_dir, tokenizer, tmp_path):
     """learner.lora_sync=auto on vLLM generators: each sync moves the adapter's A and B alone
     (their bytes, no base tensor), the generators serve it (fingerprints every sync, log-probs
     within the fp32 bound of the merged sync's test), and no reference actor runs: log pi_ref
-    is the learner's base, so the KL to it grows from 0 as the adapter trains."""
+    is the learner's base, so the KL to it grows from 0 as the adapter trains. The export: a
+    peft folder that loads on the base and scores as the generator sampled, and the merged model
+    (merging rounds W + s B A once: within the guard's fp32 limit, checks.max_logprob_mismatch)."""
+    from peft import PeftModel
+
     from rayppo.models.shape import lora_params, read_shape
 
-    records, trainer = run_iterations(["learner.lora_rank=4", "learner.lora_alpha=32", "learner.num_ranks=1",
-                                       "rollout.batch_size=32", "ppo.lr=0.01", "ppo.kl_coef=0.05"], 3)
-    assert len(trainer.reference) == 0
+    trainer = DistributedTrainer(load_config(None, ["learner.lora_rank=4", "learner.lora_alpha=32", "learner.num_ranks=1",
+                                                    "rollout.batch_size=32", "ppo.lr=0.01", "ppo.kl_coef=0.05"]))
+    try:
+        records = [trainer.iteration() for _ in range(3)]
+        rollout = trainer.generate(trainer.prompts.next_batch(), seed=99)  # served by the adapter of version 3
+        trainer.save(tmp_path)
+        assert len(trainer.reference) == 0
+    finally:
+        trainer.close()
     assert [r["sync/verified"] for r in records] == [1.0] * 3
     assert [r["sync/bytes"] for r in records] == [lora_params(read_shape(embedded_dir), 4) * 4] * 3  # fp32 A and B
     assert max(r["logprob_mismatch/max"] for r in records) < 1e-4
     assert records[0]["kl/ref_mean"] < 1e-5 < 1e-4 < records[2]["kl/ref_mean"]  # pi = base until the adapter trains
+    batch = pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id)
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(embedded_dir), tmp_path / "policy-adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    with torch.no_grad():
+        from_adapter, _ = policy_forward(adapter.eval(), batch)
+        from_merged, _ = policy_forward(merged.eval(), batch)
+    assert ((from_adapter - padded(rollout.logprobs)) * batch.mask).abs().max() < 1e-4
+    assert ((from_merged - padded(rollout.logprobs)) * batch.mask).abs().max() < 1e-3
 
 
 def test_a_generator_that_keeps_its_previous_adapter_stops_the_run_at_that_sync():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rayppo.choices import (
     GeneratorBackend,
+    LoraExport,
     LoraSync,
     Packing,
     SyncFault,
@@ -139,6 +140,11 @@ class OutputConfig:
     """Also write TensorBoard event files to ``DIR/tb``."""
     save_model: bool = True
     """Save the final policy (Hugging Face format) and critic to ``DIR/policy``, ``DIR/critic``."""
+    lora_export: LoraExport = "both"
+    """A LoRA policy's export (with ``save_model``): ``merged`` (``DIR/policy``, W + s B A, loads
+    with ``from_pretrained`` alone), ``adapter`` (``DIR/policy-adapter``, a peft folder that
+    ``PeftModel.from_pretrained(base, DIR/policy-adapter)`` loads on the base model; a few MB) or
+    ``both``."""
     checkpoint_every: int = 20
     """Write a checkpoint every N iterations to ``DIR/checkpoints/iter_NNNNNN`` (0: only on Ctrl-C
     and correctness-guard stops). A checkpoint holds everything the next iteration depends on:

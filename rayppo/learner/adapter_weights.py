@@ -20,6 +20,7 @@ Only ``torch`` is imported; the LoRA layers are recognised by their attributes (
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +93,24 @@ def wrap_lora(model: torch.nn.Module, config: dict[str, Any]) -> torch.nn.Module
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(config))
+
+
+ADAPTER_FOLDER = "policy-adapter"
+"""The exported adapter's folder in the run's output (``output.lora_export``)."""
+
+
+def save_adapter(named: dict[str, torch.Tensor], config: dict[str, Any], base: str, out: Path) -> None:
+    """A peft adapter folder that ``PeftModel.from_pretrained(base model, out)`` loads:
+    ``adapter_model.safetensors`` (the checkpoint names ``adapter_tensors`` gives) and
+    ``adapter_config.json`` written by peft's own ``LoraConfig.save_pretrained``; ``base``, the
+    base model's name as the run's config gave it, is recorded as peft records it."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in named.items()}, str(out / "adapter_model.safetensors"))
+    peft_config = lora_config(config)
+    peft_config.base_model_name_or_path = base
+    peft_config.save_pretrained(str(out))
 
 
 def unsupported(config: dict[str, Any], model_names: list[str]) -> str | None:

@@ -24,9 +24,11 @@ from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.learner.adapter_weights import (
+    ADAPTER_FOLDER,
     adapter_config,
     adapter_tensors,
     engine_form,
+    save_adapter,
     scaling,
     unsupported,
     wrap_lora,
@@ -368,17 +370,28 @@ class LearnerEngine(Engine):
         safetensors shards (``models/export.py``: no second copy of the model on rank 0), the critic
         its ``save_pretrained``. Rank 0 writes; every rank joins the gathers."""
         out = Path(out_dir)
-        stream = self._full_policy()
-        if self.rank == 0:
-            base = resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir)
-            write_policy(stream, base, self.tokenizer, out / "policy")
-        else:
-            _drain(stream)
+        export = self.cfg.output.lora_export if self.cfg.learner.lora_rank else "merged"
+        if export in ("merged", "both"):
+            stream = self._full_policy()
+            if self.rank == 0:
+                base = resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir)
+                write_policy(stream, base, self.tokenizer, out / "policy")
+            else:
+                _drain(stream)
+        if export in ("adapter", "both"):
+            self._save_adapter(out / ADAPTER_FOLDER)
         if self.critic is None:
             return
         with self._gathered(self.critic.module):
             if self.rank == 0:
                 self.critic.module.save_pretrained(out / "critic")
+
+    def _save_adapter(self, out: Path) -> None:
+        """The LoRA adapter as a peft folder (rank 0 writes; every rank joins ZeRO-3's gathers)."""
+        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
+        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, gather)}
+        if self.rank == 0:
+            save_adapter(named, adapter_config(self.policy.module), self.cfg.model.policy, out)
 
     def _gathered(self, module: torch.nn.Module):
         """Full parameters inside the block: ZeRO-3 gathers its partitions (a collective)."""
