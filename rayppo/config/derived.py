@@ -163,6 +163,14 @@ def lora_sync(cfg: Config) -> tuple[str, str]:
     return "adapter", f"only the LoRA adapter travels (r={lr.lora_rank}); the generators load the base once"
 
 
+def policy_exports(cfg: Config) -> set[str]:
+    """What the final export writes of the policy: ``merged`` (``DIR/policy``) and, for a LoRA
+    policy, ``adapter`` (``DIR/policy-adapter``), as ``output.lora_export`` picks."""
+    if cfg.learner.lora_rank == 0:
+        return {"merged"}
+    return {"merged", "adapter"} if cfg.output.lora_export == "both" else {cfg.output.lora_export}
+
+
 def adapter_blockers(cfg: Config) -> list[str]:
     """What keeps this job from adapter sync, in words (empty: nothing)."""
     g = cfg.generators

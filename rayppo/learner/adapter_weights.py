@@ -88,6 +88,12 @@ def lora_config(config: dict[str, Any]) -> Any:
                       modules_to_save=config.get("modules_to_save"), lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
+def policy_lora(rank: int, alpha: float) -> dict[str, Any]:
+    """The adapter rayppo puts on a policy (``learner.lora_rank``, ``learner.lora_alpha``): every
+    linear layer of the decoder (peft's ``all-linear``: not the LM head)."""
+    return {"r": rank, "lora_alpha": alpha, "target_modules": "all-linear"}
+
+
 def wrap_lora(model: torch.nn.Module, config: dict[str, Any]) -> torch.nn.Module:
     """``model`` with LoRA layers of ``config`` (peft's ``get_peft_model``)."""
     from peft import get_peft_model

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayppo.config.derived import has_critic, lora_sync, role_gpus
+from rayppo.config.derived import has_critic, lora_sync, policy_exports, role_gpus
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
@@ -28,6 +28,7 @@ from rayppo.learner.adapter_weights import (
     adapter_config,
     adapter_tensors,
     engine_form,
+    policy_lora,
     save_adapter,
     scaling,
     unsupported,
@@ -108,11 +109,6 @@ def deepspeed_config(cfg: Config, world_size: int, shape: ModelShape) -> dict[st
     }
 
 
-def _apply_lora(policy: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    return wrap_lora(policy, {"r": cfg.learner.lora_rank, "lora_alpha": cfg.learner.lora_alpha,
-                              "target_modules": "all-linear"})
-
-
 @contextmanager
 def partitioned_loading(ds_config: dict[str, Any]) -> Iterator[None]:
     """Under ZeRO-3, models built inside are loaded partitioned: each rank materialises only its
@@ -150,7 +146,7 @@ def load_models(cfg: Config, policy_path: Path, critic_path: Path | None,
     for model in (policy, critic) if critic is not None else (policy,):
         prepare_for_training(model, cfg.learner.gradient_checkpointing)
     if cfg.learner.lora_rank > 0:
-        policy = _apply_lora(policy, cfg)
+        policy = wrap_lora(policy, policy_lora(cfg.learner.lora_rank, cfg.learner.lora_alpha))
     return policy, critic
 
 
@@ -370,15 +366,15 @@ class LearnerEngine(Engine):
         safetensors shards (``models/export.py``: no second copy of the model on rank 0), the critic
         its ``save_pretrained``. Rank 0 writes; every rank joins the gathers."""
         out = Path(out_dir)
-        export = self.cfg.output.lora_export if self.cfg.learner.lora_rank else "merged"
-        if export in ("merged", "both"):
+        exports = policy_exports(self.cfg)
+        if "merged" in exports:
             stream = self._full_policy()
             if self.rank == 0:
                 base = resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir)
                 write_policy(stream, base, self.tokenizer, out / "policy")
             else:
                 _drain(stream)
-        if export in ("adapter", "both"):
+        if "adapter" in exports:
             self._save_adapter(out / ADAPTER_FOLDER)
         if self.critic is None:
             return

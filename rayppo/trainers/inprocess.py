@@ -32,12 +32,20 @@ from rayppo.actors.hf_backend import HFBackend
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.actors.settings import episode_settings, reference_args, reward_args, sampling_settings
-from rayppo.config.derived import has_critic, has_reward, uses_reference
+from rayppo.config.derived import has_critic, has_reward, policy_exports, reference_in_learner, uses_reference
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import eval_seed, rollout_seed
 from rayppo.errors import LearnerFailedError
+from rayppo.learner.adapter_weights import (
+    ADAPTER_FOLDER,
+    adapter_config,
+    adapter_tensors,
+    policy_lora,
+    save_adapter,
+    wrap_lora,
+)
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import Experience
 from rayppo.learner.full_weights import full_tensors
@@ -161,7 +169,7 @@ class InProcessTrainer(LoopTrainer):
         self.policy = backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
         self.reference = (ReferenceEngine(**reference_args(cfg, gpus, model_path=ref_path))
-                          if uses_reference(cfg.ppo) else None)
+                          if uses_reference(cfg.ppo) and not reference_in_learner(cfg) else None)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         self.reward = (RewardEngine(**reward_args(cfg, gpus, model=reward_model))
                        if has_reward(cfg) else None)  # an environment's turn rewards alone
@@ -169,6 +177,8 @@ class InProcessTrainer(LoopTrainer):
                                               cfg.seed).to(self.device) if has_critic(cfg.ppo) else None)
         for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
             prepare_for_training(model, cfg.learner.gradient_checkpointing)
+        if cfg.learner.lora_rank:  # the learner ranks' adapter; the generator samples from it unmerged
+            backend.model = self.policy = wrap_lora(self.policy, policy_lora(cfg.learner.lora_rank, cfg.learner.lora_alpha))
         super().__init__(cfg, *load_prompts(cfg, self.tokenizer,
                                             self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens))
         self.clock = StageClock()
@@ -179,7 +189,7 @@ class InProcessTrainer(LoopTrainer):
             shape = self.stage_counter.policy
             self.stage_counter.rate = peak_rate(m.dtype, torch.get_num_threads(), shape.hidden, shape.intermediate,
                                                 probe_tokens(cfg), self.device)
-        self.policy_opt = adamw(list(self.policy.parameters()), cfg.ppo.lr, cfg.ppo.weight_decay)
+        self.policy_opt = adamw([p for p in self.policy.parameters() if p.requires_grad], cfg.ppo.lr, cfg.ppo.weight_decay)
         self.critic_opt = (adamw(list(self.critic.parameters()), cfg.ppo.critic_lr, cfg.ppo.weight_decay)
                            if self.critic is not None else None)
         steps = Steps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None, self._step)
@@ -230,9 +240,13 @@ class InProcessTrainer(LoopTrainer):
     def save(self, out_dir: str | Path) -> None:
         """The final policy (Hugging Face format, with tokenizer) and critic (when there is one)."""
         out_dir = Path(out_dir)
-        stream = checkpoint_tensors(self.policy, full_tensors(self.policy))  # the learner's export (models/export.py)
-        write_policy(stream, resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), self.tokenizer,
-                     out_dir / "policy")
+        if "merged" in policy_exports(self.cfg):
+            stream = checkpoint_tensors(self.policy, full_tensors(self.policy))  # the learner's export (models/export.py)
+            write_policy(stream, resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir), self.tokenizer,
+                         out_dir / "policy")
+        if "adapter" in policy_exports(self.cfg):
+            save_adapter(dict(adapter_tensors(self.policy)), adapter_config(self.policy), self.cfg.model.policy,
+                         out_dir / ADAPTER_FOLDER)
         if self.critic is not None:
             self.critic.save_pretrained(out_dir / "critic")
 
