@@ -284,7 +284,7 @@ def test_a_lora_run_on_two_ranks_equals_the_in_process_trainer():
     computes it) and the base as the reference (no reference actor, no reference engine): two
     iterations on 2 ZeRO-2 ranks in micro-batches sample the same second rollout from the synced
     adapter and give the in-process trainer's losses, KL to the base and clip fractions (the
-    bounds of the test above)."""
+    bounds of the test above). Both draw the adapter's A from the run's seed."""
     lora = ["learner.lora_rank=4", "learner.lora_alpha=32", "ppo.lr=0.01"]
     reference = InProcessTrainer(load_config(None, _equivalence_overrides(1, 0) + lora
                                              + ["trainer=reference", "learner.micro_batch_tokens=0"]))

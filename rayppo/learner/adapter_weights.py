@@ -94,11 +94,16 @@ def policy_lora(rank: int, alpha: float) -> dict[str, Any]:
     return {"r": rank, "lora_alpha": alpha, "target_modules": "all-linear"}
 
 
-def wrap_lora(model: torch.nn.Module, config: dict[str, Any]) -> torch.nn.Module:
-    """``model`` with LoRA layers of ``config`` (peft's ``get_peft_model``)."""
+def wrap_lora(model: torch.nn.Module, config: dict[str, Any], seed: int = 0) -> torch.nn.Module:
+    """``model`` with LoRA layers of ``config`` (peft's ``get_peft_model``). peft draws A at
+    random (Kaiming-uniform; B is 0): from ``seed`` here, whatever the process drew before, so
+    every trainer starts from the same adapter (the in-process one and the learner ranks load
+    different things before it)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(config))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, lora_config(config))
 
 
 ADAPTER_FOLDER = "policy-adapter"

@@ -146,7 +146,7 @@ def load_models(cfg: Config, policy_path: Path, critic_path: Path | None,
     for model in (policy, critic) if critic is not None else (policy,):
         prepare_for_training(model, cfg.learner.gradient_checkpointing)
     if cfg.learner.lora_rank > 0:
-        policy = wrap_lora(policy, policy_lora(cfg.learner.lora_rank, cfg.learner.lora_alpha))
+        policy = wrap_lora(policy, policy_lora(cfg.learner.lora_rank, cfg.learner.lora_alpha), cfg.seed)
     return policy, critic
 
 

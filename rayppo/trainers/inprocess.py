@@ -178,7 +178,8 @@ class InProcessTrainer(LoopTrainer):
         for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
             prepare_for_training(model, cfg.learner.gradient_checkpointing)
         if cfg.learner.lora_rank:  # the learner ranks' adapter; the generator samples from it unmerged
-            backend.model = self.policy = wrap_lora(self.policy, policy_lora(cfg.learner.lora_rank, cfg.learner.lora_alpha))
+            backend.model = self.policy = wrap_lora(self.policy, policy_lora(cfg.learner.lora_rank, cfg.learner.lora_alpha),
+                                                    cfg.seed)
         super().__init__(cfg, *load_prompts(cfg, self.tokenizer,
                                             self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens))
         self.clock = StageClock()
