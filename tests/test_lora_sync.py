@@ -48,6 +48,11 @@ def test_lora_sync_picks_adapter_where_it_works_and_says_why_it_falls_back():
     merged, why = mode("generators.gpus_per_worker=2", "generators.tensor_parallel_size=2",
                        "learner.gpus_per_rank=1")
     assert merged == "merged" and "tensor-parallel generators" in why
+    merged, why = mode("learner.lora_rank=1024")
+    assert merged == "merged" and "rank 1024 (vLLM 0.32 serves ranks up to 512)" in why
+    assert mode("learner.lora_rank=1024", "generators.backend=hf")[0] == "adapter"  # peft serves any rank
+    with pytest.raises(ConfigError, match=r"checks.sync_fault: drop_adapter needs LoRA adapter sync"):
+        mode("learner.lora_sync=merged", "checks.sync_fault=drop_adapter")
     with pytest.raises(ConfigError, match=r"learner.lora_sync: adapter sync cannot serve learner.weight_sync=broadcast"):
         mode("learner.lora_sync=adapter", "learner.weight_sync=broadcast")
     assert lora_sync(load_config(None, [])) == ("none", "")
@@ -195,3 +200,51 @@ def test_the_base_with_its_adapter_off_is_the_reference(embedded_dir, adapted, t
     with torch.no_grad():
         adapted_logprobs, _ = policy_forward(adapted, tensors.batch, SAMPLING.temperature)
     assert ((adapted_logprobs - base) * tensors.batch.mask).abs().max() > 1e-2  # the adapter was off
+
+
+def test_cpu_lora_products_per_adapter_equal_vllms_per_token_products():
+    """rayppo's grouped CPU LoRA products (``actors/cpu_lora.py``) against vLLM 0.32's own torch
+    ops, loaded fresh from its file: shrink, expand and expand-slice over tokens of three slots,
+    a negative slot among them, to within fp32 summation order (n u sum |x_i w_i| per output,
+    Higham eq. 3.5: the two sum the same products in another order)."""
+    import importlib.util
+
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from rayppo.actors import cpu_lora
+
+    spec = importlib.util.spec_from_file_location("vllm_lora_ops_unpatched", lora_ops.__file__)
+    vllm_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_ops)
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden, rank, out, slots = 37, 48, 8, 40, 3
+    indices = torch.tensor([i % slots for i in range(tokens)]) - (torch.arange(tokens) % 5 == 0).long()  # -1 too
+    x = torch.randn(tokens, hidden, generator=g)
+    a = torch.randn(slots, 1, rank, hidden, generator=g)
+    b = torch.randn(slots, 1, out, rank, generator=g)
+    u = torch.finfo(torch.float32).eps / 2
+
+    def bound(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return inputs.shape[1] * u * torch.einsum("bi,boi->bo", inputs.abs(), weights.squeeze(1)[indices].abs())
+
+    shrunk = {}
+    for name, ops in (("vllm", vllm_ops), ("rayppo", cpu_lora)):
+        y = torch.zeros(tokens, rank)
+        ops.bgmv_shrink(x, a, y, indices, 0.5)
+        shrunk[name] = y
+    assert ((shrunk["vllm"] - shrunk["rayppo"]).abs() <= 0.5 * bound(x, a)).all()
+    h = shrunk["vllm"]
+    for add in (False, True):
+        expanded, sliced = {}, {}
+        for name, ops in (("vllm", vllm_ops), ("rayppo", cpu_lora)):
+            y = torch.ones(tokens, out + 8)
+            ops.bgmv_expand(h, b, y, indices, add)
+            expanded[name] = y
+            z = torch.ones(tokens, out + 8)
+            ops.bgmv_expand_slice(h, b, z, indices, 4, out, add)
+            sliced[name] = z
+        assert ((expanded["vllm"] - expanded["rayppo"])[:, :out].abs() <= bound(h, b)).all()
+        assert torch.equal(expanded["vllm"][:, out:], expanded["rayppo"][:, out:])  # untouched columns
+        assert ((sliced["vllm"] - sliced["rayppo"])[:, 4:4 + out].abs() <= bound(h, b)).all()
+    cpu_lora.patch()
+    assert lora_ops.bgmv_expand is cpu_lora.bgmv_expand

@@ -73,9 +73,11 @@ class VLLMBackend:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
         from vllm import LLM
 
-        from rayppo.actors import cpu_moe
+        from rayppo.actors import cpu_lora, cpu_moe
 
         cpu_moe.patch()  # before the model loads: its MoE layers take weight updates on CPU too
+        if settings.lora_rank:
+            cpu_lora.patch()  # LoRA products per adapter, not per token, on CPU
         extra = {}
         if settings.ipc_sync:
             extra["weight_transfer_config"] = {"backend": "ipc"}
