@@ -77,6 +77,6 @@ def patch() -> None:
     except ImportError:
         return
     for module in (lora_ops, punica_cpu):
-        module.bgmv_shrink = bgmv_shrink  # type: ignore[attr-defined]
-        module.bgmv_expand = bgmv_expand  # type: ignore[attr-defined]
-        module.bgmv_expand_slice = bgmv_expand_slice  # type: ignore[attr-defined]
+        module.bgmv_shrink = bgmv_shrink
+        module.bgmv_expand = bgmv_expand
+        module.bgmv_expand_slice = bgmv_expand_slice

@@ -94,7 +94,7 @@ class HFBackend:
         """Serve the LoRA adapter of ``version``: the model wrapped by peft once, as the learner's
         policy is (``learner/engine.py``), then each sync's A and B copied into it; its forward is
         the learner's, W x + s B (A x), not a merged W'."""
-        if self.adapter is None:
+        if not self.adapter_config:  # the first adapter: wrap once (a fault may set ``adapter`` back to None)
             self.model = wrap_lora(self.model, config)
         own = {peft_param_name(name): t for name, t in tensors.items()}
         unexpected = self.model.load_state_dict(own, strict=False).unexpected_keys

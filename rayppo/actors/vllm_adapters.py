@@ -77,10 +77,11 @@ def worker_adapter_prints(worker: Any, version: int) -> dict[str, tuple[float, f
         return {}
     named: dict[str, torch.Tensor] = {}
     for module, weights in lora.loras.items():
+        parts: list[tuple[str, Any, Any]]
         if isinstance(weights.lora_a, list):  # PackedLoRALayerWeights: one entry per packed module
-            parts = zip(manager.packed_modules[module], weights.lora_a, weights.lora_b)
+            parts = list(zip(manager.packed_modules[module], weights.lora_a, weights.lora_b))
         else:
-            parts = iter([(module, weights.lora_a, weights.lora_b)])
+            parts = [(module, weights.lora_a, weights.lora_b)]
         for name, a, b in parts:
             if a is not None:
                 named[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a

@@ -78,7 +78,7 @@ class VLLMBackend:
         cpu_moe.patch()  # before the model loads: its MoE layers take weight updates on CPU too
         if settings.lora_rank:
             cpu_lora.patch()  # LoRA products per adapter, not per token, on CPU
-        extra = {}
+        extra: dict[str, Any] = {}
         if settings.ipc_sync:
             extra["weight_transfer_config"] = {"backend": "ipc"}
         if settings.lora_rank:
