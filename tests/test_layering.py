@@ -34,11 +34,13 @@ LAYERS: list[tuple[str, ...]] = [
 
 THIRD_PARTY = {
     "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.engine"),
-    "vllm": ("rayppo.actors.generator", "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe"),
+    "vllm": ("rayppo.actors.generator", "rayppo.actors.vllm_backend", "rayppo.actors.vllm_adapters",
+             "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe", "rayppo.actors.cpu_lora"),
     "deepspeed": ("rayppo.learner.engine", "rayppo.learner.checkpoint"),
 }
 """Who may import them: Ray where actors are spawned or called, in the engine base (an actor asks
-Ray for its own GPUs and node); vLLM in the generator engine, its weight-transfer plugin and its CPU MoE patch, DeepSpeed in
+Ray for its own GPUs and node); vLLM in the generator engine (its vLLM backend and adapter serving), its
+weight-transfer plugin and its CPU MoE and LoRA patches, DeepSpeed in
 the learner engine and its checkpoints (DeepSpeed's universal-checkpoint converter)."""
 
 
