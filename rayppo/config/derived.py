@@ -149,9 +149,9 @@ def weight_sync_backend(cfg: Config) -> str | None:
 def lora_sync(cfg: Config) -> tuple[str, str]:
     """``(mode, why)`` of a LoRA policy's sync (``learner.lora_sync``): ``adapter`` or ``merged``,
     and the reason in words; ``("none", "")`` without LoRA. ``adapter`` needs what rayppo's
-    adapter serving has: vLLM generators (``actors/vllm_adapters.py``), adapters through the object
-    store, one vLLM worker per generator (its adapter fingerprinted whole), a rank vLLM 0.32 serves
-    (at most 512). ``learner.lora_sync=adapter`` where one of them is missing is refused at load."""
+    adapter serving has (``adapter_blockers``): adapters through the object store, one vLLM worker
+    per generator (its adapter fingerprinted whole), a rank vLLM 0.32 serves (at most 512; any on
+    the hf backend, peft). ``learner.lora_sync=adapter`` where one is missing is refused at load."""
     lr = cfg.learner
     if lr.lora_rank == 0:
         return "none", ""
@@ -236,7 +236,13 @@ def reward_actors(cfg: Config) -> int:
 def reference_actors(cfg: Config) -> int:
     """Reference actors the run starts: ``reference.num``, or none when beta = 0 or when the
     learner computes log pi_ref itself (``reference_in_learner``)."""
-    return cfg.reference.num if uses_reference(cfg.ppo) and not reference_in_learner(cfg) else 0
+    return cfg.reference.num if reference_model(cfg) else 0
+
+
+def reference_model(cfg: Config) -> bool:
+    """Whether a model of its own scores log pi_ref (a reference actor, or the in-process
+    trainer's reference engine): when beta > 0 and the learner does not (``reference_in_learner``)."""
+    return uses_reference(cfg.ppo) and not reference_in_learner(cfg)
 
 
 def reference_in_learner(cfg: Config) -> bool:

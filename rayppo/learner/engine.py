@@ -271,18 +271,23 @@ class LearnerEngine(Engine):
         named = {name: tensor.to("cpu", copy=True) for name, tensor in self._fingerprinted(stream)}
         return pack_weights(named, self.version)
 
+    def _host_adapter(self) -> dict[str, torch.Tensor] | None:
+        """Host copies of the adapter's A and B under peft's names (rank 0; None elsewhere).
+        Collective under ZeRO-3: every rank joins the gathers."""
+        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
+        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, gather)}
+        return named if self.rank == 0 else None
+
     def _adapter_weights(self) -> WeightsPayload | None:
         """The adapter's A and B for the object store (rank 0), fingerprinted as the engine holds
         them (B with the scaling folded in, ``engine_form``)."""
-        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
-        stream = adapter_tensors(self.policy.module, gather)
-        if self.rank != 0:
-            _drain(stream)
+        named = self._host_adapter()
+        if named is None:
             return None
         config = adapter_config(self.policy.module)
-        named = {name: tensor.to("cpu", copy=True) for name, tensor in stream}
         if (why := unsupported(config, list(named))) is not None:
-            raise ValueError(f"learner.lora_sync: vLLM cannot serve this adapter: {why} (learner.lora_sync=merged)")
+            raise ValueError(f"learner.lora_sync: the generators cannot serve this adapter: {why} "
+                             "(learner.lora_sync=merged)")
         s = scaling(config)
         self.sent = {name: sent_print(engine_form(name, tensor, s)) for name, tensor in named.items()}
         return pack_weights(named, self.version, adapter=config)
@@ -384,9 +389,8 @@ class LearnerEngine(Engine):
 
     def _save_adapter(self, out: Path) -> None:
         """The LoRA adapter as a peft folder (rank 0 writes; every rank joins ZeRO-3's gathers)."""
-        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
-        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, gather)}
-        if self.rank == 0:
+        named = self._host_adapter()
+        if named is not None:
             save_adapter(named, adapter_config(self.policy.module), self.cfg.model.policy, out)
 
     def _gathered(self, module: torch.nn.Module):

@@ -32,7 +32,7 @@ from rayppo.actors.hf_backend import HFBackend
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.actors.settings import episode_settings, reference_args, reward_args, sampling_settings
-from rayppo.config.derived import has_critic, has_reward, policy_exports, reference_in_learner, uses_reference
+from rayppo.config.derived import has_critic, has_reward, policy_exports, reference_model
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptSampler
 from rayppo.data.rollout import Rollout
@@ -169,7 +169,7 @@ class InProcessTrainer(LoopTrainer):
         self.policy = backend.model  # pi_theta: sampled from and trained in place
         ref_path = str(resolve_model_path(m.reference or m.policy, m.cache_dir))
         self.reference = (ReferenceEngine(**reference_args(cfg, gpus, model_path=ref_path))
-                          if uses_reference(cfg.ppo) and not reference_in_learner(cfg) else None)
+                          if reference_model(cfg) else None)
         reward_model = str(resolve_model_path(cfg.reward.model, m.cache_dir)) if cfg.reward.model else None
         self.reward = (RewardEngine(**reward_args(cfg, gpus, model=reward_model))
                        if has_reward(cfg) else None)  # an environment's turn rewards alone
