@@ -36,12 +36,12 @@ THIRD_PARTY = {
     "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.engine"),
     "vllm": ("rayppo.actors.generator", "rayppo.actors.vllm_backend", "rayppo.actors.vllm_adapters",
              "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe", "rayppo.actors.cpu_lora"),
-    "deepspeed": ("rayppo.learner.engine", "rayppo.learner.checkpoint"),
+    "deepspeed": ("rayppo.learner.engine", "rayppo.learner.reward_model_engine", "rayppo.learner.checkpoint"),
 }
 """Who may import them: Ray where actors are spawned or called, in the engine base (an actor asks
 Ray for its own GPUs and node); vLLM in the generator engine (its vLLM backend and adapter serving), its
 weight-transfer plugin and its CPU MoE and LoRA patches, DeepSpeed in
-the learner engine and its checkpoints (DeepSpeed's universal-checkpoint converter)."""
+the learner engines (PPO's and the reward model's) and their checkpoints (DeepSpeed's universal-checkpoint converter)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -172,8 +172,9 @@ def test_the_rollout_record_needs_no_torch():
 
 def test_the_root_holds_entry_points_and_the_ground_floor_only():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "choices.py", "cli.py", "console.py", "engine.py", "errors.py", "token_math.py",
+    assert loose == ["__init__.py", "choices.py", "console.py", "engine.py", "errors.py", "token_math.py",
                      "train.py"], loose
+    assert (PACKAGE / "cli" / "__init__.py").is_file()  # the commands: a package of their own
     assert all((PACKAGE / d / "__init__.py").read_text().strip() == "" for d in
                ("actors", "cluster", "config", "data", "learner", "models", "plan", "run", "tasks", "trainers"))
 

@@ -137,7 +137,7 @@ def test_submitted_working_dir_ships_the_project_but_not_what_stays_behind(tmp_p
     cfg = load_config(None, ["reward.function=my_reward:score", "data.prompts=data/p.jsonl", "output.dir=out"])
     staging = _staging_dir(cfg, ship_code=True, with_benchmarks=False, working_dir=project)
     shipped = {p.relative_to(staging).as_posix() for p in staging.rglob("*")}
-    assert {"my_reward.py", "data/p.jsonl", "job.yaml", "rayppo/cli.py"} <= shipped
+    assert {"my_reward.py", "data/p.jsonl", "job.yaml", "rayppo/cli/__init__.py"} <= shipped
     assert not any(p.startswith((".git", ".venv", "runs", "out")) for p in shipped), shipped
     # The job starts in that folder: the reward module imports there as it does here.
     code = ("from rayppo.actors.verifier import load_reward_function; "

@@ -15,6 +15,7 @@ import torch
 
 from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeoutError, load_reward_function
 from rayppo.data.micro_batches import scoring_batches
+from rayppo.data.reward_texts import reward_text, templated
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
@@ -154,23 +155,19 @@ class RewardEngine(Engine):
         return out
 
     def _model_texts(self, rollout: Rollout) -> tuple[list[str], bool]:
-        """``([B] texts the reward model scores, whether they carry their special tokens)``. With a
-        chat template: the prompt's conversation (a plain prompt as one user turn) and the response
-        as the assistant turn, rendered by the template, which writes its own special tokens.
-        Without one: ``prompt + " " + response``."""
-        pairs = list(zip(rollout.prompt_text, rollout.response_text))
-        if not getattr(self.tokenizer, "chat_template", None):
-            return [f"{p} {r}" for p, r in pairs], False
+        """``([B] texts the reward model scores, whether they carry their special tokens)``, by the
+        rule it was trained with (``data/reward_texts.py``)."""
+        chat = templated(self.tokenizer)  # without a template a conversation's rendered prompt text is read
+        prompts = [(conversation or prompt) if chat else prompt
+                   for conversation, prompt in zip(rollout.conversations(), rollout.prompt_text)]
         texts = []
-        for conversation, (prompt, response) in zip(rollout.conversations(), pairs):
-            turns = [*(conversation or [{"role": "user", "content": prompt}]),
-                     {"role": "assistant", "content": response}]
+        for prompt, response in zip(prompts, rollout.response_text):
             try:
-                texts.append(self.tokenizer.apply_chat_template(turns, tokenize=False))
+                texts.append(reward_text(self.tokenizer, prompt, response))
             except Exception as exc:  # noqa: BLE001 - the template is the model folder's Jinja code: any failure
                 raise RewardError(f"reward model {self.name}'s chat template failed on prompt {prompt!r}: "
                                   f"{type(exc).__name__}: {exc}") from None
-        return texts, True
+        return texts, chat
 
     @torch.no_grad()
     def _model_scores(self, rollout: Rollout) -> list[float]:

@@ -1,4 +1,5 @@
-"""The learner group: N ``LearnerEngine`` ranks as Ray actors forming one torch.distributed group.
+"""The learner group: N ``LearnerEngine`` ranks (or ``RewardModelLearner``'s, training r_φ) as Ray
+actors forming one torch.distributed group.
 
 A rank cannot be replaced mid-step (its ZeRO partitions and the collectives in flight die with
 it), so every wait on the ranks has a deadline and a dead or hung rank surfaces as one
@@ -42,9 +43,12 @@ class LearnerGroup:
     """Ranks 0..N-1; ``train`` shards a rollout across them, ``policy_weights`` gathers on rank 0."""
 
     def __init__(self, cfg: Config, placement: Placement | None, options: list[dict[str, Any]] | None = None,
-                 threads: int | None = None):
-        """``threads``: each rank's torch threads (``config.derived.role_threads``; default its CPU share)."""
+                 threads: int | None = None, engine: type[Engine] = LearnerEngine):
+        """``threads``: each rank's torch threads (``config.derived.role_threads``; default its CPU share).
+        ``engine``: the rank's class, ``LearnerEngine`` (PPO) or ``RewardModelLearner`` (r_φ), both
+        built from ``(cfg, rank, world_size, master_addr, master_port, threads)``."""
         self._spec = (cfg, placement, options)
+        self._engine = engine
         self._threads = threads or actor_threads(cfg.learner.threads, cfg.learner.cpus_per_rank)
         self.timeout_s = cfg.cluster.call_timeout_s
         self._start()
@@ -55,12 +59,12 @@ class LearnerGroup:
         threads = self._threads
         if placement is None:  # in-process, one rank (tests)
             addr, port = "127.0.0.1", _rendezvous_address()[1]
-            self.ranks = ActorGroup(LearnerEngine, [(cfg, 0, 1, addr, port, None)], local=True)
+            self.ranks = ActorGroup(self._engine, [(cfg, 0, 1, addr, port, None)], local=True)
         else:
             # Probed in rank 0's bundle before rank 0 takes it (afterwards a task would not fit).
             addr, port = get(ray.remote(_rendezvous_address).options(**placement.actor_options(0)).remote())
             args = [(cfg, rank, n, addr, port, threads) for rank in range(n)]
-            self.ranks = ActorGroup(LearnerEngine, args, options or [placement.actor_options(i) for i in range(n)])
+            self.ranks = ActorGroup(self._engine, args, options or [placement.actor_options(i) for i in range(n)])
         self.num_ranks = len(self.ranks)
         self.owned: list[list[int]] = []  # the global rows of each rank in the last ``train``
         self.rank0_host = addr

@@ -414,6 +414,22 @@ def reserve_generators(cfg: Config, count: int) -> list[tuple[PlacementGroup, in
     return [(pg, bundle) for _, pg, bundle in sorted(slots, key=lambda slot: slot[0])]
 
 
+def reserve_learner(cfg: Config) -> Placement:
+    """A placement group of the learner's ranks alone (one bundle each, packed), waited for: a
+    job that runs no other role (``rayppo reward-model``)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    spec = next(s for s in role_specs(cfg) if s.name == "learner")
+    pg = placement_group([spec.bundle] * spec.count, strategy="PACK", name="rayppo-learner")
+    ready, _ = ray.wait([pg.ready()], timeout=cfg.cluster.placement_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementError(f"the learner's {spec.count} bundles of {spec.bundle} were not placed within "
+                             f"cluster.placement_timeout_s={cfg.cluster.placement_timeout_s:g} s")
+    return Placement([pg] * spec.count, list(range(spec.count)), spec.bundle)
+
+
 def release(placements: dict[str, Placement]) -> None:
     from ray.util.placement_group import remove_placement_group
 

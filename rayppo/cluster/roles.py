@@ -85,6 +85,14 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     return roles
 
 
+def spawn_learner(cfg: Config, placement: Placement, engine: type[Engine]) -> LearnerGroup:
+    """The learner group alone, its ranks of class ``engine`` in ``placement`` (``rayppo
+    reward-model``: ``RewardModelLearner``), with the environment every learner rank gets."""
+    threads = role_threads(cfg, "learner", machine_cores(cfg.cluster.address))
+    options = [placement.actor_options(i, _actor_env(cfg, "learner", i, threads)) for i in range(cfg.learner.num_ranks)]
+    return LearnerGroup(cfg, placement, options, threads, engine=engine)
+
+
 def generator_args(cfg: Config, context: int | None, index: int) -> dict[str, Any]:
     """The constructor arguments of generator ``index``."""
     g, m = cfg.generators, cfg.model

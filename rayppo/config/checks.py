@@ -183,7 +183,24 @@ def validate(cfg: Config) -> Config:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
     _validate_outputs(cfg)
+    _validate_preference(cfg)
     return _validate_system(cfg)
+
+
+def _validate_preference(cfg: Config) -> None:
+    """The reward-model run's section (``rayppo reward-model``)."""
+    f = cfg.preference
+    _require(0 <= f.held_out < 1, "preference.held_out", "must be in [0, 1)", f.held_out)
+    _require(f.epochs >= 1, "preference.epochs", "must be >= 1", f.epochs)
+    _require(f.micro_pairs >= 1, "preference.micro_pairs", "must be >= 1", f.micro_pairs)
+    _require(f.batch_pairs >= 1, "preference.batch_pairs", "must be >= 1", f.batch_pairs)
+    _require(not f.pairs or f.batch_pairs % cfg.learner.num_ranks == 0, "preference.batch_pairs",
+             f"must be a positive multiple of learner.num_ranks={cfg.learner.num_ranks} (every rank takes the same "
+             "number of pairs per step)", f.batch_pairs)
+    _require(f.lr > 0, "preference.lr", "must be > 0", f.lr)
+    _require(f.weight_decay >= 0, "preference.weight_decay", "must be >= 0", f.weight_decay)
+    _require(f.max_tokens >= 2, "preference.max_tokens", "must be >= 2", f.max_tokens)
+    _require(f.eval_every >= 0, "preference.eval_every", "must be >= 0 (0: after each epoch)", f.eval_every)
 
 
 def _validate_outputs(cfg: Config) -> None:

@@ -28,6 +28,7 @@ from rayppo.choices import (
     TruncationSetting,
     ValueTargets,
 )
+from rayppo.config.preference import PreferenceConfig
 from rayppo.config.system import (
     SECTION,
     ChecksConfig,
@@ -310,6 +311,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     stop: StopConfig = field(default_factory=StopConfig, metadata=SECTION)
     output: OutputConfig = field(default_factory=OutputConfig, metadata=SECTION)

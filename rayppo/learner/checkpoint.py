@@ -72,13 +72,18 @@ def check_stage_change(before: int, after: int) -> None:
                           "learner.num_ranks may change within any stage")
 
 
+ENGINE_FOLDERS = ("policy", "critic", "reward_model")
+"""The engines a checkpoint may hold, by folder: PPO's policy and critic, or a reward-model run's r_φ."""
+
+
 def save_states(folder: Path, engines: dict[str, Any], version: int, rank: int, split: LearnerSplit) -> None:
     """DeepSpeed states of ``engines`` (``{"policy": engine, "critic": engine}``, no critic under
-    a critic-free estimator) under ``folder/<name>``: each rank writes its own ZeRO partitions and
-    optimizer shards (the folder must be shared by the ranks' nodes); the policy carries the
-    ``version``. Rank 0 records the ``split``."""
+    a critic-free estimator; ``{"reward_model": engine}``) under ``folder/<name>``: each rank writes
+    its own ZeRO partitions and optimizer shards (the folder must be shared by the ranks' nodes); the
+    first engine carries the ``version``. Rank 0 records the ``split``."""
+    first = next(iter(engines))
     for name, engine in engines.items():
-        client = {"version": version} if name == "policy" else {}
+        client = {"version": version} if name == first else {}
         engine.save_checkpoint(str(folder / name), tag="state", client_state=client, save_latest=False)
     if rank == 0:
         write_split(folder, split)
@@ -105,7 +110,7 @@ def resharded(folder: Path, rank: int, world_size: int) -> Path:
     converts; the others wait."""
     out = folder / "universal"
     if rank == 0 and not (out / SPLIT_FILE).is_file():
-        to_universal(folder, out, [name for name in ("policy", "critic") if (folder / name).is_dir()])
+        to_universal(folder, out, [name for name in ENGINE_FOLDERS if (folder / name).is_dir()])
     if world_size > 1:
         import torch.distributed as dist  # here: the driver reads splits without loading torch
 

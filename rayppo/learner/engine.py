@@ -109,6 +109,37 @@ def deepspeed_config(cfg: Config, world_size: int, shape: ModelShape) -> dict[st
     }
 
 
+def join_learner_group(engine: Engine, gpus: float, rank: int, world_size: int, master_addr: str, master_port: int,
+                       num_threads: int | None) -> None:
+    """Threads and device of a learner rank (``engine``), then its place in the torch.distributed
+    group of ``world_size`` ranks (gloo on CPU, nccl on GPU) that DeepSpeed's engines use."""
+    engine.set_threads(num_threads)
+    use_cuda = engine.init_device(gpus, "learner").type == "cuda"
+    # DeepSpeed binds the rank to cuda:LOCAL_RANK: the device Ray gave this actor.
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(engine.device.index or 0),
+                       "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+    import deepspeed
+
+    if not use_cuda:
+        _skip_shm_comm_op()
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+
+
+def leave_learner_group() -> None:
+    """Leave the process group. A rank that lives in a Ray actor is killed with it; one built
+    in a plain process (``benchmarks/gpu_smoke.py``, the in-process group of tests) must leave
+    before the interpreter exits: a gloo group torn down by interpreter finalisation can abort
+    the process ("terminate called without an active exception", exit -6) after its work succeeded."""
+    if dist.is_initialized():
+        # DeepSpeed's own teardown also drops the groups it cached (deepspeed/comm/comm.py,
+        # destroy_process_group -> utils/groups._release_process_group_references, 0.19.8):
+        # torch's alone left a stale clone of the world group, and the next in-process engine
+        # failed "Group ... is not registered".
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()
+
+
 @contextmanager
 def partitioned_loading(ds_config: dict[str, Any]) -> Iterator[None]:
     """Under ZeRO-3, models built inside are loaded partitioned: each rank materialises only its
@@ -156,16 +187,9 @@ class LearnerEngine(Engine):
 
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                  num_threads: int | None = None):
-        self.set_threads(num_threads)
-        use_cuda = self.init_device(role_gpus(cfg, "learner"), "learner").type == "cuda"
-        # DeepSpeed binds the rank to cuda:LOCAL_RANK: the device Ray gave this actor.
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(self.device.index or 0),
-                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        join_learner_group(self, role_gpus(cfg, "learner"), rank, world_size, master_addr, master_port, num_threads)
         import deepspeed  # here, not at module level: the driver imports this module only to spawn ranks
 
-        if not use_cuda:
-            _skip_shm_comm_op()
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.collective = TorchCollective(world_size, self.device)
         m = cfg.model
@@ -383,7 +407,7 @@ class LearnerEngine(Engine):
             self._save_adapter(out / ADAPTER_FOLDER)
         if self.critic is None:
             return
-        with self._gathered(self.critic.module):
+        with gathered(self.critic.module, self.cfg.learner.zero_stage):
             if self.rank == 0:
                 self.critic.module.save_pretrained(out / "critic")
 
@@ -392,14 +416,6 @@ class LearnerEngine(Engine):
         named = self._host_adapter()
         if named is not None:
             save_adapter(named, adapter_config(self.policy.module), self.cfg.model.policy, out)
-
-    def _gathered(self, module: torch.nn.Module):
-        """Full parameters inside the block: ZeRO-3 gathers its partitions (a collective)."""
-        if self.cfg.learner.zero_stage != 3:
-            return nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
     def matmul_rate(self, tokens: int) -> float:
         """FLOP/s of this rank's device (its GPU, or its CPU threads) on the matmul the policy runs
@@ -417,25 +433,22 @@ class LearnerEngine(Engine):
                 f"{self.device_info()} each")
 
     def close(self) -> None:
-        """Leave the process group. A rank that lives in a Ray actor is killed with it; one built
-        in a plain process (``benchmarks/gpu_smoke.py``) must leave before the interpreter exits:
-        a gloo group torn down by interpreter finalisation can abort the process ("terminate
-        called without an active exception", exit -6) after its work succeeded."""
+        """Drop the engines and leave the process group (``leave_learner_group``)."""
         self.policy = self.critic = None
-        if dist.is_initialized():
-            # DeepSpeed's own teardown also drops the groups it cached (deepspeed/comm/comm.py,
-            # destroy_process_group -> utils/groups._release_process_group_references, 0.19.8):
-            # torch's alone left a stale clone of the world group, and the next in-process engine
-            # failed "Group ... is not registered".
-            import deepspeed.comm
-
-            deepspeed.comm.destroy_process_group()
+        leave_learner_group()
 
 
 def _drain(stream: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Follow rank 0 through a stream's gathers without using the tensors (they are collective)."""
     for _ in stream:
         pass
+
+
+def gathered(module: torch.nn.Module, zero_stage: int):
+    """Full parameters of ``module`` inside the block: ZeRO-3 gathers its partitions (a collective)."""
+    if zero_stage != 3:
+        return nullcontext()
+    return _zero3_gather(list(module.parameters()))
 
 
 def _zero3_gather(params: list[torch.nn.Parameter]):

@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from rayppo.errors import ModelFolderError
 from rayppo.models.head_precision import set_head_fp32
+from rayppo.models.reward_head import reward_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -176,7 +177,8 @@ class Critic(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32", seed: int = 0,
                         weights_elsewhere: bool = False) -> Critic:
-        """Backbone of any causal-LM / reward-model folder; the value head too if saved there
+        """Backbone of any causal-LM / reward-model folder; the value head too if saved there, or
+        a reward model's scalar head (``reward_head.py``: the critic starts from r_φ)
         (``weights_elsewhere``: as for ``load_causal_lm``)."""
         # A causal-LM or reward-model folder has a head the backbone does not use: not a problem,
         # so the loader's report of "unexpected" keys is silenced.
@@ -190,6 +192,9 @@ class Critic(torch.nn.Module):
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.is_file():
             critic.value_head.load_state_dict(load_file(str(head_file)))
+        elif (score := reward_head(path)) is not None:  # a reward model: V starts as r_phi's head, bias 0
+            with torch.no_grad():
+                critic.value_head.weight.copy_(score.to(critic.value_head.weight.dtype))
         return critic
 
     def save_pretrained(self, path: str | Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rayppo.config.schema import Config, ConfigError
 
-RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "placement.json", "plot.png", "tb", "checkpoints", "policy", "critic",
+RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "placement.json", "plot.png", "tb", "checkpoints", "policy", "critic", "reward_model",
                "rollouts", "logs", "wandb", "wandb_run_id", "mlflow_run_id", "fleet.json", "scale.json")
 """What a run writes into its folder (what ``output.overwrite`` deletes)."""
 

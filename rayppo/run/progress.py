@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -15,25 +16,31 @@ class Bar:
     stderr is not a terminal (a log file, CI, nohup) there is no bar, whose redraws would fill the
     log: one plain line every tenth of the run (and the last) says the same."""
 
-    def __init__(self, total: int, first: int, enabled: bool) -> None:
+    def __init__(self, total: int, first: int, enabled: bool, desc: str = "PPO", unit: str = "it",
+                 figures: Callable[[dict[str, float]], dict[str, str]] | None = None) -> None:
+        """``figures``: what the bar shows of a step's metrics (default: a PPO iteration's)."""
         self.lines = enabled and not sys.stderr.isatty()
         self.done, self.total, self.every = first, total, max(1, total // 10)
-        self.bar = tqdm(total=total, initial=first, desc="PPO", unit="it", disable=not enabled or self.lines,
+        self.desc, self.figures = desc, figures or self._ppo_figures
+        self.bar = tqdm(total=total, initial=first, desc=desc, unit=unit, disable=not enabled or self.lines,
                         file=sys.stderr, dynamic_ncols=True)
         self.eval: str | None = None
 
-    def update(self, metrics: dict[str, float]) -> None:
-        """One more iteration done, with its ``metrics``."""
+    def _ppo_figures(self, metrics: dict[str, float]) -> dict[str, str]:
         if "eval/reward/mean" in metrics:
             self.eval = f"{metrics['eval/reward/mean']:.3f}"
-        shown = {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
-                 **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
-                 "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+        return {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
+                **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
+                "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+
+    def update(self, metrics: dict[str, float]) -> None:
+        """One more step done, with its ``metrics``."""
+        shown = self.figures(metrics)
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update()
         self.done += 1  # a disabled tqdm does not count
         if self.lines and (self.done % self.every == 0 or self.done == self.total):
-            console.write(f"PPO {self.done}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+            console.write(f"{self.desc} {self.done}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
 
     def rewind(self, iteration: int) -> None:
         """Back to ``iteration`` (a learner restart redoes the iterations since its checkpoint)."""

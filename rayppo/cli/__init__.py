@@ -1,4 +1,4 @@
-"""``rayppo`` command line: train, scale, plan, bench, submit, status, logs, stop, config.
+"""``rayppo`` command line: train, reward-model, scale, plan, bench, submit, status, logs, stop, config.
 
     rayppo train                                   # the embedded default, end to end
     rayppo plan --config job.yaml --cluster-resources '{"GPU": 8, "CPU": 64}'   # will it fit?
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--verbose", "-v", action="store_true",
                        help="show the libraries' output here too (by default it goes to DIR/logs/)")
     _submit_parser(sub)
+    from rayppo.cli.reward_model import add_parser as add_reward_model
+
+    add_reward_model(sub)
     for name, text in (("status", "show a job's status (no JOB: list the cluster's jobs; a run folder: where that "
                                   "run stands, its generator fleet included)"),
                        ("logs", "print a job's logs"), ("stop", "stop a running job")):
@@ -188,30 +191,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
     console.setup(cfg.output.dir, args.verbose)
     console.phase(_headline(cfg, resume))
-    _build_first_use_models(cfg)
-    _quiet_libraries(args.verbose)
+    from rayppo.cli.setup import build_first_use_models, quiet_libraries
+
+    build_first_use_models(cfg, [cfg.model.policy, cfg.model.reference])
+    quiet_libraries(args.verbose)
     from rayppo.train import train
 
     result = train(cfg, progress=not args.no_progress, resume=resume)
     print(result.summary())
     return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as shells report
-
-
-def _build_first_use_models(cfg) -> None:
-    """Built-in models and GGUF files become folders here, once, before any actor loads them
-    (each says so on the terminal; later runs find them in ``model.cache_dir``)."""
-    from rayppo.console import console
-    from rayppo.models.paths import BUILTIN_MODELS, built_on_first_use, embedded_path
-
-    for name in dict.fromkeys((cfg.model.policy, cfg.model.reference)):
-        if not built_on_first_use(name) or (embedded_path(cfg.model.cache_dir, name) / "config.json").is_file():
-            continue
-        what = (BUILTIN_MODELS[name].first_use if name in BUILTIN_MODELS
-                else "the GGUF file dequantized to fp32 safetensors, with its tokenizer")
-        console.phase(f"building the {name} model in {embedded_path(cfg.model.cache_dir, name)} (first use only: {what})")
-        from rayppo.models.loading import resolve_model_path
-
-        resolve_model_path(name, cfg.model.cache_dir)
 
 
 def _headline(cfg, resume) -> str:
@@ -224,23 +212,6 @@ def _headline(cfg, resume) -> str:
     estimator = f", ppo.advantage={cfg.ppo.advantage}" if cfg.ppo.advantage != "gae" else ""
     return (f"rayppo train: {model}, {data}, {cfg.stop.iterations} iterations of {cfg.rollout.batch_size} prompts"
             f"{groups}{estimator}, trainer={cfg.trainer}; {what}")
-
-
-def _quiet_libraries(verbose: bool) -> None:
-    """transformers' per-file progress bars off (one progress bar per run) and, unless verbose,
-    its advisory warnings to the log file instead of the terminal."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    import os
-
-    import torch
-
-    if not torch.cuda.is_available():  # DeepSpeed's own handler would warn that it fell back to the CPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if not verbose:
-        hf_logging.disable_default_handler()
-        hf_logging.enable_propagation()  # to the root logger: logs/driver.log
 
 
 def cmd_scale(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -278,7 +249,9 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.console import console
 
     console.setup(args.output, args.verbose)  # as for train: the libraries' output to DIR/logs/
-    _quiet_libraries(args.verbose)
+    from rayppo.cli.setup import quiet_libraries
+
+    quiet_libraries(args.verbose)
     spec = importlib.util.spec_from_file_location("rayppo_benchmarks", path)
     assert spec is not None and spec.loader is not None  # a .py file: its source loader is found
     module = importlib.util.module_from_spec(spec)
@@ -364,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    commands = {"train": cmd_train, "scale": cmd_scale, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit}
+    from rayppo.cli.reward_model import cmd_reward_model
+
+    commands = {"train": cmd_train, "scale": cmd_scale, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit,
+                "reward-model": cmd_reward_model}
     try:
         if args.command in commands:
             return commands[args.command](args, _collect_overrides(extra))
@@ -399,6 +375,3 @@ def _one_line(exc: BaseException) -> str:
 
     return plain(str(unwrapped(exc)))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m rayppo.cli``: the ``rayppo`` command."""
+
+import sys
+
+from rayppo.cli import main
+
+sys.exit(main())

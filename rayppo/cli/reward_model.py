@@ -1,0 +1,68 @@
+"""``rayppo reward-model``: train r_φ on preference pairs (docs/reward-models.md).
+
+    rayppo reward-model preference.pairs=pairs.jsonl output.dir=runs/rm
+    rayppo reward-model --config rm.yaml learner.num_ranks=2 model.dtype=bfloat16
+    rayppo reward-model --resume runs/rm
+    rayppo train reward.model=runs/rm/reward_model model.critic=runs/rm/reward_model
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """Reads the preference section (pairs, held-out fraction, epochs, batch, lr) and the learner's
+(learner.num_ranks, learner.zero_stage, model.dtype, output.*, cluster.*), e.g.
+  rayppo reward-model preference.pairs=pairs.jsonl preference.epochs=2 output.dir=runs/rm
+A pair file has columns prompt (text or messages), chosen and rejected (.jsonl, .parquet or a
+datasets folder). The trained r_phi is written to output.dir/reward_model, the folder
+reward.model= takes. 'rayppo config' lists every field."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    rm = sub.add_parser(
+        "reward-model", help="train a reward model r_phi on preference pairs (Bradley-Terry)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+    )
+    rm.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
+    rm.add_argument("--resume", metavar="DIR", help="continue the reward-model run in DIR from its latest checkpoint")
+    rm.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    rm.add_argument("--verbose", "-v", action="store_true",
+                    help="show everything the libraries and actors print (by default: output.dir/logs/)")
+
+
+def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError
+    from rayppo.console import console
+
+    console.setup(None, args.verbose)
+    resume = None
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume takes the run's own config; use overrides, not --config")
+        from rayppo.run.checkpoint import resume_config
+
+        cfg, resume = resume_config(args.resume, overrides)
+    else:
+        cfg = load_config(args.config, overrides)
+    if not cfg.preference.pairs:
+        raise ConfigError("preference.pairs: the pair file to train on is not set (e.g. preference.pairs=pairs.jsonl)")
+    from rayppo.data.pairs import read_pairs
+
+    read_pairs(cfg.preference.pairs)  # a bad file fails here, before any model loads
+    if resume is None:
+        from rayppo.run.folder import claim_output_dir
+
+        claim_output_dir(cfg)
+    console.setup(cfg.output.dir, args.verbose)
+    from rayppo.cli.setup import build_first_use_models, quiet_libraries
+    from rayppo.models.reward_model import backbone_name
+
+    console.phase(f"rayppo reward-model: {backbone_name(cfg)} + a scalar head on {cfg.preference.pairs}, "
+                  f"trainer={cfg.trainer}; output {cfg.output.dir}/")
+    build_first_use_models(cfg, [backbone_name(cfg)])
+    quiet_libraries(args.verbose)
+    from rayppo.trainers.reward_model import train_reward_model
+
+    print(train_reward_model(cfg, progress=not args.no_progress, resume=resume).summary())
+    return 0

@@ -1,0 +1,38 @@
+"""What every command that loads models does first: built-in models built once, and the
+libraries' own output kept to the log files."""
+
+from __future__ import annotations
+
+
+def build_first_use_models(cfg, names: list[str]) -> None:
+    """Built-in models and GGUF files become folders here, once, before any actor loads them
+    (each says so on the terminal; later runs find them in ``model.cache_dir``)."""
+    from rayppo.console import console
+    from rayppo.models.paths import BUILTIN_MODELS, built_on_first_use, embedded_path
+
+    for name in dict.fromkeys(names):
+        if not built_on_first_use(name) or (embedded_path(cfg.model.cache_dir, name) / "config.json").is_file():
+            continue
+        what = (BUILTIN_MODELS[name].first_use if name in BUILTIN_MODELS
+                else "the GGUF file dequantized to fp32 safetensors, with its tokenizer")
+        console.phase(f"building the {name} model in {embedded_path(cfg.model.cache_dir, name)} (first use only: {what})")
+        from rayppo.models.loading import resolve_model_path
+
+        resolve_model_path(name, cfg.model.cache_dir)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """transformers' per-file progress bars off (one progress bar per run) and, unless verbose,
+    its advisory warnings to the log file instead of the terminal."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed's own handler would warn that it fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not verbose:
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()  # to the root logger: logs/driver.log
