@@ -47,20 +47,19 @@ def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = load_config(args.config, overrides)
     if not cfg.preference.pairs:
         raise ConfigError("preference.pairs: the pair file to train on is not set (e.g. preference.pairs=pairs.jsonl)")
-    from rayppo.data.pairs import read_pairs
+    from rayppo.cli.setup import build_first_use_models, quiet_libraries
+    from rayppo.models.reward_model import backbone_name
+    from rayppo.trainers.reward_model import prepared_pairs
 
-    read_pairs(cfg.preference.pairs)  # a bad file fails here, before any model loads
+    build_first_use_models(cfg, [backbone_name(cfg)])
+    prepared_pairs(cfg)  # a bad file or row fails here, before the run folder is claimed or a model loads
     if resume is None:
         from rayppo.run.folder import claim_output_dir
 
         claim_output_dir(cfg)
     console.setup(cfg.output.dir, args.verbose)
-    from rayppo.cli.setup import build_first_use_models, quiet_libraries
-    from rayppo.models.reward_model import backbone_name
-
     console.phase(f"rayppo reward-model: {backbone_name(cfg)} + a scalar head on {cfg.preference.pairs}, "
                   f"trainer={cfg.trainer}; output {cfg.output.dir}/")
-    build_first_use_models(cfg, [backbone_name(cfg)])
     quiet_libraries(args.verbose)
     from rayppo.trainers.reward_model import train_reward_model
 

@@ -24,7 +24,7 @@ import yaml
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.config.schema import Config, ConfigError, to_dict
 from rayppo.console import console
-from rayppo.data.pairs import PairTokens, epoch_order, held_out_split, read_pairs, tokenize_pairs
+from rayppo.data.pairs import PairTokens, PreferencePairs, epoch_order, held_out_split, read_pairs, tokenize_pairs
 from rayppo.data.rollout import split_evenly
 from rayppo.learner.preference import pair_means
 from rayppo.learner.reward_model_engine import RewardModelLearner
@@ -109,13 +109,18 @@ def steps_per_epoch(cfg: Config, train_pairs: int) -> int:
     return steps
 
 
+def prepared_pairs(cfg: Config) -> tuple[PreferencePairs, PairTokens]:
+    """``preference.pairs`` read and checked, in r_φ's tokens; ``PromptDataError`` naming the row."""
+    tokenizer = load_tokenizer(resolve_model_path(backbone_name(cfg), cfg.model.cache_dir))
+    pairs = read_pairs(cfg.preference.pairs)
+    return pairs, tokenize_pairs(pairs, tokenizer, cfg.preference.max_tokens)
+
+
 def train_reward_model(cfg: Config, progress: bool = True, resume: Path | None = None) -> RewardModelResult:
     """Train r_φ as the config says (``resume``: continue from that checkpoint); write it to
     ``output.dir/reward_model``."""
     start_time, out, f = time.monotonic(), Path(cfg.output.dir), cfg.preference
-    tokenizer = load_tokenizer(resolve_model_path(backbone_name(cfg), cfg.model.cache_dir))
-    pairs = read_pairs(f.pairs)
-    tokens = tokenize_pairs(pairs, tokenizer, f.max_tokens)
+    pairs, tokens = prepared_pairs(cfg)
     train_rows, held_rows = held_out_split(len(pairs), f.held_out, cfg.seed)
     per_epoch = steps_per_epoch(cfg, len(train_rows))
     total = f.epochs * per_epoch
@@ -129,6 +134,7 @@ def train_reward_model(cfg: Config, progress: bool = True, resume: Path | None =
             first = read_driver_state(resume)["iteration"]
             learner.restore(resume, {"iteration": first})
             console.phase(f"resumed from {resume} after step {first}")
+        out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         logger = MetricsLogger(out, make_trackers(cfg, to_dict(cfg), resume is not None),
                                resume_at=first if resume is not None else None)

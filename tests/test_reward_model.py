@@ -1,0 +1,168 @@
+"""A learned reward model r_φ (``rayppo reward-model``): the Bradley–Terry loss against a hand
+computation, pair files refused row by row, a model trained on the embedded model that ranks
+held-out pairs and serves as ``reward.model`` with the scores it was evaluated with, a critic that
+starts from its head, and its training on two Ray ranks equal to one rank in process, resumed on
+another split."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rayppo.actors.reward import RewardEngine
+from rayppo.cli import main
+from rayppo.config.load import load_config
+from rayppo.data.pairs import held_out_split, read_pairs
+from rayppo.data.rollout import Rollout
+from rayppo.learner.preference import bradley_terry_loss, pair_means, pair_sums
+from rayppo.models.loading import Critic, load_tokenizer
+from rayppo.run.metrics import read_metrics
+from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
+from rayppo.trainers.reward_model import train_reward_model
+
+PAIRS = 160
+HELD_OUT = 0.25
+"""40 held-out pairs: a ranking at chance gets 32 or more right with probability 1.1e-4."""
+STEPS = 2 * ((PAIRS - round(HELD_OUT * PAIRS)) // 16)
+"""Two epochs of whole steps of 16 pairs: 14."""
+TRAIN = ["preference.batch_pairs=16", "preference.epochs=2", "preference.lr=1e-4", f"preference.held_out={HELD_OUT}",
+         "preference.micro_pairs=4"]
+
+
+def write_digit_pairs(path: Path, n: int = PAIRS, seed: int = 0) -> Path:
+    """Pairs of the digits task: the chosen response repeats the prompt's digit, the rejected one
+    writes other digits (what its verifier prefers)."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            verb, digit = rng.choice(VERBS), rng.choice(DIGITS)
+            chosen = " ".join([digit] * rng.randint(4, 6))
+            rejected = " ".join(rng.choice([d for d in DIGITS if d != digit]) for _ in range(rng.randint(4, 6)))
+            f.write(json.dumps({"prompt": make_prompt(verb, digit), "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, embedded_dir):
+    """r_φ trained in process on the embedded model (14 steps, ~5 s): (run folder, pairs file, result)."""
+    root = tmp_path_factory.mktemp("rm")
+    pairs = write_digit_pairs(root / "pairs.jsonl")
+    cfg = load_config(None, [f"preference.pairs={pairs}", f"output.dir={root / 'run'}", "trainer=reference", *TRAIN])
+    return root / "run", pairs, train_reward_model(cfg, progress=False)
+
+
+def test_bradley_terry_loss_matches_a_hand_computation():
+    chosen = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    rejected = torch.tensor([0.0, 0.5, 2.5, 0.25])
+    margins = [1.0, -1.0, -0.5, 0.0]
+    # -log sigma(m) = log(1 + e^-m), in float64; float32 rounds each term by ~6e-8 relative.
+    expected = sum(math.log1p(math.exp(-m)) for m in margins) / 4
+    assert bradley_terry_loss(chosen, rejected).item() == pytest.approx(expected, abs=1e-6)
+    means = pair_means(pair_sums(chosen, rejected))
+    assert means == pytest.approx({"loss": expected, "accuracy": 0.25, "margin": -0.125}, abs=1e-6)  # a tie is not right
+
+
+def test_bradley_terry_loss_is_finite_for_a_pair_ranked_far_the_wrong_way():
+    chosen = torch.tensor([-200.0], requires_grad=True)
+    loss = bradley_terry_loss(chosen, torch.tensor([0.0]))
+    loss.backward()
+    assert loss.item() == pytest.approx(200.0) and chosen.grad.item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"prompt": "say 1 :", "chosen": "1 1 1 1", "rejected": "1 1 1 1"}, "row 2: 'chosen' and 'rejected' are the same"),
+    ({"prompt": "say 1 :", "chosen": "  ", "rejected": "2"}, "row 2: field 'chosen' must be a non-empty response"),
+    ({"prompt": "say 1 :", "chosen": "1"}, "row 2: missing field 'rejected'"),
+    ({"prompt": "say 1 :", "chosen": "1", "rejected": 2}, "row 2: field 'rejected' must be a non-empty response (got int)"),
+    ({"prompt": "say 1 : " * 40, "chosen": "1", "rejected": "2"}, "row 2: the prompt with its 'chosen' response is"),
+])
+def test_a_bad_pair_is_refused_with_one_line_naming_its_row(tmp_path, capsys, row, expected):
+    good = {"prompt": "say 3 :", "chosen": "3 3 3 3", "rejected": "4 5 6 7"}
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    out = tmp_path / "run"
+    rc = main(["reward-model", f"preference.pairs={pairs}", f"output.dir={out}", "trainer=reference",
+               "preference.max_tokens=64", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and expected in err and str(pairs) in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (out / "reward_model").exists()
+
+
+def test_a_trained_reward_model_ranks_held_out_pairs_and_serves_them_as_it_was_evaluated(trained):
+    run, pairs_file, result = trained
+    records = read_metrics(run / "metrics.jsonl")
+    assert len(records) == result.steps == STEPS
+    assert records[-1]["rm/loss"] < records[0]["rm/loss"]
+    held = result.held_out
+    assert held["accuracy"] >= 0.8 and held["loss"] < math.log(2) and held["margin"] > 0, held
+    # The folder is a transformers sequence classifier, and the reward actor scores the held-out
+    # pairs with it as the learner evaluated them (same text rule, same token read).
+    assert AutoModelForSequenceClassification.from_pretrained(result.folder).config.num_labels == 1
+    pairs = read_pairs(pairs_file)
+    _, rows = held_out_split(len(pairs), HELD_OUT, seed=0)
+    scorer = RewardEngine(model=str(result.folder), batch_size=7)
+    scores = {}
+    for column in ("chosen", "rejected"):
+        responses = [getattr(pairs, column)[i] for i in rows]
+        scores[column] = torch.tensor(scorer.scores(_rollout([pairs.prompts[i] for i in rows], responses)))
+    served = pair_means(pair_sums(scores["chosen"], scores["rejected"]))
+    # fp32 forwards of the same tokens, padded into other batches: rounding of order 1e-6 per score.
+    assert served == pytest.approx(held, abs=1e-4)
+
+
+def test_the_critic_started_from_a_reward_model_values_the_end_of_a_response_at_its_reward(trained, embedded_dir):
+    """InstructGPT's initialisation: V's head is r_φ's (bias 0) on r_φ's backbone, so the value at
+    the last token of a (prompt, response) is r_φ(x, y)."""
+    _, _, result = trained
+    critic = Critic.from_pretrained(result.folder)
+    model = AutoModelForSequenceClassification.from_pretrained(result.folder)
+    tokenizer = load_tokenizer(result.folder)
+    ids = torch.tensor([tokenizer("say 7 : 7 7 7 7")["input_ids"]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        value = critic(ids, torch.ones_like(ids), positions)[0, -1]
+        reward = model(input_ids=ids).logits[0, 0]
+    assert value.item() == pytest.approx(reward.item(), abs=1e-5)
+    fresh = Critic.from_pretrained(embedded_dir)  # a causal LM: a small random head, not r_φ's
+    assert not torch.equal(fresh.value_head.weight, critic.value_head.weight)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_reward_model_as_one_rank_in_process_and_resume_on_one(trained, tmp_path):
+    """The step's pairs dealt to 2 Ray ranks (ZeRO-2, gradients averaged) give the in-process
+    rank's losses and held-out figures; a checkpoint after step 10 resumed on 1 rank (resharded)
+    ends where the uninterrupted run did. Tolerance: each step's loss is a mean over 16 pairs of
+    fp32 scores; the two splits sum the gradient in another order (rounding of order 1e-7
+    relative), which Adam's normalised steps of lr=1e-4 carry into losses at the 1e-6 level over 14
+    steps, far below a wrong split's effect (a pair counted twice or dropped moves the loss by
+    ~1/16 of a pair's)."""
+    _, pairs, reference = trained
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"preference.pairs={pairs}", f"output.dir={out}", "learner.num_ranks=2",
+                             "output.checkpoint_every=10", *TRAIN])
+    result = train_reward_model(cfg, progress=False)
+    expected = read_metrics(reference.folder.parent / "metrics.jsonl")
+    got = read_metrics(out / "metrics.jsonl")
+    for a, b in zip(got, expected, strict=True):
+        assert a["rm/loss"] == pytest.approx(b["rm/loss"], abs=1e-5), a["iteration"]
+    assert result.held_out == pytest.approx(reference.held_out, abs=1e-5)
+    rc = main(["reward-model", "--resume", str(out), "learner.num_ranks=1", "--no-progress"])
+    assert rc == 0
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["iteration"] for r in resumed] == list(range(STEPS))
+    assert resumed[-1]["rm/eval/accuracy"] == pytest.approx(expected[-1]["rm/eval/accuracy"])
+    assert resumed[-1]["rm/eval/loss"] == pytest.approx(expected[-1]["rm/eval/loss"], abs=1e-5)
+
+
+def _rollout(prompts: list, responses: list[str]) -> Rollout:
+    """A rollout of (prompt, response) texts for the reward actor (token fields unused by a reward model)."""
+    n = len(prompts)
+    return Rollout(prompt_text=list(prompts), response_text=responses, prompt_ids=[[0]] * n, response_ids=[[0]] * n,
+                   logprobs=[[0.0]] * n, finish_reason=["stop"] * n)
