@@ -1,4 +1,4 @@
-"""``rayppo`` command line: train, reward-model, scale, plan, bench, submit, status, logs, stop, config.
+"""``rayppo`` command line: train, pairs, reward-model, scale, plan, bench, submit, status, logs, stop, config.
 
     rayppo train                                   # the embedded default, end to end
     rayppo plan --config job.yaml --cluster-resources '{"GPU": 8, "CPU": 64}'   # will it fit?
@@ -137,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--verbose", "-v", action="store_true",
                        help="show the libraries' output here too (by default it goes to DIR/logs/)")
     _submit_parser(sub)
+    from rayppo.cli.reward_model import add_pairs_parser
     from rayppo.cli.reward_model import add_parser as add_reward_model
 
+    add_pairs_parser(sub)
     add_reward_model(sub)
     for name, text in (("status", "show a job's status (no JOB: list the cluster's jobs; a run folder: where that "
                                   "run stands, its generator fleet included)"),
@@ -337,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from rayppo.cli.reward_model import cmd_reward_model
+    from rayppo.cli.reward_model import cmd_pairs, cmd_reward_model
 
     commands = {"train": cmd_train, "scale": cmd_scale, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit,
-                "reward-model": cmd_reward_model}
+                "pairs": cmd_pairs, "reward-model": cmd_reward_model}
     try:
         if args.command in commands:
             return commands[args.command](args, _collect_overrides(extra))

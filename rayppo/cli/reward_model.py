@@ -1,5 +1,7 @@
-"""``rayppo reward-model``: train r_φ on preference pairs (docs/reward-models.md).
+"""``rayppo pairs`` and ``rayppo reward-model``: preference pairs from a verifier, and r_φ trained
+on pairs (docs/reward-models.md).
 
+    rayppo pairs reward.function=my_task:verify data.prompts=prompts.jsonl preference.pairs=pairs.jsonl
     rayppo reward-model preference.pairs=pairs.jsonl output.dir=runs/rm
     rayppo reward-model --config rm.yaml learner.num_ranks=2 model.dtype=bfloat16
     rayppo reward-model --resume runs/rm
@@ -28,6 +30,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     rm.add_argument("--verbose", "-v", action="store_true",
                     help="show everything the libraries and actors print (by default: output.dir/logs/)")
+
+
+PAIRS_EPILOG = """Samples preference.samples_per_prompt responses per prompt of data.prompts from model.policy
+(rollout.temperature, rollout.max_new_tokens), scores them with reward.function and writes
+preference.pairs: the best-scored response paired with the worst where the verifier prefers it, e.g.
+  rayppo pairs data.prompts=arithmetic reward.function=rayppo.tasks.arithmetic:reward \\
+      model.policy=smollm2-135m-instruct preference.pairs=runs/pairs.jsonl"""
+
+
+def add_pairs_parser(sub: argparse._SubParsersAction) -> None:
+    pairs = sub.add_parser(
+        "pairs", help="make preference pairs from a verifier: sample k responses per prompt, pair right with wrong",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PAIRS_EPILOG,
+    )
+    pairs.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
+    pairs.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+
+
+def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError
+    from rayppo.console import console
+
+    console.setup(None, False)
+    cfg = load_config(args.config, overrides)
+    if not cfg.preference.pairs:
+        raise ConfigError("preference.pairs: the file to write is not set (e.g. preference.pairs=pairs.jsonl)")
+    if not cfg.reward.function:
+        raise ConfigError("reward.function: 'rayppo pairs' labels responses with a verifier function (module:function)")
+    from rayppo.cli.setup import build_first_use_models, quiet_libraries
+    from rayppo.plan.inputs import check_inputs
+
+    check_inputs(cfg)  # the model, the prompts and the verifier, before anything is sampled
+    build_first_use_models(cfg, [cfg.model.policy])
+    quiet_libraries(False)
+    from rayppo.trainers.verifier_pairs import make_verifier_pairs
+
+    print(make_verifier_pairs(cfg, progress=not args.no_progress).summary())
+    return 0
 
 
 def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -201,6 +201,9 @@ def _validate_preference(cfg: Config) -> None:
     _require(f.weight_decay >= 0, "preference.weight_decay", "must be >= 0", f.weight_decay)
     _require(f.max_tokens >= 2, "preference.max_tokens", "must be >= 2", f.max_tokens)
     _require(f.eval_every >= 0, "preference.eval_every", "must be >= 0 (0: after each epoch)", f.eval_every)
+    _require(f.samples_per_prompt >= 2, "preference.samples_per_prompt", "must be >= 2 (a pair needs two responses)",
+             f.samples_per_prompt)
+    _require(f.pairs_per_prompt >= 1, "preference.pairs_per_prompt", "must be >= 1", f.pairs_per_prompt)
 
 
 def _validate_outputs(cfg: Config) -> None:

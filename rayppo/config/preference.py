@@ -16,7 +16,7 @@ class PreferenceConfig:
     pairs: str = ""
     """Preference pairs r_φ is trained on: a ``.jsonl`` / ``.parquet`` file or a ``datasets``
     folder with columns ``prompt`` (text or ``{role, content}`` messages), ``chosen`` and
-    ``rejected`` (docs/reward-models.md)."""
+    ``rejected`` (docs/reward-models.md). ``rayppo pairs`` writes this file from a verifier."""
     backbone: str = ""
     """The model r_φ starts from, given a scalar head (a built-in name or a folder; empty: ``model.policy``).
     Its tokenizer and chat template are r_φ's and are saved with it."""
@@ -38,3 +38,9 @@ class PreferenceConfig:
     """Longest prompt + response text in r_φ's tokens; a pair over it is refused naming its row."""
     eval_every: int = 0
     """Optimiser steps between held-out evaluations (0: after each epoch only)."""
+    samples_per_prompt: int = 8
+    """``rayppo pairs``: responses the policy samples per prompt of ``data.prompts`` for the
+    verifier (``reward.function``) to score."""
+    pairs_per_prompt: int = 2
+    """``rayppo pairs``: at most this many pairs per prompt, the best-scored response with the
+    worst, the second with the second last, ... where the verifier strictly prefers one."""

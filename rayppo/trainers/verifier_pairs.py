@@ -1,0 +1,110 @@
+"""``rayppo pairs``: preference pairs made from a verifier, for a user without a preference set.
+
+For each prompt of ``data.prompts``, the policy (``model.policy``) samples
+``preference.samples_per_prompt`` responses at ``rollout.temperature``; the verifier
+(``reward.function``) scores them; the best are paired with the worst, a pair only where the
+verifier strictly prefers one (a right answer over a wrong one), at most
+``preference.pairs_per_prompt`` per prompt. The file written (``preference.pairs``) is the one
+``rayppo reward-model`` reads: ``prompt`` (the row's text or conversation), ``chosen``,
+``rejected``, and the two scores.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.reward import RewardEngine
+from rayppo.actors.settings import reward_args, sampling_settings
+from rayppo.config.schema import Config
+from rayppo.console import console
+from rayppo.data.rollout import Rollout
+from rayppo.models.loading import resolve_model_path
+from rayppo.run.progress import Bar
+from rayppo.trainers.iteration import group_shares
+from rayppo.trainers.loop import load_prompts
+
+
+@dataclass
+class PairsResult:
+    """What ``make_verifier_pairs`` wrote."""
+
+    pairs: int
+    prompts: int
+    """Prompts sampled."""
+    undecided: int
+    """Prompts whose responses the verifier scored all alike (no pair)."""
+    path: Path
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"pairs: {self.pairs} pairs from {self.prompts} prompts ({self.undecided} gave no pair: every response "
+                f"scored alike) in {self.seconds:.0f} s, written to {self.path}")
+
+
+def group_pairs(responses: list[str], scores: list[float], limit: int) -> list[tuple[int, int]]:
+    """``(chosen, rejected)`` indices into one prompt's responses: the best-scored paired with the
+    worst, the second best with the second worst, ... while the first scores strictly higher;
+    a response text is used once at most and never paired with itself."""
+    distinct: dict[str, int] = {}  # each text once, at its best score's place
+    for i in sorted(range(len(responses)), key=lambda i: (-scores[i], i)):
+        distinct.setdefault(responses[i].strip(), i)
+    ranked = list(distinct.values())
+    out = []
+    for k in range(min(limit, len(ranked) // 2)):
+        best, worst = ranked[k], ranked[-1 - k]
+        if scores[best] <= scores[worst]:
+            break
+        out.append((best, worst))
+    return out
+
+
+def make_verifier_pairs(cfg: Config, progress: bool = True) -> PairsResult:
+    """Sample, score and pair as the module says; write ``preference.pairs`` (JSON Lines)."""
+    start, f = time.monotonic(), cfg.preference
+    # transformers' generate in this process: no Ray, no vLLM engine to start for a one-off file.
+    generator = GeneratorEngine(str(resolve_model_path(cfg.model.policy, cfg.model.cache_dir)), sampling_settings(cfg),
+                                backend="hf", dtype=cfg.model.dtype)
+    verifier = RewardEngine(**reward_args(cfg, 0.0))
+    prompts, _ = load_prompts(cfg, generator.tokenizer, None)
+    per_batch = max(1, cfg.rollout.batch_size)
+    batches = range(0, len(prompts), per_batch)
+    path = Path(f.pairs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = undecided = 0
+    bar = Bar(len(batches), 0, progress, desc="pairs", unit="batch",
+              figures=lambda m: {"pairs": f"{m['pairs']:.0f}"})
+    with path.open("w", encoding="utf-8") as out:
+        for b, first in enumerate(batches):
+            (batch,) = group_shares(prompts.select(range(first, min(first + per_batch, len(prompts)))), 1,
+                                    f.samples_per_prompt)
+            rollout = generator.generate(batch, seed=cfg.seed * 1_000_003 + b)
+            rows, none = _pair_rows(rollout, verifier.scores(rollout), f.pairs_per_prompt)
+            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            written, undecided = written + len(rows), undecided + none
+            bar.update({"pairs": float(written)})
+    bar.close()
+    generator.close()
+    if written == 0:
+        console.phase(f"the verifier scored every prompt's {f.samples_per_prompt} responses alike: no pair in {path}")
+    return PairsResult(written, len(prompts), undecided, path, time.monotonic() - start)
+
+
+def _pair_rows(rollout: Rollout, scores: list[float], limit: int) -> tuple[list[dict], int]:
+    """The pair rows of one scored rollout (groups in order), and how many groups gave none."""
+    groups: dict[int, list[int]] = {}
+    for row, group in enumerate(rollout.group_id):
+        groups.setdefault(group, []).append(row)
+    conversations, rows, undecided = rollout.conversations(), [], 0
+    for members in groups.values():
+        texts = [rollout.response_text[i] for i in members]
+        chosen = group_pairs(texts, [scores[i] for i in members], limit)
+        undecided += not chosen
+        first = members[0]
+        prompt = conversations[first] or rollout.prompt_text[first]
+        rows += [{"prompt": prompt, "chosen": texts[w], "rejected": texts[lo],
+                  "chosen_score": scores[members[w]], "rejected_score": scores[members[lo]]} for w, lo in chosen]
+    return rows, undecided
