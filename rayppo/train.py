@@ -32,6 +32,7 @@ from rayppo.run.checkpoint import (
     write_checkpoint,
 )
 from rayppo.run.folder import release_output_dir
+from rayppo.run.gold import gold_plateau
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.progress import Bar
 from rayppo.run.samples import format_samples, pick_samples, shown_prompt
@@ -80,7 +81,7 @@ class TrainResult:
     iterations: int
     """Iterations completed."""
     stop_reason: str
-    """``completed``, ``kl_budget``, ``interrupted`` (Ctrl-C) or ``preempted`` (SIGTERM); a guard
+    """``completed``, ``kl_budget``, ``gold_plateau``, ``interrupted`` (Ctrl-C) or ``preempted`` (SIGTERM); a guard
     or failure stop raises."""
     reward_start: float
     """Mean reward of the first iteration (the initial policy)."""
@@ -188,7 +189,7 @@ class _Loop:
     """The split ``rayppo scale`` asked for, once taken (the loop then stops: ``rescaled``)."""
 
     def run(self) -> str:
-        """Iterate until done; returns why it stopped (``completed``, ``kl_budget``, ``rescaled``, or
+        """Iterate until done; returns why it stopped (``completed``, ``kl_budget``, ``gold_plateau``, ``rescaled``, or
         the signal's ``interrupted`` / ``preempted``)."""
         cfg = self.cfg
         while self.it < cfg.stop.iterations:
@@ -205,6 +206,9 @@ class _Loop:
                 console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = {kl:.2f} nats per "
                               f"response exceeds stop.kl_budget = {cfg.stop.kl_budget}")
                 return "kl_budget"
+            if cfg.stop.gold_patience and (why := gold_plateau(read_metrics(self.logger.path), cfg.stop.gold_patience)):
+                console.write(f"Stopping early at iteration {self.it - 1}: {why}")
+                return "gold_plateau"
             if self.stop.requested:
                 return self.stop.requested
             if self.it < cfg.stop.iterations and self._take_rescale():

@@ -81,7 +81,8 @@ class RewardEngine(Engine):
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
                  dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None,
                  gpus: float = 0.0, timeout_s: float = 30.0, timeout_score: float | None = None,
-                 micro_batch_tokens: int = 0):
+                 micro_batch_tokens: int = 0, gold: str | None = None):
+        """``gold``: a gold scorer ``module:function`` run beside the reward (``gold_scores``)."""
         self.set_threads(num_threads)
         self.init_device(gpus, "reward")
         if sum(x is not None for x in (function, model, http)) != 1:
@@ -92,6 +93,10 @@ class RewardEngine(Engine):
             load_reward_function(function)  # a bad name fails here, at start, with the field named
         # Each call runs in a child process that is killed past timeout_s (verifier.py).
         self.function = VerifierProcess(function, timeout_s) if function else None
+        if gold:
+            load_reward_function(gold)
+        self.gold = VerifierProcess(gold, timeout_s) if gold else None
+        self.gold_name = gold or ""
         self.timeout_s, self.timeout_score = timeout_s, timeout_score
         self.http = http
         self.name = function or model or (http.url if http else "")
@@ -135,22 +140,30 @@ class RewardEngine(Engine):
                                         rows[part]))
         return out
 
-    def _verifier_scores(self, rollout: Rollout) -> list[float]:
+    def gold_scores(self, rollout: Rollout) -> list[float]:
+        """``[B]`` the gold scorer's scores of the rows (``reward.gold_function``); ``RewardError``
+        naming the prompt on failure, as for the reward."""
+        if self.gold is None:
+            raise RewardError("gold_scores called on a reward actor without reward.gold_function")
+        return self._verifier_scores(rollout, self.gold, self.gold_name)
+
+    def _verifier_scores(self, rollout: Rollout, function: VerifierProcess | None = None, name: str = "") -> list[float]:
         out = []
-        assert self.function is not None  # scores() calls this only with a verifier
+        function, name = function or self.function, name or self.name
+        assert function is not None  # scores() calls this only with a verifier
         rows = zip(rollout.prompt_text, rollout.response_text, rollout.row_fields(), rollout.conversations())
         for prompt, response, fields, messages in rows:
             try:
-                out.append(float(self.function(prompt, response, fields, messages)))
+                out.append(float(function(prompt, response, fields, messages)))
             except VerifierTimeoutError:
                 if self.timeout_score is None:
-                    raise RewardError(f"reward function {self.name} ran past reward.timeout_s={self.timeout_s:g} s on "
+                    raise RewardError(f"reward function {name} ran past reward.timeout_s={self.timeout_s:g} s on "
                                       f"prompt {prompt!r} (response {response!r}); set reward.timeout_score to score "
                                       "such responses instead of stopping") from None
                 out.append(self.timeout_score)
             except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
                 what = str(exc) if isinstance(exc, VerifierError) else f"{type(exc).__name__}: {exc}"  # named already
-                raise RewardError(f"reward function {self.name} failed on prompt {prompt!r} (response {response!r}): "
+                raise RewardError(f"reward function {name} failed on prompt {prompt!r} (response {response!r}): "
                                   f"{what}") from exc
         return out
 

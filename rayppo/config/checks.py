@@ -166,6 +166,10 @@ def validate(cfg: Config) -> Config:
     _check_episodes(cfg)
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
+    _require(cfg.stop.gold_patience >= 0, "stop.gold_patience", "must be >= 0 (0: off)", cfg.stop.gold_patience)
+    _require(cfg.stop.gold_patience == 0 or (cfg.reward.gold_function is not None and cfg.eval.every > 0),
+             "stop.gold_patience", "compares held-out gold and proxy: it needs reward.gold_function and eval.every > 0",
+             cfg.stop.gold_patience)
     _require(cfg.output.checkpoint_every >= 0, "output.checkpoint_every", "must be >= 0", cfg.output.checkpoint_every)
     _require(cfg.output.keep_checkpoints >= 1, "output.keep_checkpoints", "must be >= 1", cfg.output.keep_checkpoints)
     sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
@@ -181,6 +185,11 @@ def validate(cfg: Config) -> Config:
                  "must be an http:// or https:// URL", cfg.reward.url)
     if cfg.reward.function is not None:
         _require(":" in cfg.reward.function, "reward.function", "must look like 'module:function'", cfg.reward.function)
+    if cfg.reward.gold_function is not None:
+        _require(":" in cfg.reward.gold_function, "reward.gold_function", "must look like 'module:function'",
+                 cfg.reward.gold_function)
+        _require(sources[0] is not None or sources[1] is not None or sources[2] is not None, "reward.gold_function",
+                 "is recorded beside a reward; set reward.function, reward.model or reward.url too", sources)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
     _validate_outputs(cfg)
     _validate_preference(cfg)

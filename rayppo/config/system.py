@@ -71,6 +71,11 @@ class RewardConfig(ScorerConfig):
     """HTTP reward endpoint: POST ``{"prompts": [...], "responses": [...], "messages": [...],
     "rows": [...]}`` (``messages``: each chat prompt's conversation or null; ``rows``: each
     prompt row's other columns), answer ``{"scores": [...]}`` (one float per response)."""
+    gold_function: str | None = None
+    """A gold scorer ``module:function`` (a verifier, called as ``reward.function`` is) recorded
+    beside the reward on the same rows (``reward/gold_mean``, ``eval/gold/mean``) and never
+    trained on: with a learned ``reward.model`` it shows how far the proxy has drifted from the
+    truth (docs/reward-models.md, "Proxy versus gold")."""
     timeout_s: float = 30.0
     """Seconds per HTTP request, and per call of a verifier function (which runs in a child
     process that is killed past it, so a hanging verifier cannot stall the run)."""
@@ -120,6 +125,10 @@ class StopConfig:
     """PPO iterations (rollout + update) to run."""
     kl_budget: float = 20.0
     """Stop early once the mean KL(pi || pi_ref) per response exceeds this many nats."""
+    gold_patience: int = 0
+    """With a gold scorer (``reward.gold_function``): stop, with a checkpoint, once the held-out
+    gold mean has not improved on its best for this many evaluations while the held-out proxy
+    reward rose over them (over-optimisation of a learned reward model); 0: off."""
     sigterm_grace_s: float = 25.0
     """SIGTERM (``ray job stop``, ``rayppo stop``, Kubernetes eviction, spot reclaim) is a
     preemption: the run finishes the iteration in flight and writes its checkpoint when that fits

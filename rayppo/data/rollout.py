@@ -65,6 +65,9 @@ class Rollout:
     ``ppo.kl_coef`` = 0 (no reference runs)."""
     score: list[float] = _column(pa.float32())
     """(reward scorer) [B] r_phi(x, y); empty before the reward pass."""
+    gold_score: list[float] = _column(pa.float32())
+    """(reward scorer) [B] the gold scorer's score of the row (``reward.gold_function``), recorded beside
+    r_phi and never trained on; empty without one."""
     prompt_messages: list[str] = _column(pa.string())
     """(generator) [B] the chat conversation (a JSON list of ``{role, content}``) the prompt text was rendered
     from, ``""`` for a plain-text prompt; empty: every prompt is plain."""
@@ -97,10 +100,12 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.response_ids)
 
-    def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None) -> Rollout:
+    def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None,
+               gold_score: list[float] | None = None) -> Rollout:
         """A new record with the scorers' columns filled (this one is left as it is)."""
         return dataclasses.replace(self, score=list(score),
-                                   ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs))
+                                   ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs),
+                                   gold_score=self.gold_score if gold_score is None else list(gold_score))
 
     def trained(self, advantages: list[list[float]], returns: list[list[float]]) -> Rollout:
         """A new record with the learner's columns filled (``output.save_rollouts``)."""

@@ -61,8 +61,9 @@ def check_inputs(cfg: Config) -> None:
                         "(lower rollout.batch_size to sample each prompt at most once per iteration)",
                         rows.source, len(rows.prompts), cfg.rollout.batch_size)
     train_rows = train_rows or embedded_rows(cfg.data.prompts, cfg.data.prompt_column)
-    if cfg.reward.function is not None:
-        check_reward_function(cfg.reward.function, train_rows, cfg.reward.timeout_s)
+    for function in (cfg.reward.function, cfg.reward.gold_function):
+        if function is not None:
+            check_reward_function(function, train_rows, cfg.reward.timeout_s)
     if cfg.rollout.environment is not None:
         check_environment(cfg.rollout.environment, train_rows, cfg.rollout.environment_timeout_s)
 

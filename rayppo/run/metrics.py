@@ -109,8 +109,12 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
     import matplotlib.pyplot as plt
 
     its = [r["iteration"] for r in records]
-    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(10, 3.6))
+    gold = any("reward/gold_mean" in r for r in records)
+    fig, axes = plt.subplots(1, 3 if gold else 2, figsize=(15 if gold else 10, 3.6))
+    ax_r, ax_k = axes[0], axes[1]
     _reward_panel(ax_r, records, its)
+    if gold:
+        _gold_panel(axes[2], records)
     kl = [(r["iteration"], r["kl/ref_mean"]) for r in records if "kl/ref_mean" in r]  # none at kl_coef = 0
     ax_k.plot([i for i, _ in kl], [v for _, v in kl], marker=".", color="tab:red")
     ax_k.set(title="KL(pi || pi_ref), nats per response" + ("" if kl else ": no reference (ppo.kl_coef = 0)"),
@@ -118,11 +122,29 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
     if kl_budget is not None:
         ax_k.axhline(kl_budget, linestyle="--", color="grey", label="stop.kl_budget")
         ax_k.legend()
-    for ax in (ax_r, ax_k):
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(str(out_png), dpi=100)
     plt.close(fig)
+
+
+def _gold_panel(ax, records: list[dict[str, float]]) -> None:
+    """Proxy (the trained-on reward) and gold (``reward.gold_function``) against KL(pi || pi_ref):
+    the figure of reward-model over-optimisation (Gao, Schulman and Hilton 2022, fig. 1). Against
+    the iteration where no reference runs (no KL)."""
+    rows = [r for r in records if "reward/gold_mean" in r]
+    kl = all("kl/ref_mean" in r for r in rows)
+    x = [r["kl/ref_mean"] if kl else r["iteration"] for r in rows]
+    ax.plot(x, [r["reward/mean"] for r in rows], marker=".", color="tab:blue", label="proxy (reward/mean)")
+    ax.plot(x, [r["reward/gold_mean"] for r in rows], marker=".", color="tab:orange", label="gold (reward/gold_mean)")
+    held = [r for r in rows if "eval/gold/mean" in r and "eval/reward/mean" in r]
+    if held:
+        hx = [r["kl/ref_mean"] if kl else r["iteration"] for r in held]
+        ax.plot(hx, [r["eval/reward/mean"] for r in held], "s--", color="tab:blue", alpha=0.6, label="held-out proxy")
+        ax.plot(hx, [r["eval/gold/mean"] for r in held], "s--", color="tab:orange", alpha=0.6, label="held-out gold")
+    ax.set(title="proxy and gold reward", xlabel="KL(pi || pi_ref), nats per response" if kl else "iteration")
+    ax.legend(fontsize="small")
 
 
 def _column(records: list[dict[str, float]], key: str) -> list[float]:

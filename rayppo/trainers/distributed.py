@@ -215,10 +215,10 @@ class DistributedTrainer(LoopTrainer):
             # Each held-out prompt keeps its place in the set as its group: its noise is the same on any split.
             return [prompts.select(rows).groups_of(1, rows.start) for rows in split_evenly(len(prompts), generators)]
 
-        def score_pass(temperature: float, k: int) -> list[float]:
+        def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
             rollout = self.calls.sample(GeneratorEngine.evaluate, split, seed, temperature, k)
             (score,) = self.calls.reward_scores([rollout])
-            return rollout.scored(score).total_rewards()
+            return rollout.scored(score).total_rewards(), self.calls.gold_scores(rollout)
 
         with self.clock.during("evaluate"), self.source.paused(current=True):
             return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)

@@ -88,18 +88,25 @@ def eval_plan(cfg: Config) -> EvalPlan:
 
 
 def run_evaluation(plan: EvalPlan, num_prompts: int,
-                   score_pass: Callable[[float, int], list[float]]) -> dict[str, float]:
+                   score_pass: Callable[[float, int], tuple[list[float], list[float]]]) -> dict[str, float]:
     """Every pass of ``plan``: ``score_pass(temperature, k)`` generates k responses per prompt
-    and returns their ``[P * k]`` rewards, prompt-major. Returns the figures and ``time/eval``."""
+    and returns their ``[P * k]`` rewards, prompt-major, and their gold scores (``[]`` without a
+    gold scorer). Returns the figures (``eval/gold/mean``: the gold mean of the pass that gives
+    ``eval/reward/mean``, the sampled one when there is one) and ``time/eval``."""
     start = time.perf_counter()
     greedy: list[float] | None = None
     sampled: list[list[float]] | None = None
+    gold: list[float] = []
     for temperature, k in plan.passes():
-        scores = score_pass(temperature, k)
+        scores, pass_gold = score_pass(temperature, k)
+        gold = pass_gold or gold  # the last pass's: sampled after greedy, as eval/reward/mean
         if len(scores) != num_prompts * k:
             raise RuntimeError(f"evaluation got {len(scores)} rewards for {num_prompts} prompts x {k}")
         if temperature == GREEDY:
             greedy = scores
         else:
             sampled = [scores[i * k:(i + 1) * k] for i in range(num_prompts)]
-    return eval_metrics(plan, greedy, sampled) | {"time/eval": time.perf_counter() - start}
+    figures = eval_metrics(plan, greedy, sampled)
+    if gold:
+        figures["eval/gold/mean"] = sum(gold) / len(gold)
+    return figures | {"time/eval": time.perf_counter() - start}

@@ -83,7 +83,8 @@ class LocalSource:
         with self.clock.stage("reward"):
             # Dynamic sampling has rewarded it already.
             score = rollout.score if len(rollout.score) == len(rollout) else self.scores(rollout)
-            rollout = rollout.scored(score, ref_logprobs)
+            gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else None
+            rollout = rollout.scored(score, ref_logprobs, gold)
         return Drawn(rollout, dynamic)
 
     def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:
@@ -217,9 +218,10 @@ class InProcessTrainer(LoopTrainer):
         if prompts is None:
             return {}
 
-        def score_pass(temperature: float, k: int) -> list[float]:
+        def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
             rollout = self.generator.evaluate(prompts, temperature, k, eval_seed(self.cfg.seed))
-            return rollout.scored(self.source.scores(rollout)).total_rewards()
+            gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else []
+            return rollout.scored(self.source.scores(rollout)).total_rewards(), gold
 
         return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
 

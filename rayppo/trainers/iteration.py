@@ -38,5 +38,7 @@ def rollout_stats(rollout: Rollout, seconds: float, max_turns: int = 0) -> dict[
         "throughput/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
         **(episode_stats(rollout.action_mask, rollout.turn_ends, rollout.finish_reason, max_turns,
                          rollout.environment_seconds or [0.0] * len(rollout)) if rollout.action_mask else {}),
+        # The gold scorer's mean on the same rows, beside the (proxy) reward it is compared with.
+        **({"reward/gold_mean": sum(rollout.gold_score) / len(rollout)} if rollout.gold_score else {}),
     }
 

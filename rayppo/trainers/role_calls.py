@@ -78,25 +78,37 @@ class RoleCalls:
             return [[0.0] * len(r) for r in rollouts]
         return [[x for part in parts for x in part] for parts in self.supervisor.run([self._reward_pass(r) for r in rollouts])]
 
-    def _reward_pass(self, rollout: Rollout) -> Fanout:
-        """r_phi of ``rollout``'s rows, split across the reward actors."""
+    def gold_scores(self, rollout: Rollout) -> list[float]:
+        """The gold scorer's scores of ``rollout``'s rows (``reward.gold_function``); [] without one."""
+        if not (self.cfg.reward.gold_function and len(self.rewards)):
+            return []
+        (parts,) = self.supervisor.run([self._reward_pass(rollout, RewardEngine.gold_scores)])
+        return [x for part in parts for x in part]
+
+    def _reward_pass(self, rollout: Rollout, method: Callable[..., list[float]] = RewardEngine.scores) -> Fanout:
+        """r_phi (or, ``RewardEngine.gold_scores``, the gold scorer's score) of ``rollout``'s rows,
+        split across the reward actors."""
         rows = split_evenly(len(rollout), len(self.rewards))
-        return Fanout(self.rewards, "reward", RewardEngine.scores, [(rollout.select(r),) for r in rows])
+        role = "reward" if method is RewardEngine.scores else "gold"
+        return Fanout(self.rewards, role, method, [(rollout.select(r),) for r in rows])
 
     def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
-        only when no reference runs, at ppo.kl_coef = 0)."""
+        only when no reference runs, at ppo.kl_coef = 0); the gold score too with ``reward.gold_function``."""
         if not len(self.rewards):  # an environment's turn rewards are the whole reward
             rollout = rollout.scored([0.0] * len(rollout))
         scored = len(rollout.score) == len(rollout)  # dynamic sampling has rewarded it already
         passes = [] if scored else [self._reward_pass(rollout)]
+        if self.cfg.reward.gold_function and len(self.rewards):
+            passes.append(self._reward_pass(rollout, RewardEngine.gold_scores))
         if len(self.reference):
             ref_rows = split_evenly(len(rollout), len(self.reference))
             passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
                                  [(rollout.select(r),) for r in ref_rows]))
         parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
         score = [x for part in parts["reward"] for x in part] if "reward" in parts else rollout.score
-        rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part])
+        gold = [x for part in parts["gold"] for x in part] if "gold" in parts else None
+        rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part], gold)
         seconds = {p.role: p.seconds for p in passes}
         return rollout, {"time/reward": seconds.get("reward", 0.0), "time/reference": seconds.get("reference", 0.0)}
 
