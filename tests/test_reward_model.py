@@ -1,8 +1,9 @@
 """A learned reward model r_φ (``rayppo reward-model``): the Bradley–Terry loss against a hand
 computation, pair files refused row by row, a model trained on the embedded model that ranks
 held-out pairs and serves as ``reward.model`` with the scores it was evaluated with, a critic that
-starts from its head, and its training on two Ray ranks equal to one rank in process, resumed on
-another split."""
+starts from its head, its training on two Ray ranks equal to one rank in process and resumed on
+another split; PPO with the four models (and a gold scorer beside r_φ) equal on two ranks and in
+process; the proxy-versus-gold stop rule."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from rayppo.data.pairs import held_out_split, read_pairs
 from rayppo.data.rollout import Rollout
 from rayppo.learner.preference import bradley_terry_loss, pair_means, pair_sums
 from rayppo.models.loading import Critic, load_tokenizer
+from rayppo.run.gold import gold_plateau
 from rayppo.run.metrics import read_metrics
 from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
+from rayppo.trainers.distributed import DistributedTrainer
+from rayppo.trainers.inprocess import InProcessTrainer
 from rayppo.trainers.reward_model import train_reward_model
 
 PAIRS = 160
@@ -159,6 +163,45 @@ def test_two_ranks_train_the_reward_model_as_one_rank_in_process_and_resume_on_o
     assert [r["iteration"] for r in resumed] == list(range(STEPS))
     assert resumed[-1]["rm/eval/accuracy"] == pytest.approx(expected[-1]["rm/eval/accuracy"])
     assert resumed[-1]["rm/eval/loss"] == pytest.approx(expected[-1]["rm/eval/loss"], abs=1e-5)
+
+
+def test_the_gold_stop_rule_fires_when_gold_stalls_while_the_proxy_rises():
+    def evals(proxy: list[float], gold: list[float]) -> list[dict[str, float]]:
+        return [{"iteration": 5 * i + 4, "eval/reward/mean": p, "eval/gold/mean": g, "reward/mean": 0.0}
+                for i, (p, g) in enumerate(zip(proxy, gold))]
+
+    hacked = evals([0.1, 0.3, 0.5, 0.7], [0.2, 0.4, 0.35, 0.38])
+    why = gold_plateau(hacked, patience=2)
+    assert why is not None and "best (0.400, iteration 9) for 2 evaluations" in why and "0.300 to 0.700" in why
+    assert gold_plateau(hacked, patience=3) is None  # the window would hold the best itself
+    assert gold_plateau(evals([0.1, 0.3, 0.3, 0.2], [0.2, 0.4, 0.35, 0.38]), patience=2) is None  # proxy fell too
+    assert gold_plateau(evals([0.1, 0.3, 0.5, 0.7], [0.2, 0.4, 0.35, 0.41]), patience=2) is None  # gold improved
+    assert gold_plateau([{"iteration": 0, "reward/mean": 1.0}] * 9, patience=1) is None  # no gold scorer: nothing
+
+
+@pytest.mark.slow
+def test_ppo_with_four_real_models_trains_as_the_in_process_trainer_on_two_ranks(trained):
+    """Policy and reference (the embedded model), the learned r_φ served by the reward actor, the
+    critic started from r_φ, and the verifier as the gold scorer: three iterations on 2 ZeRO-2
+    ranks in micro-batches give the in-process trainer's losses, KL, proxy and gold rewards
+    (the bounds of test_distributed.py's equivalence test: rounding of the split and the
+    micro-batching, far below a sharding error's effect)."""
+    _, _, result = trained
+    models = [f"reward.model={result.folder}", "reward.function=null", f"model.critic={result.folder}",
+              "reward.gold_function=rayppo.tasks.digits:reward", "generators.backend=hf", "rollout.batch_size=16",
+              "ppo.epochs=2", "ppo.minibatches=2", "rollout.max_new_tokens=6", "ppo.kl_coef=0.05"]
+    reference = InProcessTrainer(load_config(None, models + ["trainer=reference", "learner.micro_batch_tokens=0"]))
+    expected = [reference.iteration() for _ in range(3)]
+    assert expected[0]["value/loss"] > 0 and abs(expected[2]["kl/ref_mean"]) > 1e-4
+    trainer = DistributedTrainer(load_config(None, models + ["learner.num_ranks=2", "learner.zero_stage=2",
+                                                             "learner.micro_batch_tokens=24"]))
+    try:
+        got = [trainer.iteration() for _ in range(3)]
+    finally:
+        trainer.close()
+    for it in range(3):
+        for key in ("reward/mean", "reward/gold_mean", "policy/loss", "value/loss", "kl/ref_mean", "policy/clipfrac"):
+            assert got[it][key] == pytest.approx(expected[it][key], abs=1e-5, rel=1e-4), (it, key)
 
 
 def _rollout(prompts: list, responses: list[str]) -> Rollout:
