@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from rayppo.data.pairs import held_out_split, read_pairs
 from rayppo.data.rollout import Rollout
 from rayppo.learner.preference import bradley_terry_loss, pair_means, pair_sums
 from rayppo.models.loading import Critic, load_tokenizer
+from rayppo.models.reward_stats import STATS_FILE, RewardStats
 from rayppo.run.gold import gold_plateau
 from rayppo.run.metrics import read_metrics
 from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
@@ -111,14 +113,32 @@ def test_a_trained_reward_model_ranks_held_out_pairs_and_serves_them_as_it_was_e
     assert AutoModelForSequenceClassification.from_pretrained(result.folder).config.num_labels == 1
     pairs = read_pairs(pairs_file)
     _, rows = held_out_split(len(pairs), HELD_OUT, seed=0)
-    scorer = RewardEngine(model=str(result.folder), batch_size=7)
-    scores = {}
-    for column in ("chosen", "rejected"):
-        responses = [getattr(pairs, column)[i] for i in rows]
-        scores[column] = torch.tensor(scorer.scores(_rollout([pairs.prompts[i] for i in rows], responses)))
-    served = pair_means(pair_sums(scores["chosen"], scores["rejected"]))
+    scorer = RewardEngine(model=str(result.folder), batch_size=7, normalize=False)
+    rollouts = {c: _rollout([pairs.prompts[i] for i in rows], [getattr(pairs, c)[i] for i in rows])
+                for c in ("chosen", "rejected")}
+    raw = {c: torch.tensor(scorer.scores(r)) for c, r in rollouts.items()}
+    served = pair_means(pair_sums(raw["chosen"], raw["rejected"]))
     # fp32 forwards of the same tokens, padded into other batches: rounding of order 1e-6 per score.
     assert served == pytest.approx(held, abs=1e-4)
+    # reward.normalize (the default): centred and scaled by the held-out responses' own figures.
+    stats = RewardStats.read(result.folder)
+    assert stats is not None and stats.responses == 2 * len(rows)
+    both = torch.cat([raw["chosen"], raw["rejected"]]).double()
+    assert stats.mean == pytest.approx(both.mean().item(), abs=1e-4)
+    assert stats.std == pytest.approx(both.std(unbiased=False).item(), rel=1e-3)
+    normalized = RewardEngine(model=str(result.folder), batch_size=7).scores(rollouts["chosen"])
+    assert normalized == pytest.approx(((raw["chosen"] - stats.mean) / stats.std).tolist(), abs=1e-4 / stats.std)
+
+
+def test_a_damaged_reward_statistics_file_is_refused_before_the_run_starts(trained, tmp_path, capsys):
+    _, _, result = trained
+    folder = tmp_path / "rm"
+    shutil.copytree(result.folder, folder)
+    (folder / STATS_FILE).write_text('{"mean": 0.1, "std": 0.0, "responses": 80}')
+    rc = main(["train", f"reward.model={folder}", "reward.function=null", f"output.dir={tmp_path / 'run'}",
+               "trainer=reference", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{folder / STATS_FILE}: mean 0.1 and std 0.0 cannot normalise" in err, err
 
 
 def test_the_critic_started_from_a_reward_model_values_the_end_of_a_response_at_its_reward(trained, embedded_dir):

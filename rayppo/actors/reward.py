@@ -19,6 +19,7 @@ from rayppo.data.reward_texts import reward_text, templated
 from rayppo.data.rollout import Rollout
 from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
+from rayppo.models.reward_stats import RewardStats
 from rayppo.models.sequence_scores import shared_prefix_scores, shared_scoring
 
 
@@ -81,14 +82,16 @@ class RewardEngine(Engine):
     def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
                  dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None,
                  gpus: float = 0.0, timeout_s: float = 30.0, timeout_score: float | None = None,
-                 micro_batch_tokens: int = 0, gold: str | None = None):
-        """``gold``: a gold scorer ``module:function`` run beside the reward (``gold_scores``)."""
+                 micro_batch_tokens: int = 0, gold: str | None = None, normalize: bool = True):
+        """``gold``: a gold scorer ``module:function`` run beside the reward (``gold_scores``).
+        ``normalize``: a reward model's scores as (r − mean) / std by its ``reward_stats.json``."""
         self.set_threads(num_threads)
         self.init_device(gpus, "reward")
         if sum(x is not None for x in (function, model, http)) != 1:
             raise ValueError("RewardEngine needs exactly one of function=, model= and http=")
         self.batch_size = batch_size
         self.micro_batch_tokens = micro_batch_tokens  # reward model passes only
+        self.stats: RewardStats | None = None  # a reward model's offset and unit (reward.normalize)
         if function:
             load_reward_function(function)  # a bad name fails here, at start, with the field named
         # Each call runs in a child process that is killed past timeout_s (verifier.py).
@@ -105,6 +108,7 @@ class RewardEngine(Engine):
 
             model = str(resolve_model_path(model))
             self.model = load_reward_model(model, dtype).to(self.device).eval().requires_grad_(False)
+            self.stats = RewardStats.read(model) if normalize else None
             self.tokenizer = load_tokenizer(model)
             self.tokenizer.padding_side = "right"
             # a group's shared prompt run once (models/sequence_scores.py), where the family allows
@@ -115,7 +119,9 @@ class RewardEngine(Engine):
             return f"verifier {self.name} in a child process (reward.timeout_s={self.timeout_s:g})"
         if self.http:
             return f"HTTP endpoint {self.http.url}"
-        return f"reward model {self.name}, {model_size(self.model)}, {self.device_info()}"
+        served = (f", served as (r - {self.stats.mean:.3g}) / {self.stats.std:.3g} (its reward_stats.json)"
+                  if self.stats is not None else "")
+        return f"reward model {self.name}, {model_size(self.model)}, {self.device_info()}{served}"
 
     def scores(self, rollout: Rollout) -> list[float]:
         """``[B]`` r_phi(x, y); raises ``RewardError`` naming the prompt on failure or non-finite."""
@@ -202,4 +208,6 @@ class RewardEngine(Engine):
                 values = self.model(**enc).logits[:, 0].float().tolist()  # [b, 1] logits
             for i, value in zip(rows, values):
                 out[i] = value
+        if self.stats is not None:  # r_phi in units of its own spread on held-out responses, centred
+            out = [(x - self.stats.mean) / self.stats.std for x in out]
         return out

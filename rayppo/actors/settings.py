@@ -48,4 +48,4 @@ def reward_args(cfg: Config, gpus: float, num_threads: int | None = None, model:
     return dict(function=r.function, model=model or r.model, batch_size=r.batch_size, dtype=cfg.model.dtype,
                 num_threads=num_threads, http=endpoint_from(r.url, r.timeout_s, r.retries), gpus=gpus,
                 timeout_s=r.timeout_s, timeout_score=r.timeout_score, micro_batch_tokens=r.micro_batch_tokens,
-                gold=r.gold_function)
+                gold=r.gold_function, normalize=r.normalize)

@@ -71,6 +71,11 @@ class RewardConfig(ScorerConfig):
     """HTTP reward endpoint: POST ``{"prompts": [...], "responses": [...], "messages": [...],
     "rows": [...]}`` (``messages``: each chat prompt's conversation or null; ``rows``: each
     prompt row's other columns), answer ``{"scores": [...]}`` (one float per response)."""
+    normalize: bool = True
+    """Serve a ``reward.model`` as (r_φ − mean) / std with the mean and std of its held-out
+    responses that ``rayppo reward-model`` wrote beside it (``reward_stats.json``): a fixed unit,
+    so ``ppo.kl_coef`` weighs the same against any reward model (docs/reward-models.md). A folder
+    without the file is served as it is."""
     gold_function: str | None = None
     """A gold scorer ``module:function`` (a verifier, called as ``reward.function`` is) recorded
     beside the reward on the same rows (``reward/gold_mean``, ``eval/gold/mean``) and never

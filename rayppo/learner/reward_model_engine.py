@@ -113,6 +113,17 @@ class RewardModelLearner(Engine):
                 self._scores([[self.pad_id]])
         return self.collective.sum(sums)
 
+    @torch.no_grad()
+    def score_rows(self, rows: list[list[int]], passes: int) -> list[float]:
+        """r_φ of each token list of this rank's share, in ``passes`` forward passes of
+        ``micro_pairs`` rows (every rank makes the same number, as in ``evaluate``)."""
+        micro, out = self.cfg.preference.micro_pairs, []
+        for k in range(passes):
+            part = rows[k * micro:(k + 1) * micro]
+            scores = self._scores(part or [[self.pad_id]])
+            out += scores.tolist() if part else []
+        return out
+
     def steps_done(self) -> int:
         """Optimiser steps taken (a restored checkpoint's included)."""
         return self.steps

@@ -92,3 +92,6 @@ def check_reward_model(folder: Path, config: dict[str, Any]) -> None:
                                f"model: {need}")
     if labels not in (None, 1):
         raise ModelFolderError(f"reward.model: {folder} is a classifier with {labels} labels, not a reward model: {need}")
+    from rayppo.models.reward_stats import RewardStats
+
+    RewardStats.read(folder)  # a damaged reward_stats.json fails here, naming it, not in an actor

@@ -30,6 +30,7 @@ from rayppo.learner.preference import pair_means
 from rayppo.learner.reward_model_engine import RewardModelLearner
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.reward_model import backbone_name
+from rayppo.models.reward_stats import RewardStats
 from rayppo.run.checkpoint import read_driver_state, write_checkpoint
 from rayppo.run.metrics import MetricsLogger
 from rayppo.run.progress import Bar
@@ -78,6 +79,16 @@ class PreferenceLearner:
         passes = max(-(-len(s) // self.micro) for s in shards)
         futures = self.group.ranks.call(RewardModelLearner.evaluate, [(s.chosen, s.rejected, passes) for s in shards])
         return pair_means(self.group.gather(futures, "evaluate")[0])
+
+    def scores(self, rows: list[int]) -> list[float]:
+        """r_φ of both responses of each pair of ``rows`` (chosen ones first), dealt to the ranks."""
+        chosen = [self.tokens.chosen[i] for i in rows]
+        texts = chosen + [self.tokens.rejected[i] for i in rows]
+        parts = split_evenly(len(texts), self.group.num_ranks)
+        passes = max(-(-len(part) // self.micro) for part in parts)
+        futures = self.group.ranks.call(RewardModelLearner.score_rows, [([texts[i] for i in part], passes)
+                                                                        for part in parts])
+        return [x for part in self.group.gather(futures, "score_rows") for x in part]
 
     def checkpoint(self, path: Path) -> dict[str, Any]:
         """``run/checkpoint.Checkpointable``: every rank's states; the driver's state is the step count."""
@@ -157,6 +168,8 @@ def train_reward_model(cfg: Config, progress: bool = True, resume: Path | None =
             logger.close()
         held_out = learner.evaluate(held_rows) if held_rows else {}
         learner.save(out / OUTPUT)
+        if held_rows:  # r_φ's own offset and unit, on responses it was not trained on
+            RewardStats.of(learner.scores(held_rows)).write(out / OUTPUT)
     return RewardModelResult(total, held_out, out / OUTPUT, time.monotonic() - start_time)
 
 
