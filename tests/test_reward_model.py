@@ -11,6 +11,8 @@ import json
 import math
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,8 +32,9 @@ from rayppo.run.metrics import read_metrics
 from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.inprocess import InProcessTrainer
-from rayppo.trainers.reward_model import train_reward_model
+from rayppo.trainers.reward_model import prepared_pairs, train_reward_model
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 PAIRS = 160
 HELD_OUT = 0.25
 """40 held-out pairs: a ranking at chance gets 32 or more right with probability 1.1e-4."""
@@ -72,6 +75,38 @@ def test_bradley_terry_loss_matches_a_hand_computation():
     assert bradley_terry_loss(chosen, rejected).item() == pytest.approx(expected, abs=1e-6)
     means = pair_means(pair_sums(chosen, rejected))
     assert means == pytest.approx({"loss": expected, "accuracy": 0.25, "margin": -0.125}, abs=1e-6)  # a tie is not right
+
+
+def _trl_python() -> Path | None:
+    """TRL 1.16's environment (``benchmarks/bench_trl_venv.py``), when it has been made."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from bench_trl_venv import TRL_GRPO, choose_trl_venv
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    venv = choose_trl_venv(TRL_GRPO)
+    return venv.path / "bin" / "python" if venv.state == "ready" else None
+
+
+@pytest.mark.skipif(_trl_python() is None, reason="TRL runs in its own environment (.venv-trl-1.16, pinned torch "
+                    "and trl), made once by 'rayppo bench --compare trl' on a GRPO workload or by "
+                    "benchmarks/reward_model_speed.py; this suite does not install it")
+def test_the_bradley_terry_loss_equals_trl_reward_trainers_on_the_same_pairs(trained, tmp_path):
+    """TRL's ``RewardTrainer.compute_loss`` on the held-out pairs, tokenised by rayppo, with the
+    trained r_φ, equals the held-out loss rayppo's learner computed (fp32 both; TRL pads the 40
+    pairs into one batch, rayppo into micro-batches of 4: rounding of order 1e-7 per score)."""
+    run, pairs_file, result = trained
+    cfg = load_config(None, [f"preference.pairs={pairs_file}", *TRAIN])
+    pairs, tokens = prepared_pairs(cfg)
+    _, rows = held_out_split(len(pairs), HELD_OUT, seed=0)
+    spec = {"model": str(result.folder), "chosen_ids": [tokens.chosen[i] for i in rows],
+            "rejected_ids": [tokens.rejected[i] for i in rows], "batch_pairs": len(rows), "lr": 1e-5,
+            "max_grad_norm": 1.0, "work_dir": str(tmp_path / "trl")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([str(_trl_python()), str(BENCHMARKS / "trl_reward.py"), "--spec", str(tmp_path / "spec.json"),
+                    "--out", str(tmp_path / "trl.json"), "--loss-only"], check=True)
+    trl_loss = json.loads((tmp_path / "trl.json").read_text())["loss"]
+    assert trl_loss == pytest.approx(result.held_out["loss"], abs=1e-5)
 
 
 def test_bradley_terry_loss_is_finite_for_a_pair_ranked_far_the_wrong_way():

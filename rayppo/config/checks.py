@@ -213,6 +213,7 @@ def _validate_preference(cfg: Config) -> None:
     _require(f.samples_per_prompt >= 2, "preference.samples_per_prompt", "must be >= 2 (a pair needs two responses)",
              f.samples_per_prompt)
     _require(f.pairs_per_prompt >= 1, "preference.pairs_per_prompt", "must be >= 1", f.pairs_per_prompt)
+    _require(f.max_pairs >= 0, "preference.max_pairs", "must be >= 0 (0: no limit)", f.max_pairs)
 
 
 def _validate_outputs(cfg: Config) -> None:

@@ -44,3 +44,5 @@ class PreferenceConfig:
     pairs_per_prompt: int = 2
     """``rayppo pairs``: at most this many pairs per prompt, the best-scored response with the
     worst, the second with the second last, ... where the verifier strictly prefers one."""
+    max_pairs: int = 0
+    """``rayppo pairs``: stop once this many pairs are written (0: sample every prompt of ``data.prompts``)."""

@@ -6,8 +6,8 @@ learner group that trains the policy (ranks, ZeRO stage, bf16, checkpoints, resu
     eval   -> pairwise accuracy, margin and loss on the held-out pairs (each epoch, every eval_every)
     output -> output.dir/reward_model: a folder ``reward.model=`` takes as it is
 
-Each step's metrics (``rm/loss``, ``rm/accuracy``, ``rm/margin``; ``rm/eval/*`` when evaluated)
-go to ``metrics.jsonl`` and the trackers, as a PPO run's do. docs/reward-models.md says the rest.
+Each step's metrics (``rm/loss``, ``rm/accuracy``, ``rm/margin``, ``rm/step_s``, ``rm/pairs_per_s``;
+``rm/eval/*`` when evaluated) go to ``metrics.jsonl`` and the trackers, as a PPO run's do. docs/reward-models.md says the rest.
 """
 
 from __future__ import annotations
@@ -154,8 +154,10 @@ def train_reward_model(cfg: Config, progress: bool = True, resume: Path | None =
             for step in range(first, total):
                 epoch, k = divmod(step, per_epoch)
                 rows = epoch_order(train_rows, epoch, cfg.seed)[k * f.batch_pairs:(k + 1) * f.batch_pairs]
+                began = time.perf_counter()
                 metrics = {f"rm/{key}": value for key, value in learner.train_step(rows).items()}
-                metrics["rm/epoch"] = step / per_epoch
+                seconds = time.perf_counter() - began
+                metrics |= {"rm/epoch": step / per_epoch, "rm/step_s": seconds, "rm/pairs_per_s": len(rows) / seconds}
                 done = step + 1
                 if held_rows and (done % per_epoch == 0 or (f.eval_every and done % f.eval_every == 0)):
                     metrics |= {f"rm/eval/{key}": value for key, value in learner.evaluate(held_rows).items()}

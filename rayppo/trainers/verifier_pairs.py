@@ -6,7 +6,7 @@ For each prompt of ``data.prompts``, the policy (``model.policy``) samples
 verifier strictly prefers one (a right answer over a wrong one), at most
 ``preference.pairs_per_prompt`` per prompt. The file written (``preference.pairs``) is the one
 ``rayppo reward-model`` reads: ``prompt`` (the row's text or conversation), ``chosen``,
-``rejected``, and the two scores.
+``rejected``, and the two scores. ``preference.max_pairs`` stops it early.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def make_verifier_pairs(cfg: Config, progress: bool = True) -> PairsResult:
     batches = range(0, len(prompts), per_batch)
     path = Path(f.pairs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = undecided = 0
+    written = undecided = sampled = 0
     bar = Bar(len(batches), 0, progress, desc="pairs", unit="batch",
               figures=lambda m: {"pairs": f"{m['pairs']:.0f}"})
     with path.open("w", encoding="utf-8") as out:
@@ -83,14 +83,17 @@ def make_verifier_pairs(cfg: Config, progress: bool = True) -> PairsResult:
                                     f.samples_per_prompt)
             rollout = generator.generate(batch, seed=cfg.seed * 1_000_003 + b)
             rows, none = _pair_rows(rollout, verifier.scores(rollout), f.pairs_per_prompt)
+            rows = rows[:f.max_pairs - written] if f.max_pairs else rows
             out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-            written, undecided = written + len(rows), undecided + none
+            written, undecided, sampled = written + len(rows), undecided + none, sampled + len(batch) // f.samples_per_prompt
             bar.update({"pairs": float(written)})
+            if f.max_pairs and written >= f.max_pairs:
+                break
     bar.close()
     generator.close()
     if written == 0:
         console.phase(f"the verifier scored every prompt's {f.samples_per_prompt} responses alike: no pair in {path}")
-    return PairsResult(written, len(prompts), undecided, path, time.monotonic() - start)
+    return PairsResult(written, sampled, undecided, path, time.monotonic() - start)
 
 
 def _pair_rows(rollout: Rollout, scores: list[float], limit: int) -> tuple[list[dict], int]:
