@@ -30,9 +30,11 @@ from rayppo.models.reward_stats import STATS_FILE, RewardStats
 from rayppo.run.gold import gold_plateau
 from rayppo.run.metrics import read_metrics
 from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
+from rayppo.tasks.digits import reward as digits_reward
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.inprocess import InProcessTrainer
 from rayppo.trainers.reward_model import prepared_pairs, train_reward_model
+from rayppo.trainers.verifier_pairs import group_pairs
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 PAIRS = 160
@@ -55,6 +57,29 @@ def write_digit_pairs(path: Path, n: int = PAIRS, seed: int = 0) -> Path:
             rejected = " ".join(rng.choice([d for d in DIGITS if d != digit]) for _ in range(rng.randint(4, 6)))
             f.write(json.dumps({"prompt": make_prompt(verb, digit), "chosen": chosen, "rejected": rejected}) + "\n")
     return path
+
+
+def test_verifier_pairs_put_the_best_against_the_worst_where_the_verifier_prefers_one():
+    texts = ["a", "b", "c", "d", "a ", "e"]
+    scores = [1.0, 0.0, 1.0, 0.5, 1.0, 0.0]
+    # "a" twice (by its stripped text): once; then best-with-worst, second-with-second-last.
+    assert group_pairs(texts, scores, limit=2) == [(0, 5), (2, 1)]
+    assert group_pairs(texts, scores, limit=1) == [(0, 5)]
+    assert group_pairs(["x", "y", "z"], [0.5, 0.5, 0.5], limit=2) == []  # all alike: no pair
+    assert group_pairs(["x", "y", "z", "w"], [1.0, 0.5, 0.5, 0.0], limit=3) == [(0, 3)]  # 0.5 vs 0.5 is no preference
+
+
+def test_rayppo_pairs_labels_the_policys_samples_with_the_verifier(tmp_path, capsys):
+    out = tmp_path / "pairs.jsonl"
+    rc = main(["pairs", f"preference.pairs={out}", "preference.samples_per_prompt=4", "preference.max_pairs=40",
+               "rollout.batch_size=16", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 40 and "pairs: 40 pairs from" in capsys.readouterr().out
+    for row in rows:  # the scores are the verifier's (the default digits reward), chosen strictly better
+        assert digits_reward(row["prompt"], row["chosen"]) == row["chosen_score"] > row["rejected_score"]
+        assert digits_reward(row["prompt"], row["rejected"]) == row["rejected_score"]
+    assert len(read_pairs(out)) == 40  # what rayppo reward-model reads
 
 
 @pytest.fixture(scope="module")
