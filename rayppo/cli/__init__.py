@@ -160,8 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rayppo.config.load import load_config
-    from rayppo.config.schema import ConfigError
     from rayppo.console import console
     from rayppo.errors import RayppoError, raise_preempted
     from rayppo.plan.inputs import check_inputs
@@ -170,15 +168,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_preempted)  # start-up stops cleanly; the loop has its own rule
     console.setup(None, args.verbose)  # warnings of the checks below, before the run folder exists
-    resume = None
-    if args.resume:
-        if args.config:
-            raise ConfigError("--resume takes the run's own config; use overrides, not --config")
-        from rayppo.run.checkpoint import resume_config
+    from rayppo.cli.setup import run_config
 
-        cfg, resume = resume_config(args.resume, overrides)
-    else:
-        cfg = load_config(args.config, overrides)
+    cfg, resume = run_config(args.config, args.resume, overrides)
     check_inputs(cfg)  # models, prompts, reward function: before anything heavy is imported
     check_trackers(cfg)
     if cfg.trainer == "distributed":

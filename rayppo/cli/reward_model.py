@@ -20,14 +20,17 @@ datasets folder). The trained r_phi is written to output.dir/reward_model, the f
 reward.model= takes. 'rayppo config' lists every field."""
 
 
+def _command(sub: argparse._SubParsersAction, name: str, text: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand with ``--config`` and ``--no-progress`` (overrides follow as for ``train``)."""
+    command = sub.add_parser(name, help=text, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    command.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
+    command.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    return command
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    rm = sub.add_parser(
-        "reward-model", help="train a reward model r_phi on preference pairs (Bradley-Terry)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-    )
-    rm.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
+    rm = _command(sub, "reward-model", "train a reward model r_phi on preference pairs (Bradley-Terry)", EPILOG)
     rm.add_argument("--resume", metavar="DIR", help="continue the reward-model run in DIR from its latest checkpoint")
-    rm.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     rm.add_argument("--verbose", "-v", action="store_true",
                     help="show everything the libraries and actors print (by default: output.dir/logs/)")
 
@@ -40,12 +43,8 @@ preference.pairs: the best-scored response paired with the worst where the verif
 
 
 def add_pairs_parser(sub: argparse._SubParsersAction) -> None:
-    pairs = sub.add_parser(
-        "pairs", help="make preference pairs from a verifier: sample k responses per prompt, pair right with wrong",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PAIRS_EPILOG,
-    )
-    pairs.add_argument("--config", metavar="FILE", help="YAML config file (sections as in 'rayppo config')")
-    pairs.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    _command(sub, "pairs", "make preference pairs from a verifier: sample k responses per prompt, pair right with wrong",
+             PAIRS_EPILOG)
 
 
 def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -72,20 +71,13 @@ def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rayppo.config.load import load_config
     from rayppo.config.schema import ConfigError
     from rayppo.console import console
 
     console.setup(None, args.verbose)
-    resume = None
-    if args.resume:
-        if args.config:
-            raise ConfigError("--resume takes the run's own config; use overrides, not --config")
-        from rayppo.run.checkpoint import resume_config
+    from rayppo.cli.setup import run_config
 
-        cfg, resume = resume_config(args.resume, overrides)
-    else:
-        cfg = load_config(args.config, overrides)
+    cfg, resume = run_config(args.config, args.resume, overrides)
     if not cfg.preference.pairs:
         raise ConfigError("preference.pairs: the pair file to train on is not set (e.g. preference.pairs=pairs.jsonl)")
     from rayppo.cli.setup import build_first_use_models, quiet_libraries

@@ -36,3 +36,18 @@ def quiet_libraries(verbose: bool) -> None:
     if not verbose:
         hf_logging.disable_default_handler()
         hf_logging.enable_propagation()  # to the root logger: logs/driver.log
+
+
+def run_config(config_file: str | None, resume: str | None, overrides: list[str]):  # noqa: ANN201 - (Config, Path | None)
+    """``(config, checkpoint)`` of a command that starts a run or, with ``--resume DIR``,
+    continues one from its latest checkpoint with DIR's own config (``overrides`` on top)."""
+    from rayppo.config.load import load_config
+    from rayppo.config.schema import ConfigError
+
+    if not resume:
+        return load_config(config_file, overrides), None
+    if config_file:
+        raise ConfigError("--resume takes the run's own config; use overrides, not --config")
+    from rayppo.run.checkpoint import resume_config
+
+    return resume_config(resume, overrides)
