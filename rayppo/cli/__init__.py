@@ -236,7 +236,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     """Runs ``benchmarks/bench.py`` of this source checkout (benchmarks are not installed)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
     if not path.is_file():
         print(f"rayppo: error: {path} not found: rayppo bench runs from a source checkout", file=sys.stderr)
         return 2
