@@ -60,3 +60,19 @@ def test_weights_payload_roundtrip_keeps_dtype_and_values():
     assert back["b"].dtype == torch.bfloat16 and torch.equal(back["b"], named["b"])
     assert torch.equal(back["a"], named["a"])
     assert pack_weights(named, 7).nbytes == 3 * 4 * 4 + 5 * 2
+
+
+def test_an_in_process_rank_starts_after_another_library_tore_the_world_group_down(embedded_dir):
+    """An in-process vLLM engine's cleanup destroys the world group with torch's own call; the
+    next in-process learner rank failed "Group ... is not registered" (DeepSpeed's cached clone of
+    the old world) until ``join_learner_group`` dropped the stale clone."""
+    import torch.distributed as dist
+
+    cfg = load_config(None, ["learner.num_ranks=1"])
+    LearnerGroup(cfg, placement=None)
+    dist.destroy_process_group()  # what the other library does, without telling DeepSpeed
+    engine = LearnerGroup(cfg, placement=None).ranks.actors[0]
+    try:
+        assert dist.is_initialized() and engine.policy is not None
+    finally:
+        engine.close()

@@ -122,7 +122,25 @@ def join_learner_group(engine: Engine, gpus: float, rank: int, world_size: int, 
 
     if not use_cuda:
         _skip_shm_comm_op()
+    _drop_stale_world_clone()
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+
+
+def _drop_stale_world_clone() -> None:
+    """Forget DeepSpeed's clone of a world group that no longer exists.
+
+    DeepSpeed keeps a clone of the world group from the first engine a process builds
+    (deepspeed/utils/groups.py, 0.19.8: ``_clone_world_group`` caches ``_WORLD_GROUP``) and reads
+    it in every later ``deepspeed.initialize`` (``_get_broadcast_src_rank``). When something else
+    in the process tore the world down with torch's own call (an in-process vLLM engine's cleanup
+    does), the clone is no longer registered and the next engine of the process fails "Group ...
+    is not registered" (seen in the test suite: an in-process reward-model rank after such a
+    teardown). A rank in a Ray actor never meets this: one engine per process."""
+    from deepspeed.utils import groups
+
+    clone = groups._WORLD_GROUP
+    if clone is not None and (not dist.is_initialized() or clone not in dist.distributed_c10d._world.pg_group_ranks):
+        groups._release_process_group_references()
 
 
 def leave_learner_group() -> None:
