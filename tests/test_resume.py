@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -351,12 +352,21 @@ def test_the_driver_refuses_a_split_that_does_not_fit_and_goes_on(tmp_path, caps
 def test_a_lora_run_with_adapter_sync_resumes_as_it_would_have_gone_on(tmp_path):
     """LoRA with adapter sync and the base as the reference: a run stopped after its checkpoint
     at iteration 2 and resumed serves the restored adapter to a fresh generator (the weight check
-    passes at the resume's sync) and trains iteration 2 as the run that never stopped did."""
+    passes at the resume's sync) and trains iteration 2 as the run that never stopped did. The
+    stopped run is the uninterrupted one's folder cut back to that checkpoint (one process start
+    fewer than running it again; the resume cannot tell)."""
     lora = [*RUN_ARGS, "learner.lora_rank=4", "learner.lora_alpha=32", "ppo.lr=0.01", "ppo.kl_coef=0.05"]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    for out, iterations in ((whole, 3), (stopped, 2)):
-        proc = _train(out, [*lora, f"stop.iterations={iterations}"])
-        assert proc.wait(timeout=400) == 0, proc.communicate()[1][-3000:]
+    proc = _train(whole, [*lora, "stop.iterations=3"])
+    assert proc.wait(timeout=400) == 0, proc.communicate()[1][-3000:]
+    # The run stopped after its checkpoint at iteration 2 is the whole run's folder as it stood then:
+    # its checkpoint of iteration 2 (checkpoint_every=1) named the latest, the later one gone.
+    shutil.copytree(whole, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "iter_000003")
+    (stopped / "checkpoints" / "latest").write_text("iter_000002\n")
+    shutil.rmtree(stopped / "logs")  # what the driver says below is the resumed run's own
+    config = stopped / "config.yaml"  # the folder's own name in its config, as a run there would have
+    config.write_text(config.read_text().replace(str(whole), str(stopped)))
     resumed = _train(stopped, ["--resume", str(stopped), "stop.iterations=3"])
     _, stderr = resumed.communicate(timeout=400)
     assert resumed.returncode == 0, stderr[-3000:]
