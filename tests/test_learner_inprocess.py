@@ -72,7 +72,6 @@ def test_an_in_process_rank_starts_after_another_library_tore_the_world_group_do
     LearnerGroup(cfg, placement=None)
     dist.destroy_process_group()  # what the other library does, without telling DeepSpeed
     engine = LearnerGroup(cfg, placement=None).ranks.actors[0]
-    try:
-        assert dist.is_initialized() and engine.policy is not None
-    finally:
-        engine.close()
+    # Left joined, as the test above leaves its rank: later tests of this process start in-process
+    # vLLM engines on the world group as they always have.
+    assert dist.is_initialized() and engine.policy is not None

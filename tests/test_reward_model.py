@@ -33,7 +33,7 @@ from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
 from rayppo.tasks.digits import reward as digits_reward
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.inprocess import InProcessTrainer
-from rayppo.trainers.reward_model import prepared_pairs, train_reward_model
+from rayppo.trainers.reward_model import RewardModelResult, prepared_pairs, train_reward_model
 from rayppo.trainers.verifier_pairs import group_pairs
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -84,11 +84,19 @@ def test_rayppo_pairs_labels_the_policys_samples_with_the_verifier(tmp_path, cap
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, embedded_dir):
-    """r_φ trained in process on the embedded model (14 steps, ~5 s): (run folder, pairs file, result)."""
+    """r_φ trained on the embedded model by ``rayppo reward-model trainer=reference`` (14 steps, one
+    in-process rank, ~5 s), in a process of its own: this one keeps no learner group that later
+    tests' in-process engines would meet. Returns (run folder, pairs file, result)."""
     root = tmp_path_factory.mktemp("rm")
     pairs = write_digit_pairs(root / "pairs.jsonl")
-    cfg = load_config(None, [f"preference.pairs={pairs}", f"output.dir={root / 'run'}", "trainer=reference", *TRAIN])
-    return root / "run", pairs, train_reward_model(cfg, progress=False)
+    run = root / "run"
+    proc = subprocess.run([sys.executable, "-m", "rayppo.cli", "reward-model", f"preference.pairs={pairs}",
+                           f"output.dir={run}", "trainer=reference", "--no-progress", *TRAIN],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = read_metrics(run / "metrics.jsonl")[-1]  # the last step ends the last epoch: its evaluation is the final one
+    held = {key: last[f"rm/eval/{key}"] for key in ("loss", "accuracy", "margin")}
+    return run, pairs, RewardModelResult(last["iteration"] + 1, held, run / "reward_model", 0.0)
 
 
 def test_bradley_terry_loss_matches_a_hand_computation():
