@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -65,13 +68,18 @@ def test_weights_payload_roundtrip_keeps_dtype_and_values():
 def test_an_in_process_rank_starts_after_another_library_tore_the_world_group_down(embedded_dir):
     """An in-process vLLM engine's cleanup destroys the world group with torch's own call; the
     next in-process learner rank failed "Group ... is not registered" (DeepSpeed's cached clone of
-    the old world) until ``join_learner_group`` dropped the stale clone."""
-    import torch.distributed as dist
-
-    cfg = load_config(None, ["learner.num_ranks=1"])
-    LearnerGroup(cfg, placement=None)
-    dist.destroy_process_group()  # what the other library does, without telling DeepSpeed
-    engine = LearnerGroup(cfg, placement=None).ranks.actors[0]
-    # Left joined, as the test above leaves its rank: later tests of this process start in-process
-    # vLLM engines on the world group as they always have.
-    assert dist.is_initialized() and engine.policy is not None
+    the old world) until ``join_learner_group`` dropped the stale clone. In a process of its own:
+    tearing the world down here would leave this process's vLLM engines with a stale group too."""
+    script = (
+        "import torch.distributed as dist\n"
+        "from rayppo.cluster.learner_group import LearnerGroup\n"
+        "from rayppo.config.load import load_config\n"
+        "cfg = load_config(None, ['learner.num_ranks=1'])\n"
+        "LearnerGroup(cfg, placement=None)\n"
+        "dist.destroy_process_group()  # what the other library does, without telling DeepSpeed\n"
+        "engine = LearnerGroup(cfg, placement=None).ranks.actors[0]\n"
+        "assert dist.is_initialized() and engine.policy is not None\n"
+        "engine.close()\n"
+        "print('JOINED')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "JOINED" in proc.stdout, proc.stderr[-3000:]
