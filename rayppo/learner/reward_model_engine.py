@@ -98,26 +98,12 @@ class RewardModelLearner(Engine):
         return self.collective.sum(sums)
 
     @torch.no_grad()
-    def evaluate(self, chosen: list[list[int]], rejected: list[list[int]], passes: int) -> torch.Tensor:
-        """``pair_sums`` of r_φ on held-out pairs over every rank. ``passes``: the forward passes
-        every rank makes (the largest share's micro-batches): under ZeRO-3 each forward gathers
-        parameters with the other ranks, so a rank with fewer pairs runs the rest on a
-        placeholder and drops what it scores."""
-        micro = self.cfg.preference.micro_pairs
-        sums = torch.zeros(4, dtype=torch.float32)
-        for k in range(passes):
-            part = slice(k * micro, (k + 1) * micro)
-            if chosen[part]:
-                sums += pair_sums(*self._pair_scores(chosen[part], rejected[part])).cpu()
-            else:
-                self._scores([[self.pad_id]])
-        return self.collective.sum(sums)
-
-    @torch.no_grad()
     def score_rows(self, rows: list[list[int]], passes: int) -> list[float]:
-        """r_φ of each token list of this rank's share, in ``passes`` forward passes of
-        ``micro_pairs`` rows (every rank makes the same number, as in ``evaluate``)."""
-        micro, out = self.cfg.preference.micro_pairs, []
+        """r_φ of each token list of this rank's share (held-out responses), 2 x ``micro_pairs``
+        per forward pass. ``passes``: the forward passes every rank makes (the largest share's):
+        under ZeRO-3 each forward gathers parameters with the other ranks, so a rank with fewer
+        rows runs the rest on a placeholder and drops what it scores."""
+        micro, out = 2 * self.cfg.preference.micro_pairs, []
         for k in range(passes):
             part = rows[k * micro:(k + 1) * micro]
             scores = self._scores(part or [[self.pad_id]])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from rayppo.cluster.learner_group import LearnerGroup
@@ -26,7 +27,7 @@ from rayppo.config.schema import Config, ConfigError, to_dict
 from rayppo.console import console
 from rayppo.data.pairs import PairTokens, PreferencePairs, epoch_order, held_out_split, read_pairs, tokenize_pairs
 from rayppo.data.rollout import split_evenly
-from rayppo.learner.preference import pair_means
+from rayppo.learner.preference import pair_means, pair_sums
 from rayppo.learner.reward_model_engine import RewardModelLearner
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.reward_model import backbone_name
@@ -74,18 +75,14 @@ class PreferenceLearner:
         return pair_means(self.group.gather(futures, "train_step")[0])
 
     def evaluate(self, rows: list[int]) -> dict[str, float]:
-        """``pair_means`` of r_φ on ``rows``, dealt to the ranks."""
-        shards = [self.tokens.select([rows[i] for i in part]) for part in split_evenly(len(rows), self.group.num_ranks)]
-        passes = max(-(-len(s) // self.micro) for s in shards)
-        futures = self.group.ranks.call(RewardModelLearner.evaluate, [(s.chosen, s.rejected, passes) for s in shards])
-        return pair_means(self.group.gather(futures, "evaluate")[0])
+        """``pair_means`` of r_φ on the pairs ``rows`` (``scores``)."""
+        return pair_means(held_sums(self.scores(rows)))
 
     def scores(self, rows: list[int]) -> list[float]:
         """r_φ of both responses of each pair of ``rows`` (chosen ones first), dealt to the ranks."""
-        chosen = [self.tokens.chosen[i] for i in rows]
-        texts = chosen + [self.tokens.rejected[i] for i in rows]
+        texts = [self.tokens.chosen[i] for i in rows] + [self.tokens.rejected[i] for i in rows]
         parts = split_evenly(len(texts), self.group.num_ranks)
-        passes = max(-(-len(part) // self.micro) for part in parts)
+        passes = max(-(-len(part) // (2 * self.micro)) for part in parts)
         futures = self.group.ranks.call(RewardModelLearner.score_rows, [([texts[i] for i in part], passes)
                                                                         for part in parts])
         return [x for part in self.group.gather(futures, "score_rows") for x in part]
@@ -109,6 +106,12 @@ class PreferenceLearner:
 
     def describe(self) -> str:
         return self.group.gather(self.group.ranks.call_all(RewardModelLearner.describe), "describe")[0]
+
+
+def held_sums(scores: list[float]) -> torch.Tensor:
+    """``pair_sums`` of ``PreferenceLearner.scores``' layout: P chosen scores, then P rejected."""
+    chosen, rejected = torch.tensor(scores).chunk(2)
+    return pair_sums(chosen, rejected)
 
 
 def steps_per_epoch(cfg: Config, train_pairs: int) -> int:
@@ -168,10 +171,11 @@ def train_reward_model(cfg: Config, progress: bool = True, resume: Path | None =
         finally:
             bar.close()
             logger.close()
-        held_out = learner.evaluate(held_rows) if held_rows else {}
+        scores = learner.scores(held_rows) if held_rows else []  # one pass for the figures and the statistics
+        held_out = pair_means(held_sums(scores)) if scores else {}
         learner.save(out / OUTPUT)
-        if held_rows:  # r_φ's own offset and unit, on responses it was not trained on
-            RewardStats.of(learner.scores(held_rows)).write(out / OUTPUT)
+        if scores:  # r_φ's own offset and unit, on responses it was not trained on
+            RewardStats.of(scores).write(out / OUTPUT)
     return RewardModelResult(total, held_out, out / OUTPUT, time.monotonic() - start_time)
 
 
