@@ -67,12 +67,16 @@ class Workload:
     config: dict[str, Any]
     warmup: int
     iterations: int
+    kind: str = "ppo"
+    """``ppo``: a PPO/GRPO iteration of the whole system; ``reward-model``: a Bradley–Terry step of
+    ``rayppo reward-model`` (``reward_model_speed.py``; warm-up and iterations are its steps)."""
 
 
 def load_workloads(path: Path = HERE / "workloads.yaml") -> dict[str, Workload]:
     raw = yaml.safe_load(path.read_text())
     return {name: Workload(name, w.get("description", ""), w["model"], w.get("config", {}),
-                           int(w.get("warmup", 2)), int(w.get("iterations", 5))) for name, w in raw.items()}
+                           int(w.get("warmup", 2)), int(w.get("iterations", 5)), w.get("kind", "ppo"))
+            for name, w in raw.items()}
 
 
 # ------------------------------------------------------------------------------------ models
@@ -261,7 +265,7 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     # the run) the generator's 2 threads here and halved their "alone" times.
     torch.set_num_threads(cfg.reference.num * role_threads(cfg, "reference", cores))
     out["reference"] = 0.0  # none at ppo.kl_coef = 0
-    if uses_reference(cfg.ppo):
+    if uses_reference(cfg):
         reference = ReferenceEngine(m.reference or m.policy, cfg.rollout.temperature, 64, m.dtype,
                                     micro_batch_tokens=cfg.reference.micro_batch_tokens)
         reference.ref_logprobs(rollout)
@@ -353,6 +357,8 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
 
     console.phase(f"rayppo bench {w.name}: {w.description}; {warmup} warm-up + {iterations} measured iterations"
                   + (f" per point of {' x '.join(sweep)}" if sweep else "") + f"; output {out}/")
+    if w.kind == "reward-model":
+        return run_reward_model(w, out, compare, warmup, iterations, sweep, overrides)
     policy, reward_model = prepare_models(w)
     overrides = [f"output.dir={out}", *overrides]  # the runs' placement.json and logs/ go with bench.json
     if sweep:
@@ -388,6 +394,24 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
     plot_stages(summary, out / "stages.png")
     print_table(summary)
     print(f"\nwrote {out / 'bench.json'} and {out / 'stages.png'}")
+    return summary
+
+
+def run_reward_model(w: Workload, out: Path, compare: str | None, warmup: int, steps: int, sweep: list[str],
+                     overrides: list[str]) -> dict[str, Any]:
+    """A ``reward-model`` workload: ``reward_model_speed.compare`` on the task's pairs, TRL's
+    ``RewardTrainer`` beside it with ``--compare trl``; writes ``DIR/bench.json``."""
+    from reward_model_speed import compare as compare_speeds
+    from reward_model_speed import summary_line
+
+    if sweep:
+        raise RayppoError(f"--sweep: not for a reward-model workload ({w.name}); pass the overrides instead")
+    config = [f"model.policy={w.model}", *(f"{k}={v}" for k, v in w.config.items()), *overrides]
+    result = compare_speeds(None, out, warmup, steps, config, trl=compare == "trl")
+    summary = {"workload": w.name, "kind": w.kind, **result}
+    (out / "bench.json").write_text(json.dumps(summary, indent=1))
+    print(summary_line(result))
+    print(f"\nwrote {out / 'bench.json'}")
     return summary
 
 

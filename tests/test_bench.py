@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -347,3 +348,28 @@ def test_mean_curve_averages_the_seeds_per_iteration_up_to_the_shortest_run():
     xs, ys, spread = module.mean_curve(runs)
     assert xs == [2.0, 3.0]  # cumulative seconds (1, 2) and (3, 4), averaged
     assert ys == pytest.approx([0.3, 0.6]) and spread == pytest.approx([0.1, 0.2])
+
+
+def test_the_reward_model_workload_times_rayppos_bradley_terry_steps(bench, tmp_path):
+    """``kind: reward-model`` runs ``rayppo reward-model``'s step on the task's pairs (here on the
+    embedded model: the workload's model overridden) and reports its median step; the arithmetic
+    pairs it makes are right against wrong by the task's own verifier."""
+    from rayppo.data.pairs import read_pairs
+    from rayppo.tasks.arithmetic import reward
+
+    w = bench.load_workloads()["smollm2-reward-model-bf16"]
+    assert w.kind == "reward-model" and w.model == "smollm2-135m-instruct"
+    summary = bench.run(w.name, str(tmp_path / "out"), None, 1, 2, [], ["model.policy=embedded",
+                        "preference.batch_pairs=4", "preference.micro_pairs=2", "model.dtype=float32"])
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written == summary and summary["kind"] == "reward-model" and "trl_step_s" not in summary
+    assert len(summary["rayppo_steps_s"]) == 2 and summary["rayppo_step_s"] > 0
+    pairs = read_pairs(tmp_path / "out" / "pairs.jsonl")
+    assert len(pairs) == 3 * 4
+    rows = [json.loads(line) for line in (tmp_path / "out" / "pairs.jsonl").read_text().splitlines()]
+    for row in rows:
+        a, b = (int(x) for x in re.findall(r"\d+", row["prompt"][0]["content"]))
+        assert row["chosen"].startswith(f"{a} + {b} = ") and row["rejected"].startswith(f"{a} + {b} = ")
+        assert reward("", row["chosen"], str(a + b)) == 1.0 and reward("", row["rejected"], str(a + b)) == 0.0
+    with pytest.raises(RayppoError, match="--sweep: not for a reward-model workload"):
+        bench.run(w.name, str(tmp_path / "sweep"), None, 1, 1, ["preference.lr=1e-5,2e-5"], [])

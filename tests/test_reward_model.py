@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rayppo.actors.reward import RewardEngine
 from rayppo.cli import main
+from rayppo.config.derived import reference_actors
 from rayppo.config.load import load_config
 from rayppo.data.pairs import held_out_split, read_pairs
 from rayppo.data.rollout import Rollout
@@ -67,6 +68,7 @@ def test_verifier_pairs_put_the_best_against_the_worst_where_the_verifier_prefer
     assert group_pairs(texts, scores, limit=1) == [(0, 5)]
     assert group_pairs(["x", "y", "z"], [0.5, 0.5, 0.5], limit=2) == []  # all alike: no pair
     assert group_pairs(["x", "y", "z", "w"], [1.0, 0.5, 0.5, 0.0], limit=3) == [(0, 3)]  # 0.5 vs 0.5 is no preference
+    assert group_pairs(["x", " ", "y", ""], [1.0, 0.0, 0.5, 0.0], limit=2) == [(0, 2)]  # empty: never paired
 
 
 def test_rayppo_pairs_labels_the_policys_samples_with_the_verifier(tmp_path, capsys):
@@ -265,6 +267,25 @@ def test_the_gold_stop_rule_fires_when_gold_stalls_while_the_proxy_rises():
     assert gold_plateau(evals([0.1, 0.3, 0.3, 0.2], [0.2, 0.4, 0.35, 0.38]), patience=2) is None  # proxy fell too
     assert gold_plateau(evals([0.1, 0.3, 0.5, 0.7], [0.2, 0.4, 0.35, 0.41]), patience=2) is None  # gold improved
     assert gold_plateau([{"iteration": 0, "reward/mean": 1.0}] * 9, patience=1) is None  # no gold scorer: nothing
+
+
+def test_a_gold_scorer_measures_kl_without_the_penalty():
+    """At ``ppo.kl_coef=0`` a gold scorer still gets KL(pi || pi_ref) measured (its figure's x
+    axis: how far a run without the penalty went), and the reference changes nothing else: the
+    same rewards and updates as the run without it, which loads no reference."""
+    base = ["ppo.kl_coef=0", "trainer=reference", "generators.backend=hf", "rollout.batch_size=8",
+            "rollout.max_new_tokens=6", "ppo.lr=1e-3"]
+    with_gold = load_config(None, base + ["reward.gold_function=rayppo.tasks.digits:reward"])
+    plain = load_config(None, base)
+    assert reference_actors(with_gold) == with_gold.reference.num and reference_actors(plain) == 0
+    measured, unmeasured = InProcessTrainer(with_gold), InProcessTrainer(plain)
+    assert unmeasured.reference is None
+    for it in range(2):
+        got, expected = measured.iteration(), unmeasured.iteration()
+        assert "kl/ref_mean" in got and "kl/ref_mean" not in expected and "reward/gold_mean" in got
+        for key in ("reward/mean", "policy/loss", "value/loss"):
+            assert got[key] == expected[key], (it, key)
+    assert got["kl/ref_mean"] > 0  # one update of lr 1e-3 moved the policy off pi_ref
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from rayppo.config.load import load_config
 from rayppo.config.schema import to_dict
-from rayppo.run.metrics import MetricsLogger, _reward_panel, plot_metrics, read_metrics
+from rayppo.run.metrics import GOLD_FIGURE, MetricsLogger, _reward_panel, plot_metrics, read_metrics
 from rayppo.run.samples import Sample, format_samples, pick_samples
 from rayppo.run.tracking import check_trackers, make_trackers, mlflow_key, mlflow_tracking_uri
 
@@ -25,14 +25,19 @@ def _cfg(out: Path, *overrides: str):
     return load_config(None, [f"output.dir={out}", "output.tensorboard=false", *overrides])
 
 
-def _log_run(cfg, iterations: range, resume_at: int | None = None, offset: float = 0.0) -> None:
-    """A run's records through MetricsLogger and the trackers the config asks for."""
+def _log_run(cfg, iterations: range, resume_at: int | None = None, offset: float = 0.0, gold: bool = False) -> None:
+    """A run's records through MetricsLogger and the trackers the config asks for; ``gold``: with
+    a gold scorer's figures, held out at the even iterations (the evaluations)."""
     trackers = make_trackers(cfg, to_dict(cfg), resume=resume_at is not None)
     logger = MetricsLogger(cfg.output.dir, trackers, resume_at=resume_at)
     for it in iterations:
-        metrics = {"reward/mean": it / 10 + offset, "kl/ref_mean": 0.5}
+        metrics = {"reward/mean": it / 10 + offset, "kl/ref_mean": 0.5 + it}
+        if gold:
+            metrics["reward/gold_mean"] = 0.3 - it / 20
         if it % 2 == 0:
             metrics["eval/pass@4"] = 0.25 * it
+            if gold:
+                metrics |= {"eval/reward/mean": it / 10, "eval/gold/mean": 0.3 - it / 20}
         logger.log(it, metrics)
     logger.log_samples(iterations[-1], SAMPLES)
     logger.close()
@@ -79,6 +84,31 @@ def test_metrics_logger_rewind_drops_later_records(tmp_path):
     logger.close()
     assert [(r["iteration"], r["reward/mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(0, 0), (1, 10)]
     assert [(e.step, e.value) for e in _tb(tmp_path / "tb").Scalars("reward/mean")] == [(0, 0), (1, 10)]
+
+
+def test_the_proxy_and_gold_figure_reaches_every_tracker_at_each_gold_evaluation(tmp_path, monkeypatch):
+    """TensorBoard plots scalars against the iteration only: the proxy-and-gold-against-KL panel
+    goes to the trackers as a figure at each evaluation with a gold scorer, and not without one."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    from mlflow.tracking import MlflowClient
+
+    out, store = tmp_path / "gold", tmp_path / "mlruns"
+    cfg = _cfg(out, "output.tensorboard=true", f"output.mlflow_uri={store}", "output.wandb_project=rayppo-tests",
+               "output.wandb_mode=offline")
+    _log_run(cfg, range(4), gold=True)
+    images = _tb(out / "tb").Images(GOLD_FIGURE)
+    assert [e.step for e in images] == [0, 2] and all(e.encoded_image_string[:4] == b"\x89PNG" for e in images)
+    _, _, rows = _wandb_run(out)
+    assert [r["iteration"] for r in rows if r.get(f"{GOLD_FIGURE}/_type") == "image-file"] == [0, 2]
+    client = MlflowClient(tracking_uri=store.as_uri())
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    assert [f.path for f in client.list_artifacts(run_id, GOLD_FIGURE)] == [
+        f"{GOLD_FIGURE}/iter_000000.png", f"{GOLD_FIGURE}/iter_000002.png"]
+
+    plain = tmp_path / "plain"
+    _log_run(_cfg(plain, "output.tensorboard=true"), range(4))
+    assert GOLD_FIGURE not in _tb(plain / "tb").Tags()["images"]
 
 
 # --- Weights & Biases (offline) ---------------------------------------------------------------

@@ -204,10 +204,12 @@ def has_critic(ppo: PPOConfig) -> bool:
     return ppo.advantage == "gae"
 
 
-def uses_reference(ppo: PPOConfig) -> bool:
-    """Whether any pass needs log pi_ref: not when beta = 0 (the adaptive controller scales beta
-    multiplicatively, so 0 stays 0), in which case no reference model is loaded anywhere."""
-    return ppo.kl_coef > 0
+def uses_reference(cfg: Config) -> bool:
+    """Whether any pass needs log pi_ref: when beta > 0, and when a gold scorer is set
+    (``reward.gold_function``), whose proxy-and-gold figure is drawn against KL(pi || pi_ref), so
+    that a run without the penalty still measures how far it went. Otherwise (beta = 0: the adaptive
+    controller scales beta multiplicatively, so 0 stays 0) no reference model is loaded anywhere."""
+    return cfg.ppo.kl_coef > 0 or cfg.reward.gold_function is not None
 
 
 def truncation_mode(cfg: Config) -> Truncation:
@@ -242,7 +244,7 @@ def reference_actors(cfg: Config) -> int:
 def reference_model(cfg: Config) -> bool:
     """Whether a model of its own scores log pi_ref (a reference actor, or the in-process
     trainer's reference engine): when beta > 0 and the learner does not (``reference_in_learner``)."""
-    return uses_reference(cfg.ppo) and not reference_in_learner(cfg)
+    return uses_reference(cfg) and not reference_in_learner(cfg)
 
 
 def reference_in_learner(cfg: Config) -> bool:
@@ -250,4 +252,4 @@ def reference_in_learner(cfg: Config) -> bool:
     (the adapter starts at B = 0, so the initial policy is the base): the learner computes
     log pi_ref from its own weights and no reference actor holds a second copy (docs/lora.md).
     Not when ``model.reference`` names another model."""
-    return uses_reference(cfg.ppo) and cfg.learner.lora_rank > 0 and cfg.model.reference is None
+    return uses_reference(cfg) and cfg.learner.lora_rank > 0 and cfg.model.reference is None

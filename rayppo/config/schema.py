@@ -184,7 +184,8 @@ class PPOConfig:
     """Where the KL to the reference goes. ``reward``: -kl_coef KL_t shapes the per-token reward
     (PPO; a group estimator groups r_i - kl_coef sum_t KL_t). ``loss``: kl_coef times the k3
     estimate, aggregated like the policy loss, is added to the loss and the score is r_i (GRPO).
-    kl_coef = 0 (not adaptive) loads no reference model anywhere."""
+    kl_coef = 0 (not adaptive) loads no reference model anywhere, unless ``reward.gold_function``
+    is set: the reference then only measures KL(pi || pi_ref), the x axis of the gold figure."""
     lr: float = 3e-4
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-3

@@ -80,7 +80,8 @@ class RewardConfig(ScorerConfig):
     """A gold scorer ``module:function`` (a verifier, called as ``reward.function`` is) recorded
     beside the reward on the same rows (``reward/gold_mean``, ``eval/gold/mean``) and never
     trained on: with a learned ``reward.model`` it shows how far the proxy has drifted from the
-    truth (docs/reward-models.md, "Proxy versus gold")."""
+    truth (docs/reward-models.md, "Proxy versus gold"). Both are drawn against KL(pi || pi_ref),
+    so a run with ``ppo.kl_coef=0`` loads the reference too, to measure that KL only."""
     timeout_s: float = 30.0
     """Seconds per HTTP request, and per call of a verifier function (which runs in a child
     process that is killed past it, so a hanging verifier cannot stall the run)."""

@@ -8,10 +8,14 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayppo.errors import RayppoError
 from rayppo.run.samples import Sample
 from rayppo.run.tracking import TensorBoardTracker, Tracker
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +49,19 @@ class MetricsLogger:
         self._file = self.path.open("w" if resume_at is None else "a", encoding="utf-8")
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
-        """One line ``{"iteration": ..., **metrics}``, and the same record to every tracker."""
+        """One line ``{"iteration": ..., **metrics}``, and the same record to every tracker. An
+        evaluation with a gold scorer (``eval/gold/mean``) also sends the proxy-and-gold-against-KL
+        figure, drawn from every record so far: TensorBoard's scalars can only be plotted against
+        the iteration."""
         self._file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         self._file.flush()
         for tracker in self.trackers:
             tracker.log(iteration, metrics)
+        if self.trackers and "eval/gold/mean" in metrics:
+            figure = gold_figure(read_metrics(self.path))
+            for tracker in self.trackers:
+                tracker.log_figure(iteration, GOLD_FIGURE, figure)
+            figure.clf()
 
     def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """A few completions of ``iteration`` (``pick_samples``) to every tracker."""
@@ -127,6 +139,21 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
     fig.tight_layout()
     fig.savefig(str(out_png), dpi=100)
     plt.close(fig)
+
+
+GOLD_FIGURE = "gold/proxy_and_gold_vs_kl"
+"""The trackers' name for ``gold_figure``: TensorBoard's Images tab, W&B's media, MLflow's artifacts."""
+
+
+def gold_figure(records: list[dict[str, float]]) -> Figure:
+    """The third panel of ``plot.png`` alone (``_gold_panel``), for the trackers. Made without
+    pyplot's figure manager, so that nothing holds it once a tracker has drawn it."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5, 3.6))
+    _gold_panel(figure.subplots(), records)
+    figure.tight_layout()
+    return figure
 
 
 def _gold_panel(ax, records: list[dict[str, float]]) -> None:

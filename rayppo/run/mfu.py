@@ -93,7 +93,7 @@ class StageCounter:
         m = cfg.model
         policy = _shape(m.policy, m.cache_dir)
         assert policy is not None, f"model.policy={m.policy}: no config.json"
-        return cls(policy, _shape(m.reference or m.policy, m.cache_dir) if uses_reference(cfg.ppo) else None,
+        return cls(policy, _shape(m.reference or m.policy, m.cache_dir) if uses_reference(cfg) else None,
                    _shape(cfg.reward.model, m.cache_dir),
                    _shape(m.critic or m.policy, m.cache_dir) if has_critic(cfg.ppo) else None,
                    cfg.ppo.epochs, cfg.ppo.minibatches, cfg.rollout.max_staleness > 0)

@@ -29,6 +29,7 @@ from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError, brief
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
     from torch.utils.tensorboard import SummaryWriter
 
     from rayppo.choices import WandbMode
@@ -46,6 +47,9 @@ class Tracker(Protocol):
 
     def log_samples(self, iteration: int, samples: Sequence[Sample]) -> None:
         """Record a few (prompt, response, reward) completions of one iteration."""
+
+    def log_figure(self, iteration: int, name: str, figure: Figure) -> None:
+        """Record a matplotlib figure drawn at ``iteration`` (the proxy-and-gold-against-KL panel)."""
 
     def rewind(self, iteration: int) -> None:
         """The run goes on from ``iteration``: records at or after it are about to be redone."""
@@ -133,6 +137,10 @@ class TensorBoardTracker:
         table = "\n".join(["| reward | prompt | response |", "| ---: | --- | --- |", *rows])
         self._open().add_text("samples", table, iteration)
 
+    def log_figure(self, iteration: int, name: str, figure: Figure) -> None:
+        """The figure as an image under ``name`` (the Images tab, a slider over iterations)."""
+        self._open().add_figure(name, figure, iteration, close=False)
+
     def rewind(self, iteration: int) -> None:
         """Close the event file; the next one purges steps >= ``iteration``."""
         self.close()
@@ -188,6 +196,10 @@ class WandbTracker:
         table = self._wandb.Table(columns=["iteration", "reward", "prompt", "response"],
                                   data=[[iteration, s.reward, s.prompt, s.response] for s in samples])
         self._run.log({"iteration": iteration, "samples": table})
+
+    def log_figure(self, iteration: int, name: str, figure: Figure) -> None:
+        """The figure as an image under ``name``."""
+        self._run.log({"iteration": iteration, name: self._wandb.Image(figure)})
 
     def rewind(self, iteration: int) -> None:
         """Nothing to drop: W&B history is append-only (see the class docstring)."""
@@ -311,6 +323,10 @@ class MlflowTracker:
         """The samples, full text, as ``samples/iter_NNNNNN.txt``."""
         blocks = [f"reward: {s.reward:.6g}\nprompt:\n{s.prompt}\nresponse:\n{s.response}\n" for s in samples]
         self._client.log_text(self.run_id, "\n".join(blocks), f"samples/iter_{iteration:06d}.txt")
+
+    def log_figure(self, iteration: int, name: str, figure: Figure) -> None:
+        """The figure as the artifact ``NAME/iter_NNNNNN.png``."""
+        self._client.log_figure(self.run_id, figure, f"{name}/iter_{iteration:06d}.png")
 
     def rewind(self, iteration: int) -> None:
         """Nothing to drop: MLflow history is append-only (see the class docstring)."""
