@@ -53,8 +53,9 @@ def main() -> None:
 
 def arithmetic_pairs(path: Path, n: int, seed: int = 0) -> Path:
     """``n`` pairs of the arithmetic task written to ``path``, without sampling a policy: the
-    prompt as a chat message, chosen the right sum and rejected a wrong one, in the form the
-    recipe's samples take ("47 + 38 = 85."). A speed benchmark needs their token shapes only."""
+    question as the prompt's text (a chat model reads it as the one user turn, as the task's
+    message), chosen the right sum and rejected a wrong one, in the form the recipe's samples take
+    ("47 + 38 = 85."). A speed benchmark needs their token shapes only."""
     from rayppo.tasks import arithmetic
 
     rng = random.Random(seed)
@@ -63,7 +64,7 @@ def arithmetic_pairs(path: Path, n: int, seed: int = 0) -> Path:
         messages, columns = arithmetic.row(a, op, b)
         right = int(columns["answer"])
         wrong = right + rng.choice([-10, -2, -1, 1, 2, 10])
-        rows.append({"prompt": messages, "chosen": f"{a} {op} {b} = {right}.", "rejected": f"{a} {op} {b} = {wrong}."})
+        rows.append({"prompt": messages[0]["content"], "chosen": f"{a} {op} {b} = {right}.", "rejected": f"{a} {op} {b} = {wrong}."})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 

@@ -368,7 +368,7 @@ def test_the_reward_model_workload_times_rayppos_bradley_terry_steps(bench, tmp_
     assert len(pairs) == 3 * 4
     rows = [json.loads(line) for line in (tmp_path / "out" / "pairs.jsonl").read_text().splitlines()]
     for row in rows:
-        a, b = (int(x) for x in re.findall(r"\d+", row["prompt"][0]["content"]))
+        a, b = (int(x) for x in re.findall(r"\d+", row["prompt"]))
         assert row["chosen"].startswith(f"{a} + {b} = ") and row["rejected"].startswith(f"{a} + {b} = ")
         assert reward("", row["chosen"], str(a + b)) == 1.0 and reward("", row["rejected"], str(a + b)) == 0.0
     with pytest.raises(RayppoError, match="--sweep: not for a reward-model workload"):
