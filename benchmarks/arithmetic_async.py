@@ -23,15 +23,13 @@ seconds until the greedy pass rate first reaches ``--target``) and ``DIR/arithme
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_learning import learning_args, pinned_cores  # noqa: E402
+from async_learning import learning_args, pinned_cores, run_recipe  # noqa: E402
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "examples" / "arithmetic.yaml")
 RUNS = {
@@ -58,19 +56,7 @@ def evaluations(records: list[dict[str, float]], startup: float) -> list[dict[st
 
 
 def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
-    from rayppo.config.load import load_config
-    from rayppo.run.metrics import read_metrics
-    from rayppo.train import run
-    from rayppo.trainers.choice import make_trainer
-
-    folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"
-    cfg = load_config(RECIPE, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true",
-                                           "output.save_model=false", "output.checkpoint_every=0"])
-    print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
-    start = time.perf_counter()
-    run(cfg, make_trainer(cfg), progress=False)
-    wall = time.perf_counter() - start
-    records = read_metrics(folder / "metrics.jsonl")
+    wall, records = run_recipe(RECIPE, name, overrides, out, seed)
     counted = sum(r["time/iteration"] + r.get("time/eval", 0.0) + r.get("initial/time/eval", 0.0) for r in records)
     points = evaluations(records, startup=wall - counted)
     reached = next((p for p in points if p["pass_rate"] >= TARGET), None)

@@ -63,18 +63,29 @@ def time_to_target(records: list[dict[str, float]], target: float = TARGET, wind
     return None, None
 
 
-def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
+def run_recipe(recipe: str | None, name: str, overrides: list[str], out: Path, seed: int
+               ) -> tuple[float, list[dict[str, float]]]:
+    """``rayppo train`` of ``recipe`` (None: the defaults) with ``overrides`` and ``seed`` in this
+    process, into ``out/<name>-seed<seed>`` (no model saved, no checkpoints); returns the wall
+    clock of the whole run and its records."""
+    import time
+
     from rayppo.config.load import load_config
     from rayppo.run.metrics import read_metrics
     from rayppo.train import run
     from rayppo.trainers.choice import make_trainer
 
     folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"  # k-1-v-trace-seed0
-    cfg = load_config(None, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true", "output.save_model=false",
-                                         "output.checkpoint_every=0", "eval.every=0", "output.samples_every=0"])
+    cfg = load_config(recipe, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true",
+                                           "output.save_model=false", "output.checkpoint_every=0"])
     print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
+    start = time.perf_counter()
     run(cfg, make_trainer(cfg), progress=False)
-    records = read_metrics(folder / "metrics.jsonl")
+    return time.perf_counter() - start, read_metrics(folder / "metrics.jsonl")
+
+
+def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
+    _, records = run_recipe(None, name, overrides + ["eval.every=0", "output.samples_every=0"], out, seed)
     seconds, iterations = time_to_target(records)
     return {"name": name, "seed": seed, "overrides": overrides, "seconds_to_target": seconds, "iterations_to_target": iterations,
             "total_seconds": sum(r["time/iteration"] for r in records),

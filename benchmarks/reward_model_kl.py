@@ -23,15 +23,13 @@ prints a table.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_learning import learning_args  # noqa: E402
+from async_learning import learning_args, run_recipe  # noqa: E402
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "examples" / "reward-model.yaml")
 RUNS = {"kl 0.05": ["ppo.kl_coef=0.05"], "kl 0": ["ppo.kl_coef=0"]}
@@ -41,19 +39,7 @@ HELD = ("eval/reward/mean", "eval/gold/mean")
 
 
 def run_one(name: str, overrides: list[str], out: Path, seed: int) -> dict[str, Any]:
-    from rayppo.config.load import load_config
-    from rayppo.run.metrics import read_metrics
-    from rayppo.train import run
-    from rayppo.trainers.choice import make_trainer
-
-    folder = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-seed{seed}"
-    cfg = load_config(RECIPE, overrides + [f"seed={seed}", f"output.dir={folder}", "output.overwrite=true",
-                                           "output.save_model=false", "output.checkpoint_every=0"])
-    print(f"{name}, seed {seed}: {' '.join(overrides)}", file=sys.stderr)
-    start = time.perf_counter()
-    run(cfg, make_trainer(cfg), progress=False)
-    wall = time.perf_counter() - start
-    records = read_metrics(folder / "metrics.jsonl")
+    wall, records = run_recipe(RECIPE, name, overrides, out, seed)
     return {"name": name, "seed": seed, "overrides": overrides, "wall_s": wall,
             "seconds_per_iteration": statistics.fmean(r["time/iteration"] for r in records),
             "iterations": [{"iteration": r["iteration"], **{k: r[k] for k in SERIES}} for r in records],
