@@ -50,6 +50,7 @@ from bench_trl_venv import (  # noqa: E402,F401
     clear_leftovers,
     ensure_trl_venv,
     install_line,
+    trl_environment,
     venv_state,
 )
 
@@ -161,7 +162,7 @@ def _run_child(name: str, what: str, command: list[str]) -> None:
     where = f" (its output: {console.shown(Path(log.name))})" if log else ""
     console.phase(f"{what}{where}")
     try:
-        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT if log else None)
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=trl_environment())
     finally:
         if log:
             log.close()

@@ -51,6 +51,17 @@ transformers, accelerate and datasets releases it was checked against (pip's cho
 its GRPOTrainer no longer imports requests). ``RAYPPO_TRL_GRPO_VENV`` names its folder."""
 
 
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""torch.distributed's rendezvous variables: an in-process learner rank (``trainer=reference``)
+sets them in its process (``learner.engine.join_learner_group``)."""
+
+
+def trl_environment() -> dict[str, str]:
+    """This process's environment for a TRL child, less ``RENDEZVOUS``: inherited, accelerate takes
+    them for a group of its own and binds the rank's port again (EADDRINUSE)."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+
+
 def venv_state(path: Path, pins: TrlPins) -> str:
     """What ``path`` holds, as a TRL environment for ``pins``: ``ready`` (bin/python and
     ``pins.requirements``' exact versions installed), ``missing``, ``a dangling symlink``, ``a file``

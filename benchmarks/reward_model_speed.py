@@ -27,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_trl_venv import TRL_GRPO, choose_trl_venv, ensure_trl_venv  # noqa: E402
+from bench_trl_venv import TRL_GRPO, choose_trl_venv, ensure_trl_venv, trl_environment  # noqa: E402
 
 from rayppo.config.load import load_config  # noqa: E402
 from rayppo.data.pairs import epoch_order  # noqa: E402
@@ -126,7 +126,7 @@ def _trl(cfg, out: Path, steps: int) -> list[float]:
     (out / "trl_spec.json").write_text(json.dumps(spec))
     python = ensure_trl_venv(choose_trl_venv(TRL_GRPO))
     subprocess.run([str(python), str(HERE / "trl_reward.py"), "--spec", str(out / "trl_spec.json"),
-                    "--out", str(out / "trl.json")], check=True)
+                    "--out", str(out / "trl.json")], check=True, env=trl_environment())
     return json.loads((out / "trl.json").read_text())["step_s"]
 
 

@@ -112,14 +112,20 @@ def test_bradley_terry_loss_matches_a_hand_computation():
     assert means == pytest.approx({"loss": expected, "accuracy": 0.25, "margin": -0.125}, abs=1e-6)  # a tie is not right
 
 
-def _trl_python() -> Path | None:
-    """TRL 1.16's environment (``benchmarks/bench_trl_venv.py``), when it has been made."""
+def _trl_venv_module():
+    """``benchmarks/bench_trl_venv.py`` (benchmarks/ is not a package)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from bench_trl_venv import TRL_GRPO, choose_trl_venv
+        import bench_trl_venv
     finally:
         sys.path.remove(str(BENCHMARKS))
-    venv = choose_trl_venv(TRL_GRPO)
+    return bench_trl_venv
+
+
+def _trl_python() -> Path | None:
+    """TRL 1.16's environment (``benchmarks/bench_trl_venv.py``), when it has been made."""
+    module = _trl_venv_module()
+    venv = module.choose_trl_venv(module.TRL_GRPO)
     return venv.path / "bin" / "python" if venv.state == "ready" else None
 
 
@@ -139,7 +145,8 @@ def test_the_bradley_terry_loss_equals_trl_reward_trainers_on_the_same_pairs(tra
             "max_grad_norm": 1.0, "work_dir": str(tmp_path / "trl")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     subprocess.run([str(_trl_python()), str(BENCHMARKS / "trl_reward.py"), "--spec", str(tmp_path / "spec.json"),
-                    "--out", str(tmp_path / "trl.json"), "--loss-only"], check=True)
+                    "--out", str(tmp_path / "trl.json"), "--loss-only"], check=True,
+                   env=_trl_venv_module().trl_environment())  # an in-process rank's rendezvous left out
     trl_loss = json.loads((tmp_path / "trl.json").read_text())["loss"]
     assert trl_loss == pytest.approx(result.held_out["loss"], abs=1e-5)
 
