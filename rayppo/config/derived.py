@@ -236,14 +236,15 @@ def reward_actors(cfg: Config) -> int:
 
 
 def reference_actors(cfg: Config) -> int:
-    """Reference actors the run starts: ``reference.num``, or none when beta = 0 or when the
-    learner computes log pi_ref itself (``reference_in_learner``)."""
+    """Reference actors the run starts: ``reference.num``, or none when no pass needs log pi_ref
+    (``uses_reference``) or the learner computes it itself (``reference_in_learner``)."""
     return cfg.reference.num if reference_model(cfg) else 0
 
 
 def reference_model(cfg: Config) -> bool:
     """Whether a model of its own scores log pi_ref (a reference actor, or the in-process
-    trainer's reference engine): when beta > 0 and the learner does not (``reference_in_learner``)."""
+    trainer's reference engine): when log pi_ref is needed (``uses_reference``) and the learner does
+    not compute it itself (``reference_in_learner``)."""
     return uses_reference(cfg) and not reference_in_learner(cfg)
 
 
