@@ -218,21 +218,27 @@ def test_a_damaged_reward_statistics_file_is_refused_before_the_run_starts(train
     assert rc == 2 and f"{folder / STATS_FILE}: mean 0.1 and std 0.0 cannot normalise" in err, err
 
 
-def test_the_critic_started_from_a_reward_model_values_the_end_of_a_response_at_its_reward(trained, embedded_dir):
-    """InstructGPT's initialisation: V's head is r_φ's (bias 0) on r_φ's backbone, so the value at
-    the last token of a (prompt, response) is r_φ(x, y)."""
+def test_the_critic_started_from_a_reward_model_values_the_end_of_a_response_at_its_served_reward(trained,
+                                                                                                embedded_dir):
+    """InstructGPT's initialisation: V's head is r_φ's on r_φ's backbone, so the value at the last
+    token of a (prompt, response) is r_φ(x, y) in the unit the reward actor serves it in: raw
+    without ``reward.normalize``, (r_φ − mean) / std with it (its ``reward_stats.json``).
+    Tolerance: the same fp32 matmul, the normalised one divided by std afterwards."""
     _, _, result = trained
-    critic = Critic.from_pretrained(result.folder)
     model = AutoModelForSequenceClassification.from_pretrained(result.folder)
     tokenizer = load_tokenizer(result.folder)
     ids = torch.tensor([tokenizer("say 7 : 7 7 7 7")["input_ids"]])
     positions = torch.arange(ids.shape[1])[None]
+    stats = RewardStats.read(result.folder)
+    assert stats is not None and abs(stats.mean) > 1e-3 and abs(stats.std - 1) > 1e-3  # the two units differ
     with torch.no_grad():
-        value = critic(ids, torch.ones_like(ids), positions)[0, -1]
-        reward = model(input_ids=ids).logits[0, 0]
-    assert value.item() == pytest.approx(reward.item(), abs=1e-5)
-    fresh = Critic.from_pretrained(embedded_dir)  # a causal LM: a small random head, not r_φ's
-    assert not torch.equal(fresh.value_head.weight, critic.value_head.weight)
+        reward = model(input_ids=ids).logits[0, 0].item()
+        raw = Critic.from_pretrained(result.folder)(ids, torch.ones_like(ids), positions)[0, -1].item()
+        served = Critic.from_pretrained(result.folder, normalize=True)(ids, torch.ones_like(ids), positions)[0, -1]
+    assert raw == pytest.approx(reward, abs=1e-5)
+    assert served.item() == pytest.approx((reward - stats.mean) / stats.std, abs=1e-5 / stats.std)
+    fresh = Critic.from_pretrained(embedded_dir, normalize=True)  # a causal LM: a small random head, not r_φ's
+    assert fresh.value_head.weight.abs().max() < 1 and fresh.value_head.bias.item() == 0
 
 
 @pytest.mark.slow

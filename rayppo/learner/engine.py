@@ -191,7 +191,7 @@ def load_models(cfg: Config, policy_path: Path, critic_path: Path | None,
         elsewhere = ds_config["zero_optimization"]["stage"] == 3 and dist.get_rank() != 0
         policy = load_causal_lm(policy_path, cfg.model.dtype, elsewhere)
         critic = None if critic_path is None else Critic.from_pretrained(critic_path, cfg.model.dtype, cfg.seed,
-                                                                           elsewhere)
+                                                                           elsewhere, cfg.reward.normalize)
     for model in (policy, critic) if critic is not None else (policy,):
         prepare_for_training(model, cfg.learner.gradient_checkpointing)
     if cfg.learner.lora_rank > 0:

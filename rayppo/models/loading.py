@@ -176,9 +176,10 @@ class Critic(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32", seed: int = 0,
-                        weights_elsewhere: bool = False) -> Critic:
+                        weights_elsewhere: bool = False, normalize: bool = False) -> Critic:
         """Backbone of any causal-LM / reward-model folder; the value head too if saved there, or
-        a reward model's scalar head (``reward_head.py``: the critic starts from r_φ)
+        a reward model's scalar head (``reward_head.py``: the critic starts from r_φ, in the unit
+        the reward actor serves it in when ``normalize``, i.e. ``reward.normalize``)
         (``weights_elsewhere``: as for ``load_causal_lm``)."""
         # A causal-LM or reward-model folder has a head the backbone does not use: not a problem,
         # so the loader's report of "unexpected" keys is silenced.
@@ -192,9 +193,10 @@ class Critic(torch.nn.Module):
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.is_file():
             critic.value_head.load_state_dict(load_file(str(head_file)))
-        elif (score := reward_head(path)) is not None:  # a reward model: V starts as r_phi's head, bias 0
+        elif (head := reward_head(path, normalize)) is not None:  # a reward model: V starts as r_phi
             with torch.no_grad():
-                critic.value_head.weight.copy_(score.to(critic.value_head.weight.dtype))
+                critic.value_head.weight.copy_(head[0].to(critic.value_head.weight.dtype))
+                critic.value_head.bias.fill_(head[1])
         return critic
 
     def save_pretrained(self, path: str | Path) -> None:

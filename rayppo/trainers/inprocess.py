@@ -175,7 +175,8 @@ class InProcessTrainer(LoopTrainer):
         self.reward = (RewardEngine(**reward_args(cfg, gpus, model=reward_model))
                        if has_reward(cfg) else None)  # an environment's turn rewards alone
         self.critic = (Critic.from_pretrained(str(resolve_model_path(m.critic or m.policy, m.cache_dir)), m.dtype,
-                                              cfg.seed).to(self.device) if has_critic(cfg.ppo) else None)
+                                              cfg.seed, normalize=cfg.reward.normalize).to(self.device)
+                       if has_critic(cfg.ppo) else None)
         for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
             prepare_for_training(model, cfg.learner.gradient_checkpointing)
         if cfg.learner.lora_rank:  # the learner ranks' adapter; the generator samples from it unmerged
