@@ -1,8 +1,10 @@
 """Config tree: YAML + dotted overrides, types, and errors that name the field."""
 
+from pathlib import Path
+
 import pytest
 
-from rayppo.config.derived import role_threads, vllm_memory_utilization, weight_sync_backend
+from rayppo.config.derived import role_threads, truncation_mode, vllm_memory_utilization, weight_sync_backend
 from rayppo.config.load import load_config
 from rayppo.config.schema import Config, ConfigError, field_docs
 
@@ -158,3 +160,21 @@ def test_vllm_memory_share_follows_the_gpu_share(overrides, expected):
 def test_role_threads_give_a_stage_alone_every_core(overrides, cores, expected):
     cfg = load_config(None, overrides)
     assert {role: role_threads(cfg, role, cores) for role in expected} == expected
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_config_loads_and_passes_the_cross_field_checks(example):
+    """A recipe the docs send users to must load as it is (a renamed field or a broken pairing of
+    settings would otherwise be found by a user's first command)."""
+    assert load_config(example).output.dir
+
+
+def test_the_reward_model_recipe_pays_a_cut_response_its_score_and_uses_unbiased_advantages():
+    """The PPO-on-r_φ settings docs/reward-models.md argues for: with the critic the recipe builds,
+    ``auto`` would bootstrap a cut response from V(S_T); the recipe makes the cut final, and λ = 1."""
+    cfg = load_config(next(p for p in EXAMPLES if p.name == "reward-model.yaml"))
+    assert truncation_mode(cfg) == "terminal" and cfg.ppo.lam == 1.0
+    assert truncation_mode(load_config(None, ["ppo.advantage=gae"])) == "bootstrap"  # what auto would pick
