@@ -231,13 +231,15 @@ def test_the_critic_started_from_a_reward_model_values_the_end_of_a_response_at_
     positions = torch.arange(ids.shape[1])[None]
     stats = RewardStats.read(result.folder)
     assert stats is not None and abs(stats.mean) > 1e-3 and abs(stats.std - 1) > 1e-3  # the two units differ
+    critic = Critic.from_pretrained(result.folder)
     with torch.no_grad():
         reward = model(input_ids=ids).logits[0, 0].item()
-        raw = Critic.from_pretrained(result.folder)(ids, torch.ones_like(ids), positions)[0, -1].item()
+        raw = critic(ids, torch.ones_like(ids), positions)[0, -1].item()
         served = Critic.from_pretrained(result.folder, normalize=True)(ids, torch.ones_like(ids), positions)[0, -1]
     assert raw == pytest.approx(reward, abs=1e-5)
     assert served.item() == pytest.approx((reward - stats.mean) / stats.std, abs=1e-5 / stats.std)
     fresh = Critic.from_pretrained(embedded_dir, normalize=True)  # a causal LM: a small random head, not r_φ's
+    assert not torch.equal(fresh.value_head.weight, critic.value_head.weight)
     assert fresh.value_head.weight.abs().max() < 1 and fresh.value_head.bias.item() == 0
 
 
