@@ -279,19 +279,23 @@ def test_distributed_updates_equal_reference_trainer_for_1_and_2_ranks(embedded_
         assert worst <= 2 * steps * ADAM_STEP_BOUND * cfg.ppo.lr, (ranks, zero, worst)
 
 
-def test_a_lora_run_on_two_ranks_equals_the_in_process_trainer():
+def test_a_lora_run_on_two_ranks_equals_the_in_process_trainer(embedded_dir):
     """LoRA with adapter sync to hf generators (peft serves the adapter unmerged, as the learner
-    computes it) and the base as the reference (no reference actor, no reference engine): two
-    iterations on 2 ZeRO-2 ranks in micro-batches sample the same second rollout from the synced
-    adapter and give the in-process trainer's losses, KL to the base and clip fractions (the
-    bounds of the test above). Both draw the adapter's A from the run's seed."""
+    computes it) over the broadcast transport (a gloo group; NCCL between GPUs), and the base as
+    the reference (no reference actor, no reference engine): two iterations on 2 ZeRO-2 ranks in
+    micro-batches broadcast the adapter's A and B alone, sample the same second rollout from
+    it and give the in-process trainer's losses, KL to the base and clip fractions (the bounds
+    of the test above). Both draw the adapter's A from the run's seed."""
+    from rayppo.models.shape import lora_params, read_shape
+
     lora = ["learner.lora_rank=4", "learner.lora_alpha=32", "ppo.lr=0.01"]
     reference = InProcessTrainer(load_config(None, _equivalence_overrides(1, 0) + lora
                                              + ["trainer=reference", "learner.micro_batch_tokens=0"]))
     assert reference.reference is None
     ref_stats = [reference.iteration() for _ in range(2)]
     assert abs(ref_stats[1]["kl/ref_mean"]) > 1e-4 and ref_stats[1]["policy/clipfrac"] > 0
-    trainer = DistributedTrainer(load_config(None, _equivalence_overrides(2, 2) + lora + ["learner.micro_batch_tokens=24"]))
+    trainer = DistributedTrainer(load_config(None, _equivalence_overrides(2, 2) + lora + [
+        "learner.micro_batch_tokens=24", "learner.weight_sync=broadcast"]))
     try:
         stats = [trainer.iteration() for _ in range(2)]
         rollout = trainer.last_rollout
@@ -299,6 +303,7 @@ def test_a_lora_run_on_two_ranks_equals_the_in_process_trainer():
         trainer.close()
     assert rollout.response_ids == reference.last_rollout.response_ids  # sampled by the synced adapter
     assert [s["sync/verified"] for s in stats] == [1.0, 1.0]
+    assert [s["sync/bytes"] for s in stats] == [lora_params(read_shape(embedded_dir), 4) * 4] * 2  # fp32 A and B
     for it in (0, 1):
         for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl", "kl/ref_mean", "entropy"):
             assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (it, key)

@@ -132,7 +132,7 @@ def test_zero3_sync_gathers_one_module_at_a_time(embedded_dir):
     assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)  # partitioned at rest
     largest = max(sum(p.ds_numel for p in m.parameters(recurse=False)) for m in engine.policy.module.modules())
     peak, count = 0, 0
-    for _name, _tensor in engine._full_policy():
+    for _name, _tensor in engine.sync_stream.full():
         gathered = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
         peak = max(peak, sum(p.ds_numel for p in gathered))
         count += 1
@@ -340,7 +340,7 @@ def test_ipc_sync_shares_live_parameters_or_one_gathered_tensor_at_a_time(embedd
         assert pickle.loads(pickle.dumps(run)).held == []  # handles cross processes, tensors never
         runs.append(run)
     assert [n for r in runs for n in r.names] == names
-    assert set(engine.sent) == set(names)  # fingerprinted for the guard's check
+    assert set(engine.sync_stream.sent) == set(names)  # fingerprinted for the guard's check
     if zero_stage == 2:
         (run,) = runs
         live = {p.data_ptr() for p in engine.policy.module.parameters()}

@@ -6,6 +6,9 @@ on a local Ray the whole distributed trainer."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -24,6 +27,8 @@ from rayppo.learner.adapter_weights import (
     wrap_lora,
 )
 from rayppo.learner.guard import WeightSyncError, check_weights
+from rayppo.learner.policy_sync import PolicySync
+from rayppo.learner.weight_sync import SyncEndpoint, WeightSender, free_port
 from rayppo.models.fingerprint import sent_print
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import pack, policy_forward
@@ -34,27 +39,28 @@ RANK, ALPHA = 4, 32.0  # s = 8: the scaling vLLM folds into B is not 1, so the c
 
 
 def test_lora_sync_picks_adapter_where_it_works_and_says_why_it_falls_back():
-    """``auto``: adapter on the defaults (vLLM, object store) and on the hf backend; merged with
-    a reason for a broadcast sync or tensor-parallel generators; ``adapter`` where it cannot work
-    is refused at load, naming the field; no LoRA, no sync choice."""
+    """``auto``: adapter on the defaults (vLLM, object store), on the hf backend, over the
+    broadcast and CUDA-IPC transports and to tensor-parallel generators; merged with a reason for
+    a rank vLLM does not serve; ``adapter`` where it cannot work is refused at load, naming the
+    field; no LoRA, no sync choice."""
+    from rayppo.config.derived import weight_sync_backend
+
     def mode(*overrides: str) -> tuple[str, str]:
         return lora_sync(load_config(None, ["learner.lora_rank=4", *overrides]))
 
     assert mode()[0] == "adapter" and "only the LoRA adapter travels (r=4)" in mode()[1]
     assert mode("generators.backend=hf")[0] == "adapter"
     assert mode("learner.lora_sync=merged") == ("merged", "learner.lora_sync=merged")
-    merged, why = mode("learner.weight_sync=broadcast")
-    assert merged == "merged" and "learner.weight_sync=broadcast" in why
-    merged, why = mode("generators.gpus_per_worker=2", "generators.tensor_parallel_size=2",
-                       "learner.gpus_per_rank=1")
-    assert merged == "merged" and "tensor-parallel generators" in why
+    assert mode("learner.weight_sync=broadcast")[0] == "adapter"
+    assert weight_sync_backend(load_config(None, ["learner.lora_rank=4", "learner.weight_sync=broadcast"])) == "gloo"
+    assert mode("generators.gpus_per_worker=2", "generators.tensor_parallel_size=2", "learner.gpus_per_rank=1")[0] == "adapter"
     merged, why = mode("learner.lora_rank=1024")
     assert merged == "merged" and "rank 1024 (vLLM 0.32 serves ranks up to 512)" in why
     assert mode("learner.lora_rank=1024", "generators.backend=hf")[0] == "adapter"  # peft serves any rank
     with pytest.raises(ConfigError, match=r"checks.sync_fault: drop_adapter needs LoRA adapter sync"):
         mode("learner.lora_sync=merged", "checks.sync_fault=drop_adapter")
-    with pytest.raises(ConfigError, match=r"learner.lora_sync: adapter sync cannot serve learner.weight_sync=broadcast"):
-        mode("learner.lora_sync=adapter", "learner.weight_sync=broadcast")
+    with pytest.raises(ConfigError, match=r"learner.lora_sync: adapter sync cannot serve rank 1024"):
+        mode("learner.lora_sync=adapter", "learner.lora_rank=1024")
     assert lora_sync(load_config(None, [])) == ("none", "")
 
 
@@ -113,15 +119,49 @@ def _mismatch(rollout, model, pad_id: int) -> float:
     return max((logprobs[i, : len(lp)] - torch.tensor(lp)).abs().max().item() for i, lp in enumerate(rollout.logprobs))
 
 
+def _broadcast(engine: GeneratorEngine, model, version: int) -> tuple[dict, int]:
+    """Send ``model``'s adapter to ``engine`` as learner rank 0 does over the broadcast transport
+    (``PolicySync``: the layout once at join, then A and B, fingerprinted as the engine holds
+    them), over a 2-rank gloo group. Returns the fingerprints sent and the bytes delivered."""
+    stream = PolicySync(model, "adapter", None, rank=0)
+    layout = stream.layout()
+    endpoint = SyncEndpoint("gloo", "127.0.0.1", free_port(), 2, timeout_s=60)
+    with ThreadPoolExecutor(1) as pool:
+        opened = pool.submit(WeightSender, endpoint, layout.specs, torch.device("cpu"))
+        engine.join_weight_sync(endpoint, rank_offset=1)
+        sent = pool.submit(opened.result().send, stream.fingerprinted())
+        assert engine.receive_weights(layout, version) == version
+        return stream.sent, sent.result()
+
+
+@contextmanager
+def _another_adapter(model, part: str):
+    """Inside the block, another adapter: every A negated (``part="lora_A"``) or every B
+    shifted by 0.01 (``"lora_B"``); the adapter as it was after."""
+    def change(sign: float) -> None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if part in name:
+                    p.mul_(-1) if part == "lora_A" else p.add_(0.01 * sign)
+
+    change(1.0)
+    try:
+        yield
+    finally:
+        change(-1.0)
+
+
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_it(backend, embedded_dir, adapted,
                                                                                     tokenizer):
-    """The adapter payload loads into a real engine, which then samples from base + adapter: its
-    log-probs are the peft model's within fp32 evaluation error (1e-4 nats, as the merged sync's
-    tests bound two fp32 evaluations of one network) and far from the base's; its fingerprints
-    match what was sent, B with the scaling vLLM folds into it. A second version replaces the
-    first."""
-    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend=backend, vllm=VLLMSettings(lora_rank=RANK))
+    """The adapter loads into a real engine through the object store (version 1, then 2) and
+    over a gloo broadcast (version 3: A and B alone, ``sync/bytes`` their size), and the engine
+    then samples from base + adapter: its log-probs are the peft model's within fp32 evaluation
+    error (1e-4 nats, as the merged sync's tests bound two fp32 evaluations of one network) and
+    far from the base's; its fingerprints match what was sent, B with the scaling vLLM folds into
+    it, and no longer match the version it replaced."""
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend=backend,
+                             vllm=VLLMSettings(lora_rank=RANK, collective_sync=True))
     try:
         payload, sent = _payload(adapted, version=1)
         assert engine.load_weights(payload) == 1
@@ -130,22 +170,19 @@ def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_i
         assert _mismatch(rollout, adapted, tokenizer.pad_token_id) < 1e-4
         with adapted.disable_adapter():
             assert _mismatch(rollout, adapted, tokenizer.pad_token_id) > 1e-2  # the adapter is what was served
-        with torch.no_grad():
-            for name, p in adapted.named_parameters():
-                if "lora_A" in name:
-                    p.mul_(-1)
-        try:
+        with _another_adapter(adapted, "lora_A"):
             second, sent2 = _payload(adapted, version=2)
             engine.load_weights(second)
             assert check_weights(sent2, engine.weight_fingerprints(), 0, 2) == len(sent2)
             with pytest.raises(WeightSyncError):  # the first version's prints no longer match
                 check_weights(sent, engine.weight_fingerprints(), 0, 1)
             assert _mismatch(engine.generate(_prompts(tokenizer), seed=3), adapted, tokenizer.pad_token_id) < 1e-4
-        finally:
-            with torch.no_grad():
-                for name, p in adapted.named_parameters():
-                    if "lora_A" in name:
-                        p.mul_(-1)
+        sent3, delivered = _broadcast(engine, adapted, version=3)
+        assert delivered == sum(t.numel() * t.element_size() for _, t in adapter_tensors(adapted))
+        assert check_weights(sent3, engine.weight_fingerprints(), 0, 3) == len(sent3)
+        with pytest.raises(WeightSyncError):
+            check_weights(sent2, engine.weight_fingerprints(), 0, 2)
+        assert _mismatch(engine.generate(_prompts(tokenizer), seed=4), adapted, tokenizer.pad_token_id) < 1e-4
     finally:
         engine.close()
 
@@ -154,26 +191,24 @@ def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_i
 def test_a_generator_that_keeps_its_old_adapter_or_serves_none_fails_the_weight_check(fault, embedded_dir, adapted):
     """veRL #7495's failure, on purpose: the generator says it took version 2 but keeps serving
     version 1's adapter (``skip_all``), or took it and serves requests with none
-    (``drop_adapter``). The fingerprints of what its requests are served with do not match."""
-    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm", vllm=VLLMSettings(lora_rank=RANK))
+    (``drop_adapter``). The fingerprints of what its requests are served with do not match,
+    whether the adapter came through the object store (version 2) or a broadcast (version 3)."""
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm",
+                             vllm=VLLMSettings(lora_rank=RANK, collective_sync=True))
     try:
         first, _ = _payload(adapted, version=1)
         engine.load_weights(first)
         engine.sync_fault = SyncFault(fault)
-        with torch.no_grad():
-            for name, p in adapted.named_parameters():
-                if "lora_B" in name:
-                    p.add_(0.01)
-        try:
+        with _another_adapter(adapted, "lora_B"):
             second, sent = _payload(adapted, version=2)
-        finally:
-            with torch.no_grad():
-                for name, p in adapted.named_parameters():
-                    if "lora_B" in name:
-                        p.sub_(0.01)
-        assert engine.load_weights(second) == 2  # it reports the new version ...
-        with pytest.raises(WeightSyncError, match=r"weight sync to policy version 2 .*generator 3"):
-            check_weights(sent, engine.weight_fingerprints(), 3, 2)  # ... and the check sees it does not serve it
+            assert engine.load_weights(second) == 2  # it reports the new version ...
+            with pytest.raises(WeightSyncError, match=r"weight sync to policy version 2 .*generator 3"):
+                check_weights(sent, engine.weight_fingerprints(), 3, 2)  # ... and the check sees it does not serve it
+            with _another_adapter(adapted, "lora_A"):
+                sent3, _ = _broadcast(engine, adapted, version=3)
+                assert engine.policy_version == 3
+                with pytest.raises(WeightSyncError, match=r"weight sync to policy version 3 .*generator 3"):
+                    check_weights(sent3, engine.weight_fingerprints(), 3, 3)
     finally:
         engine.close()
 

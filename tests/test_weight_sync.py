@@ -18,6 +18,7 @@ from rayppo.data.prompts import PromptBatch
 from rayppo.learner.guard import WeightSyncError, check_weights
 from rayppo.learner.weight_sync import (
     SyncEndpoint,
+    SyncLayout,
     WeightSender,
     free_port,
     open_sync_group,
@@ -75,7 +76,7 @@ def _sync_once(generator: GeneratorEngine, new_state: dict[str, torch.Tensor]) -
         generator.join_weight_sync(endpoint, rank_offset=1)
         sender = sender.result()
         sent = pool.submit(sender.send, new_state.items())
-        version = generator.receive_weights(param_specs(new_state.items()), version=7)
+        version = generator.receive_weights(SyncLayout(param_specs(new_state.items())), version=7)
         assert version == 7 and generator.policy_version == 7
         return sent.result()
 

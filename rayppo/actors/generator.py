@@ -29,7 +29,8 @@ from rayppo.engine import Engine, model_size
 from rayppo.episodes.environment import EnvironmentPool
 from rayppo.episodes.loop import EpisodeSettings
 from rayppo.episodes.play import play_episodes
-from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
+from rayppo.learner.guard import HeldPrints
+from rayppo.learner.weight_sync import IpcChunk, SyncEndpoint, SyncLayout
 from rayppo.models.chat_tokens import check_template
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
@@ -100,6 +101,9 @@ class GeneratorEngine(Engine):
         self.serves_adapter = True
         if self.sync_fault.kind != "skip_all":  # the fault: the previous adapter stays in use
             self.backend.load_adapter(version, dict(self.sync_fault.apply(named.items())), config)
+        self._drop_adapter_fault()
+
+    def _drop_adapter_fault(self) -> None:
         if self.sync_fault.kind == "drop_adapter":  # the fault: requests name no adapter
             self.backend.adapter = None
 
@@ -116,29 +120,38 @@ class GeneratorEngine(Engine):
         self.backend.start_ipc()
 
     def load_ipc(self, chunk: IpcChunk) -> None:
-        """Load one run of tensors that the learner rank on this GPU shares by CUDA-IPC."""
+        """Load one run of tensors that the learner rank on this GPU shares by CUDA-IPC (with
+        adapter sync: the adapter, registered when the update finishes)."""
         self.sent_shapes.update(zip(chunk.names, chunk.shapes))
+        self.serves_adapter = chunk.adapter is not None
         assert isinstance(self.backend, VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
         self.backend.load_ipc(chunk)
 
     def finish_ipc_update(self, version: int) -> int:
         """Close the weight update; later rollouts carry ``version``. Returns it."""
         assert isinstance(self.backend, VLLMBackend)  # weight_sync_backend picks the CUDA-IPC sync for vllm only
-        self.backend.finish_ipc()
+        self.backend.finish_ipc(version)
         self.policy_version = version
         return version
 
-    def receive_weights(self, specs: list[ParamSpec], version: int) -> int:
-        """Take the weights of ``version`` from the sync group's broadcast. Returns the version."""
-        self.sent_shapes = {spec.name: list(spec.shape) for spec in specs}
-        self.backend.receive(specs, self.sync_fault)
+    def receive_weights(self, layout: SyncLayout, version: int) -> int:
+        """Take the weights of ``version`` from the sync group's broadcast: the full policy, or
+        with adapter sync (``layout.adapter``) the LoRA adapter to serve. Returns the version."""
+        self.sent_shapes = {spec.name: list(spec.shape) for spec in layout.specs}
+        if layout.adapter is None:
+            self.backend.receive(layout.specs, self.sync_fault)
+        else:
+            self.serves_adapter = True
+            self.backend.receive_adapter(version, layout.specs, layout.adapter, self.sync_fault)
+            self._drop_adapter_fault()
         self.policy_version = version
         return version
 
-    def weight_fingerprints(self) -> dict[str, tuple[float, float]] | None:
+    def weight_fingerprints(self) -> HeldPrints | None:
         """Fingerprints of the weights this engine holds now, under the names of the last sync
-        (``rayppo/models/fingerprint.py``): the generator's half of the weight check. None when
-        the engine cannot be fingerprinted (tensor-parallel vLLM, for now)."""
+        (``rayppo/models/fingerprint.py``): the generator's half of the weight check; one dict
+        per worker for a tensor-parallel generator's adapter. None when the engine cannot be
+        fingerprinted (full weights on tensor-parallel vLLM, for now)."""
         if self.serves_adapter:
             return self.backend.adapter_prints()
         return self.backend.held_prints(self.sent_shapes)

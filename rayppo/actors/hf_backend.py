@@ -119,6 +119,15 @@ class HFBackend:
             raise RuntimeError("receive_weights before join_weight_sync: not in a sync group")
         self.load_weights(dict(fault.apply(receive_stream(self.sync_group, specs, self.model.device))))
 
+    def receive_adapter(self, version: int, specs: list[ParamSpec], config: dict[str, Any], fault: SyncFault) -> None:
+        """The adapter of ``version`` from the sync group's broadcast (every broadcast received;
+        a fault that loads nothing keeps the previous adapter)."""
+        if self.sync_group is None:
+            raise RuntimeError("receive_weights before join_weight_sync: not in a sync group")
+        tensors = dict(fault.apply(receive_stream(self.sync_group, specs, self.model.device)))
+        if tensors:
+            self.load_adapter(version, tensors, config)
+
     def held_prints(self, shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
         state = self.model.state_dict()
         return held_prints({name: state[name] for name in shapes if name in state})

@@ -9,8 +9,15 @@ vLLM 0.32: it loads only ``if lora_int_id not in self.list_adapters()``). A requ
 is not registered would load from ``path``, which names no folder: it fails loudly, never serves
 another adapter.
 
+The adapter reaches the worker by any of the three transports: as tensors through the object
+store (``worker_add_adapter``), broadcast over the sync group its weight-transfer engine joined
+(``worker_receive_adapter``), or as CUDA-IPC handles of the colocated learner rank's tensors
+(``worker_stage_ipc_adapter``, then ``worker_add_staged_adapter``).
+
 The functions named ``worker_*`` run inside a vLLM worker (``LLM.collective_rpc``): they get the
-worker and import vLLM's LoRA classes there.
+worker and import vLLM's LoRA classes there. A tensor-parallel generator runs them in every
+worker: each registers the whole adapter, and vLLM's LoRA layers take their shard of it when the
+adapter is activated (``set_lora`` slices A or B by the layer's parallelism, ``lora/layers``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from typing import Any
 
 import torch
 
+from rayppo.learner.weight_sync import ParamSpec, open_ipc_handle, receive_stream
 from rayppo.models.fingerprint import held_prints
+from rayppo.models.weights import SyncFault
 
 PEFT_PREFIX = "base_model.model."
 """How a peft checkpoint's tensor names begin (and the learner's adapter names)."""
@@ -64,6 +73,44 @@ def worker_add_adapter(worker: Any, version: int, tensors: dict[str, torch.Tenso
     for stale in set(manager.list_adapters()) - {adapter_id(v) for v in keep}:
         manager.remove_adapter(stale)
     return sorted(i - 1 for i in manager.list_adapters())
+
+
+def worker_receive_adapter(worker: Any, version: int, specs: list[ParamSpec], config: dict[str, Any],
+                           keep: list[int], fault: SyncFault) -> bool:
+    """Receive the adapter of ``version`` from the sync group this worker's weight-transfer engine
+    joined (``weight_receiver.py``: one broadcast per A and B, in the order of ``specs``) and
+    register it. Every broadcast is received (the group is collective); ``fault`` (testing) may
+    drop some or all. Returns whether an adapter was registered."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None or getattr(engine, "group", None) is None:
+        raise RuntimeError("adapter sync: a broadcast before the worker joined the sync group")
+    tensors = dict(fault.apply(receive_stream(engine.group, specs, engine.device)))
+    if not tensors:
+        return False
+    worker_add_adapter(worker, version, tensors, config, keep)
+    return True
+
+
+STAGED = "_rayppo_ipc_adapter"
+"""The worker attribute that holds an adapter's tensors between its CUDA-IPC run and its version."""
+
+
+def worker_stage_ipc_adapter(worker: Any, update_info: dict[str, Any]) -> None:
+    """Open the CUDA-IPC handles of an adapter run on this worker's GPU and keep copies of the
+    tensors (the learner releases its own at its next run); ``worker_add_staged_adapter``
+    registers them under the version the sync ends with."""
+    device = worker.device.index
+    setattr(worker, STAGED, {name: open_ipc_handle(handle, device).clone()
+                             for name, handle in zip(update_info["names"], update_info["ipc_handles"])})
+
+
+def worker_add_staged_adapter(worker: Any, version: int, config: dict[str, Any], keep: list[int]) -> list[int]:
+    """Register the adapter ``worker_stage_ipc_adapter`` staged as the one of ``version``."""
+    tensors = getattr(worker, STAGED, None)
+    if not tensors:
+        raise RuntimeError("adapter sync: no adapter was handed over by CUDA-IPC before the sync ended")
+    setattr(worker, STAGED, None)
+    return worker_add_adapter(worker, version, tensors, config, keep)
 
 
 @torch.no_grad()

@@ -21,9 +21,18 @@ import torch
 from rayppo.actors.conv1d_weights import worker_held_prints
 from rayppo.actors.held_weights import worker_tied_aliases
 from rayppo.actors.hf_backend import SamplingSettings
-from rayppo.actors.vllm_adapters import adapter_id, adapter_path, worker_adapter_prints, worker_add_adapter
+from rayppo.actors.vllm_adapters import (
+    adapter_id,
+    adapter_path,
+    worker_adapter_prints,
+    worker_add_adapter,
+    worker_add_staged_adapter,
+    worker_receive_adapter,
+    worker_stage_ipc_adapter,
+)
 from rayppo.learner.adapter_weights import vllm_max_rank
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint
+from rayppo.learner.guard import HeldPrints
+from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault, with_aliases
 
@@ -113,21 +122,39 @@ class VLLMBackend:
         self.prefix_caching = bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
         self.aliases: dict[str, str] = self.llm.collective_rpc(worker_tied_aliases)[0]
         self.adapter: int | None = None  # the policy version whose adapter every request names
+        self.lora_rank = settings.lora_rank  # adapter sync: the syncs register adapters, the base stays
+        self._staged_config: dict[str, Any] | None = None  # a CUDA-IPC adapter run's config, until its sync ends
 
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         """Register the adapter of ``version`` and serve it from the next request on; the one
         before it stays registered (nothing in flight names it on this synchronous engine, but
         an adapter is dropped only after its successor took over)."""
-        keep = [version] + ([self.adapter] if self.adapter is not None else [])
-        self.llm.collective_rpc(worker_add_adapter, args=(version, tensors, config, keep))
+        self.llm.collective_rpc(worker_add_adapter, args=(version, tensors, config, self._keep(version)))
+        self._serve(version)
+
+    def receive_adapter(self, version: int, specs: list[ParamSpec], config: dict[str, Any], fault: SyncFault) -> None:
+        """The adapter of ``version`` from the sync group's broadcast, received and registered in
+        every worker (``worker_receive_adapter``); served when every worker registered it (a
+        fault that loads nothing keeps the previous one in use)."""
+        added = self.llm.collective_rpc(worker_receive_adapter, args=(version, specs, config, self._keep(version), fault))
+        if all(added):
+            self._serve(version)
+
+    def _keep(self, version: int) -> list[int]:
+        """The versions registered once ``version``'s is: it and the one in use until now."""
+        return [version] + ([self.adapter] if self.adapter is not None else [])
+
+    def _serve(self, version: int) -> None:
         self.adapter = version
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old adapter
 
-    def adapter_prints(self) -> dict[str, tuple[float, float]]:
-        """Fingerprints of the adapter the requests name (empty: they name none)."""
+    def adapter_prints(self) -> HeldPrints:
+        """Fingerprints of the adapter the requests name (empty: they name none); one dict per
+        worker on a tensor-parallel generator, each of which registers the whole adapter."""
         if self.adapter is None:
             return {}
-        return self.llm.collective_rpc(worker_adapter_prints, args=(self.adapter,))[0]
+        prints = self.llm.collective_rpc(worker_adapter_prints, args=(self.adapter,))
+        return prints if self.tensor_parallel_size > 1 else prints[0]
 
     def _lora_request(self):
         from vllm.lora.request import LoRARequest
@@ -173,14 +200,26 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def start_ipc(self) -> None:
-        self.llm.start_weight_update()
+        if not self.lora_rank:  # an adapter reloads no weight of the base
+            self.llm.start_weight_update()
 
-    def load_ipc(self, chunk) -> None:
+    def load_ipc(self, chunk: IpcChunk) -> None:
+        if chunk.adapter is not None:  # an adapter run: staged in every worker, registered at the end
+            self.llm.collective_rpc(worker_stage_ipc_adapter, args=(chunk.update_info(),))
+            self._staged_config = chunk.adapter
+            return
         # vLLM's IPC engine rebuilds each tensor from its handle on this GPU and loads it
         # (vllm/distributed/weight_transfer/ipc_engine.py, receive_weights, 0.32).
         self.llm.update_weights({"update_info": chunk.with_aliases(self.aliases).update_info()})
 
-    def finish_ipc(self) -> None:
+    def finish_ipc(self, version: int) -> None:
+        if self.lora_rank:
+            config, self._staged_config = self._staged_config, None
+            if config is None:
+                raise RuntimeError("adapter sync: the CUDA-IPC sync ended without an adapter run")
+            self.llm.collective_rpc(worker_add_staged_adapter, args=(version, config, self._keep(version)))
+            self._serve(version)
+            return
         self.llm.finish_weight_update()  # vLLM post-processes the reloaded layers
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 

@@ -6,7 +6,8 @@
 - ``IpcSync`` (colocated on GPUs): learner rank i hands the generator on its GPU CUDA-IPC handles.
 - ``BroadcastSync``: rank 0 and every inference worker of every generator form one process group
   at start (``rayppo/learner/weight_sync.py``); each sync is one broadcast per tensor, received by
-  vLLM's weight-transfer engine inside each worker (NCCL GPU to GPU, or gloo on CPUs).
+  vLLM's weight-transfer engine inside each worker (NCCL GPU to GPU, or gloo on CPUs), or under
+  LoRA adapter sync the adapter's A and B, registered as the version's adapter.
 
 Both check that every generator reports the version the learner just produced, and then
 (``checks.verify_sync``) that it holds the weights that were sent: ``verify_sync``.
@@ -116,7 +117,7 @@ class BroadcastSync:
             opened = self.learner.open_weight_sync(endpoint)
             failed = self._failed_call(joins, "join_weight_sync") if self.supervisor is not None else None
             if failed is None:
-                self.specs = self.learner.gather(opened, "open_weight_sync")[0]
+                self.layout = self.learner.gather(opened, "open_weight_sync")[0]
                 get(joins)
                 return
             self._drain(opened, joins, failed[0])
@@ -136,7 +137,7 @@ class BroadcastSync:
         replacement (or without it, when it left the fleet), and the broadcast sent again."""
         while True:
             active = list(self.fleet.active)
-            receives = [self.generators.call_at(i, GeneratorEngine.receive_weights, (self.specs, version))
+            receives = [self.generators.call_at(i, GeneratorEngine.receive_weights, (self.layout, version))
                         for i in active]
             sends = self.learner.send_weights()
             failed = self._failed_call(receives, "receive_weights") if self.supervisor is not None else None
@@ -190,8 +191,9 @@ class BroadcastSync:
 
 class IpcSync:
     """Colocated on GPUs: learner rank i shares its GPU's policy tensors with generator i by
-    CUDA-IPC handles; nothing is copied between processes. Under ZeRO-3 or LoRA the tensors are
-    gathered or merged one at a time and each run is loaded before the next is made."""
+    CUDA-IPC handles; nothing is copied between processes. Under ZeRO-3 or merged LoRA the tensors
+    are gathered or merged one at a time and each run is loaded before the next is made; an
+    adapter is one run."""
 
     def __init__(self, learner: LearnerGroup, generators: ActorGroup):
         self.learner, self.generators = learner, generators

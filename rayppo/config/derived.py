@@ -148,10 +148,11 @@ def weight_sync_backend(cfg: Config) -> str | None:
 
 def lora_sync(cfg: Config) -> tuple[str, str]:
     """``(mode, why)`` of a LoRA policy's sync (``learner.lora_sync``): ``adapter`` or ``merged``,
-    and the reason in words; ``("none", "")`` without LoRA. ``adapter`` needs what rayppo's
-    adapter serving has (``adapter_blockers``): adapters through the object store, one vLLM worker
-    per generator (its adapter fingerprinted whole), a rank vLLM 0.32 serves (at most 512; any on
-    the hf backend, peft). ``learner.lora_sync=adapter`` where one is missing is refused at load."""
+    and the reason in words; ``("none", "")`` without LoRA. ``adapter`` needs a rank the
+    generators serve (``adapter_blockers``: vLLM 0.32 at most 512; any on the hf backend, peft);
+    every transport carries it. ``learner.lora_sync=adapter`` where it cannot work is refused at
+    load; an adapter with features vLLM cannot serve is refused at its first sync
+    (``adapter_weights.unsupported``)."""
     lr = cfg.learner
     if lr.lora_rank == 0:
         return "none", ""
@@ -175,10 +176,6 @@ def adapter_blockers(cfg: Config) -> list[str]:
     """What keeps this job from adapter sync, in words (empty: nothing)."""
     g = cfg.generators
     out = []
-    if cfg.learner.weight_sync in ("broadcast", "ipc"):
-        out.append(f"learner.weight_sync={cfg.learner.weight_sync} (adapters go through the object store)")
-    if tensor_parallel_size(g) > 1:
-        out.append("tensor-parallel generators (each worker holds a shard of the adapter, not fingerprinted yet)")
     if g.backend == "vllm" and cfg.learner.lora_rank > 512:
         out.append(f"rank {cfg.learner.lora_rank} (vLLM 0.32 serves ranks up to 512)")
     return out

@@ -27,37 +27,24 @@ from rayppo.learner.adapter_weights import (
     ADAPTER_FOLDER,
     adapter_config,
     adapter_tensors,
-    engine_form,
     policy_lora,
     save_adapter,
-    scaling,
-    unsupported,
     wrap_lora,
 )
 from rayppo.learner.checkpoint import LearnerSplit, load_states, save_states
 from rayppo.learner.experience import check_staleness
-from rayppo.learner.full_weights import full_tensors
+from rayppo.learner.policy_sync import PolicySync
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import Steps
-from rayppo.learner.weight_sync import (
-    IpcChunk,
-    ParamSpec,
-    SyncEndpoint,
-    WeightSender,
-    free_port,
-    ipc_chunk,
-    layer_runs,
-    param_specs,
-)
+from rayppo.learner.weight_sync import IpcChunk, SyncEndpoint, SyncLayout, WeightSender, free_port, ipc_chunk
 from rayppo.learner.zero_sizes import zero_sizes
-from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_policy
-from rayppo.models.fingerprint import SentPrint, sent_print
+from rayppo.models.fingerprint import SentPrint
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.packing import pack_mode
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.varlen_attention import use_varlen_attention
-from rayppo.models.weights import WeightsPayload, pack_weights
+from rayppo.models.weights import WeightsPayload
 from rayppo.plan.machine_rate import peak_rate
 
 
@@ -239,7 +226,8 @@ class LearnerEngine(Engine):
         self.version = 0
         self._targets: tuple[list[list[float]], list[list[float]]] = ([], [])
         self.sender: WeightSender | None = None  # rank 0, once open_weight_sync has run
-        self.sent: dict[str, SentPrint] = {}  # rank 0: fingerprints of the last weights sent
+        gather = _zero3_gather if cfg.learner.zero_stage == 3 else None
+        self.sync_stream = PolicySync(self.policy.module, lora_sync(cfg)[0], gather, rank)  # what a sync sends
         self._ipc_stream: Iterator[list[tuple[str, torch.Tensor]]] | None = None  # a sync in progress
         self._ipc_held: IpcChunk | None = None  # the run the generator is loading
 
@@ -285,86 +273,43 @@ class LearnerEngine(Engine):
 
         return Steps(policy.backward, critic.backward, step_both)
 
-    def _full_policy(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(HF name, full tensor)`` of the policy in its checkpoint's layout (``checkpoint_names.py``),
-        one module gathered at a time (ZeRO-3), LoRA merged per layer (``full_weights.py``).
-        Collective: every rank must drain it."""
-        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
-        return checkpoint_tensors(self.policy.module, full_tensors(self.policy.module, gather))
-
-    def _fingerprinted(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass ``stream`` through, recording each tensor's fingerprint in ``self.sent`` (rank 0)."""
-        self.sent = {}
-        for name, tensor in stream:
-            self.sent[name] = sent_print(tensor)
-            yield name, tensor
-
     def policy_weights(self) -> WeightsPayload | None:
         """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere): its
-        LoRA adapter alone under ``learner.lora_sync=adapter`` (``adapter_weights.py``), else
-        the full weights."""
-        if lora_sync(self.cfg)[0] == "adapter":
-            return self._adapter_weights()
-        stream = self._full_policy()
-        if self.rank != 0:
-            _drain(stream)
-            return None
-        # Host copies: the gathered module is released as soon as the next one is requested.
-        named = {name: tensor.to("cpu", copy=True) for name, tensor in self._fingerprinted(stream)}
-        return pack_weights(named, self.version)
-
-    def _host_adapter(self) -> dict[str, torch.Tensor] | None:
-        """Host copies of the adapter's A and B under peft's names (rank 0; None elsewhere).
-        Collective under ZeRO-3: every rank joins the gathers."""
-        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
-        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, gather)}
-        return named if self.rank == 0 else None
-
-    def _adapter_weights(self) -> WeightsPayload | None:
-        """The adapter's A and B for the object store (rank 0), fingerprinted as the engine holds
-        them (B with the scaling folded in, ``engine_form``)."""
-        named = self._host_adapter()
-        if named is None:
-            return None
-        config = adapter_config(self.policy.module)
-        if (why := unsupported(config, list(named))) is not None:
-            raise ValueError(f"learner.lora_sync: the generators cannot serve this adapter: {why} "
-                             "(learner.lora_sync=merged)")
-        s = scaling(config)
-        self.sent = {name: sent_print(engine_form(name, tensor, s)) for name, tensor in named.items()}
-        return pack_weights(named, self.version, adapter=config)
+        LoRA adapter alone under ``learner.lora_sync=adapter``, else the full weights
+        (``policy_sync.py``). Collective under ZeRO-3."""
+        return self.sync_stream.payload(self.version)
 
     def sent_fingerprints(self) -> dict[str, SentPrint] | None:
         """Fingerprints of the weights of the last sync (rank 0; None elsewhere): the learner's
         half of the weight check."""
-        return self.sent if self.rank == 0 else None
+        return self.sync_stream.sent if self.rank == 0 else None
 
     @staticmethod
     def free_port() -> int:
         """A TCP port free on this rank's node (the sync group's store binds it next)."""
         return free_port()
 
-    def open_weight_sync(self, endpoint: SyncEndpoint) -> list[ParamSpec] | None:
+    def open_weight_sync(self, endpoint: SyncEndpoint) -> SyncLayout | None:
         """Rank 0 joins the sync group as its root; returns the stream layout (rank 0).
 
         Blocks until every generator has joined; call on all ranks (ZeRO-3 gathers to find shapes).
         """
-        specs = param_specs(self._full_policy())
+        layout = self.sync_stream.layout()
         if self.rank != 0:
             return None
-        self.sender = WeightSender(endpoint, specs, self.device)
-        return specs
+        self.sender = WeightSender(endpoint, layout.specs, self.device)
+        return layout
 
     def send_weights(self) -> int:
-        """Broadcast the current policy to the sync group, one gathered module at a time; returns
-        bytes delivered (0 off rank 0)."""
-        stream = self._full_policy()
+        """Broadcast the current policy (or its adapter) to the sync group, one gathered module at
+        a time; returns bytes delivered (0 off rank 0)."""
+        stream = self.sync_stream.fingerprinted()
         if self.rank != 0:
             _drain(stream)
             return 0
         if self.sender is None:
             raise RuntimeError("send_weights before open_weight_sync: the sync group is not open")
-        return self.sender.send(self._fingerprinted(stream))
+        return self.sender.send(stream)
 
     def ipc_next(self) -> IpcChunk | None:
         """The next run of policy tensors as CUDA-IPC handles, for the generator on this rank's GPU
@@ -372,21 +317,15 @@ class LearnerEngine(Engine):
 
         Collective (ZeRO-3 gathers): all ranks call it together, until it returns None. A run
         stays valid until the next call, which is when the driver has seen the generator load
-        it: without ZeRO-3 or LoRA the whole policy is one run of the live parameters (no
-        copy); otherwise one decoder layer's gathered (copied) or merged tensors at a time, so the
-        peak is one layer."""
+        it (``PolicySync.ipc_runs``: one run, or one decoder layer at a time)."""
         if self._ipc_stream is None:
-            whole = self.cfg.learner.zero_stage < 3 and self.cfg.learner.lora_rank == 0
-            stream = self._fingerprinted(self._full_policy())
-            # One run per decoder layer (two Ray round trips each, not per tensor); under ZeRO-3 the
-            # gathered tensors are copied into it, as the gather is released at the next module.
-            self._ipc_stream = (iter([list(stream)]) if whole
-                                else layer_runs(stream, copy=self.cfg.learner.zero_stage == 3))
+            self._ipc_stream = self.sync_stream.ipc_runs(self.cfg.learner.zero_stage)
         run = next(self._ipc_stream, None)
         if run is None:
             self._ipc_stream, self._ipc_held = None, None
             return None
-        self._ipc_held = ipc_chunk(run) if self.rank < self.cfg.generators.num else None
+        adapter = self.sync_stream.adapter_config() if self.sync_stream.adapter else None
+        self._ipc_held = ipc_chunk(run, adapter=adapter) if self.rank < self.cfg.generators.num else None
         return self._ipc_held
 
     def save_checkpoint(self, path: str) -> None:
@@ -415,7 +354,7 @@ class LearnerEngine(Engine):
         out = Path(out_dir)
         exports = policy_exports(self.cfg)
         if "merged" in exports:
-            stream = self._full_policy()
+            stream = self.sync_stream.full()
             if self.rank == 0:
                 base = resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir)
                 write_policy(stream, base, self.tokenizer, out / "policy")
@@ -431,8 +370,9 @@ class LearnerEngine(Engine):
 
     def _save_adapter(self, out: Path) -> None:
         """The LoRA adapter as a peft folder (rank 0 writes; every rank joins ZeRO-3's gathers)."""
-        named = self._host_adapter()
-        if named is not None:
+        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
+        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, gather)}
+        if self.rank == 0:
             save_adapter(named, adapter_config(self.policy.module), self.cfg.model.policy, out)
 
     def matmul_rate(self, tokens: int) -> float:

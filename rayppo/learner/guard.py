@@ -43,11 +43,23 @@ class LogprobMismatchError(CorrectnessError):
     """A generator's log-probs are not the learner's."""
 
 
-def check_weights(sent: dict[str, SentPrint], held: dict[str, tuple[float, float]], generator: int,
-                  version: int) -> int:
+HeldPrints = dict[str, tuple[float, float]] | list[dict[str, tuple[float, float]]]
+"""What a generator reports it holds (``GeneratorEngine.weight_fingerprints``): fingerprints by
+tensor name, or one such dict per inference worker of a tensor-parallel generator."""
+
+
+def check_weights(sent: dict[str, SentPrint], held: HeldPrints, generator: int, version: int) -> int:
     """Raise ``WeightSyncError`` unless every held tensor matches what was sent; returns how many
     tensors were compared. A sent tensor the engine does not hold under any name (e.g. a tied
-    ``lm_head``) is not compared; a generator that holds none of them is an error."""
+    ``lm_head``) is not compared; a generator that holds none of them is an error. Per-worker
+    prints are checked worker by worker, the error naming the worker."""
+    if isinstance(held, list):
+        return sum(_check_held(sent, prints, f"generator {generator} (worker {w})", version)
+                   for w, prints in enumerate(held))
+    return _check_held(sent, held, f"generator {generator}", version)
+
+
+def _check_held(sent: dict[str, SentPrint], held: dict[str, tuple[float, float]], who: str, version: int) -> int:
     compared, bad = 0, []
     for name, expected in sent.items():
         if name not in held:
@@ -60,10 +72,10 @@ def check_weights(sent: dict[str, SentPrint], held: dict[str, tuple[float, float
             bad.append(f"{name} (|held - sent| = {max(gaps):.3g}, float64 summation allows {max(expected.bound):.3g})")
     sync = f"weight sync to policy version {version} (the update of iteration {version - 1})"
     if bad:
-        raise WeightSyncError(f"{sync}: generator {generator} does not hold the weights the learner sent: {bad[0]}"
+        raise WeightSyncError(f"{sync}: {who} does not hold the weights the learner sent: {bad[0]}"
                               + (f" and {len(bad) - 1} more tensors" if bad[1:] else ""))
     if compared == 0:
-        raise WeightSyncError(f"{sync}: generator {generator} holds none of the {len(sent)} sent tensors under their "
+        raise WeightSyncError(f"{sync}: {who} holds none of the {len(sent)} sent tensors under their "
                               "names; the weights cannot be verified")
     return compared
 

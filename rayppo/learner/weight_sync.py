@@ -26,6 +26,7 @@ import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,17 @@ class ParamSpec:
     dtype: str
     """torch dtype name, e.g. ``float32``."""
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    """What the receivers of a sync group learn once, when they join (``PolicySync.layout``)."""
+
+    specs: list[ParamSpec]
+    """Every tensor of a sync, in send order."""
+    adapter: dict[str, Any] | None = None
+    """With LoRA adapter sync, the adapter's peft config (the tensors are its A and B, served
+    on the base the generators loaded); None: the tensors are the full policy."""
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -177,6 +189,21 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
     return {uuid: reduce_tensor(tensor)[1]}
 
 
+def open_ipc_handle(handle: dict[str, tuple], device_index: int) -> torch.Tensor:
+    """The tensor a ``cuda_ipc_handle`` shares, opened on this process's GPU ``device_index``, as
+    vLLM 0.32's IPC engine opens one (``vllm/distributed/weight_transfer/ipc_engine.py``,
+    ``receive_weights``, unpacked): the handle under this GPU's physical UUID, argument 6 of
+    ``rebuild_cuda_tensor`` (the device index) replaced by the receiver's own."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    if uuid not in handle:
+        raise ValueError(f"CUDA-IPC sync: no handle for this GPU ({uuid}); the run was shared for {list(handle)}")
+    args = list(handle[uuid])
+    args[6] = device_index
+    return rebuild_cuda_tensor(*args)
+
+
 @dataclass
 class IpcChunk:
     """A run of policy tensors shared by CUDA-IPC: vLLM's ``IPCWeightTransferUpdateInfo`` fields
@@ -187,13 +214,15 @@ class IpcChunk:
     shapes: list[list[int]]
     ipc_handles: list[dict[str, tuple]]
     nbytes: int = 0
+    adapter: dict[str, Any] | None = None
+    """With LoRA adapter sync, the adapter's peft config: the run is its A and B (one run)."""
     held: list[torch.Tensor] = field(default_factory=list, repr=False)
     """The exported tensors, kept alive by the sender until the receiver has loaded them (never
     sent: ``update_info`` leaves them out)."""
 
     def update_info(self) -> dict:
         """The ``update_info`` of vLLM's ``LLM.update_weights``."""
-        return {k: v for k, v in asdict(self).items() if k not in ("nbytes", "held")}
+        return {k: v for k, v in asdict(self).items() if k not in ("nbytes", "held", "adapter")}
 
     def with_aliases(self, aliases: dict[str, str]) -> IpcChunk:
         """This run with each tensor also under the names ``aliases`` (``{alias: source}``) shares
@@ -206,10 +235,10 @@ class IpcChunk:
             return self
         pick = [i for _, i in rows]
         return IpcChunk([name for name, _ in rows], [self.dtype_names[i] for i in pick], [self.shapes[i] for i in pick],
-                        [self.ipc_handles[i] for i in pick], self.nbytes, self.held)
+                        [self.ipc_handles[i] for i in pick], self.nbytes, self.adapter, self.held)
 
     def __reduce__(self):  # crossing processes: the handles, never the tensors
-        return IpcChunk, (self.names, self.dtype_names, self.shapes, self.ipc_handles, self.nbytes)
+        return IpcChunk, (self.names, self.dtype_names, self.shapes, self.ipc_handles, self.nbytes, self.adapter)
 
 
 LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
@@ -235,12 +264,13 @@ def layer_runs(stream: Iterable[tuple[str, torch.Tensor]],
         yield run
 
 
-def ipc_chunk(named: list[tuple[str, torch.Tensor]], export: HandleExport = cuda_ipc_handle) -> IpcChunk:
+def ipc_chunk(named: list[tuple[str, torch.Tensor]], export: HandleExport = cuda_ipc_handle,
+              adapter: dict[str, Any] | None = None) -> IpcChunk:
     """CUDA-IPC handles of ``named`` (contiguous tensors; a non-contiguous one is copied and the
-    copy held)."""
+    copy held); ``adapter``: the peft config when ``named`` is a LoRA adapter."""
     held = [t.detach().contiguous() for _, t in named]
     return IpcChunk(names=[n for n, _ in named],
                     dtype_names=[str(t.dtype).removeprefix("torch.") for t in held],
                     shapes=[list(t.shape) for t in held],
                     ipc_handles=[export(t) for t in held],
-                    nbytes=sum(t.numel() * t.element_size() for t in held), held=held)
+                    nbytes=sum(t.numel() * t.element_size() for t in held), adapter=adapter, held=held)
