@@ -242,7 +242,9 @@ def test_zero3_ranks_load_only_their_partition(tmp_path):
 def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, embedded_dir, tokenizer, monkeypatch):
     """generators.tensor_parallel_size=2 as a Ray actor (vLLM's mp executor, 2 worker processes)
     against a TP=1 engine with the same seed: the same tokens, and log-probs equal to fp32
-    rounding (a row-parallel layer sums two partial products instead of one)."""
+    rounding (a row-parallel layer sums two partial products instead of one), on the base and
+    then serving a LoRA adapter (``learner.lora_sync=adapter``): each worker registers the whole
+    adapter and is fingerprinted on its own, the check naming the worker that does not hold it."""
     from rayppo.actors.generator import GeneratorEngine
     from rayppo.actors.settings import sampling_settings
     from rayppo.cluster.group import ActorGroup
@@ -250,28 +252,53 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
     from rayppo.cluster.roles import vllm_settings
     from rayppo.cluster.session import ACTOR_ENV
     from rayppo.data.prompts import PromptBatch
+    from rayppo.learner.adapter_weights import adapter_config, adapter_tensors, engine_form, scaling, wrap_lora
+    from rayppo.learner.guard import WeightSyncError, check_weights
+    from rayppo.models.fingerprint import sent_print
+    from rayppo.models.loading import load_causal_lm
+    from rayppo.models.weights import pack_weights
 
     texts = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 4
     prompts = PromptBatch(texts, [tokenizer(t)["input_ids"] for t in texts])
+    lora = ["learner.lora_rank=4", "learner.lora_alpha=32"]
     cfg = load_config(None, ["generators.tensor_parallel_size=2", "learner.num_ranks=1", "generators.cpus_per_worker=1",
-                             "learner.cpus_per_rank=0.25"])
+                             "learner.cpus_per_rank=0.25", *lora])
     settings = vllm_settings(cfg)
-    assert (settings.tensor_parallel_size, settings.executor) == (2, "mp")
+    assert (settings.tensor_parallel_size, settings.executor, settings.lora_rank) == (2, "mp", 4)
+    adapted = wrap_lora(load_causal_lm(embedded_dir, "float32"), {"r": 4, "lora_alpha": 32.0, "target_modules": "all-linear"})
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    named, config = {n: t.clone() for n, t in adapter_tensors(adapted)}, adapter_config(adapted)
+    sent = {n: sent_print(engine_form(n, t, scaling(config))) for n, t in named.items()}
+    stale = {n: sent_print(engine_form(n, t + 0.01, scaling(config))) for n, t in named.items()}
     placements = reserve(cfg)
     try:
         group = ActorGroup(GeneratorEngine, [(str(embedded_dir), sampling_settings(cfg), "vllm", "float32", 0, 5,
                                               settings)], [placements["generators"].actor_options(0, dict(ACTOR_ENV))])
         tp2 = group.get(group.call_all(GeneratorEngine.generate, prompts, 0))[0]
+        group.get(group.call_all(GeneratorEngine.load_weights, pack_weights(named, 1, adapter=config)))
+        held = group.get(group.call_all(GeneratorEngine.weight_fingerprints))[0]
+        tp2_adapted = group.get(group.call_all(GeneratorEngine.generate, prompts, 0))[0]
         group.kill()
     finally:
         release(placements)
+    assert isinstance(held, list) and len(held) == 2  # one set of prints per worker
+    assert check_weights(sent, held, 0, 1) == 2 * len(sent)
+    with pytest.raises(WeightSyncError, match=r"generator 0 \(worker 0\) does not hold"):
+        check_weights(stale, held, 0, 1)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    cfg1 = load_config(None, [])
+    cfg1 = load_config(None, lora)
     tp1 = GeneratorEngine(str(embedded_dir), sampling_settings(cfg1), "vllm", "float32", 0, 5, vllm_settings(cfg1))
     reference = tp1.generate(prompts, 0)
-    assert tp2.response_ids == reference.response_ids
-    gap = max(abs(a - b) for x, y in zip(tp2.logprobs, reference.logprobs) for a, b in zip(x, y))
-    assert gap < 1e-4  # two fp32 evaluations of one network, as in the other sync tests
+    tp1.load_weights(pack_weights(named, 1, adapter=config))
+    reference_adapted = tp1.generate(prompts, 0)
+    for ours, theirs in ((tp2, reference), (tp2_adapted, reference_adapted)):
+        assert ours.response_ids == theirs.response_ids
+        gap = max(abs(a - b) for x, y in zip(ours.logprobs, theirs.logprobs) for a, b in zip(x, y))
+        assert gap < 1e-4  # two fp32 evaluations of one network, as in the other sync tests
+    assert reference_adapted.response_ids != reference.response_ids  # the adapter was served
     del tp1
 
 

@@ -134,6 +134,31 @@ def _broadcast(engine: GeneratorEngine, model, version: int) -> tuple[dict, int]
         return stream.sent, sent.result()
 
 
+def _hand_over(engine: GeneratorEngine, model, version: int, monkeypatch) -> dict:
+    """Hand ``model``'s adapter to ``engine`` as the colocated CUDA-IPC sync does: learner rank 0's
+    one run (``PolicySync.ipc_runs``, ``ipc_chunk`` with the adapter's config), staged in the
+    worker and registered when the update finishes. CUDA-IPC needs a GPU: here a handle names a
+    tensor in a table of this process, and the worker opens it from there (on GPUs:
+    ``open_ipc_handle``, vLLM 0.32's rebuild). Returns the fingerprints sent."""
+    import rayppo.actors.vllm_adapters as vllm_adapters
+    from rayppo.learner.weight_sync import ipc_chunk
+
+    shared: dict[int, torch.Tensor] = {}
+
+    def share(tensor: torch.Tensor) -> dict[str, tuple]:
+        shared[id(tensor)] = tensor
+        return {"table": (id(tensor),)}
+
+    monkeypatch.setattr(vllm_adapters, "open_ipc_handle", lambda handle, device: shared[handle["table"][0]])
+    stream = PolicySync(model, "adapter", None, rank=0)
+    (run,) = list(stream.ipc_runs(zero_stage=2))
+    chunk = ipc_chunk(run, export=share, adapter=stream.adapter_config())
+    engine.start_ipc_update()
+    engine.load_ipc(chunk)
+    assert engine.finish_ipc_update(version) == version
+    return stream.sent
+
+
 @contextmanager
 def _another_adapter(model, part: str):
     """Inside the block, another adapter: every A negated (``part="lora_A"``) or every B
@@ -153,9 +178,10 @@ def _another_adapter(model, part: str):
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_it(backend, embedded_dir, adapted,
-                                                                                    tokenizer):
-    """The adapter loads into a real engine through the object store (version 1, then 2) and
-    over a gloo broadcast (version 3: A and B alone, ``sync/bytes`` their size), and the engine
+                                                                                    tokenizer, monkeypatch):
+    """The adapter loads into a real engine through the object store (version 1, then 2), over a
+    gloo broadcast (version 3: A and B alone, ``sync/bytes`` their size) and, on vLLM, as the
+    CUDA-IPC sync hands it over (version 4, its handles opened by a stand-in), and the engine
     then samples from base + adapter: its log-probs are the peft model's within fp32 evaluation
     error (1e-4 nats, as the merged sync's tests bound two fp32 evaluations of one network) and
     far from the base's; its fingerprints match what was sent, B with the scaling vLLM folds into
@@ -183,6 +209,13 @@ def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_i
         with pytest.raises(WeightSyncError):
             check_weights(sent2, engine.weight_fingerprints(), 0, 2)
         assert _mismatch(engine.generate(_prompts(tokenizer), seed=4), adapted, tokenizer.pad_token_id) < 1e-4
+        if backend == "vllm":
+            with _another_adapter(adapted, "lora_B"):
+                sent4 = _hand_over(engine, adapted, version=4, monkeypatch=monkeypatch)
+                assert check_weights(sent4, engine.weight_fingerprints(), 0, 4) == len(sent4)
+                with pytest.raises(WeightSyncError):
+                    check_weights(sent3, engine.weight_fingerprints(), 0, 3)
+                assert _mismatch(engine.generate(_prompts(tokenizer), seed=5), adapted, tokenizer.pad_token_id) < 1e-4
     finally:
         engine.close()
 
