@@ -114,7 +114,8 @@ class ChecksConfig:
     """After every weight sync each generator fingerprints the weights it actually holds and the
     run stops, naming generator, tensor and iteration, if they differ from what learner rank 0
     sent. Metric ``sync/verified`` is 1.0 when every generator matched (0.0 when the check is off;
-    NaN with tensor-parallel vLLM generators, which are not fingerprinted yet)."""
+    NaN with full weights on tensor-parallel vLLM generators, which are not fingerprinted yet;
+    their LoRA adapters are, worker by worker)."""
     sync_fault: SyncFault = "none"
     """Testing only: make every generator break its weight loads on purpose, to show the guard
     stopping the run: ``none``, ``skip_all`` (load nothing; with LoRA adapter sync, keep serving
@@ -346,9 +347,9 @@ class LearnerConfig:
     """How a LoRA policy reaches the generators (docs/lora.md): ``adapter``, only the adapter's
     A and B travel and the generators serve them on the base model they loaded once (vLLM's LoRA
     serving; peft on the hf backend), a few % of the bytes; ``merged``, W + (alpha / r) B A under
-    the base model's names, as a full-weight sync; ``auto``, adapter where it works (the
-    object-store sync, one vLLM worker per generator, a rank vLLM serves), else merged, with one
-    line at start saying why."""
+    the base model's names, as a full-weight sync; ``auto``, adapter where it works (every
+    transport of ``learner.weight_sync``, tensor-parallel generators, a rank vLLM serves), else
+    merged, with one line at start saying why."""
     resources: dict[str, float] = field(default_factory=dict, metadata=RESOURCE)
     """Extra Ray resources per rank, e.g. ``{learner_node: 1}``."""
     cores: list[int] | None = field(default=None, metadata=RESOURCE)
