@@ -316,3 +316,50 @@ def test_cpu_lora_products_per_adapter_equal_vllms_per_token_products():
         assert ((sliced["vllm"] - sliced["rayppo"])[:, 4:4 + out].abs() <= bound(h, b)).all()
     cpu_lora.patch()
     assert lora_ops.bgmv_expand is cpu_lora.bgmv_expand
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_slot_lora_linear_equals_vllms_per_slice_products(dtype):
+    """rayppo's product for a packed layer whose tokens all use one adapter slot
+    (``cpu_lora.one_slot_lora_linear``: one shrink for all slices) against vLLM 0.32's own ops in
+    ``PunicaWrapperCPU.add_lora_linear``'s order (per slice: an fp32 shrink into a zeroed buffer,
+    an expand in the output's dtype added to it), three slices of unequal width, slot 1 of 3.
+    Both sum the same fp32 products in another order (n u_32 sum|.|, Higham eq. 3.5), then round
+    h, the expand's product and its sum with y to ``dtype``: at most one unit in the last place of
+    each apart, 4 u |h| |B| + 2 u |y|."""
+    import importlib.util
+
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from rayppo.actors.cpu_lora import one_slot_lora_linear, single_slot
+
+    spec = importlib.util.spec_from_file_location("vllm_lora_ops_unpatched", lora_ops.__file__)
+    vllm_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_ops)
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden, rank, slots, widths = 19, 48, 8, 3, (40, 16, 16)
+    a = tuple(torch.randn(slots, 1, rank, hidden, generator=g).to(dtype) for _ in widths)
+    b = tuple(torch.randn(slots, 1, n, rank, generator=g).to(dtype) for n in widths)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    y = torch.randn(tokens, sum(widths), generator=g).to(dtype)
+    indices = torch.full((tokens,), 1)
+    assert single_slot(indices) == 1
+    assert single_slot(torch.tensor([1, 1, 2])) is None and single_slot(torch.tensor([-1, -1])) is None
+    ours = y.clone()
+    one_slot_lora_linear(ours, x, a, b, 0.5, widths, slot=1)
+    theirs, offset, shrunk, expanded = y.clone(), 0, [], []
+    for a_i, b_i, n in zip(a, b, widths):
+        h = torch.zeros(tokens, rank, dtype=torch.float32)
+        vllm_ops.bgmv_shrink(x, a_i, h, indices, 0.5)
+        vllm_ops.bgmv_expand_slice(h, b_i, theirs, indices, offset, n, True)
+        b_abs = b_i[1, 0].float().abs().T
+        shrunk.append((0.5 * x.float().abs() @ a_i[1, 0].float().abs().T) @ b_abs)  # |s x A^T| |B^T|
+        expanded.append(h.abs() @ b_abs)  # |h| |B^T|
+        offset += n
+    u32, u = torch.finfo(torch.float32).eps / 2, torch.finfo(dtype).eps / 2
+    # the shrink's fp32 order, carried through B; h rounded to dtype (one ulp apart at most), the
+    # expand's order and its rounding; the sum's rounding
+    bound = (hidden * u32 * torch.cat(shrunk, dim=1) + (rank * u32 + 4 * u) * torch.cat(expanded, dim=1)
+             + 2 * u * theirs.float().abs())
+    assert ((ours.float() - theirs.float()).abs() <= bound).all()
+    assert not torch.equal(ours, y)  # the adapter added something

@@ -69,8 +69,44 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
         output_tensor[:, slice_offset: slice_offset + slice_size] = outputs[:]
 
 
+SLOT = "_rayppo_single_slot"
+"""The punica wrapper's attribute: the adapter slot every token of this step uses, or None."""
+
+
+def single_slot(token_lora_indices: torch.Tensor) -> int | None:
+    """The one adapter slot all tokens are served by (rayppo's synchronous generators name one
+    adapter in every request), or None: several slots, or tokens without an adapter (-1)."""
+    slots = token_lora_indices.unique()
+    return int(slots[0]) if slots.numel() == 1 and int(slots[0]) >= 0 else None
+
+
+def one_slot_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                         lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
+                         slot: int) -> None:
+    """``y[:, slice i] += (s x A_i^T) B_i^T`` for every slice of a packed layer (q/k/v, gate/up),
+    every token served by adapter ``slot``: what vLLM 0.32's ``PunicaWrapperCPU.add_lora_linear``
+    computes (``lora/punica_wrapper/punica_cpu.py``), in its dtypes — the shrink in fp32 into
+    its fp32 buffer, the expand in ``y``'s dtype, added to ``y`` — with one shrink product for
+    all slices and one expand product per slice instead of two gathered ops per slice (the
+    decode step's cost on CPU is the count of small ops, ~14 per decoder layer here)."""
+    x = x.reshape(-1, x.shape[-1])
+    a = torch.cat([w[slot].reshape(-1, w.shape[-1]) for w in lora_a_stacked])  # [slices * r, in]
+    if scale == 1 and x.dtype == a.dtype == y.dtype:
+        # vLLM's fp32 buffer is read in y's dtype by the expand: a product in that dtype (fp32
+        # accumulation, one rounding: ATen's and oneDNN's CPU GEMMs) is the same value rounded once.
+        h = x @ a.T
+    else:
+        h = (x.float() @ a.float().T).mul_(scale).to(y.dtype)  # [tokens, slices * r]
+    out = y.view(-1, y.shape[-1])
+    rank, offset = lora_a_stacked[0].shape[-2], 0
+    for i, (b, size) in enumerate(zip(lora_b_stacked, output_slices)):
+        out[:, offset: offset + size] += h[:, i * rank: (i + 1) * rank] @ b[slot].reshape(size, rank).to(y.dtype).T
+        offset += size
+
+
 def patch() -> None:
-    """Use the grouped products in vLLM's CPU LoRA path (idempotent; nothing where it is absent)."""
+    """Use the grouped products in vLLM's CPU LoRA path, and one product per packed layer when
+    every token uses one adapter (idempotent; nothing where vLLM's LoRA is absent)."""
     try:
         from vllm.lora.ops.torch_ops import lora_ops
         from vllm.lora.punica_wrapper import punica_cpu
@@ -80,3 +116,21 @@ def patch() -> None:
         module.bgmv_shrink = bgmv_shrink
         module.bgmv_expand = bgmv_expand
         module.bgmv_expand_slice = bgmv_expand_slice
+    wrapper = punica_cpu.PunicaWrapperCPU
+    if getattr(wrapper, "_rayppo_patched", False):
+        return
+    vllm_update, vllm_linear = wrapper.update_metadata, wrapper.add_lora_linear
+
+    def update_metadata(self, *args, **kwargs):
+        vllm_update(self, *args, **kwargs)
+        setattr(self, SLOT, single_slot(self.token_lora_indices))
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
+        slot = getattr(self, SLOT, None)
+        if slot is None or buffer is not None or not kwargs.get("add_inputs", True):
+            return vllm_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs)
+        one_slot_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, slot)
+        return None
+
+    wrapper.update_metadata, wrapper.add_lora_linear = update_metadata, add_lora_linear
+    wrapper._rayppo_patched = True
