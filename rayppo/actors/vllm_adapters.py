@@ -100,8 +100,13 @@ def worker_stage_ipc_adapter(worker: Any, update_info: dict[str, Any]) -> None:
     tensors (the learner releases its own at its next run); ``worker_add_staged_adapter``
     registers them under the version the sync ends with."""
     device = worker.device.index
-    setattr(worker, STAGED, {name: open_ipc_handle(handle, device).clone()
-                             for name, handle in zip(update_info["names"], update_info["ipc_handles"])})
+    staged = {name: open_ipc_handle(handle, device).clone()
+              for name, handle in zip(update_info["names"], update_info["ipc_handles"])}
+    if any(t.is_cuda for t in staged.values()):
+        # The copies must be made before the learner releases its tensors (at its next run), as
+        # vLLM's own update_weights synchronises after loading (weight_transfer/base.py, 0.32).
+        torch.cuda.synchronize(device)
+    setattr(worker, STAGED, staged)
 
 
 def worker_add_staged_adapter(worker: Any, version: int, config: dict[str, Any], keep: list[int]) -> list[int]:

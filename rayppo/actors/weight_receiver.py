@@ -102,11 +102,14 @@ class CollectiveReceiveEngine(WeightTransferEngine[CollectiveInitInfo, Collectiv
 
 
 def register() -> None:
-    """Make ``weight_transfer_config={"backend": "rayppo"}`` known to vLLM, and let CPU MoE layers
-    take weight updates (``cpu_moe.patch``) in every process vLLM starts (idempotent)."""
-    from rayppo.actors import cpu_moe
+    """Make ``weight_transfer_config={"backend": "rayppo"}`` known to vLLM, let CPU MoE layers
+    take weight updates (``cpu_moe.patch``) and serve LoRA with rayppo's CPU products
+    (``cpu_lora.patch``) in every process vLLM starts: a tensor-parallel generator's workers are
+    processes of their own (idempotent)."""
+    from rayppo.actors import cpu_lora, cpu_moe
 
     cpu_moe.patch()
+    cpu_lora.patch()
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, CollectiveReceiveEngine)
     except ValueError:  # already registered in this process

@@ -72,10 +72,12 @@ class PolicySync:
 
     def payload(self, version: int) -> WeightsPayload | None:
         """Host copies of the stream for the object store (rank 0; None elsewhere, after
-        following the gathers)."""
-        named = {name: tensor.to("cpu", copy=True) for name, tensor in self.fingerprinted()}
+        following the gathers without copying anything)."""
         if self.rank != 0:
+            for _ in self.stream():
+                pass
             return None
+        named = {name: tensor.to("cpu", copy=True) for name, tensor in self.fingerprinted()}
         return pack_weights(named, version, adapter=self.adapter_config() if self.adapter else None)
 
     def ipc_runs(self, zero_stage: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
