@@ -370,8 +370,7 @@ class LearnerEngine(Engine):
 
     def _save_adapter(self, out: Path) -> None:
         """The LoRA adapter as a peft folder (rank 0 writes; every rank joins ZeRO-3's gathers)."""
-        gather = _zero3_gather if self.cfg.learner.zero_stage == 3 else None
-        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, gather)}
+        named = {name: t.to("cpu", copy=True) for name, t in adapter_tensors(self.policy.module, self.sync_stream.gather)}
         if self.rank == 0:
             save_adapter(named, adapter_config(self.policy.module), self.cfg.model.policy, out)
 

@@ -36,6 +36,7 @@ class PolicySync:
         self.module, self.gather, self.rank = module, gather, rank
         self.adapter, self.lora = lora_sync == "adapter", lora_sync != "none"
         self.sent: dict[str, SentPrint] = {}
+        self._config: dict[str, Any] | None = None  # the adapter's peft config, checked once
 
     def full(self) -> Named:
         """``(HF name, full tensor)`` of the policy in its checkpoint's layout, LoRA merged per
@@ -47,12 +48,16 @@ class PolicySync:
         return adapter_tensors(self.module, self.gather) if self.adapter else self.full()
 
     def adapter_config(self) -> dict[str, Any]:
-        """The adapter's peft config, refused (naming why) where vLLM could not serve it as sent."""
+        """The adapter's peft config, refused (naming why) where vLLM could not serve it as sent.
+        Read and checked at the first sync: peft's config and the adapter's names never change."""
+        if self._config is not None:
+            return self._config
         config = adapter_config(self.module)
         named = [name for name, _ in adapter_tensors(self.module)]  # names only: nothing gathered
         if (why := unsupported(config, named)) is not None:
             raise ValueError(f"learner.lora_sync: the generators cannot serve this adapter: {why} "
                              "(learner.lora_sync=merged)")
+        self._config = config
         return config
 
     def fingerprinted(self) -> Named:
