@@ -156,22 +156,31 @@ class Supervisor:
 
     def _redo(self, pending: dict[Any, tuple[Fanout, int, float]], fanouts: list[Fanout], lost: dict[int, list[int]],
               f: Fanout, pos: int, cause: str, hung: bool = False) -> None:
-        """Replace the actor of ``f``'s share ``pos`` and send the share again; when the actor left
-        the fleet instead, note the share as lost (``run`` raises once the others are done)."""
-        if not self.replace(f.group, f.role, f.actor_at(pos), cause, hung, f.refresh):
-            lost.setdefault(next(k for k, g in enumerate(fanouts) if g is f), []).append(pos)
+        """Replace the actor of ``f``'s share ``pos`` and send the share again, with every other call
+        still pending on the dead actor (a redo can give one generator two shares of a fan-out: the
+        second's error would name the replaced actor, and a hung actor never answers either); when
+        the actor left the fleet instead, note those shares as lost (``run`` raises once the others
+        are done)."""
+        i = f.actor_at(pos)
+        on_actor = [future for future, (g, p, _) in pending.items() if g.group is f.group and g.actor_at(p) == i]
+        stranded = [pending.pop(future)[:2] for future in on_actor]
+        if not self.replace(f.group, f.role, i, cause, hung, f.refresh):
+            for g, p in [(f, pos), *stranded]:
+                lost.setdefault(next(k for k, h in enumerate(fanouts) if h is g), []).append(p)
             return
-        self._send(pending, f, pos)
+        for g, p in [(f, pos), *stranded]:
+            self._send(pending, g, p)
 
     def _send(self, pending: dict[Any, tuple[Fanout, int, float]], f: Fanout, pos: int) -> None:
         pending[f.group.call_at(f.actor_at(pos), f.method, f.args[pos])] = (f, pos, time.monotonic() + self.timeout_s)
 
     def _replace_hung(self, pending: dict[Any, tuple[Fanout, int, float]], fanouts: list[Fanout],
                       lost: dict[int, list[int]]) -> None:
-        """The calls past their deadline count as hung: their actors are replaced, their shares sent again."""
+        """The calls past their deadline count as hung: their actors are replaced, their shares sent
+        again (with the other calls pending on those actors: ``_redo``)."""
         now = time.monotonic()
         for future, (f, pos, deadline) in list(pending.items()):
-            if deadline <= now:
+            if deadline <= now and future in pending:  # not resent already with an earlier call of its actor
                 del pending[future]
                 self._redo(pending, fanouts, lost, f, pos, f"did not answer {f.method.__name__} within "
                                                            f"cluster.call_timeout_s={self.timeout_s:g} s", hung=True)
