@@ -144,7 +144,8 @@ class LearnerGroup:
             self.owned = [[] for _ in range(self.num_ranks)]
             return self._gather(self.ranks.call_all(LearnerEngine.skip_update), "skip_update")[0]
         self.owned = self.shards(rollout, iteration)
-        args = [(rollout.select(rows), rows, len(rollout), kl_coef, iteration) for rows in self.owned]
+        drew = list(rollout.generator_id) or [0] * len(rollout)
+        args = [(rollout.select(rows), rows, drew, kl_coef, iteration) for rows in self.owned]
         return self._gather(self.ranks.call(LearnerEngine.train, args), "train")[0]
 
     def shards(self, rollout: Rollout, iteration: int) -> list[list[int]]:
@@ -152,7 +153,8 @@ class LearnerGroup:
         computes, ``update.minibatch_plan``) dealt by tokens, so no rank waits on another's long
         rows at every step; by rows when that would leave a rank without any."""
         p = self._spec[0].ppo
-        plan = minibatch_plan(len(rollout), p.epochs, p.minibatches, seed=minibatch_seed(self._spec[0].seed, iteration))[0]
+        plan = minibatch_plan(len(rollout), p.epochs, p.minibatches, seed=minibatch_seed(self._spec[0].seed, iteration),
+                              sources=rollout.generator_id)[0]
         prompt, response = rollout.lengths()
         owned = balanced_shards([a + b for a, b in zip(prompt, response)], [m.tolist() for m in plan], self.num_ranks)
         return owned if all(owned) else [list(rows) for rows in split_evenly(len(rollout), self.num_ranks)]

@@ -231,16 +231,17 @@ class LearnerEngine(Engine):
         self._ipc_stream: Iterator[list[tuple[str, torch.Tensor]]] | None = None  # a sync in progress
         self._ipc_held: IpcChunk | None = None  # the run the generator is loading
 
-    def train(self, shard: Rollout, owned: list[int], batch_size: int, kl_coef: float, iteration: int
+    def train(self, shard: Rollout, owned: list[int], generators: list[int], kl_coef: float, iteration: int
               ) -> LearnResult:
         """Values, shaped rewards, advantages, global whitening and M epochs of PPO on this rank's rows.
 
-        ``shard`` holds the global rows ``owned`` (ascending) of a rollout of ``batch_size``. Its rows
+        ``shard`` holds the global rows ``owned`` (ascending) of a rollout whose rows ``generators``
+        drew (one entry per row: its length is the batch's). Its rows
         may lag the learner by up to ``rollout.max_staleness`` versions (0: none); with a lag
         allowed, the off-policy corrections of ``experience.py`` apply.
         """
         check_staleness(shard.policy_version, self.version, self.cfg.rollout.max_staleness)
-        result, exp = learn(self.models, BatchShard(rollout=shard, rows=owned, batch_size=batch_size),
+        result, exp = learn(self.models, BatchShard(shard, owned, len(generators), generators),
                             StepInputs(iteration=iteration, version=self.version, kl_coef=kl_coef), self.settings)
         self.version = result.version
         if self.cfg.output.save_rollouts:  # what the update trained on, for the rollout files

@@ -114,11 +114,15 @@ class BatchShard:
     """Their global indices in the batch."""
     batch_size: int
     """Rows in the whole batch, every rank's (the minibatch plan's rows, the group ids' bound)."""
+    generators: list[int] = dataclasses.field(default_factory=list)
+    """[batch_size] the generator that drew each row of the whole batch ([]: not known): the
+    minibatch plan's first minibatch takes a row of each (``update.every_source_first``)."""
 
     @staticmethod
     def whole(rollout: Rollout) -> BatchShard:
         """The whole batch, held by one process (the in-process trainer)."""
-        return BatchShard(rollout=rollout, rows=list(range(len(rollout))), batch_size=len(rollout))
+        return BatchShard(rollout=rollout, rows=list(range(len(rollout))), batch_size=len(rollout),
+                          generators=list(rollout.generator_id))
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
     """One PPO update on this rank's ``shard`` of the batch; returns its result and the experience
     it trained on. Collective: every rank calls it in the same iteration."""
     p, rollout = settings.ppo, shard.rollout
-    plan = minibatch_plan(shard.batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, step.iteration))
+    plan = minibatch_plan(shard.batch_size, p.epochs, p.minibatches, seed=minibatch_seed(settings.seed, step.iteration),
+                          sources=shard.generators)
 
     def planned(keep: list[float] | None = None) -> list[Minibatch]:
         return local_minibatches(plan, torch.tensor(shard.rows, dtype=torch.long), rollout.lengths(),

@@ -16,7 +16,7 @@ between the forward and the loss.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +51,47 @@ Minibatch = list[MicroBatch]
 one optimiser step (one micro-batch when ``learner.micro_batch_tokens`` is 0 or the part fits)."""
 
 
-def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int) -> list[list[torch.Tensor]]:
-    """Global row indices of every minibatch of every epoch: a fresh seeded shuffle per epoch.
+def minibatch_plan(n_rows: int, epochs: int, minibatches: int, seed: int,
+                   sources: Sequence[int] = ()) -> list[list[torch.Tensor]]:
+    """Global row indices of every minibatch of every epoch: a fresh seeded shuffle per epoch, the
+    first minibatch then given a row of every generator in ``sources`` (``[n_rows]``, each row's
+    generator; ``every_source_first``).
 
     The plan depends only on the batch, never on the rank count.
     """
     generator = torch.Generator().manual_seed(seed)
-    return [list(torch.randperm(n_rows, generator=generator).chunk(minibatches)) for _ in range(epochs)]
+    orders = [torch.randperm(n_rows, generator=generator) for _ in range(epochs)]
+    if sources and orders:
+        orders[0] = every_source_first(orders[0], -(-n_rows // minibatches), sources)
+    return [list(order.chunk(minibatches)) for order in orders]
+
+
+def every_source_first(order: torch.Tensor, head: int, sources: Sequence[int]) -> torch.Tensor:
+    """``order`` with rows swapped so that its first ``head`` rows hold at least one row of every
+    generator in ``sources`` (while there are no more generators than ``head``).
+
+    Why: the first minibatch is the only one trained before the weights move, so it is where the
+    guard compares the learner's log-probs with the generators' (``MismatchGuard``, when pi_prox is
+    pi_old); a generator with no row there went unchecked that iteration (a third of
+    generator-iterations at 8 generators x 8 minibatches). For each missing generator in turn, its
+    first row after the head swaps places with the last head row of a generator that has two or
+    more there: deterministic (every rank and the driver get the same plan), and a plan whose first
+    minibatch already sees every generator is left as it was.
+    """
+    order = order.clone()
+    where: dict[int, list[int]] = {}
+    for pos in range(min(head, len(order))):
+        where.setdefault(sources[int(order[pos])], []).append(pos)
+    for missing in sorted(set(sources) - set(where)):
+        spare = [g for g in where if len(where[g]) > 1]
+        if not spare:
+            break
+        donor = max(spare, key=lambda g: where[g][-1])
+        into = where[donor].pop()
+        out = next(pos for pos in range(head, len(order)) if sources[int(order[pos])] == missing)
+        order[into], order[out] = order[out].clone(), order[into].clone()
+        where[missing] = [into]
+    return order
 
 
 def _local_rows(rows: torch.Tensor, local_of: torch.Tensor) -> torch.Tensor:
