@@ -20,11 +20,14 @@ log-probs). GPT-2, whose Conv1D weights vLLM holds transposed, has its own test 
 from __future__ import annotations
 
 import gc
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from test_guard import one_ulp
 
 from rayppo.actors.conv1d_weights import transposed_names
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
@@ -32,10 +35,10 @@ from rayppo.actors.held_weights import expert_names
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.data.prompts import PromptBatch
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.guard import WeightSyncError, check_weights
+from rayppo.learner.guard import HeldPrints, WeightSyncError, check_weights
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_pretrained
-from rayppo.models.fingerprint import probe_rows, sent_prints, split_rows
+from rayppo.models.fingerprint import as_matrix, kernel_rows, probe_rows, sent_prints, split_rows
 from rayppo.models.weights import SyncFault, pack_weights
 
 TINY = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -120,11 +123,36 @@ def lr_step(named: dict[str, torch.Tensor], lr: float, dtype: torch.dtype) -> di
             for n, t in named.items()}
 
 
+def _one_ulp_caught(named: dict[str, torch.Tensor], hold: Callable[[dict[str, torch.Tensor]], HeldPrints | None]) -> int:
+    """Every tensor of the stream with its smallest-magnitude nonzero element one ulp off (in the
+    stream's dtype; all at once), held by ``hold`` (the fingerprints a generator reports holding a
+    stream), is named by the weight check, each on its own. An all-zero tensor (a bias at its zero
+    init) has no such element. Returns how many tensors were nudged."""
+    nudged = {n: one_ulp(t) for n, t in named.items() if bool(t.any())}
+    assert all(int((nudged[n] != named[n]).sum()) == 1 for n in nudged)
+    held, sent = hold(named | nudged), sent_prints(named)
+    assert isinstance(held, dict)
+    for n in nudged:
+        with pytest.raises(WeightSyncError, match=rf"does not hold the weights the learner sent: {re.escape(n)} "):
+            check_weights({n: sent[n]}, {n: held[n]}, 0, 5)
+    return len(nudged)
+
+
+def _held_by(generator: GeneratorEngine) -> Callable[[dict[str, torch.Tensor]], HeldPrints | None]:
+    def hold(stream: dict[str, torch.Tensor]) -> HeldPrints | None:
+        generator.sync_fault = SyncFault()
+        generator.load_weights(pack_weights(stream, 5))
+        return generator.weight_fingerprints()
+
+    return hold
+
+
 def _caught(generator: GeneratorEngine, named: dict[str, torch.Tensor], hit: str) -> None:
     """The user's worst case: the stream of one bf16 update at lr 1e-6 reaches the engine without
     ``hit`` (``checks.sync_fault=skip_tensor``), so that tensor stays one step behind; the weight
     check names generator, tensor and version. The same stream loaded whole verifies, and so does
-    a perturbed tensor get caught."""
+    a perturbed tensor get caught; and, before, a one-ulp change of any tensor's smallest element."""
+    assert _one_ulp_caught(named, _held_by(generator)) > len(named) // 2
     before = {n: t.to(torch.bfloat16) for n, t in named.items()}
     generator.sync_fault = SyncFault()
     generator.load_weights(pack_weights(before, 2))
@@ -170,6 +198,57 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
         gc.collect()
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+"""Projections vLLM stacks by rows: ``qkv_proj``, ``gate_up_proj``, an expert's ``w13`` (Mixtral's w1/w3)."""
+
+
+def _stacked(names: list[str]) -> list[list[str]]:
+    """The sent names in the row-stacked groups vLLM holds them in (``FUSED``; alone otherwise)."""
+    group_of: dict[str, list[str]] = {}
+    for name in names:
+        for parts in FUSED:
+            group = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts] if f".{parts[0]}." in name else []
+            if group and all(n in names for n in group):
+                group_of |= {n: group for n in group}
+    groups: list[list[str]] = []
+    for name in names:
+        if (group := group_of.get(name, [name])) not in groups:
+            groups.append(group)
+    return groups
+
+
+def _engine_layout_prints(named: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """What a vLLM CPU generator reports for ``named``, laid out as it holds them
+    (``actors/held_weights.py``): q/k/v and gate/up (an expert's too) stacked by rows, the
+    vocabulary padded with rows of zeros, every matrix repacked into a kernel that only computes
+    x @ W^T and read back through it (``kernel_rows``)."""
+    shapes, out = {n: list(t.shape) for n, t in named.items()}, {}
+    for group in _stacked(list(named)):
+        w = torch.cat([as_matrix(named[n]) for n in group])
+        if "embed" in group[0] or "lm_head" in group[0]:
+            w = torch.cat([w, torch.zeros(64 - w.shape[0] % 64, w.shape[1], dtype=w.dtype)])
+        rows = (kernel_rows(lambda x, w=w: torch.nn.functional.linear(x, w), w.shape[1], w.dtype)
+                if named[group[0]].dim() == 2 else probe_rows(w))
+        out |= split_rows(rows, group, shapes)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES | MOE))
+def test_one_ulp_of_every_tensors_smallest_element_is_caught_in_vllms_layout(name, tokenizer, tmp_path):
+    """Every tensor of each family's sync stream (embedding, q/k/v/o, gate/up/down or fc1/fc2, the
+    experts', norms, an untied head), in fp32 and bf16: a faithful copy in vLLM's layout verifies
+    to the bit, and its smallest-magnitude nonzero element one ulp off is named. (In fp32 that
+    moves the fingerprint by ~2^-24 of the element: under the float64 summation slack allowed
+    before, so the old check let it pass.) The slow test above does the same through the engine."""
+    model, _ = _model(FAMILIES | MOE, name, tokenizer, tmp_path)
+    named = _updated(model)
+    for dtype in (torch.float32, torch.bfloat16):
+        stream = {n: t.to(dtype) for n, t in named.items()}
+        held = _engine_layout_prints(stream)
+        assert check_weights(sent_prints(stream), held, 0, 1) == len(stream)
+        assert _one_ulp_caught(stream, _engine_layout_prints) > len(stream) // 2
+
+
 @pytest.fixture
 def gpt_neox_class_restored():
     """vLLM's transformers fallback decorates the decoder class itself for torch.compile
@@ -208,6 +287,18 @@ def test_gpt_neox_through_vllms_transformers_fallback_is_verified_under_its_own_
     try:
         generator.load_weights(pack_weights(named, 1))
         assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) == len(named)
+        # Layer 1's fingerprints under the names the engine's HF-to-vLLM mapping gives them (as an
+        # engine reporting its own names for some tensors would): each of those is named, not
+        # skipped while the rest verify.
+        held = generator.weight_fingerprints()
+        layer1 = {n: v for n, v in held.items() if ".layers.1." in n}
+        renamed = generator.backend.llm.collective_rpc(lambda w: w.get_model().hf_to_vllm_mapper.apply_dict(layer1))[0]
+        first = next(n for n in named if n in layer1)
+        assert first not in renamed and len(renamed) == len(layer1)
+        with pytest.raises(WeightSyncError, match=rf"reports fingerprints of {len(named) - len(layer1)} of the "
+                                                  rf"{len(named)} sent tensors, not of {re.escape(first)}, .* and of "
+                                                  r"tensors not sent: model.layers.1."):
+            check_weights(sent_prints(named), {n: v for n, v in held.items() if n not in layer1} | renamed, 0, 1)
         hit = "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"
         _caught(generator, named, hit)
     finally:

@@ -22,7 +22,7 @@ from rayppo.learner.experience import ExperienceSettings, TruncationRule, make_e
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
 from rayppo.learner.ppo import kl_penalty, truncation_targets
 from rayppo.learner.rollout_tensors import RolloutTensors, padded
-from rayppo.models.fingerprint import held_prints, probes, sent_prints, split_rows
+from rayppo.models.fingerprint import held_prints, probe_rows, sent_prints, split_rows
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import critic_forward, pack
 from rayppo.models.weights import SyncFault
@@ -185,10 +185,13 @@ def test_fingerprints_of_an_exact_copy_match_and_survive_fusion_and_padding():
     # The engine fused q and k into one matrix and padded the vocabulary with rows of zeros.
     fused = torch.cat([state["q"], state["k"]])
     shapes = {k: list(v.shape) for k, v in state.items()}
-    held = split_rows(fused.double() @ probes(16), ["q", "k"], shapes)
+    held = split_rows(probe_rows(fused), ["q", "k"], shapes)
     padded = torch.cat([state["embed"], torch.zeros(34, 16)])
-    held |= split_rows(padded.double() @ probes(16), ["embed"], shapes)
-    assert check_weights(sent, held, generator=0, version=1) == 3
+    held |= split_rows(probe_rows(padded), ["embed"], shapes)
+    with pytest.raises(WeightSyncError, match=r"reports fingerprints of 3 of the 4 sent tensors, not of norm "):
+        check_weights(sent, held, generator=0, version=1)  # a tensor not fingerprinted is not verified
+    held |= held_prints({"norm": state["norm"]})
+    assert check_weights(sent, held, generator=0, version=1) == 4
 
 
 def test_weight_check_names_generator_tensor_and_version():

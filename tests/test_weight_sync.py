@@ -226,16 +226,18 @@ def test_nccl_group_broadcasts_cuda_tensors():
 
 def test_probe_rows_in_blocks_equal_the_whole_product(monkeypatch):
     """The weight probe converts a tensor to float64 one block of rows at a time (a whole 152k x 3584
-    embedding would be 4.4 GB in float64 inside vLLM's headroom): the same rows, each equal to
-    the whole product's within float64 summation order (K u64 sum|W_ik| per row)."""
+    embedding would be 4.4 GB in float64 inside vLLM's headroom): the same rows to the bit (each
+    row's sum is taken in one fixed order, whatever block it is in), within float64 summation
+    order (K u64 sum|W_ik| per row) of the BLAS product."""
     import rayppo.models.fingerprint as fingerprint
 
     w = torch.randn(1000, 48, generator=torch.Generator().manual_seed(0))
+    whole = fingerprint.probe_rows(w)  # one block
     monkeypatch.setattr(fingerprint, "PROBE_CHUNK_ELEMENTS", 48 * 7)  # blocks of 7 rows, the last short
     blocked = fingerprint.probe_rows(w)
-    whole = w.double() @ fingerprint.probes(48)
+    assert blocked.shape == (1000, 2) and torch.equal(blocked, whole)
     bound = 48 * torch.finfo(torch.float64).eps * w.double().abs().sum(dim=1, keepdim=True)
-    assert blocked.shape == (1000, 2) and bool(((blocked - whole).abs() <= bound).all())
+    assert bool(((blocked - w.double() @ fingerprint.probes(48)).abs() <= bound).all())
 
 
 def test_rendezvous_ports_come_from_below_the_kernels_ephemeral_range():

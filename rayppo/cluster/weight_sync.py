@@ -31,7 +31,7 @@ from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
 from rayppo.config.schema import Config
 from rayppo.errors import ActorFailedError, LearnerFailedError, brief
-from rayppo.learner.guard import check_weights
+from rayppo.learner.guard import check_sent, check_weights
 from rayppo.learner.weight_sync import SyncEndpoint
 
 
@@ -43,13 +43,15 @@ def _check_versions(versions: list[int], expected: int) -> None:
 def verify_sync(learner: LearnerGroup, generators: ActorGroup, version: int, supervisor: Supervisor,
                 refresh: Callable[[int], None], actors: list[int]) -> float:
     """The guard's weight check: the fingerprints of what each of ``actors`` (generators) holds
-    against rank 0's of what it sent. Raises ``WeightSyncError`` naming generator, tensor and
-    version; returns ``sync/verified``: 1.0, or NaN when some generator cannot be fingerprinted
-    (warned once). The calls are supervised: a generator that dies or hangs here is replaced,
-    ``refresh``ed to the current weights, and fingerprinted again."""
+    against rank 0's of what it sent. Raises ``NonFiniteWeightsError`` when what was sent holds a
+    NaN or inf (before any comparison: also where no generator can be fingerprinted), ``WeightSyncError``
+    naming generator, tensor and version; returns ``sync/verified``: 1.0, or NaN when some
+    generator cannot be fingerprinted (warned once). The calls are supervised: a generator that
+    dies or hangs here is replaced, ``refresh``ed to the current weights, and fingerprinted again."""
     held = supervisor.call(generators, "generators", GeneratorEngine.weight_fingerprints, [()] * len(actors),
                            refresh=refresh, actors=actors)
     sent = learner.sent_fingerprints()
+    check_sent(sent, version)
     for i, prints in zip(actors, held):
         if prints is not None:
             check_weights(sent, prints, i, version)

@@ -3,9 +3,10 @@
 Two checks, both always on (``checks`` in the config):
 
 - **Weight check after every sync.** Each generator's fingerprints of the weights it holds must
-  match learner rank 0's fingerprints of what it sent (``rayppo/models/fingerprint.py``) exactly,
-  up to float64 summation order. Catches adapters never delivered, a tensor skipped or corrupted
-  by the loader, a stale engine (one bf16 step of lr 1e-6 behind), rows permuted by a name mapping.
+  equal learner rank 0's fingerprints of what it sent (``rayppo/models/fingerprint.py``) to the
+  bit, for every tensor sent. Catches adapters never delivered, a tensor skipped, renamed or
+  corrupted by the loader, a stale engine (one bf16 step of lr 1e-6 behind), rows permuted by a
+  name mapping; and a NaN the learner itself sent, blamed on the learner.
 - **Log-prob check.** Before the first optimiser step of an iteration, the generator's old
   log-probs and the learner's recomputation (same weights, so the gap is numerics only) must agree:
   per token within ``checks.max_logprob_mismatch`` (fp32), and in each generator's mean KL
@@ -39,6 +40,10 @@ class WeightSyncError(CorrectnessError):
     """A generator does not hold the weights the learner sent."""
 
 
+class NonFiniteWeightsError(CorrectnessError):
+    """The learner's own weights (what it sent) hold a NaN or inf."""
+
+
 class LogprobMismatchError(CorrectnessError):
     """A generator's log-probs are not the learner's."""
 
@@ -49,35 +54,60 @@ tensor name, or one such dict per inference worker of a tensor-parallel generato
 
 
 def check_weights(sent: dict[str, SentPrint], held: HeldPrints, generator: int, version: int) -> int:
-    """Raise ``WeightSyncError`` unless every held tensor matches what was sent; returns how many
-    tensors were compared. A sent tensor the engine does not hold under any name (e.g. a tied
-    ``lm_head``) is not compared; a generator that holds none of them is an error. Per-worker
-    prints are checked worker by worker, the error naming the worker."""
+    """Raise unless every sent tensor is held, fingerprint equal to the bit (``models/fingerprint.py``:
+    both sides sum the same float64 products in the same order); returns how many were compared,
+    ``len(sent)`` per worker. ``NonFiniteWeightsError`` first when the learner's own fingerprints are
+    not finite: a NaN or inf it sent is its fault, whatever the generators hold. Then
+    ``WeightSyncError``: a held fingerprint that differs, or a sent tensor with none (a name the
+    engine's loader renamed or dropped is not verified, so it is an error too) or a held one not
+    sent. Per-worker prints are checked worker by worker, the error naming the worker."""
+    check_sent(sent, version)
     if isinstance(held, list):
         return sum(_check_held(sent, prints, f"generator {generator} (worker {w})", version)
                    for w, prints in enumerate(held))
     return _check_held(sent, held, f"generator {generator}", version)
 
 
-def _check_held(sent: dict[str, SentPrint], held: dict[str, tuple[float, float]], who: str, version: int) -> int:
-    compared, bad = 0, []
-    for name, expected in sent.items():
-        if name not in held:
-            continue
-        compared += 1
-        gaps = [abs(h - v) for h, v in zip(held[name], expected.value)]
-        # Written so that NaN fails: vLLM's layerwise reload leaves a tensor it was not handed as
-        # fresh, uninitialised memory, whose fingerprint can be NaN (seen on Qwen2-MoE experts).
-        if not all(gap <= bound for gap, bound in zip(gaps, expected.bound)):
-            bad.append(f"{name} (|held - sent| = {max(gaps):.3g}, float64 summation allows {max(expected.bound):.3g})")
-    sync = f"weight sync to policy version {version} (the update of iteration {version - 1})"
+def _sync(version: int) -> str:
+    return f"weight sync to policy version {version} (the update of iteration {version - 1})"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if names[3:] else "")
+
+
+def check_sent(sent: dict[str, SentPrint], version: int) -> None:
+    """Raise ``NonFiniteWeightsError`` naming the tensors whose sent fingerprint is not finite.
+    Finite weights give a finite one (|sum| <= 2.25 N K max|W| < 1e51), so it means a NaN or inf
+    element in what the learner sent: the learner's fault, whatever any generator holds."""
+    bad = [name for name, expected in sent.items() if not all(math.isfinite(v) for v in expected.value)]
     if bad:
-        raise WeightSyncError(f"{sync}: {who} does not hold the weights the learner sent: {bad[0]}"
-                              + (f" and {len(bad) - 1} more tensors" if bad[1:] else ""))
-    if compared == 0:
-        raise WeightSyncError(f"{sync}: {who} holds none of the {len(sent)} sent tensors under their "
+        raise NonFiniteWeightsError(f"{_sync(version)}: the learner's own weights are non-finite (NaN or inf) in "
+                                    f"{_some(bad)}: the learner's update diverged; the generators are not at fault")
+
+
+def _check_held(sent: dict[str, SentPrint], held: dict[str, tuple[float, float]], who: str, version: int) -> int:
+    common = [name for name in sent if name in held]
+    if not common:
+        raise WeightSyncError(f"{_sync(version)}: {who} holds none of the {len(sent)} sent tensors under their "
                               "names; the weights cannot be verified")
-    return compared
+    # != so that NaN fails: vLLM's layerwise reload leaves a tensor it was not handed as fresh,
+    # uninitialised memory, whose fingerprint can be NaN (seen on Qwen2-MoE experts).
+    bad = [(name, max(abs(h - v) for h, v in zip(held[name], sent[name].value)))
+           for name in common if any(h != v for h, v in zip(held[name], sent[name].value))]
+    if bad:
+        name, gap = bad[0]
+        raise WeightSyncError(f"{_sync(version)}: {who} does not hold the weights the learner sent: {name} "
+                              f"(|held - sent| = {gap:.3g}, exactly 0 for a faithful copy)"
+                              + (f" and {len(bad) - 1} more tensors" if bad[1:] else ""))
+    missing, extra = [name for name in sent if name not in held], [name for name in held if name not in sent]
+    if missing or extra:
+        raise WeightSyncError(
+            f"{_sync(version)}: {who} reports fingerprints of {len(common)} of the {len(sent)} sent tensors"
+            + (f", not of {_some(missing)}" if missing else "")
+            + (f"; and of tensors not sent: {_some(extra)}" if extra else "")
+            + " (a tensor the engine's loader renamed or dropped cannot be verified)")
+    return len(common)
 
 
 class Reductions(Protocol):

@@ -7,7 +7,7 @@ A tensor is viewed as a matrix ``W [N, K]`` (the last dimension is K; a 1-D tens
 column, K = 1) and read through two bilinear probes, each a row weight ``a_j [N]`` and a column
 weight ``p_j [K]``:
 
-    fingerprint_j(W) = a_j^T W p_j = sum_i a_ji (W p_j)_i                     j = 1, 2; float64
+    fingerprint_j(W) = a_j^T W p_j = sum_i a_ji r_ji,   r_ji = sum_k W_ik p_jk      j = 1, 2; float64
 
 The weights are pseudo-random, of magnitude 0.5..1.5 and random sign, a function of the index alone
 (``probe_weights``): a permutation of rows or of columns moves the fingerprint, a tensor held as
@@ -15,19 +15,30 @@ zeros or as another random init moves it by about its own size, and one changed 
 ``|a_i p_k| |dW_ik| >= dW_ik / 4``.
 
 Why this form: an inference engine may not keep a tensor as it was sent. vLLM fuses q/k/v and
-gate/up into one matrix (rows stacked: the row products ``W p`` split back per tensor, each block's
+gate/up into one matrix (rows stacked: the row sums ``r`` split back per tensor, each block's
 rows weighed from its own first row), pads the vocabulary (extra rows, dropped), and on CPU repacks
 linear weights into an opaque oneDNN / SGL kernel, leaving an empty parameter. Such a kernel is
 read back exactly (``kernel_rows``): multiplied by the identity, each output is one product with
 1.0 plus exact zeros, so the kernel returns every element as it holds it.
 
-Bound: both sides then evaluate the same bilinear form in float64 over the same values, in two
-summation orders (the learner: weighted column sums first; the generator: row products first).
-Each order errs by at most gamma_{N+K+2} sum_ik |a_i| |W_ik| |p_k| (Higham, *Accuracy and Stability
-of Numerical Algorithms*, 2nd ed., eq. 3.5, for a sum of N K triple products), so the two differ
-by at most twice that: ~1e-13 relative at N + K ~ 1e4. Nothing else is allowed: a generator one
-optimiser step behind at lr 1e-6 flips bf16 roundings in ~1% of a tensor's elements, each a change
-of ~1e-4 relative, 1e9 times the bound.
+Exact, so compared bit for bit. Every product ``W_ik p_jk`` and ``a_ji r_ji`` is one float64
+rounding of the same values on both sides (the conversion of a bf16, fp16 or fp32 element to
+float64 is exact), and every sum is taken in one fixed order, ``pairwise_sum``: built from
+elementwise IEEE additions (products and sums are separate kernels: no fused multiply-add), it
+gives the same bits on CPU and GPU, for any thread count, block of rows, or aligned block of columns. Learner and generator run these same functions over the same
+values on every path (a plain tensor, a fused block, a padded vocabulary, a kernel read back in
+blocks of ``KERNEL_CHUNK`` columns, an expert probed before vLLM's CPU repack, a Conv1D weight read
+in its sent layout, an adapter's A and B), so a faithful copy's fingerprint is the sent one to the
+bit and no summation slack is allowed anywhere. (The earlier learner summed columns first and the
+generator rows first; the gap allowed for that, Higham's 2 gamma_{N+K+2} sum |a||W||p|, let a
+one-ulp change of an element of magnitude 1.5e-4 pass on a 32768 x 2048 bf16 tensor.)
+
+What it resolves: rounding is monotone, so a changed element can be absorbed but never cancelled,
+and it is absorbed only where ``|a_i p_k dW_ik|`` (at least a quarter of ``dW``) falls under half an
+ulp, 2^-53, of a partial sum it passes through. A one-ulp change (at least 2^-8 of a bf16 element,
+2^-24 of an fp32 one) is therefore seen while the element exceeds ~2^-43 (bf16) or ~2^-27 (fp32) of
+the largest partial sum, about the fingerprint itself (sqrt(N K) typical elements for random
+weights): every element of the suite's tiny models, not the smallest of a large fp32 tensor.
 
 Only ``torch`` is imported: learner, generators and tests share this module.
 """
@@ -42,19 +53,15 @@ import torch
 
 PROBES = 2
 """Independent bilinear probes per tensor."""
-U64 = torch.finfo(torch.float64).eps / 2
-"""float64's unit roundoff."""
 _MASK32 = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
 class SentPrint:
-    """The fingerprint of a sent tensor and how far a faithful copy's may deviate."""
+    """The fingerprint of a sent tensor: a faithful copy's is equal to the bit (module docstring)."""
 
     value: tuple[float, float]
     """``(a_1^T W p_1, a_2^T W p_2)`` in float64."""
-    bound: tuple[float, float]
-    """Largest |held - sent| that float64 summation order alone explains (the module docstring)."""
 
 
 def matrix_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
@@ -91,38 +98,62 @@ def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(matrix_shape(tuple(tensor.shape)))
 
 
-PROBE_CHUNK_ELEMENTS = 1 << 22
-"""Elements of a tensor converted to float64 at a time by ``probe_rows`` (32 MiB): a whole
-152k x 3584 embedding in float64 would be 4.4 GB inside vLLM's memory headroom."""
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., n]`` summed over its last dimension in one fixed order: neighbours first,
+    ``((x0 + x1) + (x2 + x3)) + ...``, a level's odd last element carried up unchanged; 0 for
+    n = 0. Each level is one elementwise IEEE addition, so the same values give the same bits on
+    any device, thread count or memory layout (a BLAS product or ``torch.sum`` promises neither).
+    A node of level l is the sum of the aligned block of 2^l elements under it: a row reduced in
+    aligned blocks of 2^l and then over the blocks' sums gets the bits of the row reduced whole."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        pairs = x[..., 0:n - 1:2] + x[..., 1:n:2]
+        x = torch.cat([pairs, x[..., n - 1:]], dim=-1) if n % 2 else pairs
+    return x[..., 0]
+
+
+PROBE_CHUNK_ELEMENTS = 1 << 18
+"""Elements of a tensor probed at a time by ``row_sums``: their float64 products (4 MiB) stay in
+cache, which makes the pairwise sums as fast as a BLAS product (measured on one CPU core), and a
+whole 152k x 3584 embedding is never converted at once (4.4 GB inside vLLM's memory headroom)."""
+
+
+def row_sums(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``[N, PROBES]`` float64: ``r_ji = sum_k W_ik p_jk`` of a matrix ``w [N, K]`` (any float dtype,
+    any layout) and column weights ``p [K, PROBES]``, in ``pairwise_sum``'s order, one block of
+    rows at a time (``PROBE_CHUNK_ELEMENTS``; the rows are independent, so the blocks change nothing)."""
+    n, k = w.shape
+    weights = p.T.unsqueeze(1)  # [PROBES, 1, K]
+    step = max(1, PROBE_CHUNK_ELEMENTS // max(k, 1))
+    parts = [pairwise_sum(w[i:i + step].unsqueeze(0) * weights).T for i in range(0, n, step)]
+    return torch.cat(parts) if parts else torch.zeros(0, PROBES, dtype=torch.float64, device=w.device)
 
 
 def probe_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``[N, PROBES]`` float64: ``W p_j`` per row, over the held values converted to float64 (exact)
-    one block of rows at a time (``PROBE_CHUNK_ELEMENTS``)."""
+    """``[N, PROBES]`` float64: the row sums ``W p_j`` of a tensor held as it was sent."""
     w = as_matrix(tensor.detach())
-    p = probes(w.shape[1], w.device)
-    step = max(1, PROBE_CHUNK_ELEMENTS // max(w.shape[1], 1))
-    return torch.cat([w[i:i + step].double() @ p for i in range(0, w.shape[0], step)]) if w.shape[0] else w.double() @ p
+    return row_sums(w, probes(w.shape[1], w.device))
 
 
 KERNEL_CHUNK = 256
-"""Identity columns read through a kernel at a time by ``kernel_rows`` (a [256, N] output)."""
+"""Identity columns read through a kernel at a time by ``kernel_rows`` (a [256, N] output). A power
+of two: each block is a subtree of ``pairwise_sum``'s order, so the rows come out to the bit."""
 
 
 def kernel_rows(linear: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype) -> torch.Tensor:
     """``[N, PROBES]`` float64: ``W p_j`` per row of a weight that only a kernel can read,
-    ``linear(x) = x @ W^T`` (``x [c, K]`` in the weight's ``dtype``). Exact: the kernel is handed
-    rows of the identity, so each output ``W_ik`` is one product with 1.0 (zeros add nothing) and
-    comes back as the element it holds; the probe is then applied in float64. Costs a K x K x N
-    product, ~1 s per billion weights x K / 1000 on a CPU core."""
+    ``linear(x) = x @ W^T`` (``x [c, K]`` in the weight's ``dtype``), bitwise ``probe_rows(W)``. The
+    kernel is handed rows of the identity, so each output ``W_ik`` is one product with 1.0 (zeros
+    add nothing) and comes back as the element it holds; each block of ``KERNEL_CHUNK`` columns is
+    summed on its own, then the blocks' sums (``pairwise_sum``: the same order as a whole row).
+    Costs a K x K x N product, ~1 s per billion weights x K / 1000 on a CPU core."""
     p = probes(k)
-    rows = None
-    for start, columns in read_back(linear, k, dtype):
-        part = columns.double().T @ p[start:start + columns.shape[0]]
-        rows = part if rows is None else rows + part
-    if rows is None:
+    blocks = [row_sums(columns.T, p[start:start + columns.shape[0]]) for start, columns in read_back(linear, k, dtype)]
+    if not blocks:
         raise ValueError("kernel_rows: a weight of no columns (k=0) has no rows to read back")
-    return rows
+    return pairwise_sum(torch.stack(blocks, dim=-1))
 
 
 def read_back(linear: Callable[[torch.Tensor], torch.Tensor], k: int,
@@ -136,30 +167,16 @@ def read_back(linear: Callable[[torch.Tensor], torch.Tensor], k: int,
         yield start, linear(eye)
 
 
-def gamma(n: int) -> float:
-    """Higham's gamma_n = n u / (1 - n u) in float64."""
-    return n * U64 / (1 - n * U64)
+def weigh_rows(rows: torch.Tensor) -> tuple[float, float]:
+    """The fingerprint from a tensor's row sums ``[N, PROBES]``: ``sum_i a_ji r_ji`` in
+    ``pairwise_sum``'s order, the rows weighed from the tensor's first row."""
+    return tuple(pairwise_sum((rows * row_weights(rows.shape[0], rows.device)).T).tolist())
 
 
 def sent_print(tensor: torch.Tensor) -> SentPrint:
-    """Fingerprint and summation bound of a tensor about to be sent.
-
-    One pass over the tensor (it runs on learner rank 0 every sync): the row-weighted column sums
-    ``a_j^T W`` in float64, then their dot product with ``p_j``; the bound from the same pass over
-    ``|W|`` with ``|a_j|`` and ``|p_j|``.
-    """
-    w = as_matrix(tensor.detach())
-    n, k = w.shape
-    a, p = row_weights(n, w.device), probes(k, w.device)
-    columns = torch.zeros(2, PROBES, k, dtype=torch.float64, device=w.device)  # a^T W and |a|^T |W|
-    step = max(1, PROBE_CHUNK_ELEMENTS // max(k, 1))
-    for i in range(0, n, step):  # float64 one block of rows at a time, as probe_rows
-        block, weights = w[i:i + step].double(), a[i:i + step].T
-        columns[0] += weights @ block
-        columns[1] += weights.abs() @ block.abs()
-    value, magnitude = (columns[0] * p.T).sum(dim=1), (columns[1] * p.abs().T).sum(dim=1)
-    bound = 2 * gamma(n + k + 2) * magnitude  # either side's order errs by gamma_{N+K+2} at most
-    return SentPrint(tuple(value.tolist()), tuple(bound.tolist()))
+    """Fingerprint of a tensor about to be sent (learner rank 0, every sync): the functions a
+    generator holding it as sent runs (``held_prints``), over the same values."""
+    return SentPrint(weigh_rows(probe_rows(tensor)))
 
 
 def sent_prints(named: dict[str, torch.Tensor]) -> dict[str, SentPrint]:
@@ -170,13 +187,12 @@ def sent_prints(named: dict[str, torch.Tensor]) -> dict[str, SentPrint]:
 def split_rows(rows: torch.Tensor, names: list[str], shapes: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
     """Held fingerprints from probe outputs ``[N_total, PROBES]`` of a matrix that stacks ``names``'
     rows in order (a fused q/k/v or gate/up projection; one name for a plain tensor): each block's
-    rows weighed by ``a_j`` from its own first row. Rows past the sent ones (vocabulary padding)
-    are ignored."""
+    rows weighed by ``a_j`` from its own first row (``weigh_rows``). Rows past the sent ones
+    (vocabulary padding) are ignored."""
     out, start = {}, 0
     for name in names:
         n = matrix_shape(shapes[name])[0]
-        block = rows[start:start + n]
-        out[name] = tuple((block * row_weights(n, block.device)).sum(dim=0).tolist())
+        out[name] = weigh_rows(rows[start:start + n])
         start += n
     return out
 
