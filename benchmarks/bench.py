@@ -198,7 +198,8 @@ def learn_arithmetic(cfg: Config, rollout, rate: dict[str, Any]) -> dict[str, An
     critic = read_shape(cfg.model.critic or cfg.model.policy) if has_critic(cfg.ppo) else None
     seq = rollout_sequences(rollout)
     # Asynchronous mode's learner also recomputes log pi_prox (one policy forward per row).
-    lockstep, proximal = (learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=p)
+    lockstep, proximal = (learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=p,
+                                      lora=cfg.learner.lora_rank > 0)
                           for p in (False, True))
     stages = StageCounter.of(cfg).flops(seq).as_dict()
     return rate | {"learn_gflop": stages["learn"] / 1e9, "stage_gflop": {k: v / 1e9 for k, v in stages.items()},
@@ -208,7 +209,7 @@ def learn_arithmetic(cfg: Config, rollout, rate: dict[str, Any]) -> dict[str, An
 def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats: int = 15,
                        device: str = "cpu") -> float:
     """GFLOP/s of an ``[m, k] x [k, n]`` matmul on ``threads`` torch threads
-    (``rayppo.plan.machine_rate.matmul_flops_per_s``: the median of timed calls after a warm-up)."""
+    (``rayppo.plan.machine_rate.matmul_flops_per_s``: the fastest of timed calls after a warm-up)."""
     from rayppo.plan.machine_rate import matmul_flops_per_s
 
     return matmul_flops_per_s(m, k, n, dtype, threads, device, repeats) / 1e9

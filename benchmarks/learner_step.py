@@ -34,7 +34,8 @@ from bench import _timed, load_workloads, matmul_gflop_per_s, prepare_models, wo
 from rayppo.config.derived import batch_rows, has_critic  # noqa: E402
 from rayppo.data.rollout import Rollout  # noqa: E402
 from rayppo.models.shape import read_shape  # noqa: E402
-from rayppo.plan.flops import Sequences, learn_flops  # noqa: E402
+from rayppo.plan.flops import learn_flops  # noqa: E402
+from rayppo.run.mfu import rollout_sequences  # noqa: E402
 
 
 def long_tail_lengths(n: int, max_tokens: int, mean: float = 34.0, seed: int = 0) -> list[int]:
@@ -130,10 +131,9 @@ def main() -> None:
     calls.clear()
     rollout.policy_version = [1] * len(rollout)
     seconds, _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
-    seq = Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
-                    sum(len(r) for r in rollout.response_ids))
+    seq = rollout_sequences(rollout)
     critic = read_shape(cfg.model.critic or policy) if has_critic(cfg.ppo) else None
-    flops = learn_flops(shape, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches)
+    flops = learn_flops(shape, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, lora=cfg.learner.lora_rank > 0)
     matmul = matmul_gflop_per_s(sum(seq.lengths) // cfg.ppo.minibatches, shape.hidden, shape.intermediate,
                                 cfg.model.dtype, args.threads)
     real = sum(len(r) for r in rollout.response_ids)

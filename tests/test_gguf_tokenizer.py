@@ -10,6 +10,7 @@ file's special ids and chat template.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -129,19 +130,30 @@ def test_the_converted_folder_adds_bos_and_eos_iff_the_gguf_file_says_so(tmp_pat
                                              tokenize=False) == RENDERED[spec["template"]]
 
 
-def test_transformers_alone_drops_the_bos_a_gemma_file_states_and_rayppo_restores_it(tmp_path):
-    """The bug (issue 47): transformers 5.19 builds the tokenizer of a Gemma file stating
-    ``add_bos_token = true`` with no BOS (``GGUF_TOKENIZER_MAPPING`` has no key for the flag);
-    ``convert_gguf`` carries it. Should transformers start reading the flag, the first assertion
-    fails and the carry in ``gguf_tokenizer.py`` becomes a checked no-op."""
+@pytest.mark.parametrize("case", ["gemma2-bos", "llama-bos-eos", "qwen2-no-bos"])
+def test_the_check_refuses_a_tokenizer_that_adds_otherwise_than_the_file_and_the_carry_mends_it(tmp_path, case):
+    """``check_tokenizer_flags`` names the file and the adding flag a tokenizer disobeys;
+    ``carry_tokenizer_flags`` then makes it obey. The tokenizer is transformers' conversion of the
+    file set here to do the opposite of each flag the file states (no BOS where the file asks for
+    one, as transformers 5.19 builds Gemma's, issue 47; a BOS where it asks for none), so the test
+    holds whichever way a transformers release reads the flags."""
     from transformers import AutoTokenizer
 
-    path = write_gguf(tmp_path / "gemma.gguf", **CASES["gemma2-bos"])
-    alone = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    assert alone("hi")["input_ids"] == [SPM_GEMMA.index("hi")], "transformers now keeps the file's BOS"
-    out = tmp_path / "out"
-    out.mkdir()
-    assert AutoTokenizer.from_pretrained(str(convert_gguf(path, out)))("hi")["input_ids"] == [2, SPM_GEMMA.index("hi")]
+    from rayppo.models.gguf_tokenizer import carry_tokenizer_flags, check_tokenizer_flags, read_tokenizer_flags
+
+    spec = CASES[case]
+    path = write_gguf(tmp_path / f"{case}.gguf", **spec)
+    flags = read_tokenizer_flags(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    tokenizer.add_bos_token, tokenizer.add_eos_token = not spec["add_bos"], not spec["add_eos"]
+    hi = tokenizer("hi", add_special_tokens=False)["input_ids"]
+    stated = str(spec["add_bos"]).lower()
+    with pytest.raises(ModelFolderError, match=rf"^{re.escape(str(path))}: the file states "
+                                               rf"tokenizer.ggml.add_bos_token = {stated}, but its tokenizer"):
+        check_tokenizer_flags(tokenizer, flags, path)
+    carry_tokenizer_flags(tokenizer, flags, path)
+    check_tokenizer_flags(tokenizer, flags, path)
+    assert tokenizer("hi")["input_ids"] == [spec["bos"]] * spec["add_bos"] + hi + [spec["eos"]] * spec["add_eos"]
 
 
 def test_a_file_without_the_flags_keeps_what_transformers_makes(tmp_path):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from fp_rounding import U32, U64, forward_rounding, gamma
 from transformers import AutoModelForSequenceClassification
 
 from rayppo.actors.reward import RewardEngine
@@ -195,16 +197,39 @@ def test_a_trained_reward_model_ranks_held_out_pairs_and_serves_them_as_it_was_e
                 for c in ("chosen", "rejected")}
     raw = {c: torch.tensor(scorer.scores(r)) for c, r in rollouts.items()}
     served = pair_means(pair_sums(raw["chosen"], raw["rejected"]))
-    # fp32 forwards of the same tokens, padded into other batches: rounding of order 1e-6 per score.
-    assert served == pytest.approx(held, abs=1e-4)
-    # reward.normalize (the default): centred and scaled by the held-out responses' own figures.
+    # Both sides run fp32 forwards of the same tokens, padded into other batches: each score within
+    # E of its exact value (tests/fp_rounding.py: the first-order bound from u = 2^-24, the matmuls'
+    # lengths and the magnitudes of this model's values and gradients on this row), so a pair's
+    # margin m within D = 2 (E_chosen + E_rejected) of the learner's. pair_sums then rounds in fp32
+    # on each side: m (1 rounding), -log sigma(m) (<= 8), a sum of n (gamma_n): 2 gamma_{n+9} of the
+    # magnitudes. -log sigma is 1-Lipschitz; a pair's correctness can differ only where |m| <= D.
+    _, tokens = prepared_pairs(load_config(None, [f"preference.pairs={pairs_file}", *TRAIN]))
+    exact = AutoModelForSequenceClassification.from_pretrained(result.folder, dtype=torch.float64,
+                                                               attn_implementation="eager").eval()
+    e = {c: torch.tensor([forward_rounding(exact, getattr(tokens, c)[i]) for i in rows], dtype=torch.float64)
+         for c in ("chosen", "rejected")}
+    n, margin = len(rows), (raw["chosen"] - raw["rejected"]).double()
+    d = 2 * (e["chosen"] + e["rejected"])
+    arithmetic = 2 * gamma(n + 9) * float((-F.logsigmoid(margin)).sum() + margin.abs().sum())
+    assert served["loss"] == pytest.approx(held["loss"], abs=(float(d.sum()) + arithmetic) / n, rel=0)
+    assert served["margin"] == pytest.approx(held["margin"], abs=(float(d.sum()) + arithmetic) / n, rel=0)
+    assert abs(served["accuracy"] - held["accuracy"]) * n <= int((margin.abs() <= d + 2 * U32 * margin.abs()).sum())
+    # Far below what a wrong text moves the figures by: without the response's last word (another
+    # token read) the loss moves by 0.014, without the space before the response by 0.034.
+    assert (float(d.sum()) + arithmetic) / n < 0.002
+    # reward.normalize (the default): centred and scaled by the held-out responses' own figures, the
+    # learner's fp32 scores each within 2E of the served ones; float64 sums of 2n values after.
     stats = RewardStats.read(result.folder)
-    assert stats is not None and stats.responses == 2 * len(rows)
-    both = torch.cat([raw["chosen"], raw["rejected"]]).double()
-    assert stats.mean == pytest.approx(both.mean().item(), abs=1e-4)
-    assert stats.std == pytest.approx(both.std(unbiased=False).item(), rel=1e-3)
+    assert stats is not None and stats.responses == 2 * n
+    both, e_both = torch.cat([raw["chosen"], raw["rejected"]]).double(), torch.cat([e["chosen"], e["rejected"]])
+    float64 = 4 * 2 * n * U64 * float(both.abs().max())  # a mean, a variance, a root: 4 x 2n float64 roundings
+    assert stats.mean == pytest.approx(both.mean().item(), abs=float(2 * e_both.mean()) + float64, rel=0)
+    # The population std is 1-Lipschitz in the largest change of one score (std(x + d) - std(x) <= max |d|).
+    assert stats.std == pytest.approx(both.std(unbiased=False).item(), abs=float(2 * e_both.max()) + float64, rel=0)
     normalized = RewardEngine(model=str(result.folder), batch_size=7).scores(rollouts["chosen"])
-    assert normalized == pytest.approx(((raw["chosen"] - stats.mean) / stats.std).tolist(), abs=1e-4 / stats.std)
+    expected = (raw["chosen"].double() - stats.mean) / stats.std  # float64: 2 roundings, as the engine's own
+    assert torch.all((torch.tensor(normalized, dtype=torch.float64) - expected).abs()
+                     <= 2 * e["chosen"] / stats.std + 4 * U64 * expected.abs())
 
 
 def test_a_damaged_reward_statistics_file_is_refused_before_the_run_starts(trained, tmp_path, capsys):

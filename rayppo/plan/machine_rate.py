@@ -8,7 +8,6 @@ most (a batch of tokens through the MLP's up projection). torch only.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -17,12 +16,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """``model.dtype`` -> the torch dtype the probe multiplies in."""
 
 
+def matmul_flops(m: int, k: int, n: int) -> int:
+    """FLOPs of an ``[m, k] x [k, n]`` matmul: m n outputs of k multiply-adds, 2 FLOPs each."""
+    return 2 * m * k * n
+
+
 def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, threads: int, device: str | torch.device = "cpu",
                        repeats: int = 15) -> float:
-    """FLOP/s of an ``[m, k] x [k, n]`` matmul (``2 m k n`` FLOPs) in ``dtype`` on ``device``,
-    with ``threads`` torch threads (restored after): the median of ``repeats`` timed calls after
-    one warm-up call (a minimum would catch the machine's best moment). On CUDA the clock is read
-    after a synchronize, so the time is the kernel's, not its launch's."""
+    """FLOP/s of an ``[m, k] x [k, n]`` matmul (``matmul_flops``) in ``dtype`` on ``device``,
+    with ``threads`` torch threads (restored after): the fastest of ``repeats`` timed calls after
+    one warm-up call. The machine's best, not a typical moment: MFU divides by a peak, and a probe
+    slowed by a neighbour for half its calls would put a stage above it. On CUDA the clock is read
+    after a synchronize, so the time is the kernel's, not its launch's. A ``RuntimeError`` where
+    torch keeps another thread count (vLLM's CPU worker turns ``torch.set_num_threads`` into a
+    no-op once it has bound the process's threads): a rate of fewer threads than the stage runs on
+    would put its MFU above 1."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     before = torch.get_num_threads()
@@ -30,6 +38,9 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, threads: int, device:
     b = torch.randn(k, n).to(device=device, dtype=a.dtype)
     torch.set_num_threads(threads)
     try:
+        if torch.get_num_threads() != threads:
+            raise RuntimeError(f"the matmul-rate probe asked torch for {threads} threads and has "
+                               f"{torch.get_num_threads()}: its rate would not be of {threads} threads")
         torch.mm(a, b)
         seconds = []
         for _ in range(repeats):
@@ -42,7 +53,7 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, threads: int, device:
             seconds.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
-    return 2 * m * k * n / max(statistics.median(seconds), 1e-12)
+    return matmul_flops(m, k, n) / max(min(seconds), 1e-12)
 
 
 def peak_rate(dtype: str, threads: int, hidden: int, intermediate: int, tokens: int,

@@ -54,9 +54,17 @@ def stage_tokens(seq: Sequences) -> dict[str, int]:
 
 
 def rollout_sequences(rollout: Rollout) -> Sequences:
-    """The token counts of a rollout record (``prompt_ids``, ``response_ids``)."""
+    """The token counts of a rollout record (``prompt_ids``, ``response_ids``); a prompt an
+    earlier row has (a group's other samples) is a repeated one (``Sequences.repeated_prompts``)."""
+    seen: set[tuple[int, ...]] = set()
+    repeated = []
+    for prompt in rollout.prompt_ids:
+        key = tuple(prompt)
+        if key in seen:
+            repeated.append(len(prompt))
+        seen.add(key)
     return Sequences([len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
-                     sum(len(r) for r in rollout.response_ids))
+                     sum(len(r) for r in rollout.response_ids), repeated)
 
 
 def _shape(name: str | None, cache_dir: str | None) -> ModelShape | None:
@@ -84,6 +92,8 @@ class StageCounter:
     epochs: int
     minibatches: int
     proximal: bool
+    lora: bool = False
+    """The learner trains a LoRA policy (``learner.lora_rank``): no gradient for its frozen weights."""
     rate: float | None = None
     """FLOP/s of the probe (``plan/machine_rate.peak_rate``), set by the trainer; None: not measured."""
 
@@ -96,12 +106,12 @@ class StageCounter:
         return cls(policy, _shape(m.reference or m.policy, m.cache_dir) if uses_reference(cfg) else None,
                    _shape(cfg.reward.model, m.cache_dir),
                    _shape(m.critic or m.policy, m.cache_dir) if has_critic(cfg.ppo) else None,
-                   cfg.ppo.epochs, cfg.ppo.minibatches, cfg.rollout.max_staleness > 0)
+                   cfg.ppo.epochs, cfg.ppo.minibatches, cfg.rollout.max_staleness > 0, cfg.learner.lora_rank > 0)
 
     def flops(self, seq: Sequences) -> StageFlops:
         """Each stage's useful FLOPs for a rollout of these token counts."""
         return stage_flops(self.policy, self.reference, self.reward, self.critic, seq, self.epochs,
-                           self.minibatches, self.proximal)
+                           self.minibatches, self.proximal, self.lora)
 
     def metrics(self, rollout: Rollout, timings: dict[str, float]) -> dict[str, float]:
         """The ``perf/*`` figures of the iteration that trained ``rollout`` in ``timings`` (``time/*``)."""
