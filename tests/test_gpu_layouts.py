@@ -244,10 +244,12 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
     against a TP=1 engine with the same seed: the same tokens, and log-probs equal to fp32
     rounding (a row-parallel layer sums two partial products instead of one), on the base and
     then serving a LoRA adapter (``learner.lora_sync=adapter``): each worker registers the whole
-    adapter and is fingerprinted on its own, the check naming the worker that does not hold it."""
+    adapter and is fingerprinted on its own, from its slot of the LoRA layers (its shard of each
+    A or B); the first decoder layer's q/k/v slot cleared on worker 1 alone (vLLM's
+    ``reset_lora``, as for an adapter registered but not applied) fails the check naming worker 1."""
     from rayppo.actors.generator import GeneratorEngine
     from rayppo.actors.settings import sampling_settings
-    from rayppo.cluster.group import ActorGroup
+    from rayppo.cluster.group import ActorGroup, get
     from rayppo.cluster.placement import release, reserve
     from rayppo.cluster.roles import vllm_settings
     from rayppo.cluster.session import ACTOR_ENV
@@ -272,7 +274,13 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
                 p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     named, config = {n: t.clone() for n, t in adapter_tensors(adapted)}, adapter_config(adapted)
     sent = {n: sent_print(engine_form(n, t, scaling(config))) for n, t in named.items()}
-    stale = {n: sent_print(engine_form(n, t + 0.01, scaling(config))) for n, t in named.items()}
+
+    def clear_slot_of_rank_1(worker) -> None:  # defined here: Ray and vLLM's workers take it by value
+        """On worker 1 only: vLLM's ``reset_lora`` on layer 0's q/k/v slot of version 1 (LoRA id 2)."""
+        if worker.rank == 1:
+            manager = worker.model_runner.lora_manager._adapter_manager
+            manager.modules["model.layers.0.self_attn.qkv_proj"].reset_lora(manager.lora_index_to_id.index(2))
+
     placements = reserve(cfg)
     try:
         group = ActorGroup(GeneratorEngine, [(str(embedded_dir), sampling_settings(cfg), "vllm", "float32", 0, 5,
@@ -281,13 +289,16 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
         group.get(group.call_all(GeneratorEngine.load_weights, pack_weights(named, 1, adapter=config)))
         held = group.get(group.call_all(GeneratorEngine.weight_fingerprints))[0]
         tp2_adapted = group.get(group.call_all(GeneratorEngine.generate, prompts, 0))[0]
+        get(group.actors[0].__ray_call__.remote(lambda engine: engine.backend.llm.collective_rpc(clear_slot_of_rank_1)))
+        cleared = group.get(group.call_all(GeneratorEngine.weight_fingerprints))[0]
         group.kill()
     finally:
         release(placements)
     assert isinstance(held, list) and len(held) == 2  # one set of prints per worker
     assert check_weights(sent, held, 0, 1) == 2 * len(sent)
-    with pytest.raises(WeightSyncError, match=r"generator 0 \(worker 0\) does not hold"):
-        check_weights(stale, held, 0, 1)
+    with pytest.raises(WeightSyncError, match=r"generator 0 \(worker 1\) does not hold the weights the learner sent: "
+                                              r"base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A"):
+        check_weights(sent, cleared, 0, 1)  # worker 0, checked first, holds the adapter
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cfg1 = load_config(None, lora)
     tp1 = GeneratorEngine(str(embedded_dir), sampling_settings(cfg1), "vllm", "float32", 0, 5, vllm_settings(cfg1))

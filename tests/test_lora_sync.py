@@ -6,6 +6,7 @@ on a local Ray the whole distributed trainer."""
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -244,6 +245,75 @@ def test_a_generator_that_keeps_its_old_adapter_or_serves_none_fails_the_weight_
                     check_weights(sent3, engine.weight_fingerprints(), 3, 3)
     finally:
         engine.close()
+
+
+QKV0 = "model.layers.0.self_attn.qkv_proj"
+"""vLLM's LoRA layer of the first decoder layer's q/k/v (three packed modules, one slot each)."""
+
+
+def _change_registered_copy(worker, version: int) -> None:
+    """Add 1 to every B of ``QKV0`` in vLLM's registered ``LoRAModel`` of ``version``, not in its slot."""
+    from rayppo.actors.vllm_adapters import adapter_id
+
+    for b in worker.model_runner.lora_manager._adapter_manager.get_adapter(adapter_id(version)).loras[QKV0].lora_b:
+        b.add_(1.0)
+
+
+def _clear_slot(worker, version: int) -> None:
+    """vLLM's own ``reset_lora`` on ``QKV0``'s slot of ``version``: what the kernels read where an
+    adapter is registered but not applied (activation resets a layer it has no weights for)."""
+    from rayppo.actors.vllm_adapters import adapter_id
+
+    manager = worker.model_runner.lora_manager._adapter_manager
+    manager.modules[QKV0].reset_lora(manager.lora_index_to_id.index(adapter_id(version)))
+
+
+def test_the_weight_check_reads_the_slot_the_kernels_read(embedded_dir, adapted, tokenizer):
+    """The fingerprints come from the adapter's slot of the LoRA layers' stacked buffers, which
+    the kernels read, not from vLLM's registered copy: B of q/k/v changed in the registered copy
+    alone leaves the served log-probs (within the 1e-4 of two fp32 evaluations) and the check as
+    they were; the slot cleared as vLLM clears an unapplied layer's fails the check, naming the
+    first tensor of that layer. An adapter with a module no LoRA layer takes (the router
+    ``mlp.gate`` that peft finds in transformers' MoE models, here added by hand) is refused at
+    registration, naming the module, instead of being registered and never applied."""
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm", vllm=VLLMSettings(lora_rank=RANK))
+    try:
+        payload, sent = _payload(adapted, version=1)
+        engine.load_weights(payload)
+        engine.backend.llm.collective_rpc(_change_registered_copy, args=(1,))
+        assert check_weights(sent, engine.weight_fingerprints(), 0, 1) == len(sent)
+        assert _mismatch(engine.generate(_prompts(tokenizer), seed=3), adapted, tokenizer.pad_token_id) < 1e-4
+        engine.backend.llm.collective_rpc(_clear_slot, args=(1,))
+        with pytest.raises(WeightSyncError, match=r"generator 0 does not hold the weights the learner sent: "
+                                                  r"base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A"):
+            check_weights(sent, engine.weight_fingerprints(), 0, 1)
+        gate = "base_model.model.model.layers.1.mlp.gate"  # a router of 4 experts on the 128-wide stream
+        named = {**dict(adapter_tensors(adapted)), f"{gate}.lora_A.weight": torch.zeros(RANK, 128),
+                 f"{gate}.lora_B.weight": torch.zeros(4, RANK)}
+        modules = len({name.rsplit(".", 2)[0] for name in named})
+        with pytest.raises(ValueError, match=rf"adapter sync: 1 of the adapter's {modules} LoRA modules would not be "
+                                             r"applied .*: no linear LoRA layer of vLLM's model takes "
+                                             r"model\.layers\.\*\.mlp\.gate$"):
+            engine.load_weights(pack_weights(named, 2, adapter=adapter_config(adapted)))
+    finally:
+        del engine  # vLLM's in-process engine gives back its parallel groups when it is collected
+        gc.collect()
+
+
+def test_an_adapter_module_vllm_would_not_apply_is_refused_when_the_generator_starts(tokenizer, tmp_path):
+    """peft's ``all-linear`` on transformers' Mixtral puts LoRA on the router (``mlp.gate``) and
+    the 3D experts (``mlp.experts``, its ``base_layer`` the gate/up half); vLLM 0.32's Mixtral
+    calls that block ``block_sparse_moe`` and has no LoRA layer under those names, so those
+    modules would be registered and never applied. The generator refuses to start, naming them
+    (and only them: the attention's are applied), before any sync."""
+    from test_model_families import MOE, _model
+
+    gc.collect()  # the engines of earlier tests: vLLM sets up a MoE model's expert-parallel group only in a fresh process state
+    _, folder = _model(MOE, "mixtral", tokenizer, tmp_path / "mixtral")
+    with pytest.raises(ConfigError, match=r"^learner\.lora_sync: 6 of the adapter's 14 modules \(model\.layers\.\*\.mlp\."
+                                          r"experts, model\.layers\.\*\.mlp\.experts\.base_layer, model\.layers\.\*\.mlp\."
+                                          r"gate\) are taken by no linear LoRA layer of vLLM's MixtralForCausalLM"):
+        GeneratorEngine(folder, SAMPLING, backend="vllm", vllm=VLLMSettings(lora_rank=RANK))
 
 
 def test_the_base_with_its_adapter_off_is_the_reference(embedded_dir, adapted, tokenizer):

@@ -24,6 +24,7 @@ from rayppo.actors.hf_backend import SamplingSettings
 from rayppo.actors.vllm_adapters import (
     adapter_id,
     adapter_path,
+    refuse_unapplied,
     worker_adapter_prints,
     worker_add_adapter,
     worker_add_staged_adapter,
@@ -114,6 +115,8 @@ class VLLMBackend:
             # hidden states and the weight to ModelConfig.head_dtype; the model's dtype otherwise.
             hf_overrides={"head_dtype": "float32" if settings.head_fp32 else "model"}, **extra,
         )
+        if settings.lora_rank:  # an adapter module no LoRA layer takes would never be applied: refused now
+            refuse_unapplied(self.llm, model_path, settings.lora_rank)
         if settings.ipc_sync:  # unpacked: one handle per tensor (rayppo's IpcChunk)
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
         # A group's n requests share their prompt's KV blocks when the prefix cache is on: vLLM 0.32

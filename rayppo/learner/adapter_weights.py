@@ -106,6 +106,18 @@ def wrap_lora(model: torch.nn.Module, config: dict[str, Any], seed: int = 0) -> 
         return get_peft_model(model, lora_config(config))
 
 
+def adapter_modules(model_path: str, rank: int) -> list[str]:
+    """The modules ``policy_lora`` puts LoRA on, under the names their tensors are sent with
+    (``base_model.model.<module>``): peft's own ``all-linear`` resolution, on the model built
+    from its config on the meta device (no weight read, nothing allocated)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sorted({name.rsplit(".", 2)[0] for name, _ in adapter_tensors(wrap_lora(model, policy_lora(rank, rank)))})
+
+
 ADAPTER_FOLDER = "policy-adapter"
 """The exported adapter's folder in the run's output (``output.lora_export``)."""
 
