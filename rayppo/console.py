@@ -5,15 +5,19 @@ command started), one line per role once its actors are ready (what they hold an
 took), warnings of rayppo's own (each once), the progress bar, a few sample responses now and
 then, and the summary. The libraries' own output goes to files under ``output.dir/logs/``:
 
-    driver.log          this process's log records and Python warnings (Ray, DeepSpeed, ...)
+    driver.log          this process's log records and Python warnings (Ray, DeepSpeed, ...), and
+                        what the Ray cluster reports to it (a node's death, with its raylet's last lines)
     <role>-<i>.log      each actor process's stdout and stderr (vLLM, DeepSpeed, transformers)
 
+``rayppo pairs``, which runs vLLM in its own process, writes ``logs/pairs.log`` beside its pair file:
+its log records, and its process's stdout and stderr while it samples (``Console.captured``).
 ``--verbose`` shows everything in the terminal as well (and Ray forwards the actors' output).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +72,8 @@ class Console:
         self.verbose = False
         self.t0 = time.monotonic()
         self.log_dir: Path | None = None
+        self.log_file: Path | None = None
+        """This process's log file (``logs/driver.log``; ``logs/pairs.log``), once ``setup`` has a folder."""
 
     @property
     def out(self) -> TextIO:
@@ -83,9 +89,10 @@ class Console:
         """A start-up phase, stamped with the seconds since the command started."""
         self.write(f"[{time.monotonic() - self.t0:6.1f}s] {text}")
 
-    def setup(self, out_dir: str | Path | None, verbose: bool) -> None:
+    def setup(self, out_dir: str | Path | None, verbose: bool, log_name: str = "driver") -> None:
         """Route log records: rayppo's warnings to the terminal (once each); everything else,
-        Python warnings included, to ``logs/driver.log`` (the terminal too with ``verbose``)."""
+        Python warnings included, to ``logs/<log_name>.log`` under ``out_dir`` (the terminal too with
+        ``verbose``)."""
         self.verbose = verbose
         root = logging.getLogger()
         for handler in list(root.handlers):
@@ -94,7 +101,8 @@ class Console:
         if out_dir is not None:
             self.log_dir = Path(out_dir).resolve() / LOG_DIR
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            to_file = logging.FileHandler(self.log_dir / "driver.log", encoding="utf-8")
+            self.log_file = self.log_dir / f"{log_name}.log"
+            to_file = logging.FileHandler(self.log_file, encoding="utf-8")
             to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             to_file._rayppo = True  # type: ignore[attr-defined]
             root.addHandler(to_file)
@@ -131,7 +139,35 @@ class Console:
             if getattr(handler, "_rayppo", False):
                 root.removeHandler(handler)
                 handler.close()
-        self.log_dir, self.verbose = None, False
+        self.log_dir, self.log_file, self.verbose = None, None, False
+
+    @contextmanager
+    def captured(self) -> Iterator[None]:
+        """Inside, this process's stdout and stderr (file descriptors 1 and 2: Python's, C++'s and
+        child processes' output) go to its log file, as an actor's go to its own: for a command that
+        runs a library in this process (``rayppo pairs``: vLLM's engine, whose log records, loading
+        bars and C++ warnings would fill the terminal). The console's lines and the progress bar
+        still reach the terminal, through a copy of fd 2 taken first. Nothing moves with
+        ``--verbose``, or before ``setup`` has a folder."""
+        if self.verbose or self.log_file is None:
+            yield
+            return
+        saved = os.dup(1), os.dup(2)
+        terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=self.out.encoding or "utf-8",
+                             errors="backslashreplace")
+        previous, self.stream = self.stream, terminal
+        redirect_output(self.log_file)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            self.stream = previous
+            terminal.close()
 
     def actor_log(self, role: str, index: int) -> Path | None:
         """The log file of actor ``index`` of ``role`` (``generators``, ``reference``, ``reward``,
@@ -161,8 +197,6 @@ console = Console()
 def redirect_output(path: str | Path) -> None:
     """Send this process's stdout and stderr (file descriptors 1 and 2, so C++ and child
     processes' output too) to ``path``, appended. Called first thing in an actor process."""
-    import os
-
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
 """Ctrl-C and SIGTERM during a run: it stops cleanly at an iteration boundary with a checkpoint, or at
-once (naming the checkpoint that stands) when there is no time to finish."""
+once (naming the checkpoint that stands) when there is no time to finish; `rayppo pairs` stops the
+same way between its batches."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -144,3 +146,35 @@ def test_sigterm_decides_by_the_time_left_and_cuts_short_when_the_grace_is_spent
             time.sleep(5)  # an iteration that overruns: cut short at grace - checkpoint time
         assert 0.2 < time.monotonic() - started < 4.5  # cut short, not slept out
     assert signal.getsignal(signal.SIGTERM) is not stop._sigterm  # the previous handler restored
+
+
+def test_ctrl_c_stops_rayppo_pairs_after_its_batch_with_every_line_whole(tmp_path, embedded_dir):
+    """Started as a shell starts `rayppo pairs ... &` (SIGINT ignored, which it also was while vLLM
+    sampled: the command had no handler of its own), a Ctrl-C reaches it as it reaches `rayppo
+    train`: the batch in flight completes and is written, then it stops with 130; the file holds
+    whole lines, the pairs the summary counts."""
+    pairs = tmp_path / "pairs.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "rayppo.cli", "pairs", "--no-progress", f"preference.pairs={pairs}",
+                             "preference.samples_per_prompt=4", "rollout.batch_size=16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not (pairs.exists() and pairs.stat().st_size):
+            time.sleep(0.2)  # the first batch written: the second is being sampled
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)  # the 32 batches of the embedded task take minutes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Ctrl-C: stopping after this batch (Ctrl-C again to stop now)" in stderr
+    text = pairs.read_text()
+    assert text.endswith("\n")
+    rows = [json.loads(line) for line in text.splitlines()]
+    said = re.match(r"interrupted: (\d+) pairs from (\d+) prompts", stdout)
+    assert said and int(said[1]) == len(rows) > 0, stdout
+    # Whole batches of 16 prompts (the one written when the signal came, and the one in flight), far
+    # fewer than the embedded task's 512.
+    assert int(said[2]) % 16 == 0 and 16 <= int(said[2]) <= 64, stdout

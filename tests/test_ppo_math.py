@@ -53,6 +53,24 @@ def test_kl_estimators():
         ppo.kl_penalty(lp, ref, "k4")
 
 
+def test_reference_kl_reports_the_k3_sum_beside_k1():
+    """``kl/ref_k3_mean`` (what plot.png draws KL with): the k3 sum per response, >= 0 in every
+    response, padding left out, beside the k1 sum, whose batch mean here is below 0."""
+    from rayppo.learner.collective import LocalCollective
+    from rayppo.learner.experience_stats import kl_stats
+
+    lp = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, -0.3, 0.0]])
+    ref = torch.tensor([[-0.5, -1.5, 0.0], [-0.5, -0.1, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the last column is padding (d = 5 there)
+    kl = kl_stats(lp, ref, mask, "k1", LocalCollective())
+    d = (lp - ref)[:, :2].double()  # by hand in float64: rows d = (-0.5, -0.5) and (0, -0.2)
+    # float32 in the code: a few roundings of terms under 2 in magnitude, each at most 2 x 2^-24 = 1.2e-7.
+    assert kl.mean == pytest.approx(float(d.sum(1).mean()), abs=1e-6)  # -0.6
+    assert kl.k3_mean == pytest.approx(float((torch.exp(-d) + d - 1).sum(1).mean()), abs=1e-6)  # 0.1594
+    assert kl.mean < 0 < kl.k3_mean
+    assert kl.metrics() == {"kl/ref_mean": kl.mean, "kl/penalty_mean": kl.mean, "kl/ref_k3_mean": kl.k3_mean}
+
+
 def test_shape_rewards_puts_score_on_last_valid_token_and_zero_on_padding():
     lp = torch.tensor([[0.3, 0.1, 0.2, 0.9], [0.2, 0.4, 0.0, 0.0]])
     ref = torch.zeros(2, 4)

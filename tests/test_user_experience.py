@@ -214,6 +214,28 @@ def test_an_actor_process_writes_its_output_to_its_log_file(tmp_path):
     assert log.read_text().splitlines() == ["from python", "from a child process", "from fd 2"]
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_library_run_in_the_commands_own_process_writes_to_its_log_unless_verbose(tmp_path, verbose):
+    """``rayppo pairs`` runs vLLM in its own process: inside ``Console.captured`` what Python, C++
+    (fd 2) and child processes print goes to logs/pairs.log, while rayppo's own lines still reach
+    the terminal; afterwards the process prints to the terminal again. ``--verbose``: nothing moves."""
+    code = (f"import os, sys\nfrom rayppo.console import console\nconsole.setup({str(tmp_path)!r}, {verbose}, 'pairs')\n"
+            "with console.captured():\n"
+            "    print('from python'); sys.stdout.flush(); os.system('echo from a child process')\n"
+            "    os.write(2, b'from fd 2\\n'); console.write('rayppo says')\n"
+            "print('after')")
+    result = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    log = tmp_path / "logs" / "pairs.log"
+    library = ["from python", "from a child process", "from fd 2"]
+    if verbose:
+        assert result.stdout.splitlines() == ["from python", "from a child process", "after"]
+        assert result.stderr.splitlines() == ["from fd 2", "rayppo says"] and log.read_text() == ""
+    else:
+        assert (result.stdout, result.stderr) == ("after\n", "rayppo says\n")
+        assert log.read_text().splitlines() == library
+
+
 def test_local_instance_is_sized_to_the_roles_up_to_four_cpus_per_core():
     from rayppo.cluster.placement import MAX_OVERSUBSCRIPTION, local_cpus
 

@@ -187,8 +187,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     console.phase(_headline(cfg, resume))
     from rayppo.cli.setup import build_first_use_models, quiet_libraries
 
+    quiet_libraries(args.verbose)  # first: building a model saves it, which draws a bar and imports DeepSpeed
     build_first_use_models(cfg, [cfg.model.policy, cfg.model.reference])
-    quiet_libraries(args.verbose)
     from rayppo.train import train
 
     result = train(cfg, progress=not args.no_progress, resume=resume)

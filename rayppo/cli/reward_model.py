@@ -43,16 +43,27 @@ preference.pairs: the best-scored response paired with the worst where the verif
 
 
 def add_pairs_parser(sub: argparse._SubParsersAction) -> None:
-    _command(sub, "pairs", "make preference pairs from a verifier: sample k responses per prompt, pair right with wrong",
-             PAIRS_EPILOG)
+    pairs = _command(sub, "pairs", "make preference pairs from a verifier: sample k responses per prompt, pair right "
+                                   "with wrong", PAIRS_EPILOG)
+    pairs.add_argument("--verbose", "-v", action="store_true",
+                       help="show everything the libraries print (by default it goes to logs/pairs.log beside "
+                            "preference.pairs)")
 
 
 def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Exit 0 when done; 130 after a Ctrl-C, 143 after a SIGTERM, the pairs written so far kept."""
+    import signal
+    import threading
+    from pathlib import Path
+
     from rayppo.config.load import load_config
     from rayppo.config.schema import ConfigError
     from rayppo.console import console
+    from rayppo.errors import raise_preempted
 
-    console.setup(None, False)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_preempted)  # start-up stops cleanly; the sampling has its own rule
+    console.setup(None, args.verbose)
     cfg = load_config(args.config, overrides)
     if not cfg.preference.pairs:
         raise ConfigError("preference.pairs: the file to write is not set (e.g. preference.pairs=pairs.jsonl)")
@@ -62,12 +73,22 @@ def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.plan.inputs import check_inputs
 
     check_inputs(cfg)  # the model, the prompts and the verifier, before anything is sampled
+    folder = Path(cfg.preference.pairs).parent
+    console.setup(folder, args.verbose, log_name="pairs")  # logs/pairs.log beside the pair file
+    model = "embedded model" if cfg.model.policy == "embedded" else cfg.model.policy
+    data = "embedded task" if cfg.data.prompts == "embedded" else cfg.data.prompts
+    log = console.log_file
+    logs = f"; the libraries' output to {console.shown(log)}" if log is not None and not args.verbose else ""
+    console.phase(f"rayppo pairs: {model}, {data}, {cfg.preference.samples_per_prompt} samples per prompt -> "
+                  f"{cfg.preference.pairs}{logs}")
+    quiet_libraries(args.verbose)
     build_first_use_models(cfg, [cfg.model.policy])
-    quiet_libraries(False)
     from rayppo.trainers.verifier_pairs import make_verifier_pairs
 
-    print(make_verifier_pairs(cfg, progress=not args.no_progress).summary())
-    return 0
+    with console.captured():  # vLLM's engine runs in this process: its output to the log, as an actor's
+        result = make_verifier_pairs(cfg, progress=not args.no_progress)
+    print(result.summary())
+    return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as for train
 
 
 def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -84,6 +105,7 @@ def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
     from rayppo.models.reward_model import backbone_name
     from rayppo.trainers.reward_model import prepared_pairs
 
+    quiet_libraries(args.verbose)  # first: building a model saves it (a bar; DeepSpeed's CPU warning)
     build_first_use_models(cfg, [backbone_name(cfg)])
     prepared_pairs(cfg)  # a bad file or row fails here, before the run folder is claimed or a model loads
     if resume is None:
@@ -93,7 +115,6 @@ def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
     console.setup(cfg.output.dir, args.verbose)
     console.phase(f"rayppo reward-model: {backbone_name(cfg)} + a scalar head on {cfg.preference.pairs}, "
                   f"trainer={cfg.trainer}; output {cfg.output.dir}/")
-    quiet_libraries(args.verbose)
     from rayppo.trainers.reward_model import train_reward_model
 
     print(train_reward_model(cfg, progress=not args.no_progress, resume=resume).summary())

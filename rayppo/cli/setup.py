@@ -22,8 +22,11 @@ def build_first_use_models(cfg, names: list[str]) -> None:
 
 
 def quiet_libraries(verbose: bool) -> None:
-    """transformers' per-file progress bars off (one progress bar per run) and, unless verbose,
-    its advisory warnings to the log file instead of the terminal."""
+    """transformers' per-file progress bars off (one progress bar per run: "Writing model shards"
+    at every save) and, unless verbose, its advisory warnings to the log file instead of the
+    terminal; DeepSpeed told it runs on the CPU where no GPU is. Called before any model is built or
+    loaded: saving one imports DeepSpeed (through accelerate), which on its first use warns on
+    stdout, through a handler of its own, that it fell back to the CPU."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -31,7 +34,7 @@ def quiet_libraries(verbose: bool) -> None:
 
     import torch
 
-    if not torch.cuda.is_available():  # DeepSpeed's own handler would warn that it fell back to the CPU
+    if not torch.cuda.is_available():  # read by DeepSpeed's get_accelerator, instead of its warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not verbose:
         hf_logging.disable_default_handler()

@@ -6,7 +6,9 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -39,10 +41,12 @@ class RaySession:
     def __init__(self, address: str | None, num_cpus: float | None, cpus_asked: float = 0.0, verbose: bool = True):
         """``num_cpus``: the local instance's logical CPUs (None: the machine's cores, or
         ``cpus_asked``, what the job's roles reserve, when that is more). ``verbose=False``
-        keeps Ray's banners and the actors' output out of this terminal (they have log files)."""
+        keeps Ray's banners, the actors' output and what the cluster reports out of this terminal
+        (they have log files)."""
         self.address, self.num_cpus, self.cpus_asked = address, num_cpus, cpus_asked
         self.verbose = verbose
         self.started = False
+        self._restore: Callable[[], None] | None = None
 
     def __enter__(self) -> RaySession:
         if ray.is_initialized():
@@ -82,6 +86,8 @@ class RaySession:
             # joins a `ray start` cluster (or the address a dead one left) and refuses num_cpus.
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)
             self.started = True
+        if not self.verbose:
+            self._restore = cluster_reports_to_log()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -91,6 +97,43 @@ class RaySession:
         if self.started and ray.is_initialized():
             ray.shutdown()
         self.started = False
+        if self._restore is not None and not ray.is_initialized():  # a joined cluster's driver stays
+            self._restore()  # connected until it exits, and what the cluster reports still goes to the log
+            self._restore = None
+
+
+REPORTS_LOGGER = "raylet"
+"""The logger of what the cluster reports to the driver: not rayppo's, so the terminal leaves it to driver.log."""
+
+
+def cluster_reports_to_log() -> Callable[[], None]:
+    """Send what the cluster reports to this driver to the log (``logs/driver.log``) instead of the
+    terminal; returns the function that puts Ray's printing back.
+
+    Ray's driver prints every error the cluster pushes to it on stdout, in colour, whatever
+    ``log_to_driver`` says (Ray 2.60: ``ray/_private/worker.py``, ``listen_error_messages`` calls the
+    module's ``print_to_stdstream`` by name): a raylet that died is reported by each of its node's
+    two agents with the last 20 lines of its log, an object-store state dump
+    (``ray/_private/process_watcher.py``). When a generator's node is lost that is ~40 lines beside
+    rayppo's own, which says what the loss means for the run ("generator 1 left the fleet ...").
+    """
+    from ray._private import worker
+
+    printed = getattr(worker, "print_to_stdstream", None)
+    if printed is None:  # another Ray: its printing left as it is (tests/test_terminal.py says so)
+        return lambda: None
+    reports = logging.getLogger(REPORTS_LOGGER)
+
+    def to_log(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        source = f"{data.get('pid', 'ray')}" + (f", ip={data['ip']}" if data.get("ip") else "")
+        for line in data.get("lines", []):
+            reports.warning("(%s) %s", source, line)
+
+    def restore() -> None:
+        worker.print_to_stdstream = printed
+
+    worker.print_to_stdstream = to_log
+    return restore
 
 
 def private_token_file() -> Path | None:

@@ -31,10 +31,13 @@ class ReferenceKL:
     KL whatever estimator shapes the reward; what the KL controller and ``stop.kl_budget`` read."""
     penalty_mean: float
     """The same sum in the configured estimator (``ppo.kl_estimator``)."""
+    k3_mean: float
+    """The same sum in the k3 estimate: as unbiased, and >= 0 in every response, where the k1 mean of a
+    batch dips below 0 by sampling noise while the KL is small (what ``plot.png`` draws KL with)."""
 
     def metrics(self) -> dict[str, float]:
-        """``kl/ref_mean`` and ``kl/penalty_mean``, for the metrics line."""
-        return {"kl/ref_mean": self.mean, "kl/penalty_mean": self.penalty_mean}
+        """``kl/ref_mean``, ``kl/penalty_mean`` and ``kl/ref_k3_mean``, for the metrics line."""
+        return {"kl/ref_mean": self.mean, "kl/penalty_mean": self.penalty_mean, "kl/ref_k3_mean": self.k3_mean}
 
 
 def kl_stats(
@@ -44,9 +47,10 @@ def kl_stats(
     """KL to the reference over the global batch (all [B, T] inputs)."""
     kl_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k1"), mask)
     penalty_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, kl_estimator), mask)
-    means = global_means({"k1": kl_per_response.mean(), "penalty": penalty_per_response.mean()}, mask.shape[0],
-                         collective)  # one all-reduce for both
-    return ReferenceKL(mean=means["k1"], penalty_mean=means["penalty"])
+    k3_per_response = ppo.masked_sum_per_row(ppo.kl_penalty(policy_logprobs, ref_logprobs, "k3"), mask)
+    means = global_means({"k1": kl_per_response.mean(), "penalty": penalty_per_response.mean(),
+                          "k3": k3_per_response.mean()}, mask.shape[0], collective)  # one all-reduce for all
+    return ReferenceKL(mean=means["k1"], penalty_mean=means["penalty"], k3_mean=means["k3"])
 
 
 def value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,22 +124,44 @@ def plot_metrics(records: list[dict[str, float]], out_png: str | Path, kl_budget
     its = [r["iteration"] for r in records]
     gold = any("reward/gold_mean" in r for r in records)
     fig, axes = plt.subplots(1, 3 if gold else 2, figsize=(15 if gold else 10, 3.6))
-    ax_r, ax_k = axes[0], axes[1]
-    _reward_panel(ax_r, records, its)
+    _reward_panel(axes[0], records, its)
+    _kl_panel(axes[1], records, kl_budget)
     if gold:
         _gold_panel(axes[2], records)
-    kl = [(r["iteration"], r["kl/ref_mean"]) for r in records if "kl/ref_mean" in r]  # none at kl_coef = 0
-    ax_k.plot([i for i, _ in kl], [v for _, v in kl], marker=".", color="tab:red")
-    ax_k.set(title="KL(pi || pi_ref), nats per response" + ("" if kl else ": no reference (ppo.kl_coef = 0)"),
-             xlabel="iteration")
-    if kl_budget is not None:
-        ax_k.axhline(kl_budget, linestyle="--", color="grey", label="stop.kl_budget")
-        ax_k.legend()
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(str(out_png), dpi=100)
     plt.close(fig)
+
+
+def budget_on_scale(values: Sequence[float], budget: float) -> bool:
+    """Whether ``stop.kl_budget`` is drawn as a line on the KL panel: when the KL reaches a quarter of
+    it, so that the curve still spans a quarter of the panel's height. Further below, a line would
+    set the axis and flatten the curve at its foot (0.05 nats under a 20-nat line): the budget is a
+    note instead."""
+    return bool(values) and max(values) >= budget / 4
+
+
+def _kl_panel(ax, records: list[dict[str, float]], kl_budget: float | None) -> None:
+    """KL(pi || pi_ref) per response against the iteration: the k1 mean (``kl/ref_mean``, which the
+    stop rule reads) and, where logged, the k3 mean; the budget as a line or, off the scale, a note."""
+    drawn = (("kl/ref_mean", "k1 (the stop rule's)", "-"), ("kl/ref_k3_mean", "k3 (>= 0)", ":"))
+    lines = [(label, style, [(r["iteration"], r[key]) for r in records if key in r]) for key, label, style in drawn]
+    for label, style, points in lines:
+        if points:
+            ax.plot(*zip(*points), marker=".", linestyle=style, color="tab:red", label=label)
+    values = [v for _, _, points in lines for _, v in points]  # none at kl_coef = 0
+    ax.set(title="KL(pi || pi_ref), nats per response" + ("" if values else ": no reference (ppo.kl_coef = 0)"),
+           xlabel="iteration")
+    if not values:
+        return
+    if kl_budget is not None and budget_on_scale(values, kl_budget):
+        ax.axhline(kl_budget, linestyle="--", color="grey", label="stop.kl_budget")
+    elif kl_budget is not None:
+        ax.text(0.02, 0.96, f"stop.kl_budget = {kl_budget:g} nats, off this scale", transform=ax.transAxes,
+                va="top", fontsize="small", color="grey")
+    ax.legend(fontsize="small")
 
 
 GOLD_FIGURE = "gold/proxy_and_gold_vs_kl"
@@ -156,21 +179,63 @@ def gold_figure(records: list[dict[str, float]]) -> Figure:
     return figure
 
 
+def kl_estimate(record: dict[str, float]) -> float | None:
+    """A record's KL(pi || pi_ref) per response as an axis can show it, >= 0: its k3 mean
+    (``kl/ref_k3_mean``); in a record without one (a run from before it was logged) the k1 mean
+    clipped at 0, since a k1 mean below 0 is sampling noise around a KL that cannot be negative, and
+    0 is the nearest value the KL can take. None without a reference."""
+    if "kl/ref_k3_mean" in record:
+        return record["kl/ref_k3_mean"]
+    return max(0.0, record["kl/ref_mean"]) if "kl/ref_mean" in record else None
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One line of a panel: its points in the order they are joined."""
+
+    x: list[float]
+    y: list[float]
+
+
+GOLD_LINES = {"proxy (reward/mean)": ("reward/mean", "reward/gold_mean"),
+              "gold (reward/gold_mean)": ("reward/gold_mean", "reward/gold_mean"),
+              "held-out proxy": ("eval/reward/mean", "eval/gold/mean"),
+              "held-out gold": ("eval/gold/mean", "eval/reward/mean")}
+"""The proxy-and-gold panel's lines: label -> (the value drawn, the other key a record needs to be on
+it: a held-out point is drawn where both held-out means are)."""
+
+
+def gold_curves(records: list[dict[str, float]]) -> tuple[str, dict[str, Curve]]:
+    """The proxy-and-gold panel's x axis label and lines (``GOLD_LINES``; one with no points left
+    out). x is KL(pi || pi_ref) per response (``kl_estimate``) where every record scored by gold has
+    one, else the iteration; each line's points are sorted by x, so that a KL that falls for an
+    iteration moves a point left instead of turning the line back across the others."""
+    rows = [r for r in records if "reward/gold_mean" in r]
+    kl = bool(rows) and all(kl_estimate(r) is not None for r in rows)
+
+    def x(record: dict[str, float]) -> float:
+        value = kl_estimate(record) if kl else record["iteration"]
+        assert value is not None  # kl: every row has one
+        return value
+
+    curves = {}
+    for label, (key, needs) in GOLD_LINES.items():
+        points = sorted((x(r), r[key]) for r in rows if key in r and needs in r)
+        if points:
+            curves[label] = Curve([p for p, _ in points], [v for _, v in points])
+    return ("KL(pi || pi_ref), nats per response" if kl else "iteration"), curves
+
+
 def _gold_panel(ax, records: list[dict[str, float]]) -> None:
     """Proxy (the trained-on reward) and gold (``reward.gold_function``) against KL(pi || pi_ref):
     the figure of reward-model over-optimisation (Gao, Schulman and Hilton 2022, fig. 1). Against
     the iteration where no reference runs (no KL)."""
-    rows = [r for r in records if "reward/gold_mean" in r]
-    kl = all("kl/ref_mean" in r for r in rows)
-    x = [r["kl/ref_mean"] if kl else r["iteration"] for r in rows]
-    ax.plot(x, [r["reward/mean"] for r in rows], marker=".", color="tab:blue", label="proxy (reward/mean)")
-    ax.plot(x, [r["reward/gold_mean"] for r in rows], marker=".", color="tab:orange", label="gold (reward/gold_mean)")
-    held = [r for r in rows if "eval/gold/mean" in r and "eval/reward/mean" in r]
-    if held:
-        hx = [r["kl/ref_mean"] if kl else r["iteration"] for r in held]
-        ax.plot(hx, [r["eval/reward/mean"] for r in held], "s--", color="tab:blue", alpha=0.6, label="held-out proxy")
-        ax.plot(hx, [r["eval/gold/mean"] for r in held], "s--", color="tab:orange", alpha=0.6, label="held-out gold")
-    ax.set(title="proxy and gold reward", xlabel="KL(pi || pi_ref), nats per response" if kl else "iteration")
+    xlabel, curves = gold_curves(records)
+    for label, curve in curves.items():
+        held = label.startswith("held-out")
+        ax.plot(curve.x, curve.y, "s--" if held else ".-", alpha=0.6 if held else 1.0,
+                color="tab:orange" if "gold" in label else "tab:blue", label=label)
+    ax.set(title="proxy and gold reward", xlabel=xlabel)
     ax.legend(fontsize="small")
 
 

@@ -26,10 +26,15 @@ class StopRequest:
     so the checkpoint that follows is consistent. A stop at once (``KeyboardInterrupt`` in the
     loop) writes no checkpoint: the learner may be half-way through its update, so the latest
     checkpoint stands.
+
+    ``rayppo pairs`` stops the same way between its batches (``step="batch"``, ``checkpoint=False``:
+    what a batch made is written when it ends, nothing is saved after it).
     """
 
-    def __init__(self, grace_s: float = 25.0) -> None:
+    def __init__(self, grace_s: float = 25.0, step: str = "iteration", checkpoint: bool = True) -> None:
         self.grace_s = grace_s
+        self.step, self.checkpoint = step, checkpoint
+        """What a stop waits for (``iteration``, ``batch``), and whether a checkpoint follows it."""
         self.requested: str | None = None
         """``interrupted`` (Ctrl-C) or ``preempted`` (SIGTERM) once asked."""
         self.iteration_started = time.monotonic()
@@ -45,7 +50,8 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = "interrupted"
-        console.write("Ctrl-C: stopping after this iteration, then saving a checkpoint (Ctrl-C again to stop now)")
+        then = ", then saving a checkpoint" if self.checkpoint else ""
+        console.write(f"Ctrl-C: stopping after this {self.step}{then} (Ctrl-C again to stop now)")
 
     def _sigterm(self, signum: int, frame: FrameType | None) -> None:
         if self._stopping:
@@ -53,14 +59,16 @@ class StopRequest:
         asked, self.requested = self.requested, "preempted"
         if asked:  # a second signal: no more waiting
             raise KeyboardInterrupt
-        checkpoint_s = self.last_checkpoint_s if self.last_checkpoint_s is not None else self.grace_s / 4
+        checkpoint_s = 0.0 if not self.checkpoint else (
+            self.last_checkpoint_s if self.last_checkpoint_s is not None else self.grace_s / 4)
         left = (self.last_iteration_s or 0.0) - (time.monotonic() - self.iteration_started)
         if max(0.0, left) + checkpoint_s > self.grace_s:
-            console.write(f"SIGTERM: the iteration in flight needs ~{max(0.0, left):.0f} s more and its checkpoint "
-                          f"~{checkpoint_s:.0f} s, over stop.sigterm_grace_s={self.grace_s:g}: stopping now")
+            saving = f" and its checkpoint ~{checkpoint_s:.0f} s" if self.checkpoint else ""
+            console.write(f"SIGTERM: the {self.step} in flight needs ~{max(0.0, left):.0f} s more{saving}, over "
+                          f"stop.sigterm_grace_s={self.grace_s:g}: stopping now")
             raise KeyboardInterrupt
-        console.write(f"SIGTERM: finishing this iteration and saving its checkpoint within "
-                      f"stop.sigterm_grace_s={self.grace_s:g} s")
+        saving = " and saving its checkpoint" if self.checkpoint else ""
+        console.write(f"SIGTERM: finishing this {self.step}{saving} within stop.sigterm_grace_s={self.grace_s:g} s")
         self._timer = threading.Timer(max(0.0, self.grace_s - checkpoint_s), self._grace_spent)
         self._timer.daemon = True
         self._timer.start()
