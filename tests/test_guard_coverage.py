@@ -71,3 +71,24 @@ def test_a_generator_at_the_wrong_temperature_is_stopped_at_its_first_iteration_
                            tokenizer.pad_token_id)
         with pytest.raises(LogprobMismatchError, match=rf"iteration {iteration}: .* on generator {ODD}:"):
             learn(lm, BatchShard.whole(rollout), StepInputs(iteration=iteration, version=0, kl_coef=0.0), settings)
+
+
+def test_the_bf16_limit_stops_no_healthy_generator_of_few_tokens_on_the_real_model():
+    """``benchmarks/real_mismatch.py --spread`` (SmolLM2-135M in bf16, vLLM against the learner, the
+    responses cut into generators of one prompt's 4 samples, ~96 tokens): the default
+    ``checks.max_logprob_kl`` must sit above every healthy generator's figure with room for other
+    models (4x over the largest here, ~mean + 24 sigma) and below the mean of a generator at 0.9 T."""
+    import json
+    from pathlib import Path
+
+    from rayppo.config.derived import kl_limit
+    from rayppo.config.system import ChecksConfig
+
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "real_mismatch_spread.json").read_text())
+    healthy, gap = (next(r for r in rows if r["generator_temperature"] == t) for t in (None, 0.9))
+    limit = kl_limit(ChecksConfig(), "bfloat16")
+    assert healthy["limit"] == gap["limit"] == limit  # measured against today's default
+    assert healthy["generators"] >= 64 and healthy["generator_tokens_mean"] < 128  # few tokens each
+    assert healthy["generators_over_limit"] == 0 and 4 * healthy["generator_kl_max"] <= limit
+    assert healthy["generator_kl_mean"] + 20 * healthy["generator_kl_std"] < limit
+    assert gap["generator_kl_mean"] > limit
