@@ -12,6 +12,7 @@ survivor held two calls of the fan-out, and the second one's error named the act
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -87,14 +88,15 @@ def lose_node_after_first_step(c: Cluster, node, log: Path, first_row: int) -> N
     c.remove_node(node, allow_graceful=False)
 
 
-@pytest.fixture
-def cluster():
-    """A head and two generator nodes (custom resources ``gen0``, ``gen1`` pin one generator each)."""
+@contextlib.contextmanager
+def node_cluster(node_resources: list[dict[str, float]]):
+    """A head and a node of one CPU per entry of ``node_resources`` (its custom resources), Ray
+    connected to it; yields (cluster, nodes)."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
     # A lost node noticed in ~3 s (health checks at 1 s x 3; Ray's default is 3 s x 5), as in test_fleet.py.
     checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": checks})
-    nodes = [c.add_node(num_cpus=1, resources={f"gen{i}": 1}) for i in range(2)]
+    nodes = [c.add_node(num_cpus=1, resources=resources) for resources in node_resources]
     ray.init(address=c.address)
     c.wait_for_nodes()
     try:
@@ -103,6 +105,13 @@ def cluster():
         ray.shutdown()
         c.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def cluster():
+    """A head and two generator nodes (custom resources ``gen0``, ``gen1`` pin one generator each)."""
+    with node_cluster([{f"gen{i}": 1} for i in range(2)]) as made:
+        yield made
 
 
 def test_a_generator_lost_mid_call_costs_only_its_own_share(cluster, tmp_path):
@@ -143,18 +152,8 @@ def test_a_generator_lost_mid_call_costs_only_its_own_share(cluster, tmp_path):
 def two_by_two():
     """A head and two nodes of two generators each (resources ``nodeA``, ``nodeB``): generators 0, 1
     on node A, 2, 3 on node B."""
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": checks})
-    nodes = [c.add_node(num_cpus=1, resources={name: 2}) for name in ("nodeA", "nodeB")]
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    try:
-        yield c, nodes
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    with node_cluster([{"nodeA": 2}, {"nodeB": 2}]) as made:
+        yield made
 
 
 def four_generators(log: Path, hang: Path | None = None) -> tuple[Fleet, Supervisor]:
