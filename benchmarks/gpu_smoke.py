@@ -186,7 +186,7 @@ def zero_check(cfg, rollout, device: str) -> dict[str, Any]:
         loaded = {"load_s": time.perf_counter() - start, "host_rss_growth": current_rss() - rss0,
                   "after_load": device_bytes(device) - base}
         start = time.perf_counter()
-        engine.train(rollout, list(range(len(rollout))), len(rollout), kl_coef=0.05, iteration=0)
+        engine.train(rollout, list(range(len(rollout))), [0] * len(rollout), kl_coef=0.05, iteration=0)
         peak = (torch.cuda.max_memory_allocated() if device == "cuda" else memory(device)["max_rss"]) - base
         measured = {**loaded, "update_s": time.perf_counter() - start,
                     "after_update": device_bytes(device) - base, "update_peak": peak}
