@@ -31,11 +31,13 @@ U32 = 2.0**-24
 U64 = 2.0**-53
 """float64's."""
 
-EXACT = {"embedding", "__get__", "__getitem__", "view", "reshape", "transpose", "contiguous", "cat", "expand",
+EXACT = {"embedding", "__get__", "__getitem__", "view", "reshape", "transpose", "t", "contiguous", "cat", "expand",
          "unsqueeze", "neg", "to", "float", "dropout", "where", "arange", "tensor"}
 """Functions a decoder's forward calls that round nothing: lookups, views, copies, sign flips, the
-casts between fp32 and the float64 stand-in (no-ops in the fp32 forward), dropout in eval mode."""
-ROUNDINGS = {"add": 1, "mul": 1, "pow": 1, "rsqrt": 2, "cos": 2, "sin": 2, "silu": 6}
+casts between fp32 and the float64 stand-in (no-ops in the fp32 forward), dropout in eval mode.
+(``t``, ``matmul`` and ``__iadd__``: DeepSpeed's ZeRO-3 linear, ``x.matmul(w.t())`` then ``+= bias``,
+which stands in for ``F.linear`` in a process where a ZeRO-3 engine has started, as in the suite.)"""
+ROUNDINGS = {"add": 1, "__iadd__": 1, "add_": 1, "mul": 1, "pow": 1, "rsqrt": 2, "cos": 2, "sin": 2, "silu": 6}
 """Element-wise functions and how many u of |y| each result may be off: one rounding for +, x and
 a square; two for 1/sqrt (a sqrt and a division) and for a libm function (within one ulp, 2u);
 silu = x / (1 + exp(-x)) an exp, an add, a division and a product."""
