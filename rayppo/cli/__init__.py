@@ -185,7 +185,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         claim_output_dir(cfg)  # one run per folder (output.overwrite to replace it)
     console.setup(cfg.output.dir, args.verbose)
     console.phase(_headline(cfg, resume))
-    from rayppo.cli.setup import build_first_use_models, quiet_libraries
+    from rayppo.cli.setup import build_first_use_models, exit_code, quiet_libraries
 
     quiet_libraries(args.verbose)  # first: building a model saves it, which draws a bar and imports DeepSpeed
     build_first_use_models(cfg, [cfg.model.policy, cfg.model.reference])
@@ -193,13 +193,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     result = train(cfg, progress=not args.no_progress, resume=resume)
     print(result.summary())
-    return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as shells report
+    return exit_code(result.stop_reason)
 
 
 def _headline(cfg, resume) -> str:
     """``rayppo train: 40 iterations of 64 prompts (embedded task) -> runs/default``."""
-    data = "embedded task" if cfg.data.prompts == "embedded" else cfg.data.prompts
-    model = "embedded model" if cfg.model.policy == "embedded" else cfg.model.policy
+    from rayppo.cli.setup import model_and_data
+
+    model, data = model_and_data(cfg)
     what = f"resuming {resume.parent.parent}" if resume is not None else f"output {cfg.output.dir}/"
     n = cfg.rollout.samples_per_prompt
     groups = f" x {n} samples" if n > 1 else ""

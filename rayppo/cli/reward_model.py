@@ -69,14 +69,13 @@ def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("preference.pairs: the file to write is not set (e.g. preference.pairs=pairs.jsonl)")
     if not cfg.reward.function:
         raise ConfigError("reward.function: 'rayppo pairs' labels responses with a verifier function (module:function)")
-    from rayppo.cli.setup import build_first_use_models, quiet_libraries
+    from rayppo.cli.setup import build_first_use_models, exit_code, model_and_data, quiet_libraries
     from rayppo.plan.inputs import check_inputs
 
     check_inputs(cfg)  # the model, the prompts and the verifier, before anything is sampled
     folder = Path(cfg.preference.pairs).parent
     console.setup(folder, args.verbose, log_name="pairs")  # logs/pairs.log beside the pair file
-    model = "embedded model" if cfg.model.policy == "embedded" else cfg.model.policy
-    data = "embedded task" if cfg.data.prompts == "embedded" else cfg.data.prompts
+    model, data = model_and_data(cfg)
     log = console.log_file
     logs = f"; the libraries' output to {console.shown(log)}" if log is not None and not args.verbose else ""
     console.phase(f"rayppo pairs: {model}, {data}, {cfg.preference.samples_per_prompt} samples per prompt -> "
@@ -88,7 +87,7 @@ def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
     with console.captured():  # vLLM's engine runs in this process: its output to the log, as an actor's
         result = make_verifier_pairs(cfg, progress=not args.no_progress)
     print(result.summary())
-    return {"interrupted": 130, "preempted": 143}.get(result.stop_reason, 0)  # 128 + the signal, as for train
+    return exit_code(result.stop_reason)
 
 
 def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -54,3 +54,15 @@ def run_config(config_file: str | None, resume: str | None, overrides: list[str]
     from rayppo.run.checkpoint import resume_config
 
     return resume_config(resume, overrides)
+
+
+def model_and_data(cfg) -> tuple[str, str]:  # noqa: ANN001 - Config (imported lazily by the commands)
+    """How a command's headline names the policy and the prompts (``embedded model``, ``embedded task``)."""
+    model = "embedded model" if cfg.model.policy == "embedded" else cfg.model.policy
+    return model, "embedded task" if cfg.data.prompts == "embedded" else cfg.data.prompts
+
+
+def exit_code(stop_reason: str) -> int:
+    """A command's exit status: 130 after a Ctrl-C, 143 after a SIGTERM (128 + the signal, as shells
+    report), else 0."""
+    return {"interrupted": 130, "preempted": 143}.get(stop_reason, 0)
