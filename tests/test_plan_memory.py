@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rayppo.models.shape import shape_from_config
-from rayppo.plan.activations import MATH_ATTENTION_MAX_LENGTH, VARLEN_FAMILIES, Pass, layer_saved_bytes
+from rayppo.plan.activations import Pass, layer_saved_bytes
 from rayppo.plan.footprint import estimate_roles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,10 +114,3 @@ def test_the_learners_saved_activations_are_counted_to_the_byte(dtype):
     expected = layer_saved_bytes(shape_from_config(config.to_dict()), step, dtype.itemsize, dtype == torch.bfloat16)
     assert saved[1:] == [expected] * 2  # layer 0 also saved what every layer shares (cos, sin, the packing's indices)
 
-
-def test_the_plans_copies_of_the_attention_choices_are_the_models():
-    """The plan repeats two facts of ``models/varlen_attention.py`` so that it never imports torch."""
-    from rayppo.models import varlen_attention
-
-    assert VARLEN_FAMILIES == varlen_attention.VARLEN_MODELS
-    assert MATH_ATTENTION_MAX_LENGTH == varlen_attention.MATH_ATTENTION_MAX_LENGTH

@@ -330,7 +330,7 @@ class LearnerConfig:
     attention mask (the padding is after every real token), so SDPA keeps its fused causal kernel;
     ``packed``, several sequences end to end in a row, positions restarted, no attention across
     them: one row under flash-attention 2 (its varlen kernel) and under SDPA for the plain-causal
-    families of ``models.varlen_attention.VARLEN_MODELS`` (attention per sequence, fused kernel,
+    families of ``models.shape.VARLEN_MODELS`` (attention per sequence, fused kernel,
     no block mask), else rows as wide as the longest sequence, which SDPA takes as a block mask.
     ``auto``: packed where no block mask is needed, else right_padded for the families whose
     transformers attention reads the position ids (``models.packing.PACKING_MODELS``), else padded.

@@ -48,6 +48,19 @@ NO_GROUPED_QUERY = {"gpt2", "gptj", "gpt_neox", "opt", "bloom", "codegen"}
 NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "olmo2": 2}
 """Gemma 2/3 norm both sides of attention and MLP; OLMo 2 normalises after each (2, placed differently)."""
 
+VARLEN_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"})
+"""Model types whose transformers 5.19 attention is plain causal SDPA over ``ALL_ATTENTION_FUNCTIONS``
+with the keyword arguments passed through every layer (no soft-capping, no attention sinks; the only
+other keyword is ``sliding_window``): ``learner.packing=auto`` runs these in one packed row on SDPA
+when their config sets no sliding window (``models.packing.pack_mode``). Not Qwen2-MoE: it builds a
+sliding-window mask over the row even with the window off (``sliding_window=0``)."""
+
+MATH_ATTENTION_MAX_LENGTH = 128
+"""Longest bucket that ``causal_attention`` runs as plain matmuls (bf16/fp16, CPU, with gradients).
+Measured on 2 cores, fwd+bwd of one layer's bucket of ~2,600 tokens, 9 query / 3 key heads of 64:
+fused 56 / 47 / 46 / 60 ms against 26 / 25 / 35 / 49 ms at lengths 43 / 80 / 128 / 180; past 256 the
+fused kernel wins (its memory is linear in the length, the scores here are quadratic)."""
+
 
 @dataclass(frozen=True)
 class ModelShape:

@@ -33,15 +33,11 @@ from typing import Any
 
 import torch
 
+# Defined beside the model shape, which imports no torch, so that the plan reads the same two facts.
+from rayppo.models.shape import MATH_ATTENTION_MAX_LENGTH, VARLEN_MODELS  # noqa: F401 - re-exported
+
 VARLEN_SDPA = "rayppo_varlen_sdpa"
 """The attention implementation's name in transformers' registry."""
-
-VARLEN_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"})
-"""Model types whose transformers 5.19 attention is plain causal SDPA over ``ALL_ATTENTION_FUNCTIONS``
-with the keyword arguments passed through every layer (no soft-capping, no attention sinks; the only
-other keyword is ``sliding_window``): ``learner.packing=auto`` runs these in one packed row on SDPA
-when their config sets no sliding window (``models.packing.pack_mode``). Not Qwen2-MoE: it builds a
-sliding-window mask over the row even with the window off (``sliding_window=0``)."""
 
 
 @dataclass
@@ -96,12 +92,6 @@ def sequence_segments(sequences: list[list[int]], width: int) -> Segments:
         raise ValueError(f"column {int((restore < 0).nonzero()[0])} of the packed row belongs to no sequence")
     return Segments(buckets, restore)
 
-
-MATH_ATTENTION_MAX_LENGTH = 128
-"""Longest bucket that ``causal_attention`` runs as plain matmuls (bf16/fp16, CPU, with gradients).
-Measured on 2 cores, fwd+bwd of one layer's bucket of ~2,600 tokens, 9 query / 3 key heads of 64:
-fused 56 / 47 / 46 / 60 ms against 26 / 25 / 35 / 49 ms at lengths 43 / 80 / 128 / 180; past 256 the
-fused kernel wins (its memory is linear in the length, the scores here are quadratic)."""
 
 
 def math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None

@@ -19,7 +19,7 @@ bf16 to the byte; ``tests/test_plan_memory.py`` keeps the two equal on a small m
   causal mask.
 
 Which positions: under ``varlen`` packing (``learner.packing`` auto or packed, the families of
-``VARLEN_FAMILIES``, no sliding window) a GRPO group's prompt runs once
+``VARLEN_MODELS``, no sliding window) a GRPO group's prompt runs once
 (``models/shared_prompts.py``): the layer's tensors outside attention are over ``prompts x P +
 rows x R`` positions, attention's over every row's ``P + R``. Other layouts run every row's prompt.
 In fp32 without a shared prompt this is ``6h + 3q + 2kv + 4i`` elements a token (``layer_elements``)
@@ -35,13 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayppo.config.schema import Config
-from rayppo.models.shape import ModelShape
-
-VARLEN_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"})
-"""``rayppo.models.varlen_attention.VARLEN_MODELS``, repeated so the plan never imports torch (a
-test keeps the two equal): the families ``learner.packing=auto`` runs in one ``varlen`` row."""
-MATH_ATTENTION_MAX_LENGTH = 128
-"""``rayppo.models.varlen_attention.MATH_ATTENTION_MAX_LENGTH`` (a test keeps the two equal)."""
+from rayppo.models.shape import VARLEN_MODELS, ModelShape
 
 
 @dataclass(frozen=True)
@@ -62,10 +56,10 @@ class Pass:
 
 def varlen_packing(cfg: Config, models: tuple[ModelShape, ...]) -> bool:
     """Whether the learner runs ``varlen`` packing (``models.packing.pack_mode``: ``auto`` or
-    ``packed`` on SDPA, a family of ``VARLEN_FAMILIES`` without a sliding window), for every
+    ``packed`` on SDPA, a family of ``VARLEN_MODELS`` without a sliding window), for every
     trained model: a policy and critic that disagree run padded."""
     return cfg.learner.packing in ("auto", "packed") and all(
-        s.family in VARLEN_FAMILIES and not s.sliding_window for s in models)
+        s.family in VARLEN_MODELS and not s.sliding_window for s in models)
 
 
 def learner_pass(cfg: Config, rows: int, prompt_tokens: int, budget: int, varlen: bool) -> Pass:

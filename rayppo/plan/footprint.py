@@ -41,9 +41,15 @@ from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes
 from rayppo.models.paths import built_on_first_use, embedded_path
-from rayppo.models.shape import ModelShape, layer_params, lora_params, param_count, read_shape
-from rayppo.plan.activations import (
+from rayppo.models.shape import (
     MATH_ATTENTION_MAX_LENGTH,
+    ModelShape,
+    layer_params,
+    lora_params,
+    param_count,
+    read_shape,
+)
+from rayppo.plan.activations import (
     activation_bytes,
     layer_elements,
     learner_pass,
