@@ -74,8 +74,8 @@ def generators_per_piece(sizes: Sequence[int], generators: int) -> list[int]:
 def spread(pieces: dict[tuple[int, ...], S], active: Sequence[int],
            resplit: Callable[[S, int], list[S]]) -> list[tuple[tuple[int, ...], S, int]]:
     """``(key, piece, generator)`` for the lost ``pieces`` cut again over the ``active`` generators:
-    piece k (its rows: ``len``) into ``generators_per_piece`` parts, the parts dealt to the generators in turn (one call
-    each while the pieces are no more than the generators)."""
+    piece k (its rows: ``len``) into ``generators_per_piece`` parts, the parts dealt to the
+    generators in turn (one call each while the pieces are no more than the generators)."""
     sizes = [len(piece) for piece in pieces.values()]  # rows
     cut = [(key + (j,), part) for (key, piece), parts in zip(pieces.items(), generators_per_piece(sizes, len(active)))
            for j, part in enumerate(resplit(piece, parts))]
