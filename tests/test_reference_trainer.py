@@ -61,7 +61,7 @@ def test_truncated_responses_train_too(small_overrides):
 
 
 def test_adaptive_kl_controller_moves_beta(small_overrides):
-    trainer = InProcessTrainer(load_config(None, small_overrides + ["ppo.adaptive_kl=true", "ppo.kl_horizon=100"]))
+    trainer = InProcessTrainer(load_config(None, small_overrides + ["ppo.adaptive_kl=true", "ppo.kl_coef=0.05", "ppo.kl_horizon=100"]))
     first = trainer.iteration()
     assert first["kl_coef"] == 0.05
     # KL starts at 0 < target: the controller lowers beta by the clipped 20% x 16/100.

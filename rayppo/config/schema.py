@@ -209,8 +209,11 @@ class PPOConfig:
     """Discount; 1.0 is standard for language (no discounting within a response)."""
     lam: float = 0.95
     """GAE lambda."""
-    kl_coef: float = 0.05
-    """beta: weight of the per-token KL penalty in the shaped reward (initial value if adaptive)."""
+    kl_coef: float = 0.02
+    """beta: weight of the per-token KL penalty in the shaped reward (initial value if adaptive).
+    With k1 a sampled token earns beta x (log pi_ref - log pi): keep beta times the log-ratio the
+    run reaches on wrong tokens below the task's reward per right token, or the shaped return stops
+    telling them apart (0.02 for the default task, derived in docs/quickstart.md)."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator of ``kl_mode=reward``: ``k1``, ``k2`` or ``k3`` (``kl_mode=loss``
     always uses k3, which is >= 0 and whose gradient is the KL's)."""
