@@ -89,10 +89,12 @@ def prepare_models(workload: Workload) -> tuple[Path, Path]:
 
     key = hashlib.sha1(json.dumps(workload.model, sort_keys=True).encode()).hexdigest()[:10]
     root = cache_root() / "bench" / f"{workload.name}-{key}"
-    builtin = isinstance(workload.model, str) and built_on_first_use(workload.model)  # embedded, the real model
-    policy = resolve_model_path(workload.model) if builtin else root / "policy"
+    model = workload.model
+    builtin = isinstance(model, str) and built_on_first_use(model)  # embedded, the real model
+    policy = resolve_model_path(model) if isinstance(model, str) and builtin else root / "policy"
     if not builtin and not (policy / "config.json").is_file():
-        shape = dict(workload.model)  # eos_mean_length, eos_length_cap: long-tailed lengths (add_stop_words)
+        assert isinstance(model, dict), f"workload {workload.name}: a model not built in is given by its shape"
+        shape = dict(model)  # eos_mean_length, eos_length_cap: long-tailed lengths (add_stop_words)
         build_random_llama(policy, shape.pop("vocab_size"), **shape)
     reward_model = root / "reward_model"
     if not (reward_model / "config.json").is_file():
@@ -159,7 +161,7 @@ def _run_child(name: str, what: str, command: list[str]) -> None:
     from rayppo.console import console
 
     log = _child_output(name)
-    where = f" (its output: {console.shown(Path(log.name))})" if log else ""
+    where = f" (its output: {console.user_path(Path(log.name))})" if log else ""
     console.phase(f"{what}{where}")
     try:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=trl_environment())
@@ -167,13 +169,13 @@ def _run_child(name: str, what: str, command: list[str]) -> None:
         if log:
             log.close()
     if result.returncode:
-        raise RayppoError(f"{what} failed (exit {result.returncode})" + (f"; see {console.shown(Path(log.name))}"
+        raise RayppoError(f"{what} failed (exit {result.returncode})" + (f"; see {console.user_path(Path(log.name))}"
                                                                        if log else ""))
 
 
 def machine_rate(cfg: Config) -> dict[str, Any]:
     """The rate MFU is measured against, at the start (nothing else computing): GFLOP/s of the
-    matmul the policy runs most (``plan/machine_rate.peak_rate``'s shape), in the workload's dtype,
+    matmul the policy runs most (``rayppo/machine_rate.peak_rate``'s shape), in the workload's dtype,
     on the learner's threads, or its GPU with ``learner.gpus_per_rank`` > 0."""
     from rayppo.models.shape import read_shape
     from rayppo.run.mfu import probe_tokens
@@ -182,8 +184,9 @@ def machine_rate(cfg: Config) -> dict[str, Any]:
     lr = cfg.learner
     threads = lr.num_ranks * role_threads(cfg, "learner", machine_cores(cfg.cluster.address))
     device = "cuda" if lr.gpus_per_rank > 0 and torch.cuda.is_available() else "cpu"
-    shape = [probe_tokens(cfg), policy.hidden, policy.intermediate]
-    return {"matmul_gflop_per_s": matmul_gflop_per_s(*shape, cfg.model.dtype, threads, device=device),
+    m, k, n = probe_tokens(cfg), policy.hidden, policy.intermediate
+    shape = [m, k, n]
+    return {"matmul_gflop_per_s": matmul_gflop_per_s(m, k, n, cfg.model.dtype, threads, device=device),
             "matmul_shape": shape, "matmul_threads": threads, "matmul_device": device, "matmul_dtype": cfg.model.dtype}
 
 
@@ -191,28 +194,27 @@ def learn_arithmetic(cfg: Config, rollout, rate: dict[str, Any]) -> dict[str, An
     """Each stage's useful FLOPs for this rollout (``rayppo.plan.flops``: ``stage_gflop``, the
     learner's also as ``learn_gflop``) beside the measured ``rate`` (``machine_rate``)."""
     from rayppo.models.shape import read_shape
-    from rayppo.plan.flops import learn_flops
+    from rayppo.plan.flops import LearnPasses, learn_flops
     from rayppo.run.mfu import StageCounter, rollout_sequences
 
     policy = read_shape(cfg.model.policy)
     critic = read_shape(cfg.model.critic or cfg.model.policy) if has_critic(cfg.ppo) else None
     seq = rollout_sequences(rollout)
     # Asynchronous mode's learner also recomputes log pi_prox (one policy forward per row).
-    lockstep, proximal = (learn_flops(policy, critic, seq, cfg.ppo.epochs, cfg.ppo.minibatches, proximal=p,
-                                      lora=cfg.learner.lora_rank > 0)
+    lockstep, proximal = (learn_flops(policy, critic, seq, LearnPasses(cfg.ppo.epochs, cfg.ppo.minibatches, proximal=p,
+                                                                       lora=cfg.learner.lora_rank > 0))
                           for p in (False, True))
     stages = StageCounter.of(cfg).flops(seq).as_dict()
     return rate | {"learn_gflop": stages["learn"] / 1e9, "stage_gflop": {k: v / 1e9 for k, v in stages.items()},
                    "proximal_flops_ratio": proximal / lockstep}
 
 
-def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, repeats: int = 15,
-                       device: str = "cpu") -> float:
+def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, device: str = "cpu") -> float:
     """GFLOP/s of an ``[m, k] x [k, n]`` matmul on ``threads`` torch threads
-    (``rayppo.plan.machine_rate.matmul_flops_per_s``: the fastest of timed calls after a warm-up)."""
-    from rayppo.plan.machine_rate import matmul_flops_per_s
+    (``rayppo.machine_rate.matmul_flops_per_s``: the fastest of timed calls after a warm-up)."""
+    from rayppo.machine_rate import Probe, matmul_flops_per_s
 
-    return matmul_flops_per_s(m, k, n, dtype, threads, device, repeats) / 1e9
+    return matmul_flops_per_s(m, k, n, Probe(dtype, threads, device)) / 1e9
 
 
 def plan_estimate(cfg: Config, rollout) -> dict[str, int]:
@@ -249,10 +251,10 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
 
     Each engine runs one warm-up call first, as it did in the measured run.
     """
-    from rayppo.actors.generator import GeneratorEngine
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine
     from rayppo.actors.reference import ReferenceEngine
     from rayppo.actors.reward import RewardEngine
-    from rayppo.actors.settings import sampling_settings
+    from rayppo.actors.settings import reward_scorer, sampling_settings
     from rayppo.cluster.learner_group import LearnerGroup
     from rayppo.cluster.roles import vllm_settings
     from rayppo.data.prompts import PromptBatch
@@ -274,8 +276,9 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
         out["reference"], _ = _timed(reference.ref_logprobs, rollout)
         del reference
     torch.set_num_threads(cfg.reward.num * role_threads(cfg, "reward", cores))
-    reward = RewardEngine(cfg.reward.function, cfg.reward.model, cfg.reward.batch_size, m.dtype,
-                          micro_batch_tokens=cfg.reward.micro_batch_tokens)
+    scorer = reward_scorer(cfg)
+    assert scorer is not None, "the bench's workloads have a reward function or model"
+    reward = RewardEngine(scorer)
     reward.scores(rollout)
     out["reward"], _ = _timed(reward.scores, rollout)
     del reward
@@ -290,7 +293,8 @@ def _stages_alone_here(cfg: Config, rollout) -> dict[str, float]:
     out["learn"], _ = _timed(learner.train, rollout, cfg.ppo.kl_coef, 1)
     del learner
     torch.set_num_threads(threads["gen"])
-    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype, 0, cfg.seed, vllm_settings(cfg))
+    generator = GeneratorEngine(m.policy, sampling_settings(cfg), g.backend, m.dtype,
+                                actor=GeneratorActor(index=0, seed=cfg.seed, vllm=vllm_settings(cfg)))
     generator.generate(prompts, 0)
     out["generate"], _ = _timed(generator.generate, prompts, 1)
     return out

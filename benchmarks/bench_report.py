@@ -42,11 +42,11 @@ def stage_tokens(cfg: Config, rollout, learn: dict[str, float]) -> dict[str, dic
     reference_config = resolve_model_path(cfg.model.reference or cfg.model.policy) / "config.json"
     mode = scoring_layout(SimpleNamespace(**json.loads(reference_config.read_text())))
     layout = mode or "padded"
-    split = (none, whole) if mode else (prompt, response)
-    reference = scoring_batches(*split, cfg.reference.micro_batch_tokens, 64, cut_layout(mode))
+    before, after = (none, whole) if mode else (prompt, response)  # the lengths a pass cuts at
+    reference = scoring_batches(before, after, cfg.reference.micro_batch_tokens, 64, cut_layout(mode))
     packed = cut_layout(mode) == "packed"  # a pass processes its real tokens
     out = {"generate": {"real": sum(response), "processed": sum(response)},
-           "reference": {"real": sum(whole), "processed": sum(whole) if packed else padded_tokens(*split, reference),
+           "reference": {"real": sum(whole), "processed": sum(whole) if packed else padded_tokens(before, after, reference),
                          "layout": layout},
            "reward": {"real": sum(whole), "processed": padded_tokens(none, whole, reward)}}
     if "tokens/learn_real" in learn:
@@ -69,7 +69,7 @@ def _overlap_bound(col: dict[str, list[float]], learn_factor: float = 1.0) -> di
     that asynchronous mode adds (``proximal_flops_ratio``)."""
     busy = {s: statistics.median(col[f"time/{s}"]) for s in ("generate", "reference", "reward", "learn")}
     busy["learn"] *= learn_factor
-    busiest = max(busy, key=busy.get)
+    busiest = max(busy, key=lambda stage: busy[stage])
     return {"overlap_bound": statistics.median(col["time/iteration"]) / busy[busiest], "busiest_stage": busiest,
             "idle_floor": {"generators": 1 - busy["generate"] / busy[busiest],
                            "learners": 1 - busy["learn"] / busy[busiest]}}

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from rayppo.cluster.group import get
 from rayppo.config.load import load_config
-from rayppo.engine import Engine
 from rayppo.errors import brief
+from rayppo.role_resources import Engine
 from rayppo.run.checkpoint import CheckpointError, latest_checkpoint
 from rayppo.train import run
 from rayppo.trainers.choice import make_trainer
@@ -119,7 +119,7 @@ def _inject(trainer: DistributedTrainer, cells: list[Cell], sig: int, done: thre
 
 def one_run(out: Path, trainer_kind: str, signal_name: str, names: list[str]) -> dict:
     """One run with ``names`` fired in turn; its cells and how the run ended."""
-    cells = [Cell(*name.split("@")) for name in names]
+    cells = [Cell(role, phase) for role, phase in (name.split("@") for name in names)]
     iterations = 4 + (GAP + 2) * len(cells)  # slack: a restarted learner redoes iterations
     cfg = load_config(None, [f"stop.iterations={iterations}", "eval.every=2", "eval.samples=1",
                              f"rollout.max_staleness={1 if trainer_kind == 'async' else 0}",

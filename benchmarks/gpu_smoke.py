@@ -82,10 +82,18 @@ def smoke_config(policy: Path, reward_model: Path, device: str, batch: int, new_
     return load_config(None, overrides + extra)
 
 
+def scorers(trainer: InProcessTrainer) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """The reference's, the reward model's and the critic's modules (``smoke_config`` has all three)."""
+    assert trainer.reference is not None and trainer.reward is not None and trainer.critic is not None
+    return trainer.reference.model, trainer.reward.model, trainer.critic
+
+
 def engine_devices(trainer: InProcessTrainer) -> dict[str, str]:
     """Where each engine's weights (parameters and buffers) sit; ``mixed: ...`` when split."""
-    models = {"generator": trainer.generator.backend.model, "reference": trainer.reference.model,
-              "reward_model": trainer.reward.model, "critic": trainer.critic, "policy": trainer.policy}
+    generator: Any = trainer.generator.backend  # the in-process trainer's: transformers (HFBackend)
+    reference, reward_model, critic = scorers(trainer)
+    models = {"generator": generator.model, "reference": reference, "reward_model": reward_model, "critic": critic,
+              "policy": trainer.policy}
     out = {}
     for name, model in models.items():
         devices = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]})
@@ -99,12 +107,14 @@ def tensor_bytes(tensors) -> int:
 
 def sizes(trainer: InProcessTrainer) -> dict[str, int]:
     """Bytes of each model's weights, of the gradients and of both AdamW states (after a step)."""
-    trained = [*trainer.policy.parameters(), *trainer.critic.parameters()]
+    reference, reward_model, critic = scorers(trainer)
+    assert trainer.critic_opt is not None  # with the critic
+    trained = [*trainer.policy.parameters(), *critic.parameters()]
     states = [v for opt in (trainer.policy_opt, trainer.critic_opt) for s in opt.state.values()
               for v in s.values() if torch.is_tensor(v)]
-    return {"policy": tensor_bytes(trainer.policy.parameters()), "critic": tensor_bytes(trainer.critic.parameters()),
-            "reference": tensor_bytes(trainer.reference.model.parameters()),
-            "reward_model": tensor_bytes(trainer.reward.model.parameters()),
+    return {"policy": tensor_bytes(trainer.policy.parameters()), "critic": tensor_bytes(critic.parameters()),
+            "reference": tensor_bytes(reference.parameters()),
+            "reward_model": tensor_bytes(reward_model.parameters()),
             "gradients": tensor_bytes(p.grad for p in trained if p.grad is not None),
             "optimizer_state": tensor_bytes(states)}
 
@@ -119,7 +129,7 @@ def memory(device: str) -> dict[str, int]:
 
 def run_iterations(trainer: InProcessTrainer, iters: int, device: str, limit: float) -> tuple[list[dict], str | None]:
     """``iters`` iterations, each with its own peak memory; stops at the first failure."""
-    records = []
+    records: list[dict] = []
     for i in range(iters):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -172,8 +182,8 @@ def zero_check(cfg, rollout, device: str) -> dict[str, Any]:
     one update (states, buckets) and at its peak. With one rank the partition is the whole model;
     what loading under ``zero.Init`` shows here is that the weights go to the device without a
     whole host copy. Bytes are deltas over what the process held before."""
-    from rayppo.learner.engine import LearnerEngine
-    from rayppo.learner.weight_sync import free_port
+    from rayppo.learner.broadcast_sender import free_port
+    from rayppo.learner.learner_engine import LearnerEngine
     from rayppo.plan.footprint import inputs, learner_estimate
 
     plan = learner_estimate(cfg, inputs(cfg, prompt_tokens=max(len(p) for p in rollout.prompt_ids)))
@@ -284,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     devices = engine_devices(trainer)
     print("  devices: " + ", ".join(f"{k} {v}" for k, v in devices.items()), flush=True)
     misplaced = {k: v for k, v in devices.items() if v.split(":")[0] != args.device}
+    records: list[dict]
+    error: str | None
     if misplaced:
         records, error = [], f"engines not on {args.device}: {misplaced}"
     else:
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     zero = None
     if not error and args.zero_stage:
         try:
+            assert trainer.cfg.reward.model is not None  # smoke_config sets it
             zero_cfg = smoke_config(Path(summary["policy"]), Path(trainer.cfg.reward.model), args.device,
                                     summary["batch"], summary["new_tokens"],
                                     args.overrides + [f"learner.zero_stage={args.zero_stage}", "learner.num_ranks=1"])

@@ -72,9 +72,10 @@ def learner_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: fl
     in the model's dtype (the learner before its fp32 head); 0 on padding."""
     if head_fp32:
         return policy_forward(model, batch, temperature)[0]
-    hidden = model.model(**batch.model_inputs(), use_cache=False).last_hidden_state
+    lm: Any = model  # a transformers causal LM: its decoder and head are untyped here
+    hidden = lm.model(**batch.model_inputs(), use_cache=False).last_hidden_state
     columns = slice(batch.prompt_width - 1, batch.prompt_width - 1 + batch.response_ids.shape[1])
-    logits = (hidden[:, columns] @ model.lm_head.weight.t()).float() / temperature  # rounded to bf16, then fp32
+    logits = (hidden[:, columns] @ lm.lm_head.weight.t()).float() / temperature  # rounded to bf16, then fp32
     logprobs = torch.log_softmax(logits, dim=-1).gather(2, batch.response_ids.unsqueeze(2)).squeeze(2)
     return logprobs * batch.mask
 
@@ -97,8 +98,8 @@ def measure(layers: int = 30, batch: int = 32, prompt_tokens: int = 32, new_toke
         set_head_fp32(model, fp32)
         start = time.perf_counter()
         responses, behaviour = decode(model, prompts, new_tokens, temperature, seed + 1)
-        batch = pack(prompts.tolist(), responses.tolist(), pad_id=0).to(device)
-        learner = learner_logprobs(model, batch, temperature, fp32)
+        packed = pack(prompts.tolist(), responses.tolist(), pad_id=0).to(device)  # not ``batch``: the row count
+        learner = learner_logprobs(model, packed, temperature, fp32)
         rows[name] = gap_stats(behaviour, learner) | {"seconds": time.perf_counter() - start}
         del model
     return {"layers": layers, "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,

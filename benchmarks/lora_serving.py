@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,14 +31,15 @@ MODES = ("one-slot", "per-slice", "no adapter")
 
 def engine_with_adapter(dtype: str):
     """A vLLM generator on SmolLM2 serving a random r = 16 adapter as policy version 1."""
-    from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
     from rayppo.learner.adapter_weights import adapter_config, adapter_tensors, policy_lora, wrap_lora
     from rayppo.models.loading import load_causal_lm, resolve_model_path
     from rayppo.models.weights import pack_weights
 
     path = str(resolve_model_path("smollm2-135m-instruct"))
     sampling = SamplingSettings(max_new_tokens=32, temperature=1.0, ignore_eos=True)
-    engine = GeneratorEngine(path, sampling, backend="vllm", dtype=dtype, vllm=VLLMSettings(lora_rank=16))
+    engine = GeneratorEngine(path, sampling, backend="vllm", dtype=dtype,
+                             actor=GeneratorActor(vllm=VLLMSettings(lora_rank=16)))
     model = wrap_lora(load_causal_lm(path, dtype), policy_lora(16, 32.0))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,8 +58,9 @@ def batch(tokenizer):
 
 
 def measure(dtype: str, rounds: int) -> dict:
-    from rayppo.actors import cpu_lora
+    from rayppo.actors import cpu_lora as patched
 
+    cpu_lora: Any = patched  # its single_slot is swapped per mode below
     engine = engine_with_adapter(dtype)
     prompts = batch(engine.tokenizer)
     engine.generate(prompts, 0)  # warm-up

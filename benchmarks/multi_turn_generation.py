@@ -14,7 +14,7 @@ With vLLM it also plays the same episodes *continuously* (``continuous_*``): eve
 turn is submitted to vLLM's engine (``LLMEngine.add_request`` / ``step``, continuous batching) as
 soon as its environment answered, instead of a turn-by-turn barrier where the batch waits for the
 turn's longest answer. The environment, the pool of its processes and the token rules are the
-generator's own (``rayppo.episodes.loop``); only the schedule differs. rayppo's generator uses
+generator's own (``rayppo.episodes.turn_loop``); only the schedule differs. rayppo's generator uses
 the turn-by-turn schedule: this measures what the other would give.
 """
 
@@ -36,15 +36,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
     from rayppo.data.prompts import load_prompt_set
-    from rayppo.episodes.loop import EpisodeSettings
+    from rayppo.episodes.turn_loop import EpisodeSettings
     from rayppo.models.loading import resolve_model_path
 
     path = str(resolve_model_path("embedded-guess"))
     sampling = SamplingSettings(40, 1.0)
     episodes = EpisodeSettings(GUESS, max_turns=6, max_tokens=40, workers=4)
-    player = GeneratorEngine(path, sampling, backend=args.backend, episodes=episodes, vllm=VLLMSettings(kv_cache_gib=1))
+    player = GeneratorEngine(path, sampling, backend=args.backend, episodes=episodes,
+                             actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     prompts = load_prompt_set("embedded-guess", "prompt", player.tokenizer, 24).select(range(args.episodes))
     player.warmup()
     player.generate(prompts, seed=0)  # the environment processes start here, outside the timings
@@ -95,7 +96,7 @@ def play_continuously(player, prompts, settings) -> list:
 
     from rayppo.actors.vllm_backend import sampled_logprobs
     from rayppo.episodes.environment import Episode
-    from rayppo.episodes.loop import EpisodeState, answer_turn, take_turn, turn_limit
+    from rayppo.episodes.turn_loop import EpisodeState, SampledTurn, answer_turn, take_turn, turn_limit
 
     engine, tok, pool = player.backend.llm.llm_engine, player.tokenizer, player._pool
     states = [EpisodeState(Episode(i, text, prompts.fields[i], prompts.messages[i]), list(ids), list(prompts.messages[i]))
@@ -119,8 +120,8 @@ def play_continuously(player, prompts, settings) -> list:
             i, sample = int(out.request_id.split(".")[0]), out.outputs[0]
             ids = list(sample.token_ids)
             reason = "length" if sample.finish_reason == "length" else "stop"
-            text = take_turn(states[i], ids, sampled_logprobs(sample.logprobs, ids), reason, player.turn_end_ids,
-                             tok, len(states[i].turn_ends) + 1)
+            turn = SampledTurn(ids, sampled_logprobs(sample.logprobs, ids), reason)
+            text = take_turn(states[i], turn, player.turn_end_ids, tok, len(states[i].turn_ends) + 1)
             if text is not None:
                 stepping.append((i, text))
         if not stepping:

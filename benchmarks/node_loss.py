@@ -121,7 +121,7 @@ def wait_for(what: str, ok, proc: subprocess.Popen, log: Path, timeout_s: float 
 
 
 def left_fleet(out: Path) -> bool:
-    from rayppo.run.status import fleet_line
+    from rayppo.cluster.fleet_file import fleet_line
 
     return "waiting for a place" in (fleet_line(out) or "")
 

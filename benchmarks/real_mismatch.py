@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from head_mismatch import learner_logprobs
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.config.derived import kl_limit
 from rayppo.config.system import ChecksConfig
 from rayppo.data.prompts import load_prompt_set
@@ -95,7 +95,8 @@ def measure(dtype: str, head_fp32: bool, prompts: int, samples: int, new_tokens:
     start = time.perf_counter()
     generator = GeneratorEngine(path, SamplingSettings(max_new_tokens=new_tokens,
                                                        temperature=generator_temperature or 1.0),
-                                backend="vllm", dtype=dtype, vllm=VLLMSettings(kv_cache_gib=1, head_fp32=head_fp32))
+                                backend="vllm", dtype=dtype,
+                                actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1, head_fp32=head_fp32)))
     model = load_causal_lm(path, dtype).eval()
     if perturb:  # the generator holds one tensor the learner does not
         name = "model.layers.10.mlp.down_proj.weight"
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator-rows", type=int, default=4, help="rows per generator for --spread")
     parser.add_argument("--out", help="write the rows here (JSON)")
     args = parser.parse_args(argv)
-    cases = [("float32", True, False, None), ("bfloat16", False, False, None), ("bfloat16", True, False, None)]
+    # (dtype, fp32 head, perturbed weights, the generator's temperature; None: the learner's)
+    cases: list[tuple[str, bool, bool, float | None]] = [("float32", True, False, None), ("bfloat16", False, False, None),
+                                                         ("bfloat16", True, False, None)]
     if args.only_bf16:
         cases = cases[2:]
     if args.spread:

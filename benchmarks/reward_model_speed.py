@@ -34,7 +34,7 @@ from rayppo.data.pairs import epoch_order  # noqa: E402
 from rayppo.models.loading import resolve_model_path  # noqa: E402
 from rayppo.models.reward_model import backbone_name  # noqa: E402
 from rayppo.run.metrics import read_metrics  # noqa: E402
-from rayppo.trainers.reward_model import prepared_pairs, train_reward_model  # noqa: E402
+from rayppo.trainers.reward_model_trainer import prepared_pairs, train_reward_model  # noqa: E402
 
 
 def main() -> None:
@@ -88,9 +88,10 @@ def compare(pairs: Path | None, out: Path, warmup: int, steps: int, overrides: l
                              "trainer=reference", "learner.num_ranks=1", "preference.held_out=0", "preference.epochs=1",
                              "output.checkpoint_every=0", "output.tensorboard=false", *overrides])
     rayppo_steps = [r["rm/step_s"] for r in read_metrics(_rayppo(cfg) / "metrics.jsonl")][warmup:]
-    result = {"model": cfg.model.policy, "dtype": cfg.model.dtype, "batch_pairs": batch, "measured_steps": steps,
-              "pairs": str(pairs) if pairs else "arithmetic_pairs", "rayppo_step_s": statistics.median(rayppo_steps),
-              "rayppo_steps_s": rayppo_steps, "rayppo_pairs_per_s": batch / statistics.median(rayppo_steps)}
+    result: dict[str, Any] = {
+        "model": cfg.model.policy, "dtype": cfg.model.dtype, "batch_pairs": batch, "measured_steps": steps,
+        "pairs": str(pairs) if pairs else "arithmetic_pairs", "rayppo_step_s": statistics.median(rayppo_steps),
+        "rayppo_steps_s": rayppo_steps, "rayppo_pairs_per_s": batch / statistics.median(rayppo_steps)}
     if trl:
         trl_steps = _trl(cfg, out, total)[warmup:]
         result |= {"trl_step_s": statistics.median(trl_steps), "trl_steps_s": trl_steps,

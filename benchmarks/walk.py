@@ -177,9 +177,12 @@ def in_process(pickled: bool) -> None:
         def __missing__(self, role: str) -> NoPlacement:
             return NoPlacement()
 
-    roles.ActorGroup = LocalGroup
-    roles.LearnerGroup = lambda cfg, placement, options=None: LearnerGroup(cfg, None)
-    distributed.RaySession = NoSession
+    # The stand-ins replace classes by others of the same calls, which the type checker cannot see.
+    roles_module: Any = roles
+    distributed_module: Any = distributed
+    roles_module.ActorGroup = LocalGroup
+    roles_module.LearnerGroup = lambda cfg, placement, options=None: LearnerGroup(cfg, None)
+    distributed_module.RaySession = NoSession
     distributed.reserve = lambda cfg: Placements()
     distributed.release = lambda placements: None
     distributed.wait_ready = lambda *args, **kwargs: None
@@ -225,7 +228,7 @@ def walk(overrides: list[str], pickled: bool = True) -> dict[str, Any]:
             trainer.iteration()
         finally:
             sys.setprofile(None)
-            threading.setprofile(None)  # type: ignore[arg-type]
+            threading.setprofile(None)
     finally:
         trainer.close()
     if not trace.done:

@@ -177,7 +177,7 @@ class Console:
         return self.log_dir / f"{LOG_NAMES.get(role, role)}-{index}.log"
 
     @staticmethod
-    def shown(path: Path) -> str:
+    def user_path(path: Path) -> str:
         """``path`` as a user would type it here: relative when under the current directory."""
         try:
             return str(path.relative_to(Path.cwd()))
@@ -187,7 +187,7 @@ class Console:
     def details(self, role: str, index: int) -> str:
         """`` (details: runs/x/logs/reward-0.log)`` for an error about that actor, or ``""``."""
         path = self.actor_log(role, index)
-        return f" (details: {self.shown(path)})" if path else ""
+        return f" (details: {self.user_path(path)})" if path else ""
 
 
 console = Console()

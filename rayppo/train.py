@@ -2,19 +2,21 @@
 
 The iteration itself belongs to a trainer object (``iteration() -> metrics``, ``save(dir)``,
 ``last_rollout``, ``last_update``); this module only runs it and records what happened. Its
-stop rule reads the typed result (``last_update.kl_ref``), not a metric by its name.
+stop rules read typed results (``last_update.kl_ref``; ``last_evaluation``'s means, fed to the
+gold rule as each evaluation is made), not metrics by their names.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
+from rayppo.cluster.fleet_control import GrowingFleet
 from rayppo.config.derived import fleet_minimum
 from rayppo.config.schema import Config, to_dict
 from rayppo.console import console
@@ -32,14 +34,14 @@ from rayppo.run.checkpoint import (
     write_checkpoint,
 )
 from rayppo.run.folder import release_output_dir
-from rayppo.run.gold import gold_plateau
+from rayppo.run.gold import GoldWatch
 from rayppo.run.metrics import MetricsLogger, plot_metrics, read_metrics
 from rayppo.run.progress import Bar
 from rayppo.run.samples import format_samples, pick_samples, shown_prompt
 from rayppo.run.scale import changes, grows_fleet_only, take_request
 from rayppo.run.stop import StopRequest
 from rayppo.run.tracking import make_trackers
-from rayppo.trainers.evaluation import due
+from rayppo.trainers.evaluation import HeldOutResult, due
 
 
 class Trainer(Protocol):
@@ -48,8 +50,15 @@ class Trainer(Protocol):
     last_rollout: Rollout | None
     last_update: LearnResult | None
     """The last iteration's update: the policy's version, its KL to the reference (the stop rule's)."""
+    last_evaluation: HeldOutResult | None
+    """The last held-out evaluation (``evaluate``): its proxy and gold means (the gold rule's)."""
     iteration_count: int
     """Iterations whose update the trainer holds (a checkpoint is named after them)."""
+
+    @property
+    def fleet(self) -> GrowingFleet | None:
+        """The generator fleet, which grows without a restart; None in one process."""
+        ...
 
     def iteration(self) -> dict[str, float]: ...
 
@@ -62,14 +71,6 @@ class Trainer(Protocol):
     def restore(self, path: Path, state: dict[str, Any]) -> None: ...
 
     def recover(self, failure: LearnerFailedError) -> int: ...
-
-    def room_to_grow(self, generators: int) -> bool:
-        """Whether ``generators`` in all can sample without a restart (in one process: never)."""
-        ...
-
-    def grow_fleet(self, generators: int, minimum: int) -> list[int]:
-        """``generators`` in all from now on, at least ``minimum`` sampling; the new ones' indices."""
-        ...
 
     def close(self) -> None: ...
 
@@ -142,8 +143,11 @@ def run(cfg: Config, trainer: Trainer, progress: bool = True, resume: Path | Non
         trainer.close()
         raise
     logger = MetricsLogger(out, trackers, resume_at=first if resume is not None else None)
+    # A resumed run's evaluations so far are in the records it goes on from (read once).
+    gold = GoldWatch.of_records(cfg.stop.gold_patience, read_metrics(logger.path) if resume and cfg.stop.gold_patience
+                                else [])
     loop = _Loop(cfg, trainer, out, logger, Bar(cfg.stop.iterations, first, progress),
-                 StopRequest(cfg.stop.sigterm_grace_s), first)
+                 StopRequest(cfg.stop.sigterm_grace_s), first, gold)
     failure: Exception | None = None
     stop_reason, at_once, started = "completed", False, time.monotonic()
     try:
@@ -185,6 +189,8 @@ class _Loop:
     stop: StopRequest
     it: int
     """Iterations completed so far."""
+    gold: GoldWatch = field(default_factory=lambda: GoldWatch(0))
+    """The gold stop rule over the run's evaluations (``stop.gold_patience``; 0: off)."""
     rescale: Config | None = None
     """The split ``rayppo scale`` asked for, once taken (the loop then stops: ``rescaled``)."""
 
@@ -198,6 +204,7 @@ class _Loop:
             except LearnerFailedError as exc:  # raises again once the restart budget is spent
                 self.it = self.trainer.recover(exc)
                 self.logger.rewind(self.it)
+                self.gold.rewind(self.it)
                 self.bar.rewind(self.it)
                 continue
             assert self.trainer.last_update is not None  # one() ran an iteration, whose update set it
@@ -206,7 +213,7 @@ class _Loop:
                 console.write(f"Stopping early at iteration {self.it - 1}: KL(pi || pi_ref) = {kl:.2f} nats per "
                               f"response exceeds stop.kl_budget = {cfg.stop.kl_budget}")
                 return "kl_budget"
-            if cfg.stop.gold_patience and (why := gold_plateau(read_metrics(self.logger.path), cfg.stop.gold_patience)):
+            if why := self.gold.verdict():
                 console.write(f"Stopping early at iteration {self.it - 1}: {why}")
                 return "gold_plateau"
             if self.stop.requested:
@@ -235,8 +242,7 @@ class _Loop:
             return False
         # No restart when only generators are added and the cluster has room for them now: they join the
         # running fleet. Else (a local Ray instance sized to the job has none) through a checkpoint.
-        if grows_fleet_only(self.cfg, cfg) and self.trainer.room_to_grow(cfg.generators.num):
-            self.trainer.grow_fleet(cfg.generators.num, fleet_minimum(cfg))
+        if grows_fleet_only(self.cfg, cfg) and self._grow_fleet(cfg):
             self.cfg = cfg  # the loop goes on under the grown split; config.yaml says it for a resume
             _save_config(self.out, cfg)
             console.write(f"rayppo scale: {said} after iteration {self.it - 1}: the new generators join the fleet "
@@ -244,6 +250,15 @@ class _Loop:
             return False
         console.write(f"rayppo scale: {said} after iteration {self.it - 1}: checkpoint, then resume on the new split")
         self.rescale = cfg
+        return True
+
+    def _grow_fleet(self, cfg: Config) -> bool:
+        """Whether the fleet grew to ``cfg``'s generators: not in one process (no fleet), nor
+        without room for them in the cluster now."""
+        fleet = self.trainer.fleet
+        if fleet is None or not fleet.room_to_grow(cfg.generators.num):
+            return False
+        fleet.grow(cfg.generators.num, fleet_minimum(cfg), self.it)
         return True
 
     def one(self) -> dict[str, float]:
@@ -256,6 +271,9 @@ class _Loop:
         metrics = self.trainer.iteration() | initial
         if due(cfg.eval.every, it, cfg.stop.iterations):
             metrics |= self.trainer.evaluate()
+            evaluation = self.trainer.last_evaluation  # None without held-out prompts
+            if evaluation is not None:
+                self.gold.evaluated(it, evaluation.reward_mean, evaluation.gold_mean)
         self.logger.log(it, metrics)
         _after_iteration(cfg, self.trainer, self.out, it, metrics, self.logger)
         self.bar.update(metrics)

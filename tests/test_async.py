@@ -14,8 +14,8 @@ import pytest
 from rayppo.cluster.group import get
 from rayppo.config.load import load_config
 from rayppo.data.rollout import Rollout
-from rayppo.engine import Engine
 from rayppo.learner.guard import WeightSyncError
+from rayppo.role_resources import Engine
 from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
 from rayppo.trainers import pipeline_stages

@@ -22,25 +22,14 @@ from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import (
-    Experience,
-    ExperienceSettings,
-    ProximalPolicy,
-    check_staleness,
-    make_experience,
-    proximal_logprobs,
-)
+from rayppo.learner.experience import Experience, check_staleness, make_experience
+from rayppo.learner.experience_passes import ProximalPolicy, proximal_logprobs
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
+from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs
+from rayppo.learner.minibatches import Minibatch, ShardPlan, first_rows_kept, local_minibatches, minibatch_plan
 from rayppo.learner.rollout_tensors import RolloutTensors, padded, truncated
-from rayppo.learner.update import (
-    Minibatch,
-    Steps,
-    first_rows_kept,
-    local_minibatches,
-    minibatch_plan,
-    ppo_update,
-    same_version_mismatch,
-)
+from rayppo.learner.update import LearnerModels, OptimiserSteps, ppo_update, same_version_mismatch
+from rayppo.learner.update_plan import UpdatePlan
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import PackedBatch, critic_forward, pack, policy_forward
 
@@ -99,12 +88,18 @@ def _stepper(policy, critic):
         popt.zero_grad(set_to_none=True)
         copt.zero_grad(set_to_none=True)
 
-    return Steps(torch.Tensor.backward, torch.Tensor.backward, step)
+    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward, step)
 
 
 def _minibatches(exp: Experience, cfg: PPOConfig) -> list[Minibatch]:
     plan = minibatch_plan(exp.batch.mask.shape[0], cfg.epochs, cfg.minibatches, seed=3)
-    return local_minibatches(plan, torch.arange(exp.batch.mask.shape[0]), exp.batch.lengths(), LocalCollective())
+    return local_minibatches(ShardPlan(plan, torch.arange(exp.batch.mask.shape[0]), exp.batch.lengths()),
+                             LocalCollective())
+
+
+def _learner(policy, critic) -> LearnerModels:
+    """``policy`` and ``critic`` stepped by ``_stepper``, in this process."""
+    return LearnerModels(policy, critic, _stepper(policy, critic), LocalCollective(), "cpu", 0)
 
 
 def _params(*modules: torch.nn.Module) -> list[torch.Tensor]:
@@ -123,9 +118,13 @@ def _auto(max_staleness: int) -> Correction:
     return rollout_correction(PPOConfig(), "float32", max_staleness)
 
 
-def _tensors(rollout: Rollout, pad_id: int, first_rows: torch.Tensor | None) -> RolloutTensors:
-    """``rollout`` as the learner's tensors, the critic forward of the first minibatch's ``first_rows`` kept."""
-    return dataclasses.replace(RolloutTensors.of(rollout, pad_id), first_rows=first_rows)
+def _plan(settings: ExperienceSettings, rows: RolloutTensors, guard: MismatchGuard | None = None,
+          first_rows: torch.Tensor | None = None) -> UpdatePlan:
+    """The learn step's plan for ``rows`` at T = ``TEMPERATURE`` and beta = ``KL_COEF``, checked by
+    ``guard``; the critic forward of the first minibatch's ``first_rows`` kept."""
+    step = StepInputs(iteration=0, version=0, kl_coef=KL_COEF)
+    plan = UpdatePlan.decide(LearnSettings(settings, temperature=TEMPERATURE), step, rows, first_rows)
+    return dataclasses.replace(plan, guard=guard)
 
 
 def _train(models, rollout, pad_id, cfg, max_staleness, version=0, guard=None):
@@ -133,12 +132,12 @@ def _train(models, rollout, pad_id, cfg, max_staleness, version=0, guard=None):
     (experience, stats, policy, critic, policy forwards during make_experience)."""
     policy, critic = _copies(models)
     forwards = _forward_counter(policy)
-    exp, stats = make_experience(RolloutTensors.of(rollout, pad_id), critic, KL_COEF,
-                                 ExperienceSettings(cfg, max_staleness=max_staleness, correction=_auto(max_staleness)),
-                                 proximal=ProximalPolicy(policy, TEMPERATURE, version))
+    tensors = RolloutTensors.of(rollout, pad_id)
+    plan = _plan(ExperienceSettings(cfg, max_staleness=max_staleness, correction=_auto(max_staleness)), tensors,
+                 guard)
+    exp, stats, _ = make_experience(tensors, critic, plan, proximal=ProximalPolicy(policy, TEMPERATURE, version))
     prox_forwards = forwards[0]
-    stats |= ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
-                        guard=guard)
+    stats |= ppo_update(_learner(policy, critic), exp, _minibatches(exp, cfg), plan)
     return exp, stats, policy, critic, prox_forwards
 
 
@@ -163,7 +162,7 @@ def _hand_written_sync_update(policy, critic, rollout: Rollout, pad_id: int, cfg
         width = part.mask.shape[1]
         old, adv = old_logprobs[rows][:, :width], advantages[rows][:, :width]
         logprobs, entropy = policy_forward(policy, part, TEMPERATURE, with_entropy=True, entropy_grad=False)
-        pg_loss, _ = ppo.policy_loss(logprobs, old, adv, part.mask, cfg.clip_eps)
+        pg_loss, _ = ppo.policy_loss(logprobs, old, adv, part.mask, ppo.Surrogate(cfg.clip_eps))
         if first_gap is None:
             first_gap = (logprobs.detach() - old).abs() * part.mask
         (mb.token_share * pg_loss - mb.token_share * cfg.entropy_coef * ppo.masked_mean(entropy, part.mask)).backward()
@@ -246,9 +245,9 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     stale = torch.tensor([v != 3 for v in versions], dtype=torch.float32)
     _set_logprobs(rollout, _stale_behaviour(prox, stale))
     policy, critic = _copies(models)
-    exp, stats = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
-                                 ExperienceSettings(cfg, max_staleness=2, correction=_auto(2)),
-                                 proximal=ProximalPolicy(policy, TEMPERATURE, 3))
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    plan = _plan(ExperienceSettings(cfg, max_staleness=2, correction=_auto(2)), tensors)
+    exp, stats, _ = make_experience(tensors, critic, plan, proximal=ProximalPolicy(policy, TEMPERATURE, 3))
     batch, mask = exp.batch, exp.batch.mask
     assert torch.equal(exp.prox_logprobs, policy_forward(policy, batch, TEMPERATURE)[0])  # the learner's weights
     # Per token, on the response tokens only: a row sampled by version 3 has all of them.
@@ -260,8 +259,9 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     assert torch.equal(exp.rewards, rewards)  # the KL term of pi_prox ...
     assert not torch.equal(rewards, ppo.shape_rewards(returned, exp.old_logprobs, exp.ref_logprobs, mask, KL_COEF))
     log_ratio = (exp.prox_logprobs - exp.old_logprobs) * mask
-    vtrace = ppo.compute_offpolicy_targets(rewards, exp.old_values, mask, log_ratio, cfg.gamma, cfg.lam,
-                                           cfg.vtrace_rho_clip, cfg.vtrace_c_clip, bootstrap)
+    vtrace = ppo.compute_offpolicy_targets(rewards, exp.old_values, mask, log_ratio,
+                                           ppo.VTrace(cfg.gamma, cfg.lam, cfg.vtrace_rho_clip, cfg.vtrace_c_clip),
+                                           bootstrap)
     gae = ppo.compute_gae(rewards, exp.old_values, mask, cfg.gamma, cfg.lam, bootstrap)
     expected, other = (vtrace, gae) if value_targets == "vtrace" else (gae, vtrace)
     assert torch.equal(exp.returns, expected[1])
@@ -275,7 +275,7 @@ def test_stale_rows_get_offpolicy_targets_prox_kl_and_truncated_weights(models, 
     assert stats["offpolicy/is_ratio_max"] == float(torch.exp(log_ratio).max())  # e, on an odd stale token
 
     mb = _minibatches(exp, cfg)
-    stats |= ppo_update(policy, critic, exp, mb, cfg, TEMPERATURE, _stepper(policy, critic))
+    stats |= ppo_update(_learner(policy, critic), exp, mb, plan)
     rows = mb[0][0].rows  # the loss saw the rows in this order; the same order gives the same float sums
     weights = torch.clamp(torch.exp(exp.prox_logprobs - exp.old_logprobs), max=cfg.is_clip)
     assert stats["policy/is_weight_mean"] == float(ppo.masked_mean(weights[rows], mask[rows]))
@@ -317,11 +317,11 @@ def test_mismatch_compares_only_rows_of_the_learners_version(models, tokenizer):
     rollout.logprobs[2][1] += 0.01
     policy, critic = _copies(models)
     before = _params(policy, critic)
-    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
-                             ExperienceSettings(cfg, max_staleness=1), proximal=ProximalPolicy(policy, TEMPERATURE, 5))
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    plan = _plan(ExperienceSettings(cfg, max_staleness=1), tensors, guard)
+    exp, _, _ = make_experience(tensors, critic, plan, proximal=ProximalPolicy(policy, TEMPERATURE, 5))
     with pytest.raises(LogprobMismatchError, match=r"iteration 7: logprob_mismatch/max = 0\.01 .* on generator 0"):
-        ppo_update(policy, critic, exp, _minibatches(exp, cfg), cfg, TEMPERATURE, _stepper(policy, critic),
-                   guard=guard)
+        ppo_update(_learner(policy, critic), exp, _minibatches(exp, cfg), plan)
     assert all(torch.equal(a, b) for a, b in zip(_params(policy, critic), before))
 
 
@@ -372,8 +372,9 @@ def test_mismatch_is_global_over_ranks_when_a_rank_compares_no_row(models, token
     rollout.logprobs[3][0] -= 1e-4
     rollout.logprobs[5][2] += 2e-4
     policy, critic = _copies(models)
-    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, KL_COEF,
-                             ExperienceSettings(cfg, max_staleness=1), proximal=ProximalPolicy(policy, TEMPERATURE, 5))
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    plan = _plan(ExperienceSettings(cfg, max_staleness=1), tensors)
+    exp, _, _ = make_experience(tensors, critic, plan, proximal=ProximalPolicy(policy, TEMPERATURE, 5))
     guard = MismatchGuard(limit=1e-3, iteration=0)
     whole = same_version_mismatch(exp, LocalCollective(), guard)
     shards, results, barrier, board = [torch.arange(0, 3), torch.arange(3, 6)], {}, threading.Barrier(2), {}
@@ -446,13 +447,14 @@ def test_first_minibatch_reuses_the_experience_value_pass(models, tokenizer):
         p, c = copy.deepcopy(policy), copy.deepcopy(critic)
         plan = minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)
         rows = _rows_counter(c)
-        minibatches = local_minibatches(plan, torch.arange(6), rollout.lengths(), LocalCollective())
+        minibatches = local_minibatches(ShardPlan(plan, torch.arange(6), rollout.lengths()), LocalCollective())
         first = first_rows_kept(minibatches) if reuse else None
-        exp, _ = make_experience(_tensors(rollout, tokenizer.pad_token_id, first), c, KL_COEF,
-                                 ExperienceSettings(cfg))
-        assert (exp.first_values is not None) == reuse
+        tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+        step_plan = _plan(ExperienceSettings(cfg), tensors, first_rows=first)
+        exp, _, first_values = make_experience(tensors, c, step_plan)
+        assert (first_values is not None) == reuse
         experience_rows = rows[0]
-        ppo_update(p, c, exp, minibatches, cfg, TEMPERATURE, _stepper(p, c))
+        ppo_update(_learner(p, c), exp, minibatches, step_plan, first_values)
         results[reuse] = (exp.old_values, _params(p, c), experience_rows, rows[0] - experience_rows)
     first_size = len(minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)[0][0])
     assert results[False][2] == results[True][2] == 6
@@ -471,7 +473,7 @@ def test_the_kept_first_minibatch_runs_at_its_own_width(models, tokenizer):
     policy, critic = _copies(models)
     _set_logprobs(rollout, _learner_logprobs(policy, rollout, tokenizer.pad_token_id, 1).float())
     plan = minibatch_plan(6, cfg.epochs, cfg.minibatches, seed=3)
-    minibatches = local_minibatches(plan, torch.arange(6), rollout.lengths(), LocalCollective())
+    minibatches = local_minibatches(ShardPlan(plan, torch.arange(6), rollout.lengths()), LocalCollective())
     first = first_rows_kept(minibatches)
     prompt, response = rollout.lengths()
     own = max(prompt[i] for i in first.tolist()) + max(response[i] for i in first.tolist())
@@ -480,10 +482,11 @@ def test_the_kept_first_minibatch_runs_at_its_own_width(models, tokenizer):
     for name, model in (("critic", critic), ("policy", policy)):
         model.register_forward_pre_hook(lambda _m, args, kwargs, name=name: shapes[name].append(
             tuple((args[0] if args else kwargs["input_ids"]).shape)), with_kwargs=True)
-    exp, _ = make_experience(_tensors(rollout, tokenizer.pad_token_id, first), critic, KL_COEF,
-                             ExperienceSettings(cfg))
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    step_plan = _plan(ExperienceSettings(cfg), tensors, first_rows=first)
+    exp, _, first_values = make_experience(tensors, critic, step_plan)
     assert shapes["critic"][-1] == (len(first), own)  # the kept forward, the experience pass's last
-    ppo_update(policy, critic, exp, minibatches, cfg, TEMPERATURE, _stepper(policy, critic))
+    ppo_update(_learner(policy, critic), exp, minibatches, step_plan, first_values)
     assert shapes["policy"][0] == (len(first), own)
 
 
@@ -492,8 +495,9 @@ def test_a_rank_without_first_minibatch_rows_still_runs_one_placeholder_row():
     minibatch's rows keeps its row 0 (share 0), as ``local_minibatches`` does."""
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
     lengths = ([2, 2], [3, 3])
-    assert first_rows_kept(local_minibatches(plan, torch.tensor([0, 1]), lengths, LocalCollective())).tolist() == [0, 1]
-    second = local_minibatches(plan, torch.tensor([2, 3]), lengths, LocalCollective())
+    first = local_minibatches(ShardPlan(plan, torch.tensor([0, 1]), lengths), LocalCollective())
+    assert first_rows_kept(first).tolist() == [0, 1]
+    second = local_minibatches(ShardPlan(plan, torch.tensor([2, 3]), lengths), LocalCollective())
     assert first_rows_kept(second).tolist() == [0]
     assert (second[0][0].token_share, second[0][0].row_share) == (0.0, 0.0)
 
@@ -507,10 +511,11 @@ def test_every_rank_runs_both_value_passes_even_when_all_its_rows_are_first(mode
     critic = _copies(models)[1]
     calls = _forward_counter(critic)
     everything = torch.tensor([2, 0, 3, 1])
-    exp, _ = make_experience(_tensors(rollout, tokenizer.pad_token_id, everything), critic, KL_COEF,
-                             ExperienceSettings(cfg))
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    exp, _, first_values = make_experience(tensors, critic, _plan(ExperienceSettings(cfg), tensors,
+                                                                  first_rows=everything))
     assert calls[0] == 2
     with torch.no_grad():
         values, _ = critic_forward(critic, exp.batch.rows(everything))
-    torch.testing.assert_close(exp.first_values.detach(), values)
+    torch.testing.assert_close(first_values.detach(), values)
     torch.testing.assert_close(exp.old_values[everything], values)

@@ -223,7 +223,7 @@ class _Scorer(http.server.BaseHTTPRequestHandler):
 def endpoints():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    from rayppo.learner.weight_sync import free_port
+    from rayppo.learner.broadcast_sender import free_port
 
     yield {"server": f"http://127.0.0.1:{server.server_address[1]}", "closed": str(free_port())}
     server.shutdown()

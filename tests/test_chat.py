@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings
-from rayppo.actors.reward import RewardEngine
+from rayppo.actors.reward import ModelScorer, RewardEngine
 from rayppo.config.load import load_config
 from rayppo.data.prompts import PromptBatch, PromptDataError, load_prompt_set
 from rayppo.data.rollout import Rollout
@@ -145,7 +145,7 @@ def _rollout(batch: PromptBatch, responses: list[str]) -> Rollout:
 
 def test_a_reward_model_scores_the_text_of_its_own_chat_template(chat_reward_dir, chat_file, chat_tokenizer):
     prompts = load_prompt_set(str(chat_file), "prompt", chat_tokenizer, max_tokens=40)
-    scores = RewardEngine(model=str(chat_reward_dir), batch_size=1).scores(_rollout(prompts, ["7 7", "3"]))
+    scores = RewardEngine(ModelScorer(str(chat_reward_dir), batch_size=1)).scores(_rollout(prompts, ["7 7", "3"]))
     tokenizer, model = load_tokenizer(chat_reward_dir), load_reward_model(chat_reward_dir).eval()
     assert tokenizer.chat_template == REWARD_TEMPLATE
     conversations = [CHAT + [{"role": "assistant", "content": "7 7"}],

@@ -17,7 +17,7 @@ import torch
 import rayppo.models.vocab_head as vocab_head
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import _full_logits_forward, pack, policy_forward
-from rayppo.models.vocab_head import plain_weight, token_logprobs
+from rayppo.models.vocab_head import HeadPass, plain_weight, token_logprobs
 from rayppo.plan.footprint import LOGIT_CHUNK_ELEMENTS
 
 U32, U_BF16 = 2.0**-24, 2.0**-8
@@ -54,14 +54,14 @@ def test_gradients_are_exact(bias, with_entropy, entropy_grad, logprob_weight):
     assert (plain_weight(head) is None) == bias
 
     def f(hidden, *params):  # params: the head's weight (and bias), read by the head itself
-        logprobs, entropy = token_logprobs(hidden, head, targets, 0.7, with_entropy, entropy_grad, chunk=3)
+        logprobs, entropy = token_logprobs(hidden, head, targets, HeadPass(0.7, with_entropy, entropy_grad, chunk=3))
         if logprob_weight == 0.0:  # only the entropy reaches the loss: no log-prob gradient at all
             return entropy
         return logprobs + (0.5 * entropy if with_entropy and entropy_grad else 0.0)
 
     assert torch.autograd.gradcheck(f, (hidden, *head.parameters()))
     if with_entropy and not entropy_grad:  # a statistic: no gradient flows through it
-        _, entropy = token_logprobs(hidden, head, targets, 0.7, True, False, chunk=3)
+        _, entropy = token_logprobs(hidden, head, targets, HeadPass(0.7, True, False, chunk=3))
         assert not entropy.requires_grad
 
 
@@ -70,7 +70,7 @@ def test_chunk_size_does_not_change_the_result():
     torch.manual_seed(1)
     head = torch.nn.Linear(8, 13, bias=False).double()
     hidden, targets = torch.randn(10, 8, dtype=torch.float64), torch.randint(0, 13, (10,))
-    results = [token_logprobs(hidden, head, targets, 1.3, True, chunk=c) for c in (1, 4, 10)]
+    results = [token_logprobs(hidden, head, targets, HeadPass(1.3, True, chunk=c)) for c in (1, 4, 10)]
     z = torch.log_softmax(hidden @ head.weight.t() / 1.3, -1)
     for logprobs, entropy in results:
         torch.testing.assert_close(logprobs, z.gather(1, targets[:, None]).squeeze(1), rtol=0, atol=1e-12)

@@ -11,6 +11,8 @@ In this process on the embedded model (no Ray, no vLLM): seconds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,10 +21,14 @@ from rayppo.config.schema import PPOConfig
 from rayppo.data.rollout import Rollout
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import ExperienceSettings, ProximalPolicy, TruncationRule, make_experience
+from rayppo.learner.experience import make_experience
+from rayppo.learner.experience_passes import ProximalPolicy
+from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs, TruncationRule
+from rayppo.learner.minibatches import MicroBatch, ShardPlan, local_minibatches
+from rayppo.learner.objectives import policy_objective, value_objective
 from rayppo.learner.ppo import kl_penalty
 from rayppo.learner.rollout_tensors import RolloutTensors, padded
-from rayppo.learner.update import MicroBatch, local_minibatches, policy_objective, value_objective
+from rayppo.learner.update_plan import UpdatePlan
 from rayppo.models.loading import load_causal_lm
 
 ROWS, LENGTH = 4, 6
@@ -44,11 +50,13 @@ def policy(embedded_dir):
 
 
 def _experience(rollout, tokenizer, policy, cfg, staleness=0, correction="tis", version=0):
+    """(experience, stats, the step's plan) of ``rollout`` at T = 1, without a critic."""
     settings = ExperienceSettings(cfg, TruncationRule("terminal"), max_staleness=staleness,
                                   correction=Correction.named(correction))
-    exp, stats = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, 0.0, settings,
-                                 LocalCollective(), ProximalPolicy(policy, 1.0, version))
-    return exp, stats
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    plan = UpdatePlan.decide(LearnSettings(settings), StepInputs(iteration=0, version=version, kl_coef=0.0), tensors)
+    exp, stats, _ = make_experience(tensors, None, plan, LocalCollective(), ProximalPolicy(policy, 1.0, version))
+    return exp, stats, plan
 
 
 def test_a_synchronous_corrected_run_trains_its_critic_on_gae_targets(tokenizer, policy):
@@ -56,15 +64,15 @@ def test_a_synchronous_corrected_run_trains_its_critic_on_gae_targets(tokenizer,
     far from pi_prox (|log ratio| ~ 1), as no healthy run is; V-trace on these rows would give
     targets far below 1. Synchronous (k = 0): no row is stale, so the targets are GAE's."""
     cfg = PPOConfig(advantage="gae", value_targets="vtrace", gamma=1.0, lam=1.0, whiten_advantages=False)
-    exp, _ = _experience(_rollout(tokenizer), tokenizer, policy, cfg)
+    exp, _, _ = _experience(_rollout(tokenizer), tokenizer, policy, cfg)
     mask = exp.batch.mask
     assert exp.prox_logprobs is not None and float(((exp.prox_logprobs - exp.old_logprobs) * mask).abs().max()) > 0.1
     assert torch.equal(exp.returns * mask, mask.to(exp.returns.dtype))
     # Asynchronous, the rows one version old: V-trace's targets, below 1 where a trace is cut.
-    stale, _ = _experience(_rollout(tokenizer, version=0), tokenizer, policy, cfg, staleness=1, version=1)
+    stale, _, _ = _experience(_rollout(tokenizer, version=0), tokenizer, policy, cfg, staleness=1, version=1)
     assert float((stale.returns * mask).min()) < 0.99
     # ... and rows of the learner's own version in the same mode are GAE's again.
-    fresh, _ = _experience(_rollout(tokenizer, version=1), tokenizer, policy, cfg, staleness=1, version=1)
+    fresh, _, _ = _experience(_rollout(tokenizer, version=1), tokenizer, policy, cfg, staleness=1, version=1)
     assert torch.equal(fresh.returns * mask, mask.to(fresh.returns.dtype))
 
 
@@ -75,41 +83,40 @@ def test_rows_the_geometric_mean_mask_drops_are_in_no_term_and_no_metric(tokeniz
 
     cfg = PPOConfig(advantage="gae", gamma=1.0, lam=1.0, entropy_coef=0.01, whiten_advantages=False,
                     loss_agg="token-mean")
-    exp, _ = _experience(_rollout(tokenizer), tokenizer, policy, cfg, correction="tis+geo_mask")
+    exp, _, plan = _experience(_rollout(tokenizer), tokenizer, policy, cfg, correction="tis+geo_mask")
     keep = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    dropped = exp.rows(torch.arange(ROWS))
-    dropped.row_keep = keep
-    alone = exp.rows(torch.tensor([0, 2, 3]))
-    alone.row_keep = None
+    dropped = dataclasses.replace(exp.rows(torch.arange(ROWS)), row_keep=keep)
+    alone = dataclasses.replace(exp.rows(torch.tensor([0, 2, 3])), row_keep=None)
     critic = Critic(load_causal_lm(embedded_dir).model)
-    whole, whole_stats, _ = policy_objective(policy, dropped, MicroBatch(torch.arange(ROWS), 1.0, 1.0), cfg, 1.0)
-    part, part_stats, _ = policy_objective(policy, alone, MicroBatch(torch.arange(3), 1.0, 1.0), cfg, 1.0)
+    whole, whole_stats, _ = policy_objective(policy, dropped, MicroBatch(torch.arange(ROWS), 1.0, 1.0), plan)
+    part, part_stats, _ = policy_objective(policy, alone, MicroBatch(torch.arange(3), 1.0, 1.0), plan)
     assert float(whole) == pytest.approx(float(part), rel=1e-6, abs=1e-9)
     for key in ("entropy", "policy/clipfrac", "policy/approx_kl", "policy/is_weight_mean"):
         assert float(whole_stats[key]) == pytest.approx(float(part_stats[key]), rel=1e-6, abs=1e-9), key
-    v_whole, _ = value_objective(critic, dropped, MicroBatch(torch.arange(ROWS), 1.0, 1.0), cfg)
-    v_part, _ = value_objective(critic, alone, MicroBatch(torch.arange(3), 1.0, 1.0), cfg)
+    v_whole, _ = value_objective(critic, dropped, MicroBatch(torch.arange(ROWS), 1.0, 1.0), plan)
+    v_part, _ = value_objective(critic, alone, MicroBatch(torch.arange(3), 1.0, 1.0), plan)
     assert float(v_whole) == pytest.approx(float(v_part), rel=1e-6)
     # The shares of two micro-batches (rows 0-1, 2-3): the dropped row counts in neither normaliser.
     lengths = ([3] * ROWS, [LENGTH] * ROWS)
-    (cut,) = local_minibatches([[torch.arange(ROWS)]], torch.arange(ROWS), lengths, LocalCollective(),
-                               micro_batch_tokens=2 * (3 + LENGTH), keep=keep.tolist())
+    shard = ShardPlan([[torch.arange(ROWS)]], torch.arange(ROWS), lengths, micro_batch_tokens=2 * (3 + LENGTH))
+    (cut,) = local_minibatches(shard, LocalCollective(), keep=keep.tolist())
     assert [m.rows.tolist() for m in cut] == [[0, 1], [2, 3]]
     assert [(m.token_share, m.row_share) for m in cut] == [pytest.approx((1 / 3, 1 / 3)), pytest.approx((2 / 3, 2 / 3))]
 
 
 def test_rollout_correction_none_is_the_plain_clipped_loss_in_asynchronous_mode(tokenizer, policy):
     cfg = PPOConfig(advantage="grpo", whiten_advantages=False)
-    exp, _ = _experience(_rollout(tokenizer, version=0, score=0.0), tokenizer, policy, cfg, staleness=1,
-                         correction="none", version=1)
-    exp.advantages = torch.randn(exp.advantages.shape, generator=torch.Generator().manual_seed(2)) * exp.batch.mask
-    assert exp.prox_logprobs is not None and not exp.truncated_is
-    objective, stats, _ = policy_objective(policy, exp, MicroBatch(torch.arange(ROWS), 1.0, 1.0), cfg, 1.0)
+    exp, _, plan = _experience(_rollout(tokenizer, version=0, score=0.0), tokenizer, policy, cfg, staleness=1,
+                               correction="none", version=1)
+    advantages = torch.randn(exp.advantages.shape, generator=torch.Generator().manual_seed(2)) * exp.batch.mask
+    exp = dataclasses.replace(exp, advantages=advantages)
+    assert exp.prox_logprobs is not None and not plan.decoupled
+    objective, stats, _ = policy_objective(policy, exp, MicroBatch(torch.arange(ROWS), 1.0, 1.0), plan)
     from rayppo.models.sequences import policy_forward
 
     logprobs, _ = policy_forward(policy, exp.batch, 1.0, with_entropy=True)
-    plain, _ = ppo.policy_loss(logprobs, exp.old_logprobs, exp.advantages, exp.batch.mask, cfg.clip_eps,
-                               cfg.loss_agg, cfg.clip_eps_high)
+    plain, _ = ppo.policy_loss(logprobs, exp.old_logprobs, exp.advantages, exp.batch.mask,
+                               ppo.Surrogate(cfg.clip_eps, cfg.clip_eps_high, cfg.loss_agg))
     assert float(objective) == pytest.approx(float(plain), rel=1e-6) and "policy/is_weight_mean" not in stats
 
 
@@ -128,9 +135,10 @@ def test_a_flat_group_gets_exactly_its_kl_reward_to_go(estimator, noise_dtype, t
                       ["say 7 :"] * ROWS, ["r"] * ROWS, [0] * ROWS, [0] * ROWS, group_id=[0] * ROWS)
     rollout.ref_logprobs = ref.tolist()
     rollout.score = [0.5] * ROWS
-    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, beta,
-                             ExperienceSettings(PPOConfig(advantage=estimator, kl_mode="reward"),
-                                                TruncationRule("terminal")))
+    tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+    settings = ExperienceSettings(PPOConfig(advantage=estimator, kl_mode="reward"), TruncationRule("terminal"))
+    plan = UpdatePlan.decide(LearnSettings(settings), StepInputs(iteration=0, version=0, kl_coef=beta), tensors)
+    exp = make_experience(tensors, None, plan).experience
     kl = kl_penalty(padded(rollout.logprobs), padded(rollout.ref_logprobs))
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert float((exp.advantages - to_go.to(exp.advantages.dtype)).abs().max()) < 1e-7

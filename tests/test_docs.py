@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rayppo.config.reference import reference_markdown
+from rayppo.config.reference_page import reference_markdown
 from rayppo.config.schema import field_docs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rayppo.cluster.address import chosen_address
-from rayppo.learner.weight_sync import free_port
+from rayppo.learner.broadcast_sender import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 POINTER = "ray/ray_current_cluster"

@@ -17,8 +17,8 @@ import pytest
 from rayppo.cluster.group import get
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.load import load_config
-from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, LearnerFailedError
+from rayppo.role_resources import Engine
 from rayppo.run.checkpoint import latest_checkpoint
 from rayppo.train import run
 from rayppo.trainers.distributed import DistributedTrainer

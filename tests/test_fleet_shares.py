@@ -28,9 +28,9 @@ from ray.util.placement_group import placement_group
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.placement import Placement
-from rayppo.cluster.shares import sampled_shares
+from rayppo.cluster.shares import ShareCall, sampled_shares
 from rayppo.cluster.supervisor import Supervisor
-from rayppo.engine import Engine
+from rayppo.role_resources import Engine
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def test_a_generator_lost_mid_call_costs_only_its_own_share(cluster, tmp_path):
 
     # The node of generator 1 goes once it is into its share.
     threading.Thread(target=lose_node_after_first_step, args=(c, nodes[1], log, 8), daemon=True).start()
-    results = sampled_shares(supervisor, fleet, Episodes.play, shares, pieces, (turns,))
+    results = sampled_shares(supervisor, fleet, ShareCall(Episodes.play, (turns,)), shares, pieces)
 
     assert [row for part in results for row in part] == list(range(16))  # every row, in order
     assert fleet.active == [0] and fleet.lost == 1
@@ -201,8 +201,8 @@ def test_a_survivor_killed_while_it_redoes_a_lost_share_is_replaced_and_every_ro
         os.kill(next(iter(survivors)), signal.SIGKILL)
 
     threading.Thread(target=lose_node_b_then, args=(c, nodes[1], log, kill_a_survivor), daemon=True).start()
-    results = sampled_shares(supervisor, fleet, Episodes.play, [list(range(8 * k, 8 * k + 8)) for k in range(4)],
-                             pieces_of, (4,))
+    results = sampled_shares(supervisor, fleet, ShareCall(Episodes.play, (4,)),
+                             [list(range(8 * k, 8 * k + 8)) for k in range(4)], pieces_of)
 
     assert [row for part in results for row in part] == list(range(32))
     assert fleet.active == [0, 1] and fleet.lost == 2
@@ -220,8 +220,8 @@ def test_a_survivor_that_hangs_while_it_redoes_a_lost_share_is_replaced_and_ever
     hang.touch()
     fleet, supervisor = four_generators(log, hang)
     threading.Thread(target=lose_node_b_then, args=(c, nodes[1], log), daemon=True).start()
-    results = sampled_shares(supervisor, fleet, Episodes.play, [list(range(8 * k, 8 * k + 8)) for k in range(4)],
-                             pieces_of, (4,))
+    results = sampled_shares(supervisor, fleet, ShareCall(Episodes.play, (4,)),
+                             [list(range(8 * k, 8 * k + 8)) for k in range(4)], pieces_of)
 
     assert [row for part in results for row in part] == list(range(32))
     assert not hang.exists() and fleet.active == [0, 1] and supervisor.restarts == 3  # 2, 3 and the hung one

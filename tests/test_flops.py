@@ -5,7 +5,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rayppo.models.shape import read_shape
-from rayppo.plan.flops import Sequences, backbone_forward_flops, learn_flops
+from rayppo.plan.flops import LearnPasses, Sequences, backbone_forward_flops, learn_flops
 
 
 def test_backbone_flops_match_torchs_counter(tmp_path):
@@ -39,12 +39,15 @@ def test_learn_flops_count_the_head_on_response_tokens_only(tmp_path):
     s = read_shape(tmp_path)
     with_responses, no_responses = Sequences([20, 20], 8), Sequences([20, 20], 0)
     head = 2 * s.hidden * s.vocab * 8
-    assert learn_flops(s, s, with_responses, 1, 4) - learn_flops(s, s, no_responses, 1, 4) == 3 * head
+    one_epoch = LearnPasses(1, 4)
+    assert learn_flops(s, s, with_responses, one_epoch) - learn_flops(s, s, no_responses, one_epoch) == 3 * head
     backbone, value_head = backbone_forward_flops(s, with_responses), 2 * s.hidden * 40
     critic = backbone + value_head
-    assert learn_flops(s, s, with_responses, 1, 4) == critic + 3 * (backbone + head + critic) - critic / 4
-    assert learn_flops(s, s, with_responses, 2, 4) - learn_flops(s, s, with_responses, 1, 4) == \
+    assert learn_flops(s, s, with_responses, one_epoch) == critic + 3 * (backbone + head + critic) - critic / 4
+    assert learn_flops(s, s, with_responses, LearnPasses(2, 4)) - learn_flops(s, s, with_responses, one_epoch) == \
         3 * (2 * backbone + head + value_head)
-    assert learn_flops(s, s, with_responses, 1, 2) - learn_flops(s, s, with_responses, 1, 4) == -critic / 4
-    assert learn_flops(s, s, with_responses, 1, 4, proximal=True) - learn_flops(s, s, with_responses, 1, 4) == \
+    assert learn_flops(s, s, with_responses, LearnPasses(1, 2)) - learn_flops(s, s, with_responses, one_epoch) == \
+        -critic / 4
+    proximal = LearnPasses(1, 4, proximal=True)
+    assert learn_flops(s, s, with_responses, proximal) - learn_flops(s, s, with_responses, one_epoch) == \
         backbone + head

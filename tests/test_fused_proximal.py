@@ -26,14 +26,14 @@ from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.guard import LogprobMismatchError
 from rayppo.learner.proximal import fused_proximal
 from rayppo.learner.step import BatchShard, LearnerModels, LearnSettings, StepInputs, learn
-from rayppo.learner.update import Steps
+from rayppo.learner.update import OptimiserSteps
 
 VERSION = 3
 BASE = ["ppo.epochs=1", "rollout.samples_per_prompt=2", "ppo.minibatches=1", "ppo.advantage=grpo", "ppo.kl_coef=0.0",
         "ppo.rollout_correction=tis+geo_mask", f"rollout.temperature={TEMPERATURE}", "ppo.entropy_coef=0.01"]
 
 
-def _stepper(policy, critic, collective: Collective) -> Steps:
+def _stepper(policy, critic, collective: Collective) -> OptimiserSteps:
     """Backward + AdamW step of each model, the gradients first averaged over the ranks."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (policy, critic) if m is not None]
 
@@ -46,7 +46,7 @@ def _stepper(policy, critic, collective: Collective) -> Steps:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    return Steps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step)
+    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step)
 
 
 def _scenario(tokenizer, models, overrides: list[str], versions: list[int] | None = None, mu_shift: dict | None = None):

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from rayppo.cluster.placement import plan_groups, role_specs, total_demand
 from rayppo.config.load import load_config
-from rayppo.engine import DeviceError, engine_device
 from rayppo.learner.full_weights import full_tensors
+from rayppo.role_resources import DeviceError, Resources, engine_device
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -36,17 +36,17 @@ def test_a_role_given_gpus_where_cuda_is_missing_is_an_error_naming_it():
 def test_every_engine_takes_its_device_from_its_gpus(embedded_dir, reward_model_dir):
     """Each role's constructor asks the base class for its device: given a GPU on this CPU-only
     machine, each refuses by name instead of silently running on the CPU."""
-    from rayppo.actors.generator import GeneratorEngine, SamplingSettings
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings
     from rayppo.actors.reference import ReferenceEngine
-    from rayppo.actors.reward import RewardEngine
+    from rayppo.actors.reward import ModelScorer, RewardEngine
     from rayppo.cluster.learner_group import LearnerGroup
 
     with pytest.raises(DeviceError, match="^reference: given 1 GPU"):
-        ReferenceEngine(str(embedded_dir), gpus=1.0)
+        ReferenceEngine(str(embedded_dir), resources=Resources(gpus=1.0))
     with pytest.raises(DeviceError, match="^reward: given 0.25 GPU"):
-        RewardEngine(model=str(reward_model_dir), gpus=0.25)
+        RewardEngine(ModelScorer(str(reward_model_dir)), resources=Resources(gpus=0.25))
     with pytest.raises(DeviceError, match="^generators: given 1 GPU"):
-        GeneratorEngine(str(embedded_dir), SamplingSettings(4), backend="hf", gpus=1.0)
+        GeneratorEngine(str(embedded_dir), SamplingSettings(4), backend="hf", actor=GeneratorActor(resources=Resources(gpus=1.0)))
     with pytest.raises(DeviceError, match="^learner: given 1 GPU"):
         LearnerGroup(load_config(None, ["learner.num_ranks=1", "learner.gpus_per_rank=1"]), placement=None)
 
@@ -158,7 +158,7 @@ rank, world, port, path, partitioned = int(sys.argv[1]), int(sys.argv[2]), sys.a
 os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 import deepspeed
 from rayppo.config.load import load_config
-from rayppo.learner.engine import _skip_shm_comm_op, deepspeed_config, partitioned_loading
+from rayppo.learner.learner_engine import _skip_shm_comm_op, deepspeed_config, partitioned_loading
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.shape import read_shape
 _skip_shm_comm_op()
@@ -207,7 +207,7 @@ def test_zero3_ranks_load_only_their_partition(tmp_path):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rayppo.learner.weight_sync import free_port
+    from rayppo.learner.broadcast_sender import free_port
 
     config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=1376, num_hidden_layers=16,
                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
@@ -247,7 +247,7 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
     adapter and is fingerprinted on its own, from its slot of the LoRA layers (its shard of each
     A or B); the first decoder layer's q/k/v slot cleared on worker 1 alone (vLLM's
     ``reset_lora``, as for an adapter registered but not applied) fails the check naming worker 1."""
-    from rayppo.actors.generator import GeneratorEngine
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine
     from rayppo.actors.settings import sampling_settings
     from rayppo.cluster.group import ActorGroup, get
     from rayppo.cluster.placement import release, reserve
@@ -283,8 +283,9 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
 
     placements = reserve(cfg)
     try:
-        group = ActorGroup(GeneratorEngine, [(str(embedded_dir), sampling_settings(cfg), "vllm", "float32", 0, 5,
-                                              settings)], [placements["generators"].actor_options(0, dict(ACTOR_ENV))])
+        actor = GeneratorActor(index=0, seed=5, vllm=settings)
+        group = ActorGroup(GeneratorEngine, [(str(embedded_dir), sampling_settings(cfg), "vllm", "float32", None, actor)],
+                           [placements["generators"].actor_options(0, dict(ACTOR_ENV))])
         tp2 = group.get(group.call_all(GeneratorEngine.generate, prompts, 0))[0]
         group.get(group.call_all(GeneratorEngine.load_weights, pack_weights(named, 1, adapter=config)))
         held = group.get(group.call_all(GeneratorEngine.weight_fingerprints))[0]
@@ -301,7 +302,8 @@ def test_tensor_parallel_generator_actor_samples_what_tp1_samples(local_ray, emb
         check_weights(sent, cleared, 0, 1)  # worker 0, checked first, holds the adapter
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cfg1 = load_config(None, lora)
-    tp1 = GeneratorEngine(str(embedded_dir), sampling_settings(cfg1), "vllm", "float32", 0, 5, vllm_settings(cfg1))
+    tp1 = GeneratorEngine(str(embedded_dir), sampling_settings(cfg1), "vllm", "float32",
+                          actor=GeneratorActor(index=0, seed=5, vllm=vllm_settings(cfg1)))
     reference = tp1.generate(prompts, 0)
     tp1.load_weights(pack_weights(named, 1, adapter=config))
     reference_adapted = tp1.generate(prompts, 0)
@@ -364,9 +366,9 @@ def test_ipc_sync_shares_live_parameters_or_one_gathered_tensor_at_a_time(embedd
 
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    import rayppo.learner.engine as engine_module
+    import rayppo.learner.learner_engine as engine_module
     from rayppo.cluster.learner_group import LearnerGroup
-    from rayppo.learner.weight_sync import ipc_chunk
+    from rayppo.learner.broadcast_sender import ipc_chunk
 
     monkeypatch.setattr(engine_module, "ipc_chunk", functools.partial(ipc_chunk, export=_fake_export))
     cfg = load_config(None, ["learner.num_ranks=1", f"learner.zero_stage={zero_stage}", "generators.num=1"])

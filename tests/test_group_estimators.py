@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rayppo.learner import ppo
+from rayppo.learner.advantages import batch_group_advantages
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import batch_group_advantages
 from rayppo.learner.rewards import discounted_returns, overlong_penalty
 
 EXACT = 1e-12
@@ -88,7 +88,7 @@ def _rank_advantages(rank: int, init_file: str, scores: torch.Tensor, groups: to
     """One of two gloo ranks: the advantages of its contiguous half of the batch."""
     import torch.distributed as dist
 
-    from rayppo.learner.engine import TorchCollective
+    from rayppo.learner.learner_engine import TorchCollective
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -163,13 +163,13 @@ def test_clip_eps_high_lets_a_positive_advantage_grow_further():
     old = torch.zeros(1, 1)
     logprobs = torch.full((1, 1), math.log(1.25), requires_grad=True)
     adv, mask = torch.ones(1, 1), torch.ones(1, 1)
-    loss, stats = ppo.policy_loss(logprobs, old, adv, mask, clip_eps=0.2)
+    loss, stats = ppo.policy_loss(logprobs, old, adv, mask, ppo.Surrogate(clip_eps=0.2))
     assert stats["clipfrac"].item() == 1.0 and loss.item() == pytest.approx(-1.2)
-    loss, stats = ppo.policy_loss(logprobs, old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    loss, stats = ppo.policy_loss(logprobs, old, adv, mask, ppo.Surrogate(clip_eps=0.2, clip_eps_high=0.28))
     assert stats["clipfrac"].item() == 0.0 and loss.item() == pytest.approx(-1.25)
     loss.backward()
     assert logprobs.grad.item() == pytest.approx(-1.25)  # d(-rho A)/d log pi = -rho A
     # The lower side is still 1 - clip_eps: rho = 0.75 with A = -1 is clipped at 0.8.
     low = torch.full((1, 1), math.log(0.75))
-    _, stats = ppo.policy_loss(low, old, -adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    _, stats = ppo.policy_loss(low, old, -adv, mask, ppo.Surrogate(clip_eps=0.2, clip_eps_high=0.28))
     assert stats["clipfrac"].item() == 1.0

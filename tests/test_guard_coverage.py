@@ -4,7 +4,7 @@ The check compares the learner's log-probs with the generators' on the first min
 one trained before the weights move (when pi_prox is pi_old: fp32, or ``ppo.rollout_correction=none``).
 Its rows were a seeded shuffle's first eighth at 8 minibatches, so at 8 generators a generator had
 no row there in a third of the iterations and went unchecked; the plan now gives the first
-minibatch a row of every generator (``update.every_source_first``). One learn step in-process on
+minibatch a row of every generator (``minibatches.every_source_first``). One learn step in-process on
 the embedded model, as the in-process trainer runs it.
 """
 
@@ -20,10 +20,10 @@ from test_fused_proximal import _stepper
 
 from rayppo.config.load import load_config
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import ProximalPolicy, proximal_logprobs
+from rayppo.learner.experience_passes import ProximalPolicy, proximal_logprobs
 from rayppo.learner.guard import LogprobMismatchError
+from rayppo.learner.minibatches import every_source_first, minibatch_plan
 from rayppo.learner.step import BatchShard, LearnerModels, LearnSettings, StepInputs, learn
-from rayppo.learner.update import every_source_first, minibatch_plan
 from rayppo.models.sequences import pack
 
 GENERATORS, MINIBATCHES, ROWS = 8, 8, 64

@@ -16,27 +16,28 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayppo.cli",),                                    # the commands
     ("rayppo.train",),                                  # the run loop: progress, metrics, checkpoints
     ("rayppo.trainers", "rayppo.plan"),                 # the iterations; the checks before a run
+    ("rayppo.run",),                                    # what a run writes and reads back (its status too)
+    ("rayppo.plan.flops",),                             # a stage's useful FLOPs (run/mfu.py counts with them)
     ("rayppo.cluster",),                                # Ray plumbing
     ("rayppo.actors",),                                 # the roles' engines
     ("rayppo.episodes",),                               # multi-turn episodes: the turn loop, environments
     ("rayppo.usercode",),                               # the user's code: imported, in child processes
-    ("rayppo.run",),                                    # what a run writes (the learner's checkpoint part too)
     ("rayppo.learner",),                                # DeepSpeed learner
-    ("rayppo.plan.flops", "rayppo.plan.machine_rate"),  # a stage's useful FLOPs, the measured matmul rate
     ("rayppo.config",),                                 # the dataclass tree, its checks and loading
-    ("rayppo.engine", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
+    ("rayppo.role_resources", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
     ("rayppo.tasks",),                                  # built-in tasks and their reward functions
-    ("rayppo.console", "rayppo.errors"),                # the ground floor
+    ("rayppo.console", "rayppo.errors",                 # the ground floor: the terminal, the errors,
+     "rayppo.machine_rate"),                            # the measured matmul rate (learner and trainers)
     ("rayppo.token_math", "rayppo.choices",            # per-token tensor helpers, the named choices,
      "rayppo.models.vocab_head"),                       # the LM head: importable from anywhere
 ]
 """Top first. A module may import one of a lower layer, or one of its own package."""
 
 THIRD_PARTY = {
-    "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.engine"),
+    "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.role_resources"),
     "vllm": ("rayppo.actors.generator", "rayppo.actors.vllm_backend", "rayppo.actors.vllm_adapters",
              "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe", "rayppo.actors.cpu_lora"),
-    "deepspeed": ("rayppo.learner.engine", "rayppo.learner.reward_model_engine", "rayppo.learner.checkpoint"),
+    "deepspeed": ("rayppo.learner.learner_engine", "rayppo.learner.reward_model_engine", "rayppo.learner.learner_state"),
 }
 """Who may import them: Ray where actors are spawned or called, in the engine base (an actor asks
 Ray for its own GPUs and node); vLLM in the generator engine (its vLLM backend and adapter serving), its
@@ -156,7 +157,8 @@ def test_pure_math_imports_only_torch():
     """The bottom layer and the PPO math import torch and the standard library, the math also
     the bottom layer's helpers and choices: no config object, no role."""
     modules = _modules()
-    for module in (*LAYERS[-1], "rayppo.learner.ppo", "rayppo.learner.group_math", "rayppo.learner.rewards"):
+    for module in (*LAYERS[-1], "rayppo.learner.ppo", "rayppo.learner.group_math", "rayppo.learner.rewards",
+                   "rayppo.learner.action_tokens"):
         names = {name for name, _, _ in _imports(modules[module], set(modules))}
         tops = {name.split(".")[0] for name in names - set(LAYERS[-1])}
         assert tops <= {"torch", "__future__", "math", "dataclasses", "typing"}, (module, tops)
@@ -172,8 +174,8 @@ def test_the_rollout_record_needs_no_torch():
 
 def test_the_root_holds_entry_points_and_the_ground_floor_only():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "choices.py", "console.py", "engine.py", "errors.py", "token_math.py",
-                     "train.py"], loose
+    assert loose == ["__init__.py", "choices.py", "console.py", "errors.py", "machine_rate.py", "role_resources.py",
+                     "token_math.py", "train.py"], loose
     assert (PACKAGE / "cli" / "__init__.py").is_file()  # the commands: a package of their own
     assert all((PACKAGE / d / "__init__.py").read_text().strip() == "" for d in
                ("actors", "cluster", "config", "data", "learner", "models", "plan", "run", "tasks", "trainers"))
@@ -192,3 +194,20 @@ def test_the_checks_catch_a_back_arrow_and_a_circle(tmp_path):
     graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
     assert _circles(graph) == ["a -> b -> c -> a"]
     assert _circles({"a": ["b"], "b": []}) == []
+
+
+def test_the_cluster_and_the_learner_may_not_import_the_run_or_the_plan(tmp_path):
+    """The imports that once ran up the floors are reported: the cluster reading the run's status
+    (its fleet file's name now lives in ``cluster/fleet_file.py``, a job's run lines are put
+    together by the command), the learner timing the matmul rate through the plan (now
+    ``rayppo/machine_rate.py``, on the ground floor)."""
+    modules = set(_modules())
+    bad = tmp_path / "upward.py"
+    bad.write_text("from rayppo.run.status import run_status\nfrom rayppo.plan.flops import learn_flops\n"
+                   "from rayppo.plan import fit\n")
+    everything = ["upward.py:1 imports rayppo.run.status", "upward.py:2 imports rayppo.plan.flops",
+                  "upward.py:3 imports rayppo.plan.fit"]
+    assert _back_arrows("rayppo.cluster.fleet", bad, modules) == everything
+    assert _back_arrows("rayppo.cluster.jobs", bad, modules) == everything
+    assert _back_arrows("rayppo.learner.learner_engine", bad, modules) == everything
+    assert _back_arrows("rayppo.run.status", bad, modules) == ["upward.py:3 imports rayppo.plan.fit"]

@@ -10,7 +10,7 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
-from rayppo.actors.reward import RewardEngine
+from rayppo.actors.reward import RewardEngine, Verifier
 from rayppo.actors.settings import sampling_settings
 from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.config.load import load_config
@@ -22,7 +22,7 @@ def test_in_process_roles_train_sync_and_refuse_stale_rollouts(embedded_dir):
     cfg = load_config(None, ["rollout.batch_size=8", "ppo.minibatches=2", "ppo.epochs=1", "learner.num_ranks=1"])
     generator = GeneratorEngine(str(embedded_dir), sampling_settings(cfg), backend="hf")
     reference = ReferenceEngine(str(embedded_dir))
-    reward = RewardEngine(function=cfg.reward.function)
+    reward = RewardEngine(Verifier(cfg.reward.function))
     learner = LearnerGroup(cfg, placement=None)  # one DeepSpeed rank in this process
     sampler = PromptSampler(load_prompt_set("embedded", "prompt", generator.tokenizer, 40), 8, seed=0)
 

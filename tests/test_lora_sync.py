@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.config.derived import lora_sync
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError
@@ -27,9 +27,9 @@ from rayppo.learner.adapter_weights import (
     unsupported,
     wrap_lora,
 )
+from rayppo.learner.broadcast_sender import SyncEndpoint, WeightSender, free_port
 from rayppo.learner.guard import WeightSyncError, check_weights
 from rayppo.learner.policy_sync import PolicySync
-from rayppo.learner.weight_sync import SyncEndpoint, WeightSender, free_port
 from rayppo.models.fingerprint import sent_print
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import pack, policy_forward
@@ -142,7 +142,7 @@ def _hand_over(engine: GeneratorEngine, model, version: int, monkeypatch) -> dic
     tensor in a table of this process, and the worker opens it from there (on GPUs:
     ``open_ipc_handle``, vLLM 0.32's rebuild). Returns the fingerprints sent."""
     import rayppo.actors.vllm_adapters as vllm_adapters
-    from rayppo.learner.weight_sync import ipc_chunk
+    from rayppo.learner.broadcast_sender import ipc_chunk
 
     shared: dict[int, torch.Tensor] = {}
 
@@ -188,7 +188,7 @@ def test_a_generator_serves_the_adapter_it_was_sent_and_its_fingerprints_prove_i
     far from the base's; its fingerprints match what was sent, B with the scaling vLLM folds into
     it, and no longer match the version it replaced."""
     engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend=backend,
-                             vllm=VLLMSettings(lora_rank=RANK, collective_sync=True))
+                             actor=GeneratorActor(vllm=VLLMSettings(lora_rank=RANK, collective_sync=True)))
     try:
         payload, sent = _payload(adapted, version=1)
         assert engine.load_weights(payload) == 1
@@ -228,7 +228,7 @@ def test_a_generator_that_keeps_its_old_adapter_or_serves_none_fails_the_weight_
     (``drop_adapter``). The fingerprints of what its requests are served with do not match,
     whether the adapter came through the object store (version 2) or a broadcast (version 3)."""
     engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm",
-                             vllm=VLLMSettings(lora_rank=RANK, collective_sync=True))
+                             actor=GeneratorActor(vllm=VLLMSettings(lora_rank=RANK, collective_sync=True)))
     try:
         first, _ = _payload(adapted, version=1)
         engine.load_weights(first)
@@ -276,7 +276,8 @@ def test_the_weight_check_reads_the_slot_the_kernels_read(embedded_dir, adapted,
     first tensor of that layer. An adapter with a module no LoRA layer takes (the router
     ``mlp.gate`` that peft finds in transformers' MoE models, here added by hand) is refused at
     registration, naming the module, instead of being registered and never applied."""
-    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm", vllm=VLLMSettings(lora_rank=RANK))
+    engine = GeneratorEngine(str(embedded_dir), SAMPLING, backend="vllm",
+                             actor=GeneratorActor(vllm=VLLMSettings(lora_rank=RANK)))
     try:
         payload, sent = _payload(adapted, version=1)
         engine.load_weights(payload)
@@ -313,7 +314,7 @@ def test_an_adapter_module_vllm_would_not_apply_is_refused_when_the_generator_st
     with pytest.raises(ConfigError, match=r"^learner\.lora_sync: 6 of the adapter's 14 modules \(model\.layers\.\*\.mlp\."
                                           r"experts, model\.layers\.\*\.mlp\.experts\.base_layer, model\.layers\.\*\.mlp\."
                                           r"gate\) are taken by no linear LoRA layer of vLLM's MixtralForCausalLM"):
-        GeneratorEngine(folder, SAMPLING, backend="vllm", vllm=VLLMSettings(lora_rank=RANK))
+        GeneratorEngine(folder, SAMPLING, backend="vllm", actor=GeneratorActor(vllm=VLLMSettings(lora_rank=RANK)))
 
 
 def test_the_base_with_its_adapter_off_is_the_reference(embedded_dir, adapted, tokenizer):
@@ -401,7 +402,7 @@ def test_one_slot_lora_linear_equals_vllms_per_slice_products(dtype):
 
     from vllm.lora.ops.torch_ops import lora_ops
 
-    from rayppo.actors.cpu_lora import one_slot_lora_linear, single_slot
+    from rayppo.actors.cpu_lora import PackedLoRA, one_slot_lora_linear, single_slot
 
     spec = importlib.util.spec_from_file_location("vllm_lora_ops_unpatched", lora_ops.__file__)
     vllm_ops = importlib.util.module_from_spec(spec)
@@ -416,7 +417,7 @@ def test_one_slot_lora_linear_equals_vllms_per_slice_products(dtype):
     assert single_slot(indices) == 1
     assert single_slot(torch.tensor([1, 1, 2])) is None and single_slot(torch.tensor([-1, -1])) is None
     ours = y.clone()
-    one_slot_lora_linear(ours, x, a, b, 0.5, widths, slot=1)
+    one_slot_lora_linear(ours, x, PackedLoRA(a, b, 0.5, widths), slot=1)
     theirs, offset, shrunk, expanded = y.clone(), 0, [], []
     for a_i, b_i, n in zip(a, b, widths):
         h = torch.zeros(tokens, rank, dtype=torch.float32)

@@ -19,9 +19,12 @@ from rayppo.config.schema import PPOConfig
 from rayppo.data.micro_batches import balanced_parts, balanced_shards, padded_tokens, token_batches
 from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import ExperienceSettings, make_experience
+from rayppo.learner.experience import make_experience
+from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs
+from rayppo.learner.minibatches import ShardPlan, first_rows_kept, local_minibatches, minibatch_plan
 from rayppo.learner.rollout_tensors import RolloutTensors
-from rayppo.learner.update import Steps, first_rows_kept, local_minibatches, minibatch_plan, ppo_update
+from rayppo.learner.update import LearnerModels, OptimiserSteps, ppo_update
+from rayppo.learner.update_plan import UpdatePlan
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import pack, policy_forward
 
@@ -64,11 +67,13 @@ def test_rows_are_dealt_to_ranks_by_tokens_minibatch_by_minibatch():
 def test_micro_batch_counts_and_shares_add_up_to_the_minibatch():
     prompt, response = [3] * 6, [10, 1, 1, 1, 1, 10]
     plan = [[torch.tensor([0, 1, 2, 3, 4, 5])]]
-    (micro,) = local_minibatches(plan, torch.arange(6), (prompt, response), LocalCollective(), micro_batch_tokens=26)
+    (micro,) = local_minibatches(ShardPlan(plan, torch.arange(6), (prompt, response), micro_batch_tokens=26),
+                                 LocalCollective())
     # 2 rows x 13 columns, then 4 x 4: each share is of the whole minibatch (24 tokens, 6 rows).
     assert [m.rows.tolist() for m in micro] == [[0, 5], [1, 2, 3, 4]] and first_rows_kept([micro]) is None
     assert [m.token_share for m in micro] == [20 / 24, 4 / 24] and [m.row_share for m in micro] == [2 / 6, 4 / 6]
-    (whole,) = local_minibatches(plan, torch.arange(6), (prompt, response), LocalCollective(), micro_batch_tokens=0)
+    (whole,) = local_minibatches(ShardPlan(plan, torch.arange(6), (prompt, response), micro_batch_tokens=0),
+                                 LocalCollective())
     assert [m.rows.tolist() for m in whole] == [list(range(6))] and first_rows_kept([whole]).tolist() == list(range(6))
 
 
@@ -113,11 +118,15 @@ def test_a_minibatch_in_micro_batches_takes_the_update_of_the_whole_minibatch(ca
     for budget in (0, 30):
         p, c = copy.deepcopy(policy), copy.deepcopy(critic)
         plan = minibatch_plan(len(rollout), cfg.epochs, cfg.minibatches, seed=1)
-        minibatches = local_minibatches(plan, torch.arange(len(rollout)), rollout.lengths(), LocalCollective(), budget)
-        rows = dataclasses.replace(RolloutTensors.of(rollout, tokenizer.pad_token_id), num_groups=4,
-                                   first_rows=first_rows_kept(minibatches))
-        exp, _ = make_experience(rows, c, 0.1, ExperienceSettings(cfg, micro_batch_tokens=budget))
-        stats = ppo_update(p, c, exp, minibatches, cfg, 1.0, _steps(p, c), max_length=12)
+        shard = ShardPlan(plan, torch.arange(len(rollout)), rollout.lengths(), micro_batch_tokens=budget)
+        minibatches = local_minibatches(shard, LocalCollective())
+        rows = dataclasses.replace(RolloutTensors.of(rollout, tokenizer.pad_token_id), num_groups=4)
+        settings = LearnSettings(ExperienceSettings(cfg, micro_batch_tokens=budget), max_new_tokens=12)
+        step_plan = UpdatePlan.decide(settings, StepInputs(iteration=0, version=0, kl_coef=0.1), rows,
+                                      first_rows_kept(minibatches))
+        exp, _, first_values = make_experience(rows, c, step_plan)
+        models = LearnerModels(p, c, _steps(p, c), LocalCollective(), "cpu", tokenizer.pad_token_id)
+        stats = ppo_update(models, exp, minibatches, step_plan, first_values)
         results[budget], counts[budget] = (stats, [t.detach().clone() for t in _params(p, c)]), [len(m) for m in minibatches]
     assert counts[0] == [1] * 4 and min(counts[30]) >= 2
     for key in ("policy/loss", "policy/clipfrac", "entropy", "logprob_mismatch/mean"):
@@ -132,7 +141,7 @@ def _params(*modules) -> list[torch.Tensor]:
     return [t for m in modules if m is not None for t in m.parameters()]
 
 
-def _steps(policy, critic) -> Steps:
+def _steps(policy, critic) -> OptimiserSteps:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (policy, critic) if m is not None]
 
     def step() -> None:
@@ -140,7 +149,7 @@ def _steps(policy, critic) -> Steps:
             opt.step()
             opt.zero_grad()
 
-    return Steps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step)
+    return OptimiserSteps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step)
 
 
 def test_packed_passes_fill_the_budget_with_real_tokens():

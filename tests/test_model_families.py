@@ -30,7 +30,7 @@ import transformers
 from test_guard import one_ulp
 
 from rayppo.actors.conv1d_weights import transposed_names
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.actors.held_weights import expert_names
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.data.prompts import PromptBatch
@@ -177,7 +177,7 @@ def test_each_family_syncs_verified_samples_the_new_weights_and_catches_a_pertur
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, folder = _model(FAMILIES | MOE, name, tokenizer, tmp_path / "start")
     generator = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="vllm",
-                                vllm=VLLMSettings(kv_cache_gib=1))
+                                actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     try:
         assert _mismatch(generator, folder, tokenizer) < 1e-4
         named = _updated(model)
@@ -283,7 +283,7 @@ def test_gpt_neox_through_vllms_transformers_fallback_is_verified_under_its_own_
     # Its export reloads to the same logits (before the engine decorates the class; see the fixture).
     assert _same_logits_as(model, _exported(named, folder, tokenizer, tmp_path / "exported"), tokenizer) == 0.0
     generator = GeneratorEngine(folder, SamplingSettings(max_new_tokens=8), backend="vllm",
-                                vllm=VLLMSettings(kv_cache_gib=1))
+                                actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     try:
         generator.load_weights(pack_weights(named, 1))
         assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) == len(named)
@@ -392,7 +392,7 @@ def test_a_gpt2_policy_samples_the_learners_logprobs_and_its_synced_weights_are_
     model = _gpt2(tokenizer, tmp_path / "start")
     assert model.config.tie_word_embeddings and model.config.n_embd // model.config.n_head == 64
     generator = GeneratorEngine(str(tmp_path / "start"), SamplingSettings(max_new_tokens=8), backend="vllm",
-                                vllm=VLLMSettings(kv_cache_gib=1))
+                                actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     try:
         assert _mismatch(generator, str(tmp_path / "start"), tokenizer) < 1e-4
         generator_ = torch.Generator().manual_seed(1)

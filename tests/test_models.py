@@ -7,7 +7,7 @@ import torch
 
 from rayppo.actors.generator import GeneratorEngine, SamplingSettings, split_response
 from rayppo.actors.reference import ReferenceEngine
-from rayppo.actors.reward import RewardEngine, RewardError
+from rayppo.actors.reward import ModelScorer, RewardEngine, RewardError, Verifier
 from rayppo.config.schema import ConfigError
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
@@ -121,19 +121,19 @@ def _text_rollout(prompts, responses):
 
 
 def test_verifier_reward_and_its_errors():
-    engine = RewardEngine(function="rayppo.tasks.digits:reward")
+    engine = RewardEngine(Verifier("rayppo.tasks.digits:reward"))
     assert engine.scores(_text_rollout(["say 7 :", "say 7 :"], ["7 7 1 7", "7"])) == [0.75, 0.25]
     with pytest.raises(RewardError, match=r"failed on prompt 'hello there'"):
         engine.scores(_text_rollout(["say 7 :", "hello there"], ["7", "7"]))
     with pytest.raises(ConfigError, match="^reward.function: module 'rayppo.tasks.digits' has no 'nope'$"):
-        RewardEngine(function="rayppo.tasks.digits:nope")
+        RewardEngine(Verifier("rayppo.tasks.digits:nope"))
 
 
 def test_reward_model_rescores_text_with_its_own_tokenizer(reward_model_dir, tokenizer):
     rm_tokenizer = load_tokenizer(reward_model_dir)
     assert rm_tokenizer("7")["input_ids"] != tokenizer("7")["input_ids"]  # different vocabularies
     prompts, responses = ["say 7 :", "give 1 :", "write 2 :"], ["7 7", "1 2 3 4 5", "2"]
-    scores = RewardEngine(model=str(reward_model_dir), batch_size=2).scores(_text_rollout(prompts, responses))
+    scores = RewardEngine(ModelScorer(str(reward_model_dir), batch_size=2)).scores(_text_rollout(prompts, responses))
     model = load_reward_model(reward_model_dir).eval()
     with torch.no_grad():
         for p, r, s in zip(prompts, responses, scores):
@@ -152,7 +152,7 @@ def test_reward_model_reads_a_groups_shared_prompt_once_and_scores_as_each_text_
     rm_tokenizer = load_tokenizer(reward_model_dir)
     prompts = ["say 7 :"] * 3 + ["give 1 :"] + ["write 2 :"] * 2
     responses = ["7 7", "1 2 3 4 5", "", "1", "2", "2 2 9"]
-    engine = RewardEngine(model=str(reward_model_dir), batch_size=8)
+    engine = RewardEngine(ModelScorer(str(reward_model_dir), batch_size=8))
     assert engine.shared_prefix  # a Llama classifier on SDPA
     engine.model.double()
     seen: list[int] = []

@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import load_prompt_set, read_prompt_rows
 from rayppo.data.rollout import Rollout
 from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode
-from rayppo.episodes.loop import EpisodeSettings, episode_stats
-from rayppo.learner.experience import ExperienceSettings, TruncationRule, make_experience
+from rayppo.episodes.turn_loop import EpisodeSettings, episode_stats
+from rayppo.learner.experience import Experience, make_experience
+from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs, TruncationRule
 from rayppo.learner.rollout_tensors import RolloutTensors, padded
+from rayppo.learner.update_plan import UpdatePlan
 from rayppo.models.chat_tokens import TemplateError, check_template, observation_ids
 from rayppo.models.embedded_guess import build_chat_tokenizer
 from rayppo.models.loading import load_causal_lm
@@ -43,6 +45,12 @@ class ColumnCritic(torch.nn.Module):
         return self.table[:, : input_ids.shape[1]]
 
 
+def _experience(rows: RolloutTensors, critic, beta: float, settings: ExperienceSettings) -> Experience:
+    """``make_experience`` of ``rows`` as the learn step plans it (beta, T = 1)."""
+    plan = UpdatePlan.decide(LearnSettings(settings), StepInputs(iteration=0, version=0, kl_coef=beta), rows)
+    return make_experience(rows, critic, plan).experience
+
+
 def _two_turn_rollout(finish: str) -> Rollout:
     # prompt [1, 2] | turn 1: a0 a1 | observation: o2 o3 | turn 2: a4
     return Rollout(prompt_ids=[[1, 2]], response_ids=[[5, 6, 7, 8, 9]], logprobs=[[-0.5, -1.0, 0.0, 0.0, -0.25]],
@@ -56,8 +64,8 @@ def test_a_two_turn_episodes_advantages_step_over_the_observation(finish):
     gamma, lam, beta = 0.9, 0.8, 0.1
     table = torch.tensor([[0.0, 0.3, 0.6, 9.0, 9.0, 1.5, 1.8]])  # columns 3, 4: V at the observation tokens
     cfg = PPOConfig(gamma=gamma, lam=lam, whiten_advantages=False)
-    exp, _ = make_experience(RolloutTensors.of(_two_turn_rollout(finish), 0), ColumnCritic(table), beta,
-                             ExperienceSettings(cfg, TruncationRule("bootstrap")))
+    exp = _experience(RolloutTensors.of(_two_turn_rollout(finish), 0), ColumnCritic(table), beta,
+                      ExperienceSettings(cfg, TruncationRule("bootstrap")))
     # Response token t is predicted at column P - 1 + t = 1 + t: V at the actions t = 0, 1, 4.
     v0, v1, v4, v_end = 0.3, 0.6, 1.5, 1.8
     kl = [(-0.5 + 0.75), (-1.0 + 0.5), (-0.25 + 0.5)]
@@ -86,8 +94,7 @@ def test_a_group_estimator_takes_an_episode_as_one_sample():
     second.turn_rewards, second.score = [[0.0, 0.0]], [0.0]
     both = Rollout.concat([first, second])
     both.group_id, both.ref_logprobs = [0, 0], []
-    exp, _ = make_experience(RolloutTensors.of(both, 0), None, 0.0,
-                             ExperienceSettings(PPOConfig(advantage="grpo", kl_mode="loss")))
+    exp = _experience(RolloutTensors.of(both, 0), None, 0.0, ExperienceSettings(PPOConfig(advantage="grpo", kl_mode="loss")))
     # GRPO: (r_i - mean) / std over the group's two returns, 3.5 and 0: +-1.75 / (1.75 sqrt 2) (unbiased std).
     a = 2 ** -0.5
     expected = torch.tensor([[a, a, 0.0, 0.0, a], [-a, -a, 0.0, 0.0, -a]])
@@ -102,8 +109,8 @@ def test_a_single_turn_row_with_an_all_ones_action_mask_trains_exactly_as_withou
     masked.action_mask, masked.turn_ends, masked.turn_rewards = [[1, 1, 1], [1]], [[2], [0]], [[0.0], [0.0]]
     table = torch.tensor([[0.1, 0.2, 0.4, 0.8, 1.6, 3.2]] * 2)
     cfg = PPOConfig(gamma=0.95, lam=0.9)
-    a, _ = make_experience(RolloutTensors.of(plain, 0), ColumnCritic(table), 0.05, ExperienceSettings(cfg))
-    b, _ = make_experience(RolloutTensors.of(masked, 0), ColumnCritic(table), 0.05, ExperienceSettings(cfg))
+    a = _experience(RolloutTensors.of(plain, 0), ColumnCritic(table), 0.05, ExperienceSettings(cfg))
+    b = _experience(RolloutTensors.of(masked, 0), ColumnCritic(table), 0.05, ExperienceSettings(cfg))
     assert torch.equal(a.advantages, b.advantages) and torch.equal(a.returns, b.returns)
 
 
@@ -227,7 +234,7 @@ def player(request, guess_dir):
     """A generator of either backend playing the guessing game, and 24 of its prompts."""
     settings = EpisodeSettings(GUESS, max_turns=guess.MAX_TURNS, max_tokens=40, timeout_s=30, workers=2)
     engine = GeneratorEngine(str(guess_dir), SamplingSettings(40, 1.0), backend=request.param, episodes=settings,
-                             vllm=VLLMSettings(kv_cache_gib=1))
+                             actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     prompts = load_prompt_set("embedded-guess", "prompt", engine.tokenizer, 24).select(range(24))
     yield engine, prompts
     engine.close()
@@ -599,6 +606,6 @@ def test_the_overlong_ramp_counts_the_policys_tokens_not_the_observations():
     cfg = PPOConfig(advantage="dr_grpo", whiten_advantages=False)
     rollout = _two_turn_rollout("stop")
     rollout.group_id = [0]
-    exp, _ = make_experience(RolloutTensors.of(rollout, 0), None, 0.0, ExperienceSettings(cfg, rule))
+    exp = _experience(RolloutTensors.of(rollout, 0), None, 0.0, ExperienceSettings(cfg, rule))
     last_action = 4
     assert float(exp.rewards[0, last_action]) == pytest.approx(2.0 + 1.0)  # score + the last turn's reward, no ramp

@@ -26,8 +26,8 @@ def _ragged(batch: int = 4, length: int = 6, seed: int = 0) -> tuple[torch.Tenso
 def test_offpolicy_targets_reduce_to_gae_when_behaviour_is_the_policy():
     rewards, values, mask, bootstrap = _ragged()
     gae = ppo.compute_gae(rewards, values, mask, gamma=0.99, lam=0.9, bootstrap=bootstrap)
-    off = ppo.compute_offpolicy_targets(rewards, values, mask, torch.zeros_like(values), gamma=0.99, lam=0.9,
-                                        rho_bar=1.0, c_bar=1.0, bootstrap=bootstrap)
+    off = ppo.compute_offpolicy_targets(rewards, values, mask, torch.zeros_like(values),
+                                        ppo.VTrace(gamma=0.99, lam=0.9, rho_bar=1.0, c_bar=1.0), bootstrap=bootstrap)
     torch.testing.assert_close(off[0], gae[0], rtol=0, atol=0)  # the same operations on the same numbers
     torch.testing.assert_close(off[1], gae[1], rtol=0, atol=0)
 
@@ -38,8 +38,8 @@ def test_offpolicy_targets_weigh_each_token_by_its_truncated_ratios():
     values = torch.tensor([[0.5, 0.25]], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
     q = torch.tensor([[2.0, 0.5]], dtype=torch.float64)
-    adv, target = ppo.compute_offpolicy_targets(rewards, values, mask, q.log(), gamma=1.0, lam=1.0,
-                                                rho_bar=1.5, c_bar=1.0)
+    adv, target = ppo.compute_offpolicy_targets(rewards, values, mask, q.log(),
+                                                ppo.VTrace(gamma=1.0, lam=1.0, rho_bar=1.5, c_bar=1.0))
     delta0, delta1 = 0.0 + 0.25 - 0.5, 1.0 - 0.25
     assert adv[0, 1].item() == pytest.approx(delta1)
     assert adv[0, 0].item() == pytest.approx(delta0 + min(1.0, 0.5) * delta1)  # trace of the *next* token
@@ -54,11 +54,13 @@ def test_decoupled_loss_is_the_ppo_loss_when_behaviour_is_the_proximal_policy():
     adv = torch.randn(3, 5, generator=g)
     mask = torch.ones(3, 5)
     mask[1, 3:] = 0
-    loss, stats = ppo.decoupled_policy_loss(logprobs, prox, prox.clone(), adv, mask, clip_eps=0.2, is_clip=2.0)
-    reference, _ = ppo.policy_loss(logprobs, prox, adv, mask, clip_eps=0.2)
+    loss, stats = ppo.decoupled_policy_loss(logprobs, ppo.Decoupled(prox, prox.clone()), adv, mask,
+                                            ppo.Surrogate(clip_eps=0.2), is_clip=2.0)
+    reference, _ = ppo.policy_loss(logprobs, prox, adv, mask, ppo.Surrogate(clip_eps=0.2))
     assert loss.item() == reference.item() and stats["is_weight_mean"].item() == 1.0
     (grad,) = torch.autograd.grad(loss, logprobs)
-    (reference_grad,) = torch.autograd.grad(ppo.policy_loss(logprobs, prox, adv, mask, clip_eps=0.2)[0], logprobs)
+    (reference_grad,) = torch.autograd.grad(ppo.policy_loss(logprobs, prox, adv, mask, ppo.Surrogate(clip_eps=0.2))[0],
+                                            logprobs)
     assert torch.equal(grad, reference_grad)
 
 
@@ -67,7 +69,7 @@ def test_decoupled_loss_truncates_the_importance_weight():
     prox = torch.zeros(1, 2)
     behaviour = torch.tensor([[math.log(0.25), math.log(2.0)]])  # pi_prox / mu = 4 and 0.5
     adv = torch.ones(1, 2)
-    loss, stats = ppo.decoupled_policy_loss(logprobs, prox, behaviour, adv, torch.ones(1, 2), is_clip=2.0)
+    loss, stats = ppo.decoupled_policy_loss(logprobs, ppo.Decoupled(prox, behaviour), adv, torch.ones(1, 2), is_clip=2.0)
     assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)  # rho = 1: -mean(w * A), w = (min(4, 2), 0.5)
     assert stats["is_clipfrac"].item() == 0.5
 
@@ -94,8 +96,8 @@ def _fixed_point(log_ratio_of, iterations: int = 12) -> torch.Tensor:
     table = torch.zeros(T, dtype=torch.float64)
     for _ in range(iterations):
         values = table.expand_as(paths).clone()
-        _, targets = ppo.compute_offpolicy_targets(paths, values, mask, log_ratio, gamma=1.0, lam=0.95,
-                                                   rho_bar=3.0, c_bar=3.0)
+        _, targets = ppo.compute_offpolicy_targets(paths, values, mask, log_ratio,
+                                                   ppo.VTrace(gamma=1.0, lam=0.95, rho_bar=3.0, c_bar=3.0))
         table = (weight[:, None] * targets).sum(0)
     return table
 

@@ -95,7 +95,7 @@ def test_the_generators_lead_keeps_a_response_of_every_call_count_inside_the_win
 def test_a_continued_response_records_each_tokens_version_and_behaviour_logprob(embedded_dir, backend):
     """Sample 3 tokens with version 0, load version 1 (scaled weights), continue: the first 3
     log-probs are version 0's and the rest version 1's, as a forward pass of each scores them."""
-    from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
     from rayppo.data.prompts import PromptBatch
     from rayppo.models.loading import load_causal_lm
     from rayppo.models.sequences import pack, policy_forward
@@ -103,7 +103,7 @@ def test_a_continued_response_records_each_tokens_version_and_behaviour_logprob(
 
     limit, budget = 12, 3
     engine = GeneratorEngine(str(embedded_dir), SamplingSettings(max_new_tokens=limit, ignore_eos=True),
-                             backend=backend, vllm=VLLMSettings(kv_cache_gib=1))
+                             backend=backend, actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     texts = [f"{i}+{i}=" for i in range(4)]
     prompts = PromptBatch(texts=texts, ids=[engine.tokenizer(t)["input_ids"] for t in texts]).groups_of(1)
     first = engine.generate_partial(prompts, Rollout.concat([]), seed=1, budget=budget)
@@ -150,7 +150,7 @@ def test_a_generator_killed_mid_continuation_and_a_restored_checkpoint_lose_and_
     rows in flight, two more iterations run, and the checkpoint is restored. Every row drawn is
     then trained exactly once, or is still in flight, or was dropped as stale and counted."""
     from rayppo.cluster.group import get
-    from rayppo.engine import Engine
+    from rayppo.role_resources import Engine
     from rayppo.trainers.distributed import DistributedTrainer
 
     cfg = load_config(None, PARTIAL + [f"output.dir={tmp_path}"])
@@ -208,13 +208,18 @@ def test_dropping_stale_groups_leaves_dense_group_ids_the_learner_can_train_on()
     (6..9) on 8 rows indexed past the learner's group tables (sized by its rows): IndexError on
     CPU, a device-side assert that kills the rank on GPU."""
     from rayppo.config.schema import PPOConfig
-    from rayppo.learner.experience import ExperienceSettings, make_experience
+    from rayppo.learner.experience import make_experience
+    from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs
     from rayppo.learner.rollout_tensors import RolloutTensors
+    from rayppo.learner.update_plan import UpdatePlan
 
     groups = [g for g in range(10) for _ in range(2)]
     rows = _rows(["stop"] * 20, groups, [[g // 2 + (0 if g >= 12 else -10)] * 2 for g in range(20)])
     rows.score = [float(i % 2) for i in range(20)]  # each group one right, one wrong
     kept, dropped = drop_stale(rows, version=5, max_staleness=2)
     assert dropped == 12 and kept.group_id == [0, 0, 1, 1, 2, 2, 3, 3]
-    exp, _ = make_experience(RolloutTensors.of(kept, 0), None, 0.0, ExperienceSettings(PPOConfig(advantage="grpo")))
+    tensors = RolloutTensors.of(kept, 0)
+    settings = LearnSettings(ExperienceSettings(PPOConfig(advantage="grpo")))
+    plan = UpdatePlan.decide(settings, StepInputs(iteration=0, version=0, kl_coef=0.0), tensors)
+    exp = make_experience(tensors, None, plan).experience
     assert exp.advantages[:, 0].tolist() == pytest.approx([-0.7071068, 0.7071068] * 4)

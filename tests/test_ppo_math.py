@@ -151,7 +151,8 @@ def test_whitening_from_summed_moments_equals_whole_batch():
 # ---------------------------------------------------------------------------- policy loss
 def _pg_grad(lp_value, adv_value, clip_eps=0.2):
     lp = torch.tensor([[lp_value]], requires_grad=True)
-    loss, stats = ppo.policy_loss(lp, torch.zeros(1, 1), torch.tensor([[adv_value]]), torch.ones(1, 1), clip_eps)
+    loss, stats = ppo.policy_loss(lp, torch.zeros(1, 1), torch.tensor([[adv_value]]), torch.ones(1, 1),
+                                  ppo.Surrogate(clip_eps))
     loss.backward()
     return lp.grad.item(), stats
 
@@ -179,7 +180,7 @@ def test_policy_loss_value_clipfrac_and_approx_kl():
     old = torch.zeros(1, 4)
     adv = torch.tensor([[1.0, -2.0, 1.0, 5.0]])
     mask = torch.tensor([[1.0, 1, 1, 0]])
-    loss, stats = ppo.policy_loss(lp, old, adv, mask, clip_eps=0.2)
+    loss, stats = ppo.policy_loss(lp, old, adv, mask, ppo.Surrogate(clip_eps=0.2))
     # min(rho A, clip A): 1.2, -2.0, 0.9 -> mean over 3 valid tokens
     assert loss.item() == pytest.approx(-(1.2 - 2.0 + 0.9) / 3)
     assert stats["clipfrac"].item() == pytest.approx(1 / 3)
@@ -191,8 +192,8 @@ def test_policy_loss_aggregations_differ_as_specified():
     lp = torch.zeros(2, 3)
     adv = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
-    token_mean, _ = ppo.policy_loss(lp, lp, adv, mask, agg="token-mean")
-    seq_mean, _ = ppo.policy_loss(lp, lp, adv, mask, agg="seq-mean-token-mean")
+    token_mean, _ = ppo.policy_loss(lp, lp, adv, mask, ppo.Surrogate(agg="token-mean"))
+    seq_mean, _ = ppo.policy_loss(lp, lp, adv, mask, ppo.Surrogate(agg="seq-mean-token-mean"))
     assert token_mean.item() == pytest.approx(-(3 + 4) / 4)
     assert seq_mean.item() == pytest.approx(-(1 + 4) / 2)
 

@@ -117,7 +117,7 @@ def test_bf16_a_perturbed_tensor_is_named_by_the_weight_check(smollm2, monkeypat
     (docs/real-model.md). The untouched stream verifies."""
     from test_model_families import lr_step  # pytest puts tests/ on the path
 
-    from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+    from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
     from rayppo.learner.guard import WeightSyncError, check_weights
     from rayppo.models.fingerprint import sent_prints
     from rayppo.models.weights import SyncFault, pack_weights
@@ -126,7 +126,7 @@ def test_bf16_a_perturbed_tensor_is_named_by_the_weight_check(smollm2, monkeypat
     policy = load_causal_lm(smollm2, "bfloat16")
     named = {n: t.clone() for n, t in checkpoint_tensors(policy, full_tensors(policy))}
     generator = GeneratorEngine(str(smollm2), SamplingSettings(max_new_tokens=4), backend="vllm", dtype="bfloat16",
-                                vllm=VLLMSettings(kv_cache_gib=1))
+                                actor=GeneratorActor(vllm=VLLMSettings(kv_cache_gib=1)))
     try:
         generator.load_weights(pack_weights(named, 1))
         assert check_weights(sent_prints(named), generator.weight_fingerprints(), 0, 1) > 200

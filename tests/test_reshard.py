@@ -1,5 +1,5 @@
 """Resuming on another split of the learner: DeepSpeed ZeRO states written by N ranks, converted by
-rayppo's ``to_universal`` (``learner/checkpoint.py``: DeepSpeed's own converter), loaded by M ranks,
+rayppo's ``to_universal`` (``learner/learner_state.py``: DeepSpeed's own converter), loaded by M ranks,
 compared tensor by tensor with the whole (unsharded) state the N ranks held: fp32 master weights,
 both Adam moments, steps.
 
@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rayppo.config.load import load_config
-from rayppo.learner.weight_sync import free_port
+from rayppo.learner.broadcast_sender import free_port
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -42,8 +42,8 @@ def _whole_state(engine) -> dict[str, list[torch.Tensor]]:
 def _rank(rank: int, world: int, stage: int, port: int, folder: str, mode: str, dtype: str = "float32") -> None:
     import deepspeed
 
-    from rayppo.learner.checkpoint import to_universal, universal_load
-    from rayppo.learner.engine import _skip_shm_comm_op, deepspeed_config
+    from rayppo.learner.learner_engine import _skip_shm_comm_op, deepspeed_config
+    from rayppo.learner.learner_state import to_universal, universal_load
     from rayppo.learner.step import adamw
     from rayppo.models.shape import shape_from_config
 

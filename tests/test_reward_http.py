@@ -58,7 +58,7 @@ def rollout(prompts, responses):
 
 def test_http_scores_in_batches_and_retries(server):
     Scorer.failures_left = 2
-    engine = RewardEngine(http=HttpEndpoint(server, timeout_s=5, retries=3), batch_size=2)
+    engine = RewardEngine(HttpEndpoint(server, timeout_s=5, retries=3, batch_size=2))
     r = rollout(["say 7 :", "say 1 :", "give 2 :"], ["7 7 7 1", "1", "3 3"])
     assert engine.scores(r) == [0.75, 0.25, 0.0]
 
@@ -68,7 +68,7 @@ def test_http_body_carries_each_rows_conversation_and_columns(server):
     r = rollout(["say 7 : (rendered from a chat)", "say 1 :", "give 2 :"], ["7 7 7 1", "1", "3 3"])
     r.prompt_messages = [json.dumps(chat), "", ""]
     r.prompt_fields = [json.dumps({"answer": "7"}), "{}", json.dumps({"answer": "2", "tests": [1]})]
-    engine = RewardEngine(http=HttpEndpoint(server, timeout_s=5, retries=1), batch_size=2)
+    engine = RewardEngine(HttpEndpoint(server, timeout_s=5, retries=1, batch_size=2))
     assert engine.scores(r) == [0.75, 0.25, 0.0]
     assert Scorer.bodies == [
         {"prompts": r.prompt_text[:2], "responses": r.response_text[:2], "messages": [chat, None],
@@ -82,7 +82,7 @@ def test_http_body_carries_each_rows_conversation_and_columns(server):
 
 def test_http_gives_up_with_a_clear_error(server):
     Scorer.failures_left = 5
-    engine = RewardEngine(http=HttpEndpoint(server, timeout_s=5, retries=2))
+    engine = RewardEngine(HttpEndpoint(server, timeout_s=5, retries=2))
     with pytest.raises(RewardError, match=r"failed 2 times for the batch starting with prompt 'say 7 :'"):
         engine.scores(rollout(["say 7 :"], ["7"]))
     Scorer.failures_left, Scorer.wrong_count = 0, True

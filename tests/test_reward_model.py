@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from fp_rounding import U32, U64, forward_rounding, gamma
 from transformers import AutoModelForSequenceClassification
 
-from rayppo.actors.reward import RewardEngine
+from rayppo.actors.reward import ModelScorer, RewardEngine
 from rayppo.cli import main
 from rayppo.config.derived import reference_actors
 from rayppo.config.load import load_config
 from rayppo.data.pairs import held_out_split, read_pairs
 from rayppo.data.rollout import Rollout
-from rayppo.learner.preference import bradley_terry_loss, pair_means, pair_sums
+from rayppo.learner.bradley_terry import bradley_terry_loss, pair_means, pair_sums
 from rayppo.models.loading import Critic, load_tokenizer
 from rayppo.models.reward_stats import STATS_FILE, RewardStats
 from rayppo.run.gold import gold_plateau
@@ -36,7 +36,7 @@ from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
 from rayppo.tasks.digits import reward as digits_reward
 from rayppo.trainers.distributed import DistributedTrainer
 from rayppo.trainers.inprocess import InProcessTrainer
-from rayppo.trainers.reward_model import RewardModelResult, prepared_pairs, train_reward_model
+from rayppo.trainers.reward_model_trainer import RewardModelResult, prepared_pairs, train_reward_model
 from rayppo.trainers.verifier_pairs import group_pairs
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -192,7 +192,7 @@ def test_a_trained_reward_model_ranks_held_out_pairs_and_serves_them_as_it_was_e
     assert AutoModelForSequenceClassification.from_pretrained(result.folder).config.num_labels == 1
     pairs = read_pairs(pairs_file)
     _, rows = held_out_split(len(pairs), HELD_OUT, seed=0)
-    scorer = RewardEngine(model=str(result.folder), batch_size=7, normalize=False)
+    scorer = RewardEngine(ModelScorer(str(result.folder), batch_size=7, normalize=False))
     rollouts = {c: _rollout([pairs.prompts[i] for i in rows], [getattr(pairs, c)[i] for i in rows])
                 for c in ("chosen", "rejected")}
     raw = {c: torch.tensor(scorer.scores(r)) for c, r in rollouts.items()}
@@ -226,7 +226,7 @@ def test_a_trained_reward_model_ranks_held_out_pairs_and_serves_them_as_it_was_e
     assert stats.mean == pytest.approx(both.mean().item(), abs=float(2 * e_both.mean()) + float64, rel=0)
     # The population std is 1-Lipschitz in the largest change of one score (std(x + d) - std(x) <= max |d|).
     assert stats.std == pytest.approx(both.std(unbiased=False).item(), abs=float(2 * e_both.max()) + float64, rel=0)
-    normalized = RewardEngine(model=str(result.folder), batch_size=7).scores(rollouts["chosen"])
+    normalized = RewardEngine(ModelScorer(str(result.folder), batch_size=7)).scores(rollouts["chosen"])
     expected = (raw["chosen"].double() - stats.mean) / stats.std  # float64: 2 roundings, as the engine's own
     assert torch.all((torch.tensor(normalized, dtype=torch.float64) - expected).abs()
                      <= 2 * e["chosen"] / stats.std + 4 * U64 * expected.abs())

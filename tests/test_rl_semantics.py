@@ -18,10 +18,12 @@ from rayppo.config.schema import ConfigError, PPOConfig
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.experience import ExperienceSettings, TruncationRule, make_experience
+from rayppo.learner.experience import Experience, make_experience
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard, WeightSyncError, check_weights
+from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs, TruncationRule
 from rayppo.learner.ppo import kl_penalty, truncation_targets
 from rayppo.learner.rollout_tensors import RolloutTensors, padded
+from rayppo.learner.update_plan import UpdatePlan
 from rayppo.models.fingerprint import held_prints, probe_rows, sent_prints, split_rows
 from rayppo.models.loading import Critic, load_causal_lm, prepare_for_training
 from rayppo.models.sequences import critic_forward, pack
@@ -59,6 +61,12 @@ def _one_row(tokenizer, reason: str) -> Rollout:
     return rollout
 
 
+def _experience(rows: RolloutTensors, critic, beta: float, settings: ExperienceSettings) -> Experience:
+    """``make_experience`` of ``rows`` as the learn step plans it (beta, T = 1)."""
+    plan = UpdatePlan.decide(LearnSettings(settings), StepInputs(iteration=0, version=0, kl_coef=beta), rows)
+    return make_experience(rows, critic, plan).experience
+
+
 @pytest.mark.parametrize("reason", ["length", "stop"])
 @pytest.mark.parametrize("mode", ["bootstrap", "terminal"])
 def test_last_token_return_of_a_one_row_rollout(reason, mode, tokenizer, critic):
@@ -66,8 +74,8 @@ def test_last_token_return_of_a_one_row_rollout(reason, mode, tokenizer, critic)
     bootstrap and r_phi - beta KL_T under terminal; an EOS row is r_phi - beta KL_T under both."""
     rollout, beta = _one_row(tokenizer, reason), 0.1
     cfg = PPOConfig(whiten_advantages=False, gamma=1.0, lam=0.95)
-    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, beta,
-                             ExperienceSettings(cfg, TruncationRule(mode)))
+    exp = _experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), critic, beta,
+                      ExperienceSettings(cfg, TruncationRule(mode)))
     kl_last = kl_penalty(torch.tensor(rollout.logprobs[0][-1]), torch.tensor(rollout.ref_logprobs[0][-1]))
     _, v_after = critic_forward(critic, pack(rollout.prompt_ids, rollout.response_ids, tokenizer.pad_token_id))
     if reason == "length" and mode == "bootstrap":
@@ -232,8 +240,8 @@ def test_a_group_of_tied_rewards_gets_only_its_kl_reward_to_go_under_kl_mode_rew
     rollout.ref_logprobs = [[-1.0 - 0.1 * t + 1e-5 * (i + 1) * (t + 1) for t in range(n)] for i in range(rows)]
     rollout.score = [0.5] * rows
     cfg = PPOConfig(advantage=estimator, kl_mode="reward")
-    exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, beta,
-                             ExperienceSettings(cfg, TruncationRule("terminal")))
+    exp = _experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, beta,
+                      ExperienceSettings(cfg, TruncationRule("terminal")))
     kl = kl_penalty(padded(rollout.logprobs), padded(rollout.ref_logprobs))  # [rows, n], k1
     to_go = -beta * kl.flip(-1).cumsum(-1).flip(-1)
     assert torch.allclose(exp.advantages, to_go.to(exp.advantages.dtype), rtol=0, atol=1e-9)
@@ -244,7 +252,8 @@ def test_the_entropy_bonus_is_aggregated_as_the_loss_is(tokenizer, embedded_dir)
     """Under seq-mean-token-mean every row's entropy weighs the same, as its loss does: the bonus
     is c x (mean over rows of each row's token mean), not the token mean (which weighs long rows
     more). Two rows of 4 and 2 tokens make the two differ."""
-    from rayppo.learner.update import MicroBatch, policy_objective
+    from rayppo.learner.minibatches import MicroBatch
+    from rayppo.learner.objectives import policy_objective
     from rayppo.models.loading import load_causal_lm
     from rayppo.models.sequences import policy_forward
 
@@ -256,10 +265,11 @@ def test_the_entropy_bonus_is_aggregated_as_the_loss_is(tokenizer, embedded_dir)
     objectives = {}
     for c in (0.0, 0.1):
         cfg = PPOConfig(loss_agg="seq-mean-token-mean", entropy_coef=c, whiten_advantages=False)
-        exp, _ = make_experience(RolloutTensors.of(rollout, tokenizer.pad_token_id), None, 0.0,
-                                 ExperienceSettings(cfg, TruncationRule("terminal")))
-        part = exp.micro(torch.arange(2))
-        objectives[c], *_ = policy_objective(policy, part, MicroBatch(torch.arange(2), 1.0, 1.0), cfg, 1.0)
+        tensors = RolloutTensors.of(rollout, tokenizer.pad_token_id)
+        settings = LearnSettings(ExperienceSettings(cfg, TruncationRule("terminal")))
+        plan = UpdatePlan.decide(settings, StepInputs(iteration=0, version=0, kl_coef=0.0), tensors)
+        part = make_experience(tensors, None, plan).experience.micro(torch.arange(2))
+        objectives[c], *_ = policy_objective(policy, part, MicroBatch(torch.arange(2), 1.0, 1.0), plan)
         _, entropy = policy_forward(policy, part.batch, with_entropy=True)
         mask = part.batch.mask
     row_means = (entropy * mask).sum(-1) / mask.sum(-1)

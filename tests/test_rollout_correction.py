@@ -17,7 +17,7 @@ from rayppo.config.derived import NO_CORRECTION, Correction, rollout_correction
 from rayppo.config.load import load_config
 from rayppo.learner import ppo
 from rayppo.learner.collective import LocalCollective
-from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
+from rayppo.learner.guard import GuardBounds, LogprobMismatchError, MismatchGuard
 
 BF16_RMS = 0.047
 """RMS of the per-token log-prob gap measured on SmolLM2-135M in bf16 with the fp32 head
@@ -43,7 +43,7 @@ def test_decoupled_loss_trains_nothing_on_a_masked_row_and_is_unchanged_elsewher
     grads = []
     for keep in (None, torch.tensor([1.0, 0.0, 1.0])):
         logprobs = (prox + 0.05 * torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).requires_grad_()
-        loss, _ = ppo.decoupled_policy_loss(logprobs, prox, old, advantages, mask, row_keep=keep)
+        loss, _ = ppo.decoupled_policy_loss(logprobs, ppo.Decoupled(prox, old, keep), advantages, mask)
         loss.backward()
         grads.append(logprobs.grad)
     assert torch.equal(grads[1][1], torch.zeros(4))  # the masked row
@@ -73,7 +73,7 @@ def _sampled_drift(temperature: float, tokens: int = 4096, vocab: int = 512) -> 
 
 def test_guard_passes_bf16_noise_that_the_max_would_stop_and_catches_a_wrong_temperature():
     bf16 = load_config(None, ["model.dtype=bfloat16"])
-    guard = MismatchGuard.of(bf16, iteration=3)
+    guard = GuardBounds.of(bf16).at(iteration=3)
     noise = BF16_RMS * torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     assert float(noise.abs().max()) > 0.1  # the old bf16 bound (max |d| <= 0.1) would have stopped this
     guard.check(noise, torch.zeros(64, dtype=torch.long), LocalCollective())  # k3 ~ 1.1e-3: passes
@@ -88,7 +88,7 @@ def test_guard_passes_bf16_noise_that_the_max_would_stop_and_catches_a_wrong_tem
 
 
 def test_guard_in_fp32_still_stops_on_one_token():
-    guard = MismatchGuard.of(load_config(None, []), iteration=0)
+    guard = GuardBounds.of(load_config(None, [])).at(iteration=0)
     drift = torch.zeros(4, 8)
     drift[2, 5] = 2e-3  # one token off by more than fp32 rounding can explain
     with pytest.raises(LogprobMismatchError, match=r"logprob_mismatch/max = 0.002 nats exceeds checks.max_logprob_mismatch = 0.001"):

@@ -107,7 +107,7 @@ def test_the_job_commands_answer_a_cluster_that_wants_its_token_in_one_line(tmp_
     stop from a client without the token answer with rayppo's one line (Ray's AuthenticationError
     runs to 28 lines); with the token, status lists the (no) jobs; an address with nothing there
     is one line too."""
-    from rayppo.learner.weight_sync import free_port
+    from rayppo.learner.broadcast_sender import free_port
 
     gcs, dashboard, token = free_port(), free_port(), "ab" * 32
     temp = Path(tempfile.mkdtemp(prefix="rp-auth-", dir="/tmp"))  # short: Ray's socket paths

@@ -1,5 +1,5 @@
 """Per-stage useful FLOPs (``plan/flops.stage_flops``) against a hand count, the ``perf/*`` figures
-made of them (``run/mfu.stage_metrics``), and the matmul-rate probe (``plan/machine_rate``)."""
+made of them (``run/mfu.stage_metrics``), and the matmul-rate probe (``rayppo/machine_rate``)."""
 
 import itertools
 import subprocess
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from rayppo import machine_rate
 from rayppo.config.load import load_config
 from rayppo.data.rollout import Rollout
+from rayppo.machine_rate import Probe, matmul_flops, matmul_flops_per_s, peak_rate
 from rayppo.models.shape import ModelShape
-from rayppo.plan import machine_rate
-from rayppo.plan.flops import Sequences, StageFlops, learn_flops, stage_flops
-from rayppo.plan.machine_rate import matmul_flops, matmul_flops_per_s, peak_rate
+from rayppo.plan.flops import LearnPasses, Sequences, StageFlops, learn_flops, stage_flops
 from rayppo.run.mfu import StageCounter, rollout_sequences, stage_metrics
 
 # One decoder layer: h = 4, 2 query heads and 1 key/value head of 2 dims, a gated MLP of width 6.
@@ -49,12 +49,12 @@ def test_each_stage_against_a_hand_count():
     backbone = hand_backbone()
     vocabulary_head = 2 * 4 * 10 * 3  # h x V for each of the 3 response tokens only
     score_head = 2 * 4 * 1 * 2  # h x 1 label, on each of the 2 rows' last token
-    flops = stage_flops(TINY, TINY, SCORER, None, ROWS, epochs=1, minibatches=1)
+    flops = stage_flops(TINY, TINY, SCORER, None, ROWS, LearnPasses(epochs=1, minibatches=1))
     assert flops.generate == backbone + vocabulary_head == 2496
     assert flops.reference == backbone + vocabulary_head
     assert flops.reward == backbone + score_head == 2272
     assert flops.learn == 3 * (backbone + vocabulary_head)  # no critic: the policy's forward + backward (2x)
-    two_epochs = stage_flops(TINY, TINY, SCORER, None, ROWS, epochs=2, minibatches=1)
+    two_epochs = stage_flops(TINY, TINY, SCORER, None, ROWS, LearnPasses(epochs=2, minibatches=1))
     assert two_epochs.learn == 2 * flops.learn and two_epochs.generate == flops.generate
 
 
@@ -73,11 +73,11 @@ def test_a_prompt_another_row_has_counts_once():
     backbone = 240 * tokens + attention  # 240: hand_backbone's FLOPs per token
     assert backbone == 2560
     head = 2 * 4 * 10 * 4  # h x V for each of the 4 response tokens
-    flops = stage_flops(TINY, TINY, SCORER, TINY, seq, epochs=1, minibatches=1)
+    flops = stage_flops(TINY, TINY, SCORER, TINY, seq, LearnPasses(epochs=1, minibatches=1))
     assert flops.generate == flops.reference == backbone + head
     assert flops.reward == backbone + 2 * 4 * 1 * 3  # the score head on each row's last token
     critic = backbone + 2 * 4 * tokens  # the value head on every position counted
-    assert flops.learn == learn_flops(TINY, TINY, seq, 1, 1) == critic + 3 * (backbone + head + critic) - critic
+    assert flops.learn == learn_flops(TINY, TINY, seq, LearnPasses(1, 1)) == critic + 3 * (backbone + head + critic) - critic
 
 
 def test_a_lora_policys_backward_takes_no_weight_gradient(embedded_dir):
@@ -90,15 +90,15 @@ def test_a_lora_policys_backward_takes_no_weight_gradient(embedded_dir):
     projections = 240 * (5 + 3)
     attention = backbone - projections
     first_qkv = 2 * (4 * 4 + 4 * 2 + 4 * 2) * (5 + 3)  # TINY's one layer is the first
-    flops = stage_flops(TINY, TINY, SCORER, None, ROWS, epochs=1, minibatches=1, lora=True)
+    flops = stage_flops(TINY, TINY, SCORER, None, ROWS, LearnPasses(epochs=1, minibatches=1, lora=True))
     assert flops.learn == (backbone + head) + (projections - first_qkv + head) + 2 * attention == 4816
-    assert stage_flops(TINY, TINY, SCORER, None, ROWS, epochs=1, minibatches=1).learn == 3 * (backbone + head)
+    assert stage_flops(TINY, TINY, SCORER, None, ROWS, LearnPasses(epochs=1, minibatches=1)).learn == 3 * (backbone + head)
     assert StageCounter.of(load_config(None, ["learner.lora_rank=4"])).lora
     assert not StageCounter.of(load_config(None, [])).lora
 
 
 def test_a_stage_without_its_model_counts_nothing():
-    flops = stage_flops(TINY, None, None, None, ROWS, epochs=1, minibatches=1)
+    flops = stage_flops(TINY, None, None, None, ROWS, LearnPasses(epochs=1, minibatches=1))
     assert flops.reference == 0 and flops.reward == 0 and flops.generate > 0 and flops.learn > 0
 
 
@@ -119,16 +119,16 @@ def test_stage_metrics_from_given_numbers():
 
 PROBE = """
 import math, torch
-from rayppo.plan.machine_rate import matmul_flops_per_s, peak_rate
+from rayppo.machine_rate import Probe, matmul_flops_per_s, peak_rate
 torch.set_num_threads(2)
 seen = []
 mm = torch.mm
 torch.mm = lambda a, b: (seen.append(torch.get_num_threads()), mm(a, b))[1]
-rate = matmul_flops_per_s(64, 32, 48, "float32", threads=1, repeats=3)
+rate = matmul_flops_per_s(64, 32, 48, Probe("float32", threads=1, repeats=3))
 assert rate > 0 and math.isfinite(rate), rate
 assert seen == [1] * 4, seen  # the warm-up and 3 timed calls, all on 1 thread
 assert torch.get_num_threads() == 2  # restored
-assert 0 < peak_rate("bfloat16", 1, hidden=32, intermediate=48, tokens=16, repeats=2) < math.inf
+assert 0 < peak_rate("bfloat16", 1, hidden=32, intermediate=48, tokens=16) < math.inf
 print("ok")
 """
 
@@ -153,13 +153,13 @@ def test_the_probe_counts_the_flops_of_the_matmul_it_times(monkeypatch):
     monkeypatch.setattr(machine_rate, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
     threads = torch.get_num_threads()
     with FlopCounterMode(display=False) as counter:
-        rate = matmul_flops_per_s(3, 4, 5, "float32", threads, repeats=3)
+        rate = matmul_flops_per_s(3, 4, 5, Probe("float32", threads, repeats=3))
     assert counter.get_total_flops() == 4 * hand
     assert rate == hand / 0.25 == 480.0
     clock = itertools.count(0.0, 0.5)  # every call 0.5 s
     monkeypatch.setattr(machine_rate, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    assert peak_rate("float32", threads, hidden=4, intermediate=5, tokens=3, repeats=3) == 240.0
-    assert peak_rate("float32", threads, hidden=4, intermediate=5, tokens=0, repeats=3) == 2 * 1 * 4 * 5 / 0.5
+    assert peak_rate("float32", threads, hidden=4, intermediate=5, tokens=3) == 240.0
+    assert peak_rate("float32", threads, hidden=4, intermediate=5, tokens=0) == 2 * 1 * 4 * 5 / 0.5
 
 
 def test_the_probe_refuses_a_thread_count_torch_ignores(monkeypatch):
@@ -169,4 +169,4 @@ def test_the_probe_refuses_a_thread_count_torch_ignores(monkeypatch):
     threads = torch.get_num_threads()
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     with pytest.raises(RuntimeError, match=rf"asked torch for {threads + 1} threads and has {threads}"):
-        matmul_flops_per_s(8, 8, 8, "float32", threads + 1, repeats=1)
+        matmul_flops_per_s(8, 8, 8, Probe("float32", threads + 1, repeats=1))

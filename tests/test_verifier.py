@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rayppo.actors.reward import RewardEngine, RewardError
+from rayppo.actors.reward import RewardEngine, RewardError, Verifier
 from rayppo.actors.verifier import VerifierProcess, load_reward_function
 from rayppo.data.prompts import load_prompt_set
 from rayppo.data.rollout import Rollout
@@ -44,7 +44,7 @@ def hanging_module(tmp_path, monkeypatch) -> str:
 
 
 def test_a_hanging_verifier_call_is_stopped_and_named(hanging_module):
-    engine = RewardEngine(function=f"{hanging_module}:reward", timeout_s=1.5)
+    engine = RewardEngine(Verifier(f"{hanging_module}:reward", timeout_s=1.5))
     start = time.perf_counter()
     with pytest.raises(RewardError, match=r"ran past reward.timeout_s=1.5 s on prompt 'say 7 :'"):
         engine.scores(_rollout(["give 1 :", "say 7 :", "write 3 :"]))
@@ -53,12 +53,12 @@ def test_a_hanging_verifier_call_is_stopped_and_named(hanging_module):
 
 
 def test_with_a_timeout_score_the_run_goes_on(hanging_module):
-    engine = RewardEngine(function=f"{hanging_module}:reward", timeout_s=1.0, timeout_score=-1.0)
+    engine = RewardEngine(Verifier(f"{hanging_module}:reward", timeout_s=1.0, timeout_score=-1.0))
     assert engine.scores(_rollout(["give 1 :", "say 7 :", "write 3 :"])) == [1.0, -1.0, 1.0]
 
 
 def test_a_verifier_that_kills_its_process_is_a_clear_error(hanging_module):
-    engine = RewardEngine(function=f"{hanging_module}:crash", timeout_s=5)
+    engine = RewardEngine(Verifier(f"{hanging_module}:crash", timeout_s=5))
     with pytest.raises(RewardError, match=r"failed on prompt 'give 1 :'.*exited with code 3"):
         engine.scores(_rollout(["give 1 :"]))
 
@@ -105,7 +105,7 @@ def test_a_verifier_gets_the_columns_it_names(row_verifiers, tmp_path, tokenizer
     batch = load_prompt_set(str(path), "question", tokenizer, max_tokens=40)
     rollout = Rollout(batch.ids, [[1], [1]], [[0.0], [0.0]], ["stop"] * 2, batch.texts, ["7", "5"],
                       prompt_messages=batch.messages_json(), prompt_fields=batch.fields_json())
-    scores = {name: RewardEngine(function=f"{row_verifiers}:{name}", timeout_s=30).scores(rollout)
+    scores = {name: RewardEngine(Verifier(f"{row_verifiers}:{name}", timeout_s=30)).scores(rollout)
               for name in ("exact", "keyed", "everything", "plain")}
     assert scores["exact"] == [1.0, 0.0]  # the answer column reached the child process
     assert scores["keyed"] == [3.0, 0.0]  # keyword-only, and an optional column when the row has it
@@ -114,7 +114,7 @@ def test_a_verifier_gets_the_columns_it_names(row_verifiers, tmp_path, tokenizer
 
 
 def test_a_verifier_naming_messages_gets_the_conversation(row_verifiers):
-    engine = RewardEngine(function=f"{row_verifiers}:chat", timeout_s=30)
+    engine = RewardEngine(Verifier(f"{row_verifiers}:chat", timeout_s=30))
     assert engine.scores(_row_rollout(["7", "7"], [{}, {}], [CHAT, None])) == [2.0, -1.0]
     process = VerifierProcess(f"{row_verifiers}:exact", timeout_s=30)
     try:

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.actors.settings import generator_seed
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
@@ -20,7 +20,8 @@ PROMPTS = ["say 7 :", "write 3 :", "give 1 :", "repeat 5 :"] * 8
 
 def _engine(embedded_dir, seed: int, **sampling) -> GeneratorEngine:
     settings = SamplingSettings(**({"max_new_tokens": 12} | sampling))
-    return GeneratorEngine(str(embedded_dir), settings, backend="vllm", seed=seed, vllm=VLLMSettings(kv_cache_gib=1))
+    return GeneratorEngine(str(embedded_dir), settings, backend="vllm",
+                           actor=GeneratorActor(seed=seed, vllm=VLLMSettings(kv_cache_gib=1)))
 
 
 def _batch(tokenizer, texts=PROMPTS) -> PromptBatch:
@@ -114,8 +115,8 @@ def test_a_groups_samples_share_the_prompt_in_the_prefix_cache_and_each_draws_it
 def test_vllm_stops_on_the_generation_configs_eos_ids_like_the_hf_backend(vllm_env, tokenizer, copy_model):
     seven = tokenizer("7", add_special_tokens=False)["input_ids"][0]
     folder = copy_model("two_eos", eos_token_id=[tokenizer.eos_token_id, seven])
-    engine = GeneratorEngine(str(folder), SamplingSettings(max_new_tokens=8), backend="vllm", seed=0,
-                             vllm=VLLMSettings(kv_cache_gib=1))
+    engine = GeneratorEngine(str(folder), SamplingSettings(max_new_tokens=8), backend="vllm",
+                             actor=GeneratorActor(seed=0, vllm=VLLMSettings(kv_cache_gib=1)))
     rollout = engine.generate(_batch(tokenizer, ["say 7 :"] * 16), seed=0)
     for ids, reason in zip(rollout.response_ids, rollout.finish_reason):
         assert seven not in ids[:-1] and tokenizer.eos_token_id not in ids[:-1]

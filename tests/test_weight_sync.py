@@ -1,6 +1,6 @@
 """Weight sync without Ray: learner-side sender and generator-side receivers in one process.
 
-The sender (``rayppo/learner/weight_sync.py``) and a real vLLM CPU engine with rayppo's
+The sender (``rayppo/learner/broadcast_sender.py``) and a real vLLM CPU engine with rayppo's
 weight-transfer engine (``rayppo/actors/weight_receiver.py``) form a gloo group over loopback, the
 same code path the NCCL group takes on GPUs.
 """
@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rayppo.actors.generator import GeneratorEngine, SamplingSettings, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, SamplingSettings, VLLMSettings
 from rayppo.data.prompts import PromptBatch
-from rayppo.learner.guard import WeightSyncError, check_weights
-from rayppo.learner.weight_sync import (
+from rayppo.learner.broadcast_sender import (
     SyncEndpoint,
     SyncLayout,
     WeightSender,
@@ -25,6 +24,7 @@ from rayppo.learner.weight_sync import (
     param_specs,
     receive_stream,
 )
+from rayppo.learner.guard import WeightSyncError, check_weights
 from rayppo.models.fingerprint import sent_prints
 from rayppo.models.loading import load_causal_lm, load_tokenizer
 from rayppo.models.sequences import pack, policy_forward
@@ -87,7 +87,7 @@ def test_sync_makes_generator_sample_from_the_new_weights(backend, sync, long_co
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     tokenizer = load_tokenizer(long_context_dir)
     vllm = VLLMSettings(kv_cache_gib=1, collective_sync=True)
-    generator = GeneratorEngine(str(long_context_dir), SAMPLING, backend=backend, seed=0, vllm=vllm)
+    generator = GeneratorEngine(str(long_context_dir), SAMPLING, backend=backend, actor=GeneratorActor(seed=0, vllm=vllm))
     new_state = _perturbed_state(long_context_dir)
     old_model = load_causal_lm(long_context_dir, "float32").eval()
     new_model = load_causal_lm(long_context_dir, "float32").eval()
@@ -138,8 +138,8 @@ def test_a_tied_head_of_its_own_in_vllm_is_loaded_by_the_broadcast_too(tokenizer
             param.add_(0.1 * param.std() * torch.randn_like(param))
     stream = {name: t.clone() for name, t in checkpoint_tensors(model, full_tensors(model))}
     assert "lm_head.weight" not in stream  # sent once, under the embedding's name
-    generator = GeneratorEngine(str(tmp_path), SAMPLING, backend="vllm", seed=0,
-                                vllm=VLLMSettings(kv_cache_gib=1, collective_sync=True))
+    generator = GeneratorEngine(str(tmp_path), SAMPLING, backend="vllm",
+                                actor=GeneratorActor(seed=0, vllm=VLLMSettings(kv_cache_gib=1, collective_sync=True)))
     prompts = [tokenizer(t)["input_ids"] for t in ("say 7 :", "write 3 :", "give 1 :", "repeat 5 :")]
     _sync_once(generator, stream)
     after = generator.generate(PromptBatch(["p"] * 4, prompts), seed=0)
@@ -150,7 +150,7 @@ def test_a_tied_head_of_its_own_in_vllm_is_loaded_by_the_broadcast_too(tokenizer
 def test_a_tied_head_is_streamed_under_every_name_the_engine_shares_it_by():
     """The stream (broadcast) and a CUDA-IPC run both gain the alias right after its source; an
     IPC alias reuses its source's handle; a run without the source is unchanged."""
-    from rayppo.learner.weight_sync import IpcChunk
+    from rayppo.learner.broadcast_sender import IpcChunk
     from rayppo.models.weights import with_aliases
 
     aliases = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -246,7 +246,7 @@ def test_rendezvous_ports_come_from_below_the_kernels_ephemeral_range():
     ephemeral range are never handed out implicitly. Each is free, and processes draw apart."""
     import socket
 
-    from rayppo.learner.weight_sync import EPHEMERAL_RANGE, free_port
+    from rayppo.learner.broadcast_sender import EPHEMERAL_RANGE, free_port
 
     low = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else 32768
     ports = [free_port() for _ in range(20)]

@@ -18,6 +18,8 @@ in ``patch``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -58,7 +60,8 @@ def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tenso
         output_tensor[:, :common_len] = outputs[:limit, :common_len]
 
 
-def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
+# vLLM's own signature: its callers pass these seven positionally, in place of its function.
+def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,  # noqa: PLR0913
                       lora_indices_tensor: torch.Tensor, slice_offset: int, slice_size: int,
                       add_inputs: bool = True) -> None:
     """vLLM's ``bgmv_expand_slice`` (h B^T into columns ``slice_offset`` ...), grouped."""
@@ -80,9 +83,21 @@ def single_slot(token_lora_indices: torch.Tensor) -> int | None:
     return int(slots[0]) if slots.numel() == 1 and int(slots[0]) >= 0 else None
 
 
-def one_slot_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
-                         lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
-                         slot: int) -> None:
+@dataclass(frozen=True)
+class PackedLoRA:
+    """The adapters of a packed layer (q/k/v, gate/up), as vLLM's ``add_lora_linear`` is handed them."""
+
+    a: tuple[torch.Tensor, ...]
+    """Each slice's A of every slot, ``[slots, 1, r, in]``."""
+    b: tuple[torch.Tensor, ...]
+    """Each slice's B of every slot, ``[slots, 1, out_i, r]``."""
+    scale: float
+    """s, the adapters' scaling."""
+    output_slices: tuple[int, ...]
+    """Each slice's width out_i: its columns of y, in order."""
+
+
+def one_slot_lora_linear(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, slot: int) -> None:
     """``y[:, slice i] += (s x A_i^T) B_i^T`` for every slice of a packed layer (q/k/v, gate/up),
     every token served by adapter ``slot``: what vLLM 0.32's ``PunicaWrapperCPU.add_lora_linear``
     computes (``lora/punica_wrapper/punica_cpu.py``), in its dtypes — the shrink in fp32 into
@@ -90,16 +105,16 @@ def one_slot_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple
     all slices and one expand product per slice instead of two gathered ops per slice (the
     decode step's cost on CPU is the count of small ops, ~14 per decoder layer here)."""
     x = x.reshape(-1, x.shape[-1])
-    a = torch.cat([w[slot].reshape(-1, w.shape[-1]) for w in lora_a_stacked])  # [slices * r, in]
-    if scale == 1 and x.dtype == a.dtype == y.dtype:
+    a = torch.cat([w[slot].reshape(-1, w.shape[-1]) for w in lora.a])  # [slices * r, in]
+    if lora.scale == 1 and x.dtype == a.dtype == y.dtype:
         # vLLM's fp32 buffer is read in y's dtype by the expand: a product in that dtype (fp32
         # accumulation, one rounding: ATen's and oneDNN's CPU GEMMs) is the same value rounded once.
         h = x @ a.T
     else:
-        h = (x.float() @ a.float().T).mul_(scale).to(y.dtype)  # [tokens, slices * r]
+        h = (x.float() @ a.float().T).mul_(lora.scale).to(y.dtype)  # [tokens, slices * r]
     out = y.view(-1, y.shape[-1])
-    rank, offset = lora_a_stacked[0].shape[-2], 0
-    for i, (b, size) in enumerate(zip(lora_b_stacked, output_slices)):
+    rank, offset = lora.a[0].shape[-2], 0
+    for i, (b, size) in enumerate(zip(lora.b, lora.output_slices)):
         out[:, offset: offset + size] += h[:, i * rank: (i + 1) * rank] @ b[slot].reshape(size, rank).to(y.dtype).T
         offset += size
 
@@ -125,11 +140,13 @@ def patch() -> None:
         vllm_update(self, *args, **kwargs)
         setattr(self, SLOT, single_slot(self.token_lora_indices))
 
-    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
+    # vLLM's method signature: the punica wrapper is called with these, and the rest by keyword.
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,  # noqa: PLR0913
+                        buffer=None, **kwargs):
         slot = getattr(self, SLOT, None)
         if slot is None or buffer is not None or not kwargs.get("add_inputs", True):
             return vllm_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs)
-        one_slot_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, slot)
+        one_slot_lora_linear(y, x, PackedLoRA(lora_a_stacked, lora_b_stacked, scale, output_slices), slot)
         return None
 
     wrapper.update_metadata, wrapper.add_lora_linear = update_metadata, add_lora_linear

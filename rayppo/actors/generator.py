@@ -13,7 +13,7 @@ what the learner recomputes as log_softmax(logits / temperature):
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,15 +25,15 @@ from rayppo.data.rollout import Rollout
 
 # SamplingSettings and split_response are imported from here by the roles' callers.
 from rayppo.data.seeds import turn_seed
-from rayppo.engine import Engine, model_size
 from rayppo.episodes.environment import EnvironmentPool
-from rayppo.episodes.loop import EpisodeSettings
 from rayppo.episodes.play import play_episodes
+from rayppo.episodes.turn_loop import EpisodeSettings
+from rayppo.learner.broadcast_sender import IpcChunk, SyncEndpoint, SyncLayout
 from rayppo.learner.guard import HeldPrints
-from rayppo.learner.weight_sync import IpcChunk, SyncEndpoint, SyncLayout
 from rayppo.models.chat_tokens import check_template
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
+from rayppo.role_resources import Engine, Resources, model_size
 
 
 def _seeds(seed: int, prompts: PromptBatch) -> list[int]:
@@ -41,34 +41,39 @@ def _seeds(seed: int, prompts: PromptBatch) -> list[int]:
     return sample_seeds(seed, prompts.groups or range(len(prompts)))
 
 
+@dataclass(frozen=True)
+class GeneratorActor:
+    """Generator ``index`` of the fleet as a process: what sets it apart from the others, what it
+    runs on and how its vLLM engine is built (the in-process trainer's: the defaults, its device)."""
+
+    index: int = 0
+    """Its place in the fleet; every row it samples carries it (``Rollout.generator_id``)."""
+    seed: int = 0
+    """Its vLLM engine's seed (``settings.generator_seed``); no response draws from it (each row has its own)."""
+    vllm: VLLMSettings | None = None
+    """The vLLM engine's arguments (``backend="vllm"``); None: the defaults."""
+    resources: Resources = Resources()
+    """Its torch threads and GPUs."""
+    sync_fault: SyncFault = SyncFault()
+    """Testing only: a broken weight load, on purpose (``checks.sync_fault``)."""
+
+
 class GeneratorEngine(Engine):
     """Samples responses with the policy weights it holds (``policy_version``)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        sampling: SamplingSettings,
-        backend: str = "hf",
-        dtype: str = "float32",
-        generator_id: int = 0,
-        seed: int = 0,
-        vllm: VLLMSettings | None = None,
-        num_threads: int | None = None,
-        sync_fault: SyncFault = SyncFault(),
-        gpus: float = 0.0,
-        episodes: EpisodeSettings | None = None,
-    ):
-        self.set_threads(num_threads)
+    def __init__(self, model_path: str, sampling: SamplingSettings, backend: str = "hf", dtype: str = "float32",
+                 episodes: EpisodeSettings | None = None, actor: GeneratorActor = GeneratorActor()):
+        self.set_threads(actor.resources.threads)
         # vLLM places its own workers on the actor's GPUs; CUDA stays uninitialised here so that
         # its mp executor can start tensor-parallel workers.
-        self.init_device(gpus, "generators", make_current=backend != "vllm")
-        self.sync_fault = sync_fault  # testing only: a broken weight load, on purpose
+        self.init_device(actor.resources.gpus, "generators", make_current=backend != "vllm")
+        self.sync_fault = actor.sync_fault  # testing only: a broken weight load, on purpose
         self.serves_adapter = False  # the syncs send LoRA adapters (learner.lora_sync=adapter)
         self.sent_shapes: dict[str, list[int]] = {}
         model_path = str(resolve_model_path(model_path))  # "embedded" is built on this node if needed
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = sampling
-        self.generator_id = generator_id
+        self.generator_id = actor.index
         self.policy_version = 0
         self.episodes = episodes  # multi-turn: every prompt starts an episode with rollout.environment
         self._pool: EnvironmentPool | None = None
@@ -79,7 +84,7 @@ class GeneratorEngine(Engine):
             self.turn_end_ids = [texts[t] for t in check_template(self.tokenizer, list(texts), episodes.observation_role)]
         self.backend: VLLMBackend | HFBackend
         if backend == "vllm":
-            self.backend = VLLMBackend(model_path, dtype, vllm or VLLMSettings(), seed, eos_ids)
+            self.backend = VLLMBackend(model_path, dtype, actor.vllm or VLLMSettings(), actor.seed, eos_ids)
         elif backend == "hf":
             self.backend = HFBackend(model_path, dtype, self.tokenizer, eos_ids, self.device)
         else:

@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rayppo.data.seeds import row_seeds
 from rayppo.learner.adapter_weights import adapter_tensors, engine_form, peft_param_name, scaling, wrap_lora
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
+from rayppo.learner.broadcast_sender import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import pack, policy_forward
@@ -92,7 +92,7 @@ class HFBackend:
 
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         """Serve the LoRA adapter of ``version``: the model wrapped by peft once, as the learner's
-        policy is (``learner/engine.py``), then each sync's A and B copied into it; its forward is
+        policy is (``learner/learner_engine.py``), then each sync's A and B copied into it; its forward is
         the learner's, W x + s B (A x), not a merged W'."""
         if not self.adapter_config:  # the first adapter: wrap once (a fault may set ``adapter`` back to None)
             self.model = wrap_lora(self.model, config)

@@ -6,11 +6,11 @@ import torch
 
 from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
-from rayppo.engine import Engine, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.packing import cut_layout, scoring_layout
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.varlen_attention import use_varlen_attention
+from rayppo.role_resources import Engine, Resources, model_size
 
 
 class ReferenceEngine(Engine):
@@ -21,9 +21,9 @@ class ReferenceEngine(Engine):
     """
 
     def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
-                 num_threads: int | None = None, gpus: float = 0.0, micro_batch_tokens: int = 0):
-        self.set_threads(num_threads)
-        self.init_device(gpus, "reference")
+                 micro_batch_tokens: int = 0, resources: Resources = Resources()):
+        self.set_threads(resources.threads)
+        self.init_device(resources.gpus, "reference")
         model_path = str(resolve_model_path(model_path))
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(model_path).pad_token_id

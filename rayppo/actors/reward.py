@@ -17,10 +17,10 @@ from rayppo.actors.verifier import VerifierError, VerifierProcess, VerifierTimeo
 from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.reward_texts import reward_text, templated
 from rayppo.data.rollout import Rollout
-from rayppo.engine import Engine, model_size
 from rayppo.errors import RayppoError
 from rayppo.models.reward_stats import RewardStats
 from rayppo.models.sequence_scores import shared_prefix_scores, shared_scoring
+from rayppo.role_resources import Engine, Resources, model_size
 
 
 class RewardError(RayppoError, RuntimeError):
@@ -34,6 +34,8 @@ class HttpEndpoint:
     url: str
     timeout_s: float = 30.0
     retries: int = 3
+    batch_size: int = 32
+    """Rows per request (``reward.batch_size``)."""
 
     def scores(self, prompts: list[str], responses: list[str], messages: list[list[dict] | None] | None = None,
                rows: list[dict[str, Any]] | None = None) -> list[float]:
@@ -65,58 +67,83 @@ class HttpEndpoint:
         return [float(x) for x in scores]
 
 
-def endpoint_from(url: str | None, timeout_s: float, retries: int) -> HttpEndpoint | None:
-    """The HTTP scorer of ``reward.url``, or None when the reward is a function or a model."""
-    return HttpEndpoint(url, timeout_s, retries) if url else None
+@dataclass(frozen=True)
+class Verifier:
+    """A verifier function, each call in a child process with a deadline (``verifier.py``)."""
+
+    function: str
+    """``module:function`` (``reward.function``; the gold scorer's: ``reward.gold_function``)."""
+    timeout_s: float = 30.0
+    """Seconds a call may run before its process is killed (``reward.timeout_s``)."""
+    timeout_score: float | None = None
+    """The score of a call past ``timeout_s``; None: the run stops with the error (``reward.timeout_score``)."""
+
+
+@dataclass(frozen=True)
+class ModelScorer:
+    """An HF reward model (``reward.model``), re-fed each prompt and response as text."""
+
+    path: str
+    """Its folder, or a built-in model's name (resolved where the engine runs)."""
+    dtype: str = "float32"
+    """``model.dtype``."""
+    batch_size: int = 32
+    """Rows per pass (``reward.batch_size``) where ``micro_batch_tokens`` is 0."""
+    micro_batch_tokens: int = 0
+    """Padded tokens per pass, about equal (``reward.micro_batch_tokens``); 0: ``batch_size`` rows."""
+    normalize: bool = True
+    """Its scores served as (r − mean) / std by its ``reward_stats.json`` (``reward.normalize``)."""
+
+
+Scorer = Verifier | ModelScorer | HttpEndpoint
+"""Where a reward comes from: exactly one of a verifier, a reward model and an HTTP endpoint."""
+
+
+def _started(verifier: Verifier) -> VerifierProcess:
+    """The verifier's child process; a bad name fails here, at start, with the field named."""
+    load_reward_function(verifier.function)
+    return VerifierProcess(verifier.function, verifier.timeout_s)
 
 
 class RewardEngine(Engine):
-    """Scores responses with exactly one of: a verifier function, a reward model folder, or an
-    HTTP endpoint (``HttpEndpoint``).
+    """Scores responses with one ``Scorer``: a verifier function (``Verifier``), a reward model
+    folder (``ModelScorer``) or an HTTP endpoint (``HttpEndpoint``).
 
     A reward model is re-fed *text* (prompt + response) through its own tokenizer, so it may use
     a different vocabulary from the policy; with its own chat template when it has one. A verifier
     and an endpoint also get each prompt row's conversation and other columns.
     """
 
-    def __init__(self, function: str | None = None, model: str | None = None, batch_size: int = 32,
-                 dtype: str = "float32", num_threads: int | None = None, http: HttpEndpoint | None = None,
-                 gpus: float = 0.0, timeout_s: float = 30.0, timeout_score: float | None = None,
-                 micro_batch_tokens: int = 0, gold: str | None = None, normalize: bool = True):
-        """``gold``: a gold scorer ``module:function`` run beside the reward (``gold_scores``).
-        ``normalize``: a reward model's scores as (r − mean) / std by its ``reward_stats.json``."""
-        self.set_threads(num_threads)
-        self.init_device(gpus, "reward")
-        if sum(x is not None for x in (function, model, http)) != 1:
-            raise ValueError("RewardEngine needs exactly one of function=, model= and http=")
-        self.batch_size = batch_size
-        self.micro_batch_tokens = micro_batch_tokens  # reward model passes only
+    def __init__(self, scorer: Scorer, gold: Verifier | None = None, resources: Resources = Resources()):
+        """``gold``: a gold scorer run beside the reward (``gold_scores``)."""
+        self.set_threads(resources.threads)
+        self.init_device(resources.gpus, "reward")
+        if not isinstance(scorer, (Verifier, ModelScorer, HttpEndpoint)):
+            raise ValueError(f"RewardEngine needs a Verifier, a ModelScorer or an HttpEndpoint, got {scorer!r}")
+        self.scorer, self.gold_verifier = scorer, gold
         self.stats: RewardStats | None = None  # a reward model's offset and unit (reward.normalize)
-        if function:
-            load_reward_function(function)  # a bad name fails here, at start, with the field named
-        # Each call runs in a child process that is killed past timeout_s (verifier.py).
-        self.function = VerifierProcess(function, timeout_s) if function else None
-        if gold:
-            load_reward_function(gold)
-        self.gold = VerifierProcess(gold, timeout_s) if gold else None
-        self.gold_name = gold or ""
-        self.timeout_s, self.timeout_score = timeout_s, timeout_score
-        self.http = http
-        self.name = function or model or (http.url if http else "")
-        if model is not None:
-            from rayppo.models.loading import load_reward_model, load_tokenizer, resolve_model_path
+        self.function = _started(scorer) if isinstance(scorer, Verifier) else None
+        self.gold = _started(gold) if gold else None
+        self.http = scorer if isinstance(scorer, HttpEndpoint) else None
+        self.name = scorer.function if isinstance(scorer, Verifier) else (
+            scorer.path if isinstance(scorer, ModelScorer) else scorer.url)
+        if isinstance(scorer, ModelScorer):
+            self._load_model(scorer)
 
-            model = str(resolve_model_path(model))
-            self.model = load_reward_model(model, dtype).to(self.device).eval().requires_grad_(False)
-            self.stats = RewardStats.read(model) if normalize else None
-            self.tokenizer = load_tokenizer(model)
-            self.tokenizer.padding_side = "right"
-            # a group's shared prompt run once (models/sequence_scores.py), where the family allows
-            self.shared_prefix = shared_scoring(self.model)
+    def _load_model(self, scorer: ModelScorer) -> None:
+        from rayppo.models.loading import load_reward_model, load_tokenizer, resolve_model_path
+
+        model = str(resolve_model_path(scorer.path))
+        self.model = load_reward_model(model, scorer.dtype).to(self.device).eval().requires_grad_(False)
+        self.stats = RewardStats.read(model) if scorer.normalize else None
+        self.tokenizer = load_tokenizer(model)
+        self.tokenizer.padding_side = "right"
+        # a group's shared prompt run once (models/sequence_scores.py), where the family allows
+        self.shared_prefix = shared_scoring(self.model)
 
     def describe(self) -> str:
-        if self.function:
-            return f"verifier {self.name} in a child process (reward.timeout_s={self.timeout_s:g})"
+        if isinstance(self.scorer, Verifier):
+            return f"verifier {self.name} in a child process (reward.timeout_s={self.scorer.timeout_s:g})"
         if self.http:
             return f"HTTP endpoint {self.http.url}"
         served = (f", served as (r - {self.stats.mean:.3g}) / {self.stats.std:.3g} (its reward_stats.json)"
@@ -125,8 +152,8 @@ class RewardEngine(Engine):
 
     def scores(self, rollout: Rollout) -> list[float]:
         """``[B]`` r_phi(x, y); raises ``RewardError`` naming the prompt on failure or non-finite."""
-        if self.function:
-            values = self._verifier_scores(rollout)
+        if self.function is not None and isinstance(self.scorer, Verifier):
+            values = self._verifier_scores(rollout, self.function, self.scorer)
         elif self.http:
             values = self._http_scores(rollout)
         else:
@@ -140,8 +167,8 @@ class RewardEngine(Engine):
         messages, rows = rollout.conversations(), rollout.row_fields()
         out: list[float] = []
         assert self.http is not None  # scores() calls this only with an endpoint
-        for start in range(0, len(rollout), self.batch_size):
-            part = slice(start, start + self.batch_size)
+        for start in range(0, len(rollout), self.http.batch_size):
+            part = slice(start, start + self.http.batch_size)
             out.extend(self.http.scores(rollout.prompt_text[part], rollout.response_text[part], messages[part],
                                         rows[part]))
         return out
@@ -149,24 +176,24 @@ class RewardEngine(Engine):
     def gold_scores(self, rollout: Rollout) -> list[float]:
         """``[B]`` the gold scorer's scores of the rows (``reward.gold_function``); ``RewardError``
         naming the prompt on failure, as for the reward."""
-        if self.gold is None:
+        if self.gold is None or self.gold_verifier is None:
             raise RewardError("gold_scores called on a reward actor without reward.gold_function")
-        return self._verifier_scores(rollout, self.gold, self.gold_name)
+        return self._verifier_scores(rollout, self.gold, self.gold_verifier)
 
-    def _verifier_scores(self, rollout: Rollout, function: VerifierProcess | None = None, name: str = "") -> list[float]:
+    def _verifier_scores(self, rollout: Rollout, function: VerifierProcess, verifier: Verifier) -> list[float]:
+        """``function``'s scores (the process of ``verifier``: the reward's, or the gold scorer's)."""
         out = []
-        function, name = function or self.function, name or self.name
-        assert function is not None  # scores() calls this only with a verifier
+        name, timeout_s, timeout_score = verifier.function, verifier.timeout_s, verifier.timeout_score
         rows = zip(rollout.prompt_text, rollout.response_text, rollout.row_fields(), rollout.conversations())
         for prompt, response, fields, messages in rows:
             try:
                 out.append(float(function(prompt, response, fields, messages)))
             except VerifierTimeoutError:
-                if self.timeout_score is None:
-                    raise RewardError(f"reward function {name} ran past reward.timeout_s={self.timeout_s:g} s on "
+                if timeout_score is None:
+                    raise RewardError(f"reward function {name} ran past reward.timeout_s={timeout_s:g} s on "
                                       f"prompt {prompt!r} (response {response!r}); set reward.timeout_score to score "
                                       "such responses instead of stopping") from None
-                out.append(self.timeout_score)
+                out.append(timeout_score)
             except Exception as exc:  # noqa: BLE001 - any failure of user code is reported the same way
                 what = str(exc) if isinstance(exc, VerifierError) else f"{type(exc).__name__}: {exc}"  # named already
                 raise RewardError(f"reward function {name} failed on prompt {prompt!r} (response {response!r}): "
@@ -195,7 +222,9 @@ class RewardEngine(Engine):
         lengths = [len(row) for row in ids]
         out = [0.0] * len(texts)
         # Micro-batches of about equal padded tokens (``reward.micro_batch_tokens``), or fixed runs of rows.
-        for rows in scoring_batches([0] * len(texts), lengths, self.micro_batch_tokens, self.batch_size):
+        scorer = self.scorer
+        assert isinstance(scorer, ModelScorer)  # scores() calls this only with a reward model
+        for rows in scoring_batches([0] * len(texts), lengths, scorer.micro_batch_tokens, scorer.batch_size):
             if self.shared_prefix:  # the rows of one prompt share their common prefix's columns
                 groups: dict[str, list[int]] = {}
                 for j, i in enumerate(rows):

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from rayppo.actors.hf_backend import SamplingSettings
-from rayppo.actors.reward import endpoint_from
+from rayppo.actors.reward import HttpEndpoint, ModelScorer, Scorer, Verifier
 from rayppo.config.schema import Config
-from rayppo.episodes.loop import EpisodeSettings
+from rayppo.episodes.turn_loop import EpisodeSettings
+from rayppo.role_resources import Resources
 
 
 def sampling_settings(cfg: Config) -> SamplingSettings:
@@ -38,14 +39,26 @@ def reference_args(cfg: Config, gpus: float, num_threads: int | None = None,
     policy's) unless ``model_path`` gives it resolved."""
     m = cfg.model
     return dict(model_path=model_path or m.reference or m.policy, temperature=cfg.rollout.temperature, dtype=m.dtype,
-                num_threads=num_threads, gpus=gpus, micro_batch_tokens=cfg.reference.micro_batch_tokens)
+                micro_batch_tokens=cfg.reference.micro_batch_tokens, resources=Resources(num_threads, gpus))
 
 
 def reward_args(cfg: Config, gpus: float, num_threads: int | None = None, model: str | None = None) -> dict[str, Any]:
-    """``RewardEngine``'s constructor arguments: one of ``reward.function``, ``reward.model``
-    (unless ``model`` gives it resolved) and ``reward.url``."""
+    """``RewardEngine``'s constructor arguments: the scorer of ``reward.function``, ``reward.model``
+    (unless ``model`` gives it resolved) or ``reward.url`` (None where the config has none: an
+    environment's turn rewards are the reward, and no reward actor starts), and the gold scorer."""
     r = cfg.reward
-    return dict(function=r.function, model=model or r.model, batch_size=r.batch_size, dtype=cfg.model.dtype,
-                num_threads=num_threads, http=endpoint_from(r.url, r.timeout_s, r.retries), gpus=gpus,
-                timeout_s=r.timeout_s, timeout_score=r.timeout_score, micro_batch_tokens=r.micro_batch_tokens,
-                gold=r.gold_function, normalize=r.normalize)
+    gold = Verifier(r.gold_function, r.timeout_s, r.timeout_score) if r.gold_function else None
+    return dict(scorer=reward_scorer(cfg, model), gold=gold, resources=Resources(num_threads, gpus))
+
+
+def reward_scorer(cfg: Config, model: str | None = None) -> Scorer | None:
+    """The one scorer the reward section names (``checks.validate`` allows no more than one)."""
+    r = cfg.reward
+    if r.function:
+        return Verifier(r.function, r.timeout_s, r.timeout_score)
+    path = model or r.model
+    if path:
+        return ModelScorer(path, cfg.model.dtype, r.batch_size, r.micro_batch_tokens, r.normalize)
+    if r.url:
+        return HttpEndpoint(r.url, r.timeout_s, r.retries, r.batch_size)
+    return None

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from rayppo.learner.adapter_weights import adapter_modules
-from rayppo.learner.weight_sync import ParamSpec, open_ipc_handle, receive_stream
+from rayppo.learner.broadcast_sender import ParamSpec, open_ipc_handle, receive_stream
 from rayppo.models.fingerprint import held_prints
 from rayppo.models.weights import SyncFault
 

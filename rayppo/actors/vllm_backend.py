@@ -32,8 +32,8 @@ from rayppo.actors.vllm_adapters import (
     worker_stage_ipc_adapter,
 )
 from rayppo.learner.adapter_weights import vllm_max_rank
+from rayppo.learner.broadcast_sender import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.learner.guard import HeldPrints
-from rayppo.learner.weight_sync import IpcChunk, ParamSpec, SyncEndpoint
 from rayppo.models.shape import max_positions
 from rayppo.models.weights import SyncFault, with_aliases
 

@@ -9,7 +9,7 @@ fused q/k/v projections are handled by vLLM).
 
 rayppo registers its own engine, ``rayppo``, instead of using vLLM's ``nccl`` one: vLLM's
 trainer side opens the group with vLLM's own rendezvous and communicator, which would make the
-learner import vLLM. Ours joins the group of ``rayppo/learner/weight_sync.py``: a plain
+learner import vLLM. Ours joins the group of ``rayppo/learner/broadcast_sender.py``: a plain
 ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs, so the same code is tested on
 CPU machines). Each worker's rank is ``rank_offset + its rank in the engine``, so tensor-parallel
 generators work: every worker receives the full tensors and vLLM's loader shards them.
@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransfe
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rayppo.actors.held_weights import tied_aliases
-from rayppo.learner.weight_sync import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
+from rayppo.learner.broadcast_sender import ParamSpec, SyncEndpoint, SyncGroup, open_sync_group, receive_stream
 from rayppo.models.weights import SyncFault, with_aliases
 
 BACKEND = "rayppo"

@@ -16,7 +16,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import their modules when run: `rayppo config` starts without Ray
+    from rayppo.cluster.jobs import JobStanding
 
 PLAN_EPILOG = """Estimates each role's peak memory per actor from the models' config.json (no model is
 loaded) and checks CPUs, GPUs, per-GPU memory and total RSS against the cluster: exit 0 when it
@@ -137,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--verbose", "-v", action="store_true",
                        help="show the libraries' output here too (by default it goes to DIR/logs/)")
     _submit_parser(sub)
-    from rayppo.cli.reward_model import add_pairs_parser
-    from rayppo.cli.reward_model import add_parser as add_reward_model
+    from rayppo.cli.preference_commands import add_pairs_parser
+    from rayppo.cli.preference_commands import add_parser as add_reward_model
 
     add_pairs_parser(sub)
     add_reward_model(sub)
@@ -273,9 +276,9 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
     if note:
         print(note)
     with jobs.answered(args.address):
-        job_id = jobs.submit(cfg, args.address, env, ship_code=not args.no_ship_code, bench=args.bench,
-                             submission_id=args.job_id,
-                             working_dir=None if args.no_working_dir else Path(args.working_dir))
+        shipment = jobs.Shipment(env, ship_code=not args.no_ship_code, bench=args.bench, submission_id=args.job_id,
+                                 working_dir=None if args.no_working_dir else Path(args.working_dir))
+        job_id = jobs.submit(cfg, args.address, shipment)
         print(f"submitted {job_id}")
         if not args.wait:
             print(f"follow it with: rayppo logs {job_id} --follow   (status: rayppo status {job_id})")
@@ -283,6 +286,20 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> int:
         final = jobs.wait(job_id, args.address)
     print(f"job {job_id}: {final}; its outputs: {cfg.output.dir}/")
     return 0 if final == "SUCCEEDED" else 1
+
+
+def _job_status(standing: JobStanding) -> str:
+    """A job's state, and where its run stands when its folder is readable here (``rayppo status
+    DIR``'s lines: iterations, the generator fleet, the latest checkpoint). Put together here: the
+    cluster's jobs may not import the run's status, a floor above them."""
+    from rayppo.errors import RayppoError
+    from rayppo.run.status import run_status
+
+    try:
+        lines = run_status(standing.run_dir) if standing.run_dir else []
+    except (RayppoError, OSError):  # not started yet, or on storage this machine does not see
+        lines = []
+    return "\n".join([standing.state, *(f"  {line}" for line in lines)])
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -297,7 +314,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         if args.command == "status" and args.job_id is None:
             print("\n".join(jobs.list_jobs(args.address)) or "no jobs on this cluster")
         elif args.command == "status":
-            print(f"{args.job_id}: {jobs.status(args.job_id, args.address)}")
+            print(f"{args.job_id}: {_job_status(jobs.status(args.job_id, args.address))}")
         elif args.command == "logs":
             jobs.logs(args.job_id, args.address, args.follow)
         else:
@@ -314,7 +331,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(to_dict(Config()), sort_keys=False), end="")
         return 0
     if args.markdown:
-        from rayppo.config.reference import reference_markdown
+        from rayppo.config.reference_page import reference_markdown
 
         print(reference_markdown(), end="")
         return 0
@@ -332,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command in ("config", "status", "logs", "stop") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from rayppo.cli.reward_model import cmd_pairs, cmd_reward_model
+    from rayppo.cli.preference_commands import cmd_pairs, cmd_reward_model
 
     commands = {"train": cmd_train, "scale": cmd_scale, "plan": cmd_plan, "bench": cmd_bench, "submit": cmd_submit,
                 "pairs": cmd_pairs, "reward-model": cmd_reward_model}

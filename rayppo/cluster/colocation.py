@@ -11,6 +11,11 @@ When every role shares the learner's GPUs, memory is shared in time. Per iterati
     release           the sync's gathered and IPC-shared blocks go back to the device
     wake kv_cache     the KV cache is re-allocated for the next generation
 
+The synchronous rollout source (the only one colocated mode runs: generation and learning take
+turns) calls each step where it belongs (``trainers/sync_source.py``): ``sleep_generators`` once
+it has generated, ``wake_weights`` as its sync begins, ``wake_kv_cache`` once the sync is checked;
+``record`` keeps the order of what happened (``events``).
+
 Level 1 keeps a host copy of the weights, so a failed sync cannot leave an engine with none; the
 KV cache holds no state between iterations. vLLM refuses sleep mode on CPU (``vllm/platforms/
 cpu.py``, 0.32): there the same schedule runs and each sleep/wake is recorded as skipped, so
@@ -25,7 +30,8 @@ import logging
 
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get_within
-from rayppo.engine import Engine
+from rayppo.cluster.learner_group import LearnerGroup
+from rayppo.role_resources import Engine
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +43,12 @@ class DeviceSchedule:
 
     def __init__(self, colocated: bool, timeout_s: float | None = None):
         self.colocated, self.timeout_s = colocated, timeout_s
-        self.generators: ActorGroup | None = None  # set once they are spawned
-        # The roles that use the GPU while vLLM sleeps: the scorers, and the learner's ranks (set
-        # again when a learner restart replaces them).
+        self.generators: ActorGroup | None = None
+        """The generators it sleeps and wakes; None until they are spawned (``roles_spawned``)."""
         self.scorers: list[ActorGroup] = []
-        self.learner: ActorGroup | None = None
+        """The roles besides the learner that use the GPU while vLLM sleeps."""
+        self.learner: LearnerGroup | None = None
+        """The learner group, whose ranks (new ones after a learner restart) use the GPU too."""
         self.events: list[str] = []
         self.asleep: set[str] = set()
         """What the generators have given back and not taken again: ``weights``, ``kv_cache``."""
@@ -53,25 +60,15 @@ class DeviceSchedule:
             raise RuntimeError("colocation: the generators are slept or woken before they are spawned")
         return self.generators
 
-    def stage(self, name: str) -> None:
-        """Record a stage of the iteration (only in colocated mode, where order matters)."""
+    def roles_spawned(self, generators: ActorGroup, scorers: list[ActorGroup], learner: LearnerGroup) -> None:
+        """The roles that share the GPUs are up: the generators to sleep and wake, and the others
+        to release their cached memory before each wake-up."""
+        self.generators, self.scorers, self.learner = generators, scorers, learner
+
+    def record(self, event: str) -> None:
+        """Record a step of start-up or of the iteration (only in colocated mode, where order matters)."""
         if self.colocated:
-            self.events.append(name)
-
-    def before(self, stage: str) -> None:
-        """Before a stage of the iteration: the generators' weights come back for the sync."""
-        if stage == "sync":
-            self.wake_weights()
-
-    def after(self, stage: str) -> None:
-        """After a stage: it is recorded; the generators give their memory back once they have
-        generated, and take their KV cache back once the sync is checked."""
-        if stage != "verify":
-            self.stage(stage)
-        if stage == "generate":
-            self.sleep_generators()
-        elif stage == "verify":
-            self.wake_kv_cache()
+            self.events.append(str(event))  # a trainer's stage by its name
 
     def sleep_generators(self) -> None:
         """Before scoring and learning: the generators give their GPU memory back."""
@@ -121,7 +118,7 @@ class DeviceSchedule:
         return get_within(futures, self.timeout_s, f"colocated mode: {step} did not complete")
 
     def _release_others(self) -> None:
-        for group in [*self.scorers, *([self.learner] if self.learner is not None else [])]:
+        for group in [*self.scorers, *([self.learner.ranks] if self.learner is not None else [])]:
             self._get(group, group.call_all(Engine.release_cached_memory), "release cached memory")
         self.events.append("others: release cached memory")
 

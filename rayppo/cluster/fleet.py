@@ -11,6 +11,11 @@ boundary the trainer takes it back (``returned``): it loads the current weights,
 are checked, and it samples from then on (``rejoin``). Below ``generators.min_num`` generators
 the run stops with a checkpoint and the command to resume.
 
+Once the rollout source that feeds from it exists, the fleet is driven by it (``controlled_by``,
+``cluster/fleet_control.py``): the fleet pauses what samples on its own (``paused``), brings a
+generator that returns up to date (``take_back``), every one to a restored policy (``restart``),
+and grows by more generators without a restart (``grow``, ``rayppo scale``).
+
 The fleet is written to ``fleet.json`` in the run folder on every change (``rayppo status DIR``
 shows it) and goes into each iteration's metrics (``fleet/generators``, ``faults/generators_lost``).
 """
@@ -20,20 +25,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import RayActorError
 
+from rayppo.cluster.fleet_control import FleetControl
+from rayppo.cluster.fleet_file import FLEET_FILE
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.placement import Placement, bundle_placed
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
-from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, FleetTooSmallError, GeneratorLostError
-from rayppo.run.status import FLEET_FILE
+from rayppo.role_resources import Engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,7 +64,36 @@ class Fleet:
         self._left: set[int] = set()  # generators that left it at some time
         self.iteration = 0
         """The iteration the trainer is in (for the messages and ``fleet.json``; set by ``returned``)."""
+        self.control: FleetControl | None = None
+        """What drives it once the rollout source exists (``controlled_by``)."""
         self._save()
+
+    def controlled_by(self, control: FleetControl) -> None:
+        """From now on the fleet pauses, brings up to date, restarts and grows its generators with
+        ``control``'s parts (``cluster/fleet_control.py``)."""
+        self.control = control
+
+    def _controlled(self) -> FleetControl:
+        if self.control is None:
+            raise RuntimeError("the fleet is driven by no rollout source yet (Fleet.controlled_by)")
+        return self.control
+
+    @contextmanager
+    def paused(self, current: bool = False) -> Iterator[None]:
+        """The generators to the caller alone inside (evaluation, a generator rejoining, a restore):
+        what samples from them on its own stops first and starts again after (the pipeline's
+        batches in flight are drawn again); with ``current`` every generator first holds the
+        published policy. Nothing samples between calls otherwise: then there is nothing to stop."""
+        sampler = self._controlled().sampler
+        if sampler is None:
+            yield
+            return
+        with sampler.paused(current):
+            yield
+
+    def restart(self, version: int) -> None:
+        """After a restore (inside ``paused``): every generator takes the learner's ``version``."""
+        self._controlled().keeper.restart(version)
 
     @property
     def placed_by_ray(self) -> bool:
@@ -143,19 +179,46 @@ class Fleet:
                 self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
         return back
 
-    def grow(self, added: list[int], minimum: int) -> None:
-        """New generators ``added`` (``rayppo scale``) wait like lost ones: each joins at the first
-        iteration boundary after it is placed and built (``returned``, ``rejoin``); from now on the
-        run goes on with no fewer than ``minimum`` (``generators.min_num`` may come with them)."""
+    def take_back(self, iteration: int) -> list[int]:
+        """At the boundary before ``iteration``: the generators that ``returned`` take the current
+        weights, are checked and rejoin (``rejoin``), with what samples on its own paused
+        meanwhile; ``on_join`` is told. Returns them."""
+        back = self.returned(iteration)
+        if back:
+            control = self._controlled()
+            with self.paused():
+                self.rejoin_all(back, control.keeper.bring_up_to_date)
+            control.on_join()
+        return back
+
+    def room_to_grow(self, generators: int) -> bool:
+        """Whether the cluster has room now for ``generators`` in all (more than now)."""
+        more = generators - len(self.group)
+        return more > 0 and self._controlled().spawner.room_for(more)
+
+    def grow(self, generators: int, minimum: int, iteration: int) -> list[int]:
+        """``generators`` generators in all from now on (more than now), at least ``minimum`` of
+        them sampling (``generators.min_num`` may come with them), without a restart
+        (``rayppo scale``). The new ones start in placement groups of their own and wait like lost
+        ones; those placed and built within ``cluster.placement_timeout_s`` join at once, at the
+        boundary before ``iteration`` (``take_back``), the others at a later boundary. Returns
+        their indices."""
+        spawner, placement = self._controlled().spawner, self.placement
+        if placement is None:
+            raise RuntimeError("a fleet outside placement groups does not grow")
+        added = []
+        for group, bundle in spawner.reserve(generators - len(self.group)):
+            i = placement.add(group, bundle)
+            added.append(self.group.add(*spawner.actor(i, placement)))
+            assert added[-1] == i, f"generator {added[-1]} placed as {i}"  # one list of places per actor
         self.minimum = minimum
         for i in added:
             self.waiting[i] = self.group.call_at(i, Engine.process_id, ())
         self._save()
-
-    def wait(self, generators: list[int], timeout_s: float) -> None:
-        """Wait until the waiting ``generators`` are placed and built, ``timeout_s`` at most."""
-        answers = [self.waiting[i] for i in generators if i in self.waiting]
-        ray.wait(answers, num_returns=len(answers), timeout=timeout_s)
+        answers = [self.waiting[i] for i in added]
+        ray.wait(answers, num_returns=len(answers), timeout=self.place_timeout_s)
+        self.take_back(iteration)
+        return added
 
     def rejoin_all(self, generators: list[int], bring_up_to_date: Callable[[int], None]) -> None:
         """``rejoin`` each of ``generators``; one lost again while catching up waits for a place again."""

@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -140,41 +141,61 @@ def pin_output_dir(cfg: Config) -> str | None:
             f"writes to {cfg.output.dir} (on a cluster of several machines, give a folder they all share with you)")
 
 
-def submit(cfg: Config, address: str | None, env: dict[str, str], ship_code: bool = True,
-           bench: str | None = None, submission_id: str | None = None, working_dir: Path | None = None) -> str:
-    """Submit ``rayppo train`` (or ``rayppo bench --workload BENCH``) with ``cfg``, shipping
-    ``working_dir`` (None: only job.yaml and the code); returns the job id. ``output.dir`` must be
-    absolute (``pin_output_dir``)."""
+@dataclass(frozen=True)
+class Shipment:
+    """What a submission carries besides its config, and what the job runs."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of the job (``--env KEY=VALUE``), beside rayppo's own."""
+    ship_code: bool = True
+    """Ship this checkout's ``rayppo`` package (and ``benchmarks/`` for a bench job)."""
+    bench: str | None = None
+    """Run ``rayppo bench --workload BENCH`` instead of ``rayppo train``."""
+    submission_id: str | None = None
+    """The job's id; None: Ray's."""
+    working_dir: Path | None = None
+    """The project folder to ship; None: only job.yaml and the code."""
+
+
+def submit(cfg: Config, address: str | None, shipment: Shipment) -> str:
+    """Submit ``rayppo train`` (or ``rayppo bench --workload BENCH``) with ``cfg``, shipping what
+    ``shipment`` says; returns the job id. ``output.dir`` must be absolute (``pin_output_dir``)."""
+    bench, ship_code = shipment.bench, shipment.ship_code
     if not Path(cfg.output.dir).is_absolute():
         raise ConfigError(f"output.dir: {cfg.output.dir} is relative; a job runs in a temporary copy of its working "
                           "directory (give an absolute path, on storage the cluster shares)")
-    staging = _staging_dir(cfg, ship_code, bench is not None, working_dir)
+    staging = _staging_dir(cfg, ship_code, bench is not None, shipment.working_dir)
     # With the code shipped, `python -m rayppo.cli` imports it from the job's working directory.
     program = "python -m rayppo.cli" if ship_code else "rayppo"
     if bench:
         entrypoint = f"{program} bench --workload {bench} --output {cfg.output.dir}"
     else:
         entrypoint = f"{program} train --config job.yaml --no-progress"
-    runtime_env = {"working_dir": str(staging), "env_vars": {**ACTOR_ENV, STOP_WAIT_ENV: str(stop_wait_s(cfg)), **env}}
+    runtime_env = {"working_dir": str(staging),
+                   "env_vars": {**ACTOR_ENV, STOP_WAIT_ENV: str(stop_wait_s(cfg)), **shipment.env}}
     return client(address).submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                      submission_id=submission_id,
+                                      submission_id=shipment.submission_id,
                                       metadata={"rayppo": bench or "train", "output_dir": cfg.output.dir})
 
 
-def status(job_id: str, address: str | None) -> str:
-    """``RUNNING``, and where the run stands when its folder is readable here (``rayppo status DIR``'s
-    lines: iterations, the generator fleet, the latest checkpoint)."""
-    from rayppo.errors import RayppoError
-    from rayppo.run.status import run_status
+@dataclass(frozen=True)
+class JobStanding:
+    """Where a job stands on the cluster; the run's own progress is read from ``run_dir`` by the
+    caller (``rayppo.run.status``: a floor above the cluster's)."""
 
+    state: str
+    """``RUNNING``, with the cluster's message in brackets when it has one."""
+    run_dir: str | None
+    """The run folder (``output.dir``) of a ``rayppo train`` job; None for a bench job or another's."""
+
+
+def status(job_id: str, address: str | None) -> JobStanding:
+    """The job's state, and the folder its run writes (when it is a ``rayppo train``)."""
     info = client(address).get_job_info(job_id)
     message = f" ({info.message})" if info.message else ""
-    folder = (info.metadata or {}).get("output_dir")
-    try:
-        lines = run_status(folder) if folder and info.metadata.get("rayppo") == "train" else []
-    except (RayppoError, OSError):  # not started yet, or on storage this machine does not see
-        lines = []
-    return "\n".join([f"{info.status.value}{message}", *(f"  {line}" for line in lines)])
+    metadata = info.metadata or {}
+    run_dir = metadata.get("output_dir") if metadata.get("rayppo") == "train" else None
+    return JobStanding(f"{info.status.value}{message}", run_dir)
 
 
 def logs(job_id: str, address: str | None, follow: bool, out=None) -> None:

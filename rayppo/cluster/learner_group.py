@@ -26,12 +26,12 @@ from rayppo.console import console
 from rayppo.data.micro_batches import balanced_shards
 from rayppo.data.rollout import Rollout, split_evenly
 from rayppo.data.seeds import minibatch_seed
-from rayppo.engine import Engine
 from rayppo.errors import LearnerFailedError, brief
-from rayppo.learner.engine import LearnerEngine
+from rayppo.learner.broadcast_sender import SyncEndpoint, free_port
+from rayppo.learner.learner_engine import LearnerEngine
+from rayppo.learner.minibatches import minibatch_plan
 from rayppo.learner.step import LearnResult
-from rayppo.learner.update import minibatch_plan
-from rayppo.learner.weight_sync import SyncEndpoint, free_port
+from rayppo.role_resources import Engine
 
 
 def _rendezvous_address() -> tuple[str, int]:
@@ -150,7 +150,7 @@ class LearnerGroup:
 
     def shards(self, rollout: Rollout, iteration: int) -> list[list[int]]:
         """The global rows each rank trains on: the first epoch's minibatches (the plan every rank
-        computes, ``update.minibatch_plan``) dealt by tokens, so no rank waits on another's long
+        computes, ``minibatches.minibatch_plan``) dealt by tokens, so no rank waits on another's long
         rows at every step; by rows when that would leave a rank without any."""
         p = self._spec[0].ppo
         plan = minibatch_plan(len(rollout), p.epochs, p.minibatches, seed=minibatch_seed(self._spec[0].seed, iteration),

@@ -68,6 +68,12 @@ class Placement:
     bundle: dict[str, float] = field(default_factory=dict)
     capture_child_tasks: bool = False
 
+    def add(self, group: PlacementGroup, bundle: int) -> int:
+        """One more actor's place: bundle ``bundle`` of ``group``. Returns the actor's index."""
+        self.groups.append(group)
+        self.bundles.append(bundle)
+        return len(self.groups) - 1
+
     def actor_options(self, i: int, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Ray actor options for actor ``i`` of the role."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rayppo.actors.generator import GeneratorEngine, VLLMSettings
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
 from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
@@ -22,7 +22,7 @@ from rayppo.cluster.address import machine_cores
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
-from rayppo.cluster.placement import Placement, reserve_generators, role_specs
+from rayppo.cluster.placement import Placement, reserve_generators, role_specs, room_for_generators
 from rayppo.cluster.session import ACTOR_ENV
 from rayppo.config.derived import (
     lora_sync,
@@ -36,8 +36,8 @@ from rayppo.config.derived import (
 )
 from rayppo.config.schema import Config
 from rayppo.console import console
-from rayppo.engine import CORES_ENV, LOG_FILE_ENV, Engine
 from rayppo.models.weights import SyncFault
+from rayppo.role_resources import CORES_ENV, LOG_FILE_ENV, Engine, Resources
 
 
 @dataclass
@@ -70,9 +70,9 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     if generators_start_first(cfg):
         # vLLM charges every device-wide memory change during its profiling window to itself
         # (and asserts when others free memory): the roles sharing its GPUs start after it.
-        schedule.stage("spawn generators")
+        schedule.record("spawn generators")
         generators.get(generators.call_all(Engine.ready))
-        schedule.stage("generators ready")
+        schedule.record("generators ready")
     reference = reference_args(cfg, gpus["reference"], threads["reference"])
     reward = reward_args(cfg, gpus["reward"], threads["reward"])
     roles = Roles(
@@ -81,7 +81,8 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
         ActorGroup(RewardEngine, [reward] * reward_actors(cfg), options("reward", reward_actors(cfg))),
         LearnerGroup(cfg, placements["learner"], options("learner", cfg.learner.num_ranks), threads["learner"]),
     )
-    schedule.stage("spawn reference, reward, learner")
+    schedule.record("spawn reference, reward, learner")
+    schedule.roles_spawned(roles.generators, [roles.reference, roles.rewards], roles.learner)
     return roles
 
 
@@ -97,24 +98,34 @@ def generator_args(cfg: Config, context: int | None, index: int) -> dict[str, An
     """The constructor arguments of generator ``index``."""
     g, m = cfg.generators, cfg.model
     gpus = next(spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg) if spec.name == "generators")
+    threads = role_threads(cfg, "generators", machine_cores(cfg.cluster.address))
+    actor = GeneratorActor(index, generator_seed(cfg.seed, index), vllm_settings(cfg, context), Resources(threads, gpus),
+                           SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor))  # the fault: testing only
     return dict(model_path=m.policy, sampling=sampling_settings(cfg), backend=g.backend, dtype=m.dtype,
-                vllm=vllm_settings(cfg, context),
-                num_threads=role_threads(cfg, "generators", machine_cores(cfg.cluster.address)),
-                sync_fault=SyncFault(cfg.checks.sync_fault, cfg.checks.sync_fault_tensor),  # testing only
-                gpus=gpus, episodes=episode_settings(cfg), generator_id=index, seed=generator_seed(cfg.seed, index))
+                episodes=episode_settings(cfg), actor=actor)
 
 
-def add_generators(cfg: Config, group: ActorGroup, placement: Placement, context: int | None, count: int) -> list[int]:
-    """``count`` more generators in ``group``, in placement groups of their own that are not
-    waited for: each starts once the cluster has room for it. Returns their indices."""
-    added = []
-    for pg, bundle in reserve_generators(cfg, count):
-        i = len(group)
-        placement.groups.append(pg)
-        placement.bundles.append(bundle)
+class GeneratorSpawner:
+    """Where more generators of a run come from (``Fleet.grow``, ``rayppo scale``): the room the
+    cluster has for them, their placement groups, and each one's constructor arguments and actor
+    options, as the first ones got theirs; ``context`` is vLLM's max_model_len."""
+
+    def __init__(self, cfg: Config, context: int | None) -> None:
+        self.cfg, self.context = cfg, context
+
+    def room_for(self, count: int) -> bool:
+        """Whether the cluster has ``count`` more generators' resources free now."""
+        return room_for_generators(self.cfg, count)
+
+    def reserve(self, count: int) -> list[tuple[Any, int]]:
+        """Placement groups for ``count`` more generators, not waited for: each new one's (group, bundle)."""
+        return reserve_generators(self.cfg, count)
+
+    def actor(self, i: int, placement: Placement) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Generator ``i``'s constructor arguments and its Ray actor options in ``placement``."""
+        cfg = self.cfg
         env = _actor_env(cfg, "generators", i, role_threads(cfg, "generators", machine_cores(cfg.cluster.address)))
-        added.append(group.add(generator_args(cfg, context, i), placement.actor_options(i, env)))
-    return added
+        return generator_args(cfg, self.context, i), placement.actor_options(i, env)
 
 
 def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, str]:

@@ -16,7 +16,8 @@ the batch is the one an undisturbed fleet would have sampled, in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Sized
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.supervisor import Supervisor
@@ -26,12 +27,23 @@ S = TypeVar("S", bound=Sized)
 R = TypeVar("R")
 
 
-def sampled_shares(supervisor: Supervisor, fleet: Fleet, method: Callable[..., R], shares: Sequence[S],
-                   resplit: Callable[[S, int], list[S]], options: tuple = (),
-                   refresh: Callable[[int], None] | None = None) -> list[R]:
-    """``method(share, *options)`` on the fleet's active generators, share k on the k-th (``shares``
-    were cut for the fleet as it is); each result, in the shares' order (a lost share's as the
-    results of its pieces, ``resplit(share, parts)``, in order)."""
+@dataclass(frozen=True)
+class ShareCall(Generic[R]):
+    """The call each generator makes on its share: ``method(share, *options)``."""
+
+    method: Callable[..., R]
+    """The engine's method, by reference (``GeneratorEngine.generate``, ``.evaluate``)."""
+    options: tuple = ()
+    """Its arguments after the share."""
+    refresh: Callable[[int], None] | None = None
+    """Brings replacement generator i up to date (the current weights) before it redoes a share."""
+
+
+def sampled_shares(supervisor: Supervisor, fleet: Fleet, call: ShareCall[R], shares: Sequence[S],
+                   resplit: Callable[[S, int], list[S]]) -> list[R]:
+    """``call`` on the fleet's active generators, share k on the k-th (``shares`` were cut for the
+    fleet as it is); each result, in the shares' order (a lost share's as the results of its
+    pieces, ``resplit(share, parts)``, in order)."""
     pieces: dict[tuple[int, ...], S] = {(k,): share for k, share in enumerate(shares)}
     done: dict[tuple[int, ...], R] = {}
     first = True
@@ -41,9 +53,9 @@ def sampled_shares(supervisor: Supervisor, fleet: Fleet, method: Callable[..., R
                 if first and len(pieces) == len(active) else spread(pieces, active, resplit))
         first, todo, pieces = False, pieces, {}
         try:
-            results: list[Any] = supervisor.call(fleet.group, "generators", method,
-                                                 [(share, *options) for _, share, _ in work], refresh=refresh,
-                                                 actors=[g for _, _, g in work])
+            results: list[Any] = supervisor.call(fleet.group, "generators", call.method,
+                                                 [(share, *call.options) for _, share, _ in work],
+                                                 refresh=call.refresh, actors=[g for _, _, g in work])
         except SharesLostError as exc:
             results = exc.results[0]
             pieces = {work[pos][0]: work[pos][1] for pos in exc.lost[0]}

@@ -11,8 +11,8 @@ from ray.exceptions import RayActorError
 
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.console import LOG_NAMES, console
-from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, brief
+from rayppo.role_resources import Engine
 
 
 def start_failure(exc: RayActorError) -> str:

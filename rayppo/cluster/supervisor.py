@@ -13,7 +13,7 @@ iterations completing in between) stops the run. A replacement generator that fi
 the cluster (its node gone) leaves the generator fleet instead of stopping the run (``fleet.py``).
 
 A hung actor's threads are dumped to its own log first (``faulthandler`` on SIGUSR1, set up in
-every role's process by ``rayppo.engine``) when it runs on this node.
+every role's process by ``rayppo.role_resources``) when it runs on this node.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
-from rayppo.engine import Engine
 from rayppo.errors import ActorFailedError, RayppoError, RunClosedError, SharesLostError, brief, restated
+from rayppo.role_resources import Engine
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,18 @@ class Fanout:
     results: list[Any] = field(default_factory=list)
     seconds: float = 0.0
     """When the last result arrived, from the start of ``Supervisor.run``."""
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The calls of one ``Supervisor.run`` still out, and the shares lost with their generators."""
+
+    fanouts: list[Fanout]
+    """The run's fan-outs, in the caller's order."""
+    pending: dict[Any, tuple[Fanout, int, float]] = field(default_factory=dict)
+    """Each future still out -> its fan-out, position and deadline."""
+    lost: dict[int, list[int]] = field(default_factory=dict)
+    """A fan-out's index -> its positions whose generator left the fleet."""
 
 
 class Supervisor:
@@ -119,71 +131,74 @@ class Supervisor:
         actor behind the retry (where it would hold the retry back, look hung, and do its work twice).
         """
         start = time.perf_counter()
-        pending: dict[Any, tuple[Fanout, int, float]] = {}  # future -> (fan-out, position, deadline)
-        lost: dict[int, list[int]] = {}  # fan-out index -> positions whose generator left the fleet
+        calls = InFlight(fanouts)
         for f in fanouts:
             f.results = [None] * len(f.args)
             for pos, a in enumerate(f.args):
-                i = f.actor_at(pos)
                 if f.group.local:
-                    f.results[pos] = f.group.call_at(i, f.method, a)
+                    f.results[pos] = f.group.call_at(f.actor_at(pos), f.method, a)
                 else:
-                    self._send(pending, f, pos)
-        while pending:
-            first = min(deadline for _, _, deadline in pending.values())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, first - time.monotonic()))
-            if not ready:
-                self._replace_hung(pending, fanouts, lost)
-                continue
-            f, pos, _ = pending.pop(ready[0])
-            i = f.actor_at(pos)
-            try:
-                f.results[pos] = get(ready[0])
-            except RayppoError as exc:  # the actor's own error about its input: one line, then its log
-                raise restated(exc, console.details(f.role, i)) from None
-            except RayActorError as exc:
-                if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
-                    raise  # another actor's death reached this call (an argument it produced)
-                self._redo(pending, fanouts, lost, f, pos, f"died ({brief(exc)})")
-                continue
-            if not any(g is f for g, _, _ in pending.values()):
-                f.seconds = time.perf_counter() - start
-        if lost:
-            positions = [sorted(lost.get(k, [])) for k in range(len(fanouts))]
+                    self._send(calls, f, pos)
+        while calls.pending:
+            self._take_next(calls, start)
+        if calls.lost:
+            positions = [sorted(calls.lost.get(k, [])) for k in range(len(fanouts))]
             raise SharesLostError(f"{sum(map(len, positions))} shares lost with their generators",
                                   [f.results for f in fanouts], positions)
         return [f.results for f in fanouts]
 
-    def _redo(self, pending: dict[Any, tuple[Fanout, int, float]], fanouts: list[Fanout], lost: dict[int, list[int]],
-              f: Fanout, pos: int, cause: str, hung: bool = False) -> None:
+    def _take_next(self, calls: InFlight, start: float) -> None:
+        """Wait for the next result, until the first deadline: keep it (and when it is its fan-out's
+        last, the fan-out's ``seconds`` since ``start``), or redo the share of an actor that died;
+        at the deadline, replace the hung actors (``_replace_hung``)."""
+        first = min(deadline for _, _, deadline in calls.pending.values())
+        ready, _ = ray.wait(list(calls.pending), num_returns=1, timeout=max(0.0, first - time.monotonic()))
+        if not ready:
+            self._replace_hung(calls)
+            return
+        f, pos, _ = calls.pending.pop(ready[0])
+        i = f.actor_at(pos)
+        try:
+            f.results[pos] = get(ready[0])
+        except RayppoError as exc:  # the actor's own error about its input: one line, then its log
+            raise restated(exc, console.details(f.role, i)) from None
+        except RayActorError as exc:
+            if exc.actor_id not in (None, f.group.actors[i]._actor_id.hex()):
+                raise  # another actor's death reached this call (an argument it produced)
+            self._redo(calls, f, pos, f"died ({brief(exc)})")
+            return
+        if not any(g is f for g, _, _ in calls.pending.values()):
+            f.seconds = time.perf_counter() - start
+
+    def _redo(self, calls: InFlight, f: Fanout, pos: int, cause: str, hung: bool = False) -> None:
         """Replace the actor of ``f``'s share ``pos`` and send the share again, with every other call
         still pending on the dead actor (a redo can give one generator two shares of a fan-out: the
         second's error would name the replaced actor, and a hung actor never answers either); when
         the actor left the fleet instead, note those shares as lost (``run`` raises once the others
         are done)."""
         i = f.actor_at(pos)
-        on_actor = [future for future, (g, p, _) in pending.items() if g.group is f.group and g.actor_at(p) == i]
-        stranded = [pending.pop(future)[:2] for future in on_actor]
+        on_actor = [future for future, (g, p, _) in calls.pending.items() if g.group is f.group and g.actor_at(p) == i]
+        stranded = [calls.pending.pop(future)[:2] for future in on_actor]
         if not self.replace(f.group, f.role, i, cause, hung, f.refresh):
             for g, p in [(f, pos), *stranded]:
-                lost.setdefault(next(k for k, h in enumerate(fanouts) if h is g), []).append(p)
+                calls.lost.setdefault(next(k for k, h in enumerate(calls.fanouts) if h is g), []).append(p)
             return
         for g, p in [(f, pos), *stranded]:
-            self._send(pending, g, p)
+            self._send(calls, g, p)
 
-    def _send(self, pending: dict[Any, tuple[Fanout, int, float]], f: Fanout, pos: int) -> None:
-        pending[f.group.call_at(f.actor_at(pos), f.method, f.args[pos])] = (f, pos, time.monotonic() + self.timeout_s)
+    def _send(self, calls: InFlight, f: Fanout, pos: int) -> None:
+        future = f.group.call_at(f.actor_at(pos), f.method, f.args[pos])
+        calls.pending[future] = (f, pos, time.monotonic() + self.timeout_s)
 
-    def _replace_hung(self, pending: dict[Any, tuple[Fanout, int, float]], fanouts: list[Fanout],
-                      lost: dict[int, list[int]]) -> None:
+    def _replace_hung(self, calls: InFlight) -> None:
         """The calls past their deadline count as hung: their actors are replaced, their shares sent
         again (with the other calls pending on those actors: ``_redo``)."""
         now = time.monotonic()
-        for future, (f, pos, deadline) in list(pending.items()):
-            if deadline <= now and future in pending:  # not resent already with an earlier call of its actor
-                del pending[future]
-                self._redo(pending, fanouts, lost, f, pos, f"did not answer {f.method.__name__} within "
-                                                           f"cluster.call_timeout_s={self.timeout_s:g} s", hung=True)
+        for future, (f, pos, deadline) in list(calls.pending.items()):
+            if deadline <= now and future in calls.pending:  # not resent already with an earlier call of its actor
+                del calls.pending[future]
+                self._redo(calls, f, pos, f"did not answer {f.method.__name__} within "
+                                          f"cluster.call_timeout_s={self.timeout_s:g} s", hung=True)
 
     def progress(self) -> None:
         """One more iteration completed (the trainers call it at the end of each)."""

@@ -5,7 +5,7 @@
   in place. Works everywhere; on GPUs the weights make a device -> host -> device round trip.
 - ``IpcSync`` (colocated on GPUs): learner rank i hands the generator on its GPU CUDA-IPC handles.
 - ``BroadcastSync``: rank 0 and every inference worker of every generator form one process group
-  at start (``rayppo/learner/weight_sync.py``); each sync is one broadcast per tensor, received by
+  at start (``rayppo/learner/broadcast_sender.py``); each sync is one broadcast per tensor, received by
   vLLM's weight-transfer engine inside each worker (NCCL GPU to GPU, or gloo on CPUs), or under
   LoRA adapter sync the adapter's A and B, registered as the version's adapter.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -31,8 +32,8 @@ from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.derived import tensor_parallel_size, weight_sync_backend
 from rayppo.config.schema import Config
 from rayppo.errors import ActorFailedError, LearnerFailedError, brief
+from rayppo.learner.broadcast_sender import SyncEndpoint
 from rayppo.learner.guard import check_sent, check_weights
-from rayppo.learner.weight_sync import SyncEndpoint
 
 
 def _check_versions(versions: list[int], expected: int) -> None:
@@ -94,14 +95,26 @@ class ObjectStoreSync:
                         version)
 
 
+@dataclass(frozen=True)
+class BroadcastGroup:
+    """The process group a broadcast sync forms: its backend, its members per generator, its deadline."""
+
+    backend: str
+    """``gloo`` or ``nccl`` (``weight_sync_backend``)."""
+    workers_per_generator: int
+    """Members per generator: one inference worker per tensor-parallel rank of a vLLM generator."""
+    timeout_s: float = 600.0
+    """Seconds a collective of the group may take (``cluster.sync_timeout_s``)."""
+
+
 class BroadcastSync:
     """Weights broadcast by rank 0 over a process group it shares with every inference worker of
     the fleet's generators."""
 
-    def __init__(self, learner: LearnerGroup, generators: ActorGroup, backend: str, workers_per_generator: int,
-                 fleet: Fleet, timeout_s: float = 600.0, supervisor: Supervisor | None = None):
+    def __init__(self, learner: LearnerGroup, generators: ActorGroup, group: BroadcastGroup, fleet: Fleet,
+                 supervisor: Supervisor | None = None):
         self.learner, self.generators, self.supervisor, self.fleet = learner, generators, supervisor, fleet
-        self.backend, self.workers, self.timeout_s = backend, workers_per_generator, timeout_s
+        self.backend, self.workers, self.timeout_s = group.backend, group.workers_per_generator, group.timeout_s
         self.version = 0  # what every generator holds: the initial weights until the first sync
         self._open()
 
@@ -234,4 +247,4 @@ def make_weight_sync(cfg: Config, learner: LearnerGroup, generators: ActorGroup,
         return IpcSync(learner, generators)
     # A vLLM generator has one inference worker per tensor-parallel rank; the hf backend has one.
     tp = tensor_parallel_size(cfg.generators)
-    return BroadcastSync(learner, generators, backend, tp, fleet, cfg.cluster.sync_timeout_s, supervisor)
+    return BroadcastSync(learner, generators, BroadcastGroup(backend, tp, cfg.cluster.sync_timeout_s), fleet, supervisor)

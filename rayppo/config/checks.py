@@ -125,7 +125,20 @@ def validate(cfg: Config) -> Config:
 
     This part covers the algorithm's sections; ``_validate_system`` the roles and resources."""
     _check_choices(cfg)
-    r, p = cfg.rollout, cfg.ppo
+    _check_sampling(cfg)
+    _check_ppo(cfg)
+    _check_async(cfg)
+    _check_episodes(cfg)
+    _check_stops(cfg)
+    _check_reward(cfg)
+    _validate_outputs(cfg)
+    _validate_preference(cfg)
+    return _validate_system(cfg)
+
+
+def _check_sampling(cfg: Config) -> None:
+    """The rollout's sampling and the generators' log-prob checks."""
+    r = cfg.rollout
     _require(r.batch_size >= 1, "rollout.batch_size", "must be >= 1", r.batch_size)
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
     _require(r.temperature > 0, "rollout.temperature", "must be > 0", r.temperature)
@@ -140,6 +153,11 @@ def validate(cfg: Config) -> Config:
     _require(limit is None or limit > 0, "checks.max_logprob_mismatch", "must be > 0 or null", limit)
     kl = cfg.checks.max_logprob_kl
     _require(kl is None or kl > 0, "checks.max_logprob_kl", "must be > 0 or null", kl)
+
+
+def _check_ppo(cfg: Config) -> None:
+    """The update's ranges: epochs and minibatches, the groups, the clips, the estimators' constants."""
+    p = cfg.ppo
     _require(p.epochs >= 1, "ppo.epochs", "must be >= 1", p.epochs)
     _require(p.minibatches >= 1, "ppo.minibatches", "must be >= 1", p.minibatches)
     _check_groups(cfg)
@@ -162,8 +180,10 @@ def validate(cfg: Config) -> Config:
     _require(0 < p.vtrace_c_clip <= p.vtrace_rho_clip, "ppo.vtrace_c_clip",
              f"must be in (0, ppo.vtrace_rho_clip={p.vtrace_rho_clip:g}] (V-trace needs c-bar <= rho-bar)",
              p.vtrace_c_clip)
-    _check_async(cfg)
-    _check_episodes(cfg)
+
+
+def _check_stops(cfg: Config) -> None:
+    """When the run stops, and how often it writes a checkpoint."""
     _require(cfg.stop.iterations >= 1, "stop.iterations", "must be >= 1", cfg.stop.iterations)
     _require(cfg.stop.kl_budget > 0, "stop.kl_budget", "must be > 0", cfg.stop.kl_budget)
     _require(cfg.stop.gold_patience >= 0, "stop.gold_patience", "must be >= 0 (0: off)", cfg.stop.gold_patience)
@@ -172,9 +192,13 @@ def validate(cfg: Config) -> Config:
              cfg.stop.gold_patience)
     _require(cfg.output.checkpoint_every >= 0, "output.checkpoint_every", "must be >= 0", cfg.output.checkpoint_every)
     _require(cfg.output.keep_checkpoints >= 1, "output.keep_checkpoints", "must be >= 1", cfg.output.keep_checkpoints)
+
+
+def _check_reward(cfg: Config) -> None:
+    """Exactly one reward (or an environment's), its limits, the gold scorer beside it."""
     sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
     chosen = sum(x is not None for x in sources)
-    _require(chosen == 1 or (chosen == 0 and r.environment is not None), "reward.function",
+    _require(chosen == 1 or (chosen == 0 and cfg.rollout.environment is not None), "reward.function",
              "set exactly one of reward.function, reward.model and reward.url (none only with rollout.environment, "
              "whose turn rewards are then the whole reward)", sources)
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0", cfg.reward.timeout_s)
@@ -191,9 +215,6 @@ def validate(cfg: Config) -> Config:
         _require(sources[0] is not None or sources[1] is not None or sources[2] is not None, "reward.gold_function",
                  "is recorded beside a reward; set reward.function, reward.model or reward.url too", sources)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
-    _validate_outputs(cfg)
-    _validate_preference(cfg)
-    return _validate_system(cfg)
 
 
 def _validate_preference(cfg: Config) -> None:

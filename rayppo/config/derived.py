@@ -71,7 +71,7 @@ def role_threads(cfg: Config, role: str, machine_cores: int | None) -> int:
     synchronous iteration, ``rollout.max_staleness`` 0; a local instance on ``machine_cores`` cores,
     None when joining a cluster; no GPUs for the role), the machine's cores shared among the actors
     that run at the same moment: the role's own, and for the scorers reference and reward together
-    (``RoleCalls.score`` runs both passes at once). A stage alone then uses every core: the
+    (``DistributedRoles.score`` runs both passes at once). A stage alone then uses every core: the
     SmolLM2 reward pass took 7.2 s on its 1-thread share and 4.6 s on 2 threads (``docs/benchmarks.md``,
     "Kernels"). Else (overlapping stages, GPUs, a cluster) the actor's CPU share rounded down."""
     threads, cpus, gpus = {

@@ -29,32 +29,47 @@ def _convert(value: Any, hint: Any, name: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _convert(value, inner[0], name)
     if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return _to_bool(value, name)
     if hint in (int, float):
-        kind = "an integer" if hint is int else "a number"
-        if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{name}: expected {kind}, got {value!r}")
-        try:
-            return hint(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
+        return _to_number(value, hint, name)
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{name}: expected a string, got {value!r}")
         return str(value)
+    if origin in (dict, list):
+        return _to_container(value, origin, name)
+    return value
+
+
+def _to_bool(value: Any, name: str) -> bool:
+    """``true``/``false`` as YAML or a command line writes them (``yes``/``no``, ``1``/``0``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+
+
+def _to_number(value: Any, hint: type, name: str) -> Any:
+    """An ``int`` (a float only when whole) or a ``float``; never a bool, which Python counts as one."""
+    kind = "an integer" if hint is int else "a number"
+    if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}")
+    try:
+        return hint(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
+
+
+def _to_container(value: Any, origin: type, name: str) -> Any:
+    """A mapping for a ``dict`` field, a list for a ``list`` field, each a copy of the value given."""
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{name}: expected a mapping, got {value!r}")
         return dict(value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{name}: expected a list, got {value!r}")
-        return list(value)
-    return value
+    if not isinstance(value, list):
+        raise ConfigError(f"{name}: expected a list, got {value!r}")
+    return list(value)
 
 
 def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:

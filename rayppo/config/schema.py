@@ -3,7 +3,7 @@
     rayppo train --config job.yaml ppo.clip_eps=0.1 rollout.batch_size=128
 
 Every field has a docstring (the string under it), which ``rayppo config`` prints and the docs'
-config reference is generated from (``reference.py``). The system's sections (roles, cluster,
+config reference is generated from (``reference_page.py``). The system's sections (roles, cluster,
 checks, stops, outputs) are in ``system.py``. ``load.py`` parses, converts types and runs
 the cross-field checks of ``checks.py``; ``derived.py`` holds what the fields imply. Every error
 names the field it is about.
@@ -28,7 +28,7 @@ from rayppo.choices import (
     TruncationSetting,
     ValueTargets,
 )
-from rayppo.config.preference import PreferenceConfig
+from rayppo.config.preference_section import PreferenceConfig
 from rayppo.config.system import (
     SECTION,
     ChecksConfig,

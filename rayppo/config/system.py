@@ -24,7 +24,7 @@ RESOURCE: dict[str, str] = {"resume": "resource"}
 """An actor's resources (CPUs, GPUs, threads, cores, the fleet's floor): where the work runs, not its math."""
 SPLIT: dict[str, str] = {"resume": "split"}
 """The split of the work over actors: the learner's DeepSpeed state is resharded on load
-(``learner/checkpoint.py``); the update is the same up to the order of its reductions."""
+(``learner/learner_state.py``); the update is the same up to the order of its reductions."""
 SECTION: dict[str, str] = {"resume": "section"}
 """On a section of ``Config``: every field of it (stops, outputs, the cluster)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
 from rayppo.episodes.environment import EnvironmentPool, Episode
-from rayppo.episodes.loop import EpisodeSettings, Sampler, run_episodes
+from rayppo.episodes.turn_loop import EpisodeSettings, Sampler, run_episodes
 from rayppo.models.chat_tokens import TemplateError
 
 

@@ -1,5 +1,5 @@
 """Reductions over the learner ranks, as the learn step sees them: ``LocalCollective`` in one
-process, ``TorchCollective`` (``engine.py``) over torch.distributed on the ranks."""
+process, ``TorchCollective`` (``learner_engine.py``) over torch.distributed on the ranks."""
 
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ report what one process would."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from rayppo.choices import KLEstimator
-from rayppo.config.schema import PPOConfig
 from rayppo.learner import ppo
 from rayppo.learner.collective import Collective
+from rayppo.learner.update_plan import UpdatePlan
 
 
 def global_means(values: dict[str, torch.Tensor], weight: float, collective: Collective) -> dict[str, float]:
@@ -94,18 +95,29 @@ class ProximalTerms:
     """``kl/*`` and ``offpolicy/*``, ``correction/masked_rows``."""
 
 
-def proximal_terms(
-    policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor,
-    cfg: PPOConfig, geo_mask: bool, off_policy: bool, collective: Collective,
-) -> ProximalTerms:
-    """The KL to the reference (``ref_logprobs`` None: none loaded) of the policy being improved,
-    and, when ``off_policy`` (``policy_logprobs`` is pi_prox, mu the generator's ``old_logprobs``),
-    the off-policy figures of log(pi_prox / mu) and the geometric-mean mask (``geo_mask``,
-    ``cfg.geo_mask_bound``). All ``[B, T]``, 0 on padding. Collective: every rank calls it."""
-    kl = None if ref_logprobs is None else kl_stats(policy_logprobs, ref_logprobs, mask, cfg.kl_estimator, collective)
+class PolicyTokens(NamedTuple):
+    """The log-probs ``proximal_terms`` compares, all ``[B, T]``, 0 on padding."""
+
+    logprobs: torch.Tensor
+    """log pi of the policy being improved: pi_old (= mu) in lock-step, else pi_prox."""
+    behaviour_logprobs: torch.Tensor
+    """log mu, the generator's."""
+    ref_logprobs: torch.Tensor | None
+    """log pi_ref; None: no reference loaded."""
+    mask: torch.Tensor
+    """The valid tokens."""
+
+
+def proximal_terms(tokens: PolicyTokens, plan: UpdatePlan, collective: Collective) -> ProximalTerms:
+    """The KL to the reference (none without ``tokens.ref_logprobs``) of the policy being improved,
+    and, where pi_prox is not mu's (``plan.proximal`` other than ``behaviour``: ``tokens.logprobs``
+    is pi_prox), the off-policy figures of log(pi_prox / mu) and the geometric-mean mask
+    (``plan.geo_mask``, ``ppo.geo_mask_bound``). Collective: every rank calls it."""
+    logprobs, behaviour_logprobs, ref_logprobs, mask = tokens
+    kl = None if ref_logprobs is None else kl_stats(logprobs, ref_logprobs, mask, plan.ppo.kl_estimator, collective)
     stats = {} if kl is None else kl.metrics()
-    if not off_policy:
+    if plan.proximal == "behaviour":
         return ProximalTerms(None, kl, stats)
-    log_ratio = (policy_logprobs - old_logprobs) * mask
-    row_keep = ppo.geometric_mean_mask(log_ratio, mask, cfg.geo_mask_bound) if geo_mask else None
+    log_ratio = (logprobs - behaviour_logprobs) * mask
+    row_keep = ppo.geometric_mean_mask(log_ratio, mask, plan.ppo.geo_mask_bound) if plan.geo_mask else None
     return ProximalTerms(row_keep, kl, stats | offpolicy_stats(log_ratio, mask, collective, row_keep))

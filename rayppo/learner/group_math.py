@@ -8,6 +8,8 @@ whole batch's however a group's rows are spread over the learner ranks (docs/est
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rayppo.choices import GroupEstimator
@@ -32,21 +34,31 @@ def group_extremes(x: torch.Tensor, group_ids: torch.Tensor, num_groups: int) ->
     return out
 
 
+class GroupStats(NamedTuple):
+    """The statistics of each of G groups over every row of the batch (float64; e.g. all-reduced
+    ``group_sums`` and ``group_extremes``): what ``group_advantages`` reads."""
+
+    counts: torch.Tensor
+    """[G] n_g, the group's rows."""
+    means: torch.Tensor
+    """[G] mean_g r."""
+    squared_deviations: torch.Tensor
+    """[G] sum_{j in g} (r_j - mean_g r)^2."""
+    extremes: torch.Tensor
+    """[G, 2] (max_g r, -min_g r) (``group_extremes``)."""
+
+
 def group_advantages(
     scores: torch.Tensor,
     group_ids: torch.Tensor,
-    counts: torch.Tensor,
-    means: torch.Tensor,
-    squared_deviations: torch.Tensor,
-    extremes: torch.Tensor,
+    stats: GroupStats,
     estimator: GroupEstimator,
     std_floor: float = 1e-6,
 ) -> torch.Tensor:
     """``[B]`` sequence advantages A_i of the group estimators from whole-batch group statistics.
 
-    ``scores`` [B]: each row's r_i; ``group_ids`` [B]: its group g; per group [G] (float64, over
-    every row of the batch, e.g. all-reduced ``group_sums``): ``counts`` n_g, ``means`` mean_g r,
-    ``squared_deviations`` sum_{j in g} (r_j - mean_g r)^2, ``extremes`` [G, 2] (``group_extremes``).
+    ``scores`` [B]: each row's r_i; ``group_ids`` [B]: its group g; ``stats``: n_g, mean_g r, the
+    squared deviations and extremes of every group (``GroupStats``).
 
         grpo                   A_i = (r_i - mean_g r) / max(std_g r, std_floor)
         dr_grpo                A_i = r_i - mean_g r
@@ -59,6 +71,7 @@ def group_advantages(
     from being divided by ~0. A group whose rewards are all exactly equal (and a group of one row)
     gets A = 0 under every estimator, not rounding residue over a floor.
     """
+    counts, means, squared_deviations, extremes = stats
     g = group_ids.long()
     n = counts.to(torch.float64)[g]
     centred = scores.to(torch.float64) - means.to(torch.float64)[g]

@@ -144,12 +144,6 @@ class MismatchGuard:
     """The weight check ran after the sync (``checks.verify_sync``): the message then blames the
     sampling, not the weights."""
 
-    @classmethod
-    def of(cls, cfg: Config, iteration: int) -> MismatchGuard:
-        """The check of ``iteration`` as the config sets it (bounds by ``model.dtype``)."""
-        dtype = cfg.model.dtype
-        return cls(mismatch_limit(cfg.checks, dtype), iteration, kl_limit(cfg.checks, dtype), cfg.checks.verify_sync)
-
     def check(self, drift: torch.Tensor, generator_ids: torch.Tensor, collective: Reductions,
               mask: torch.Tensor | None = None) -> None:
         """Raise ``LogprobMismatchError`` on every rank when either statistic exceeds its bound.
@@ -186,6 +180,28 @@ class MismatchGuard:
                  "or its sampling distribution is not log_softmax(logits / T)")
         raise LogprobMismatchError(f"iteration {self.iteration}: {what} on generator {generator}: {cause}. "
                                    "Stopped before training on this rollout.")
+
+
+@dataclass(frozen=True)
+class GuardBounds:
+    """The log-prob check's bounds as the config sets them (``of``: by ``model.dtype``), read once;
+    ``at`` makes the check of one iteration. The default checks nothing."""
+
+    max_mismatch: float = math.inf
+    """``MismatchGuard.limit``: the largest |log pi - log mu| on a token (``checks.max_logprob_mismatch``)."""
+    max_kl: float = math.inf
+    """``MismatchGuard.kl_limit``: the largest mean k3 per token (``checks.max_logprob_kl``)."""
+    weights_verified: bool = True
+    """``MismatchGuard.weights_verified`` (``checks.verify_sync``)."""
+
+    @staticmethod
+    def of(cfg: Config) -> GuardBounds:
+        dtype = cfg.model.dtype
+        return GuardBounds(mismatch_limit(cfg.checks, dtype), kl_limit(cfg.checks, dtype), cfg.checks.verify_sync)
+
+    def at(self, iteration: int) -> MismatchGuard:
+        """The check of ``iteration``'s update."""
+        return MismatchGuard(self.max_mismatch, iteration, self.max_kl, self.weights_verified)
 
 
 TOKEN_SHARE = 0.5

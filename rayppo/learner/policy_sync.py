@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from rayppo.learner.adapter_weights import adapter_config, adapter_tensors, engine_form, scaling, unsupported
+from rayppo.learner.broadcast_sender import SyncLayout, layer_runs, param_specs
 from rayppo.learner.full_weights import Gather, full_tensors
-from rayppo.learner.weight_sync import SyncLayout, layer_runs, param_specs
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.fingerprint import SentPrint, sent_print
 from rayppo.models.weights import WeightsPayload, pack_weights

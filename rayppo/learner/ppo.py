@@ -2,15 +2,16 @@
 
 Every role that does PPO arithmetic (the in-process reference trainer, the DeepSpeed learner
 ranks, the tests) calls these functions; nothing else re-implements them. They take tensors and
-plain scalars, never config objects, and import only ``torch``.
+plain scalars (or the small records of them defined here: ``Surrogate``, ``Decoupled``, ``VTrace``),
+never config objects, and import only ``torch``.
 
 Shapes (docs/algorithm.md, "Tensor conventions"): per-token tensors are ``[B, T]`` over *response*
 positions. ``mask[b, t] = 1`` for a real response token (EOS included when emitted) and 0 for the
 padding after the end; in a single-turn row the valid tokens are a prefix. In a multi-turn
 episode (docs/multi-turn.md, "The MDP on that record") ``mask`` is the *action* mask: 1 on the tokens the
 policy sampled, 0 on the environment's observation tokens between its turns and on the padding;
-``gather_actions`` lays such rows out as action tokens only, where every recursion below applies
-unchanged (an observation carries it through: no discount step, no value read there).
+``action_tokens.gather_actions`` lays such rows out as action tokens only, where every recursion
+below applies unchanged (an observation carries it through: no discount step, no value read there).
 
 - ``logprobs[b, t] = log pi(y_t | x, y_<t)``; ``ref_logprobs`` likewise under pi_ref.
 - ``values[b, t] = V(S_{t-1})``: the value of the state *before* action ``y_t``.
@@ -18,6 +19,8 @@ unchanged (an observation carries it through: no discount step, no value read th
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -85,48 +88,6 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
         return torch.full(mask.shape[:-1], -1, dtype=torch.long, device=mask.device)
     positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
     return (mask.bool() * positions).amax(dim=-1) - 1
-
-
-# --------------------------------------------------------------------------------------------
-# Multi-turn episodes: the action tokens in order (docs/multi-turn.md, "The MDP on that record")
-# --------------------------------------------------------------------------------------------
-def gather_actions(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T] -> [B, A]``: each row's entries at its action tokens (``mask`` 1), in order, then
-    0; A is the most action tokens of any row. Over these columns the valid entries are a prefix,
-    so GAE, V-trace and the discounted returns run unchanged: consecutive actions of one turn are
-    consecutive columns, and the last action of a turn is followed by the first of the next, so
-    V_next there is the value at the next turn's first action (the state after the observation)."""
-    keep = mask.bool()
-    width = int(keep.sum(dim=-1).max()) if keep.numel() else 0
-    out = x.new_zeros((x.shape[0], width))
-    out[gathered_mask(mask).bool()] = x[keep]  # row-major on both sides: each row's actions in order
-    return out
-
-
-def gathered_mask(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T] -> [B, A]``: the mask of ``gather_actions``' layout (a prefix of n_b ones per row)."""
-    counts = mask.bool().sum(dim=-1)
-    width = int(counts.max()) if counts.numel() else 0
-    return (torch.arange(width, device=mask.device) < counts[:, None]).to(mask.dtype)
-
-
-def scatter_actions(compact: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, A] -> [B, T]``: the inverse of ``gather_actions``, 0 on non-action tokens."""
-    out = compact.new_zeros(mask.shape)
-    out[mask.bool()] = compact[gathered_mask(mask).bool()]
-    return out
-
-
-def add_turn_rewards(rewards: torch.Tensor, turn_ends: torch.Tensor, turn_rewards: torch.Tensor) -> torch.Tensor:
-    """``rewards [B, T]`` plus each turn's reward on its last action token.
-
-    turn_ends: [B, K] long, the response index of turn k's last action token (-1: no such turn);
-    turn_rewards: [B, K] the environment's reward for turn k (r_t += r_turn_k at t = end_k).
-    """
-    out = rewards.clone()
-    rows, turns = (turn_ends >= 0).nonzero(as_tuple=True)
-    out.index_put_((rows, turn_ends[rows, turns]), turn_rewards[rows, turns].to(out.dtype), accumulate=True)
-    return out
 
 
 def shape_rewards(
@@ -223,22 +184,36 @@ def _td_errors(rewards: torch.Tensor, values: torch.Tensor, mask_f: torch.Tensor
     return (rewards + gamma * next_values - values) * mask_f, next_valid
 
 
+class VTrace(NamedTuple):
+    """The constants of ``compute_offpolicy_targets`` (V-trace, Espeholt et al. 2018)."""
+
+    gamma: float = 1.0
+    """gamma, the discount (``compute_gae``'s)."""
+    lam: float = 0.95
+    """lambda, the trace decay (``compute_gae``'s)."""
+    rho_bar: float = 1.0
+    """rho_bar: the cap of the ratio that weighs a token's own TD error in the value target."""
+    c_bar: float = 1.0
+    """c_bar: the cap of the ratios that carry the trace to earlier tokens."""
+
+
+DEFAULT_VTRACE = VTrace()
+"""gamma = 1, lambda = 0.95, rho_bar = c_bar = 1 (IMPALA's clips)."""
+
+
 def compute_offpolicy_targets(
     rewards: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
     log_ratio: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    rho_bar: float = 1.0,
-    c_bar: float = 1.0,
+    trace: VTrace = DEFAULT_VTRACE,
     bootstrap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and value targets of rows sampled by a stale behaviour policy mu, both
     ``[B, T]`` and 0 on padding (docs/async.md, "Off-policy corrections").
 
-    ``log_ratio[b, t] = log pi_prox(y_t) - log mu(y_t)``, q_t = exp(log_ratio), and delta_t as in
-    ``compute_gae``. Backwards over t:
+    ``log_ratio[b, t] = log pi_prox(y_t) - log mu(y_t)``, q_t = exp(log_ratio), delta_t as in
+    ``compute_gae``, and gamma, lam, rho_bar, c_bar those of ``trace``. Backwards over t:
 
     - value target (V-trace with lambda, Espeholt et al. 2018):
       v_t - V_t = min(rho_bar, q_t) delta_t + gamma lam min(c_bar, q_t) (v_{t+1} - V_{t+1}),
@@ -248,18 +223,19 @@ def compute_offpolicy_targets(
 
     With log_ratio = 0 both are ``compute_gae``'s (advantages, returns) exactly.
     """
+    gamma, lam, rho_bar, c_bar = trace
     batch, length = rewards.shape
     mask_f = mask.to(values.dtype)
     deltas, next_valid = _td_errors(rewards, values, mask_f, gamma, bootstrap)
     q = torch.exp(log_ratio.to(values.dtype)) * mask_f
-    rho, trace = torch.clamp(q, max=rho_bar), torch.clamp(q, max=c_bar)
-    next_trace = torch.cat([trace[:, 1:], torch.zeros_like(trace[:, :1])], dim=1)  # min(c_bar, q_{t+1})
+    rho, trace_t = torch.clamp(q, max=rho_bar), torch.clamp(q, max=c_bar)
+    next_trace = torch.cat([trace_t[:, 1:], torch.zeros_like(trace_t[:, :1])], dim=1)  # min(c_bar, q_{t+1})
     advantages, target_gap = torch.zeros_like(values), torch.zeros_like(values)
     run_a = torch.zeros(batch, dtype=values.dtype, device=values.device)
     run_v = torch.zeros_like(run_a)
     for t in reversed(range(length)):
         run_a = deltas[:, t] + gamma * lam * next_valid[:, t] * next_trace[:, t] * run_a
-        run_v = rho[:, t] * deltas[:, t] + gamma * lam * trace[:, t] * next_valid[:, t] * run_v
+        run_v = rho[:, t] * deltas[:, t] + gamma * lam * trace_t[:, t] * next_valid[:, t] * run_v
         advantages[:, t], target_gap[:, t] = run_a, run_v
     return advantages * mask_f, (target_gap + values) * mask_f
 
@@ -307,21 +283,34 @@ def masked_whiten(
 # --------------------------------------------------------------------------------------------
 # The PPO objective (Schulman et al. 2017; docs/algorithm.md)
 # --------------------------------------------------------------------------------------------
+class Surrogate(NamedTuple):
+    """The constants of the clipped surrogate (``policy_loss``, ``decoupled_policy_loss``): its
+    trust region and how its per-token terms reduce to the loss."""
+
+    clip_eps: float = 0.2
+    """eps: the ratio rho is clipped below at 1 - eps (and above at 1 + eps, unless ``clip_eps_high``)."""
+    clip_eps_high: float | None = None
+    """eps_high, DAPO's clip-higher (Yu et al. 2025): rho is clipped above at 1 + eps_high, so rare
+    tokens with A > 0 are not clipped first (None: eps, symmetric)."""
+    agg: LossAgg = "token-mean"
+    """How the per-token terms reduce to a scalar (``aggregate``)."""
+    max_length: int = 0
+    """L_max, the constant of ``agg=seq-mean-token-sum-norm`` (``rollout.max_new_tokens``)."""
+
+
+DEFAULT_SURROGATE = Surrogate()
+"""PPO's own: rho clipped to [0.8, 1.2], token-mean."""
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    agg: LossAgg = "token-mean",
-    clip_eps_high: float | None = None,
-    max_length: int = 0,
+    surrogate: Surrogate = DEFAULT_SURROGATE,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate loss ``-agg(min(rho A, clip(rho, 1-eps, 1+eps_high) A))``, rho = exp(lp - old).
-
-    ``clip_eps_high`` (DAPO's clip-higher, default ``clip_eps``: symmetric) lets a token's
-    probability rise further than it may fall, so rare tokens with A > 0 are not clipped first.
-    ``max_length``: the constant of ``agg=seq-mean-token-sum-norm``.
+    """Clipped surrogate loss ``-agg(min(rho A, clip(rho, 1-eps, 1+eps_high) A))``, rho = exp(lp - old),
+    all inputs ``[B, T]``; eps, eps_high and agg are ``surrogate``'s.
 
     Returns ``(loss, stats)``; stats are detached scalars:
     ``clipfrac`` (share of valid tokens where the clipped term is the active, gradient-free one),
@@ -331,9 +320,9 @@ def policy_loss(
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
-    loss = -aggregate(torch.minimum(unclipped, clipped), mask, agg, max_length)
+    high = surrogate.clip_eps if surrogate.clip_eps_high is None else surrogate.clip_eps_high
+    clipped = torch.clamp(ratio, 1.0 - surrogate.clip_eps, 1.0 + high) * advantages
+    loss = -aggregate(torch.minimum(unclipped, clipped), mask, surrogate.agg, surrogate.max_length)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped < unclipped).to(logprobs.dtype), mask),
@@ -356,18 +345,25 @@ def geometric_mean_mask(log_ratio: torch.Tensor, mask: torch.Tensor, bound: floa
     return (per_row.abs() <= bound).to(log_ratio.dtype)
 
 
+class Decoupled(NamedTuple):
+    """The two old policies the decoupled loss keeps apart (``decoupled_policy_loss``): pi_prox,
+    the centre of the trust region, and mu, the behaviour policy that sampled the tokens."""
+
+    prox_logprobs: torch.Tensor
+    """[B, T] log pi_prox(y_t | S_{t-1}): the learner's weights at the start of the update."""
+    behaviour_logprobs: torch.Tensor
+    """[B, T] log mu(y_t | S_{t-1}): the generator's (stale, or of other numerics)."""
+    row_keep: torch.Tensor | None = None
+    """[B] 1.0 for the rows to train on, 0.0 for those ``geometric_mean_mask`` dropped; None: every row."""
+
+
 def decoupled_policy_loss(
     logprobs: torch.Tensor,
-    prox_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
+    policies: Decoupled,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float = 0.2,
+    surrogate: Surrogate = DEFAULT_SURROGATE,
     is_clip: float = 2.0,
-    agg: LossAgg = "token-mean",
-    clip_eps_high: float | None = None,
-    max_length: int = 0,
-    row_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO loss for rows sampled by a behaviour policy mu other than the learner's
     pi_prox (``docs/async.md``, "Off-policy corrections"; Hilton et al. 2022, "Batch size-invariance
@@ -379,18 +375,19 @@ def decoupled_policy_loss(
         L = -agg(w_t * min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)),  rho_t = pi_theta / pi_prox
 
     mu is stale (asynchronous mode) or the generator's numerics (bf16 kernels; rollout correction).
-    ``row_keep`` ``[B]`` (``geometric_mean_mask``) zeroes the weights of masked rows; their tokens
-    stay in the aggregation's denominator, as every other row's do. With ``prox_logprobs ==
-    behaviour_logprobs`` and every row kept (w = 1) it is ``policy_loss(logprobs, prox_logprobs,
-    ...)`` exactly. Stats: ``policy_loss``'s plus ``is_weight_mean`` and ``is_clipfrac`` (share of
-    valid tokens whose weight was truncated)."""
+    pi_prox and mu are ``policies``'; its ``row_keep`` ``[B]`` (``geometric_mean_mask``) zeroes the
+    weights of masked rows, whose tokens stay in the aggregation's denominator, as every other row's
+    do. eps and agg are ``surrogate``'s; ``logprobs``, ``advantages``, ``mask``: ``[B, T]``. With
+    pi_prox = mu and every row kept (w = 1) it is ``policy_loss(logprobs, prox_logprobs, ...)``
+    exactly. Stats: ``policy_loss``'s plus ``is_weight_mean`` and ``is_clipfrac`` (share of valid
+    tokens whose weight was truncated)."""
+    prox_logprobs, behaviour_logprobs, row_keep = policies
     with torch.no_grad():
         raw = torch.exp((prox_logprobs - behaviour_logprobs).to(torch.float32)).to(advantages.dtype)
         weights = torch.clamp(raw, max=is_clip)
         if row_keep is not None:
             weights = weights * row_keep.to(weights.dtype).unsqueeze(-1)
-    loss, stats = policy_loss(logprobs, prox_logprobs, weights * advantages, mask, clip_eps, agg, clip_eps_high,
-                              max_length)
+    loss, stats = policy_loss(logprobs, prox_logprobs, weights * advantages, mask, surrogate)
     with torch.no_grad():
         stats |= {"is_weight_mean": masked_mean(weights, mask),
                   "is_clipfrac": masked_mean((raw > is_clip).to(advantages.dtype), mask)}

@@ -1,19 +1,20 @@
 """When pi_prox is the update's own forward: the separate log pi_prox pass skipped.
 
 Under rollout correction and in asynchronous mode the update needs log pi_prox, the policy at the
-learner's weights before the update (``experience.proximal_logprobs``: one forward without
+learner's weights before the update (``experience_passes.proximal_logprobs``: one forward without
 gradient over every row). When the update is one optimiser step over the whole batch, its one
 forward runs at exactly those weights: log pi_prox *is* that forward's log-probs, detached, and
 the pass would compute them twice (TRL and veRL skip it there too). ``fused_proximal`` says when;
-``make_experience(fused=True)`` then leaves out what depends on pi_prox, and ``ppo_update`` fills it
-in from its forward before the loss (``update.InUpdateProximal``). The update is the same either
-way: same loss, figures and new weights, up to the rounding of two forwards of the same rows.
+the step's plan then takes pi_prox from the update (``UpdatePlan.proximal == "update"``):
+``make_experience`` leaves out what depends on pi_prox, and ``update.one_forward_update`` makes it
+from its forward, as a new experience, before the loss. The update is the same either way: same
+loss, figures and new weights, up to the rounding of two forwards of the same rows.
 """
 
 from __future__ import annotations
 
 from rayppo.learner.collective import Collective
-from rayppo.learner.experience import ExperienceSettings
+from rayppo.learner.learn_settings import ExperienceSettings
 from rayppo.learner.rollout_tensors import RolloutTensors
 
 
@@ -39,7 +40,7 @@ def fused_proximal(settings: ExperienceSettings, reward_kl: bool, has_critic: bo
       -beta KL(pi_prox || pi_ref) enter the advantages, before the update. (``kl_mode=loss``: the
       term is the update's; ``kl/ref_mean`` of pi_prox is computed after its forward.)
     - not (``has_critic`` and ``correction.geo_mask``): the first minibatch's value loss reuses the
-      experience pass's graph (``Experience.first_values``) and runs its backward *before* the
+      experience pass's graph (``UpdatePlan.first_rows``) and runs its backward *before* the
       policy's forward, to free it; that loss reads the geometric-mean mask, known only after the
       policy's forward. Keeping both graphs would double the peak; dropping the kept one would
       trade a critic forward for the policy's (no gain).

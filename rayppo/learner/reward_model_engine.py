@@ -7,7 +7,7 @@ which is where the reward actor's classifier reads it too (``models/sequence_sco
 folder (``save``) is what ``AutoModelForSequenceClassification.from_pretrained`` and
 ``reward.model=`` load, with the tokenizer and chat template it was trained with.
 
-The group, placement, checkpoints and resharding are the PPO learner's (``engine.py``,
+The group, placement, checkpoints and resharding are the PPO learner's (``learner_engine.py``,
 ``checkpoint.py``); only the model and the step differ.
 """
 
@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from rayppo.config.derived import role_gpus
 from rayppo.config.schema import Config
-from rayppo.engine import Engine, model_size
-from rayppo.learner.checkpoint import LearnerSplit, load_states, save_states
-from rayppo.learner.engine import (
+from rayppo.learner.bradley_terry import bradley_terry_loss, pair_sums
+from rayppo.learner.learner_engine import (
     TorchCollective,
     deepspeed_config,
     gathered,
@@ -30,11 +29,12 @@ from rayppo.learner.engine import (
     leave_learner_group,
     partitioned_loading,
 )
-from rayppo.learner.preference import bradley_terry_loss, pair_sums
+from rayppo.learner.learner_state import LearnerSplit, load_states, save_states
 from rayppo.learner.step import adamw
 from rayppo.models.loading import load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.reward_model import backbone_name, scalar_head_model
 from rayppo.models.shape import read_shape
+from rayppo.role_resources import Engine, model_size
 
 CHECKPOINT_ENGINE = "reward_model"
 """The folder of r_φ's DeepSpeed states in a checkpoint."""
@@ -45,7 +45,7 @@ class RewardModelLearner(Engine):
 
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                  num_threads: int | None = None):
-        join_learner_group(self, role_gpus(cfg, "learner"), rank, world_size, master_addr, master_port, num_threads)
+        join_learner_group(self, role_gpus(cfg, "learner"), rank, world_size, (master_addr, master_port), num_threads)
         import deepspeed  # here, not at module level: the driver imports this module only to spawn ranks
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size

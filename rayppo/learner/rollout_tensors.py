@@ -22,7 +22,7 @@ from rayppo.models.sequences import PackedBatch, pack
 @dataclass
 class RolloutTensors:
     """One rank's rows of a scored rollout, as tensors on the learner's device, and where they sit
-    in the batch and in the update's plan (``num_groups``, ``first_rows``)."""
+    in the batch (``num_groups``)."""
 
     batch: PackedBatch
     """Token tensors: prompt | response layout, ``batch.mask`` [B, T] (the action mask of episodes)."""
@@ -51,10 +51,6 @@ class RolloutTensors:
     num_groups: int
     """An upper bound of the batch's group ids, the same on every rank: the batch's rows (``of``
     counts this shard's; the learn step sets the whole batch's)."""
-    first_rows: torch.Tensor | None = None
-    """[b] long: this rank's rows of the update's first minibatch when that is one micro-batch on
-    every rank (``update.first_rows_kept``): the experience pass keeps their critic forward's graph
-    for it (``Experience.first_values``). None: each micro-batch runs its own."""
 
     @staticmethod
     def of(rollout: Rollout, pad_id: int, device: torch.device | str = "cpu",

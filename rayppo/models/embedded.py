@@ -56,13 +56,13 @@ def tiny_llama_config(vocab_size: int, tokenizer: PreTrainedTokenizerFast, **ove
 
 def build_embedded_model(out_dir: Path, seed: int = 0, sft: bool = True, progress: bool = True) -> Path:
     """Build tokenizer + random-init Llama, warm it up on the task format, save to ``out_dir``."""
-    from rayppo.models.sft import sft_train
+    from rayppo.models.sft import SFTSettings, sft_train
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(digits.corpus())
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer))
     if sft:
-        sft_train(model, tokenizer, digits.sft_examples(), seed=seed, progress=progress)
+        sft_train(model, tokenizer, digits.sft_examples(), SFTSettings(seed=seed, progress=progress))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

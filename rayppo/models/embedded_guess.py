@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rayppo.models.chat_tokens import observation_ids
 from rayppo.models.embedded import tiny_llama_config
-from rayppo.models.sft import TokenExample, sft_train_ids
+from rayppo.models.sft import SFTSettings, TokenExample, sft_train_ids
 from rayppo.tasks import guess
 
 ROLES = ("user", "assistant", "system", "tool")
@@ -70,7 +70,7 @@ def build_guess_model(out_dir: Path, seed: int = 0, progress: bool = True) -> Pa
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer))
     examples = [game_example(tokenizer, game) for game in guess.sft_games(seed=seed + 1)]
     random.Random(seed).shuffle(examples)
-    sft_train_ids(model, tokenizer.pad_token_id, examples, epochs=3, seed=seed, progress=progress)
+    sft_train_ids(model, tokenizer.pad_token_id, examples, SFTSettings(epochs=3, seed=seed, progress=progress))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(str(out_dir))

@@ -20,7 +20,7 @@ import torch
 
 from rayppo.models.packing import RowPacking, pack_sequences, unpack
 from rayppo.models.shared_prompts import pack_shared
-from rayppo.models.vocab_head import token_logprobs
+from rayppo.models.vocab_head import HeadPass, token_logprobs
 from rayppo.token_math import entropy_from_logits, logprobs_from_logits
 
 if TYPE_CHECKING:
@@ -205,8 +205,8 @@ def policy_forward(
         handle.remove()
     valid = batch.mask.bool()
     hidden = batch.unpacked(captured[-1])[:, _response_slice(batch)][valid]  # [N, H]: the valid response positions
-    logprobs, entropy = token_logprobs(hidden, head, batch.response_ids[valid], temperature, with_entropy,
-                                       entropy_grad)
+    logprobs, entropy = token_logprobs(hidden, head, batch.response_ids[valid],
+                                       HeadPass(temperature, with_entropy, entropy_grad))
     zeros = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=batch.mask.device)
     return zeros.masked_scatter(valid, logprobs), None if entropy is None else zeros.masked_scatter(valid, entropy)
 

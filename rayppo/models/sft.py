@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -17,22 +18,30 @@ from rayppo.models.sequences import pack, policy_forward
 from rayppo.token_math import masked_mean
 
 
-def sft_train(
-    model: torch.nn.Module,
-    tokenizer,
-    examples: list[tuple[str, str]],
-    epochs: int = 3,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    seed: int = 0,
-    progress: bool = True,
-) -> list[float]:
+@dataclass(frozen=True)
+class SFTSettings:
+    """How the warm-up trains: its epochs, batches, learning rate and shuffling seed."""
+
+    epochs: int = 3
+    """Passes over the examples."""
+    batch_size: int = 64
+    """Examples per step; a last part smaller than that is left out of the epoch."""
+    lr: float = 1e-3
+    """AdamW's learning rate."""
+    seed: int = 0
+    """The seed of each epoch's shuffle."""
+    progress: bool = True
+    """A progress bar on a terminal (never in a log)."""
+
+
+def sft_train(model: torch.nn.Module, tokenizer, examples: list[tuple[str, str]],
+              settings: SFTSettings = SFTSettings()) -> list[float]:
     """Train ``model`` in place on (prompt, response) text pairs; returns the loss per step."""
     encoded = [
         (tokenizer(p, add_special_tokens=True)["input_ids"], tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], None)
         for p, r in examples
     ]
-    return sft_train_ids(model, tokenizer.pad_token_id, encoded, epochs, batch_size, lr, seed, progress)
+    return sft_train_ids(model, tokenizer.pad_token_id, encoded, settings)
 
 
 TokenExample = tuple[list[int], list[int], list[int] | None]
@@ -40,9 +49,11 @@ TokenExample = tuple[list[int], list[int], list[int] | None]
 a multi-turn episode trains its own turns, not the environment's replies between them)."""
 
 
-def sft_train_ids(model: torch.nn.Module, pad_id: int, examples: Sequence[TokenExample], epochs: int = 3,
-                  batch_size: int = 64, lr: float = 1e-3, seed: int = 0, progress: bool = True) -> list[float]:
+def sft_train_ids(model: torch.nn.Module, pad_id: int, examples: Sequence[TokenExample],
+                  settings: SFTSettings = SFTSettings()) -> list[float]:
     """``sft_train`` over token ids (and masks); returns the loss per step."""
+    epochs, batch_size, lr, seed, progress = (settings.epochs, settings.batch_size, settings.lr, settings.seed,
+                                              settings.progress)
     encoded = list(examples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)

@@ -122,7 +122,9 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
 
 
-def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+# transformers' attention-function signature: its attention layers call the registered function
+# with these arguments by these names, so they stay as they are.
+def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: PLR0913
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query`` [1, H, N, D], ``key``/``value``

@@ -39,6 +39,7 @@ response-token logits exist for that call only and are never kept for backward).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -47,6 +48,21 @@ import torch.utils.checkpoint
 CHUNK_ELEMENTS = 1 << 23
 """Logits per chunk (8M: 32 MiB in fp32): 1024 tokens of an 8k vocabulary, 55 of a 152k one.
 Large enough for a full-speed matmul, small enough for a cache-friendly pass over the chunk."""
+
+
+@dataclass(frozen=True)
+class HeadPass:
+    """What one pass of the head takes from each token's logits besides log pi(y), and how many
+    tokens' logits exist at once."""
+
+    temperature: float = 1.0
+    """T: the logits are divided by it, as the sampler's were."""
+    with_entropy: bool = False
+    """The entropy H of each token's softmax too."""
+    entropy_grad: bool = True
+    """A gradient flows through H; False: H is a statistic (and its backward costs nothing)."""
+    chunk: int | None = None
+    """Tokens per chunk; None: ``chunk_tokens(V)``."""
 
 
 def chunk_tokens(vocab_size: int) -> int:
@@ -89,8 +105,10 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
     """``(log pi(y) [N], H [N] or empty)`` of ``z = (h W^T) / T`` (in fp32 at least), chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                settings: HeadPass) -> tuple[torch.Tensor, torch.Tensor]:
+        """``settings.chunk`` is set (``token_logprobs`` resolves it)."""
+        temperature, with_entropy, chunk = settings.temperature, settings.with_entropy, cast(int, settings.chunk)
         n, dtype = hidden.shape[0], _stats_dtype(hidden.dtype)
         weight_stats = weight.to(dtype)  # once per call: every chunk's product in fp32
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -103,7 +121,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                 assert h is not None  # _chunk_stats returns H with_entropy
                 entropy[s:s + chunk] = h
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and entropy_grad
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and settings.entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
@@ -116,7 +134,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         if not ctx.entropy_grad:
             grad_entropy = None
         if grad_logprobs is None and grad_entropy is None:  # neither output reached the loss
-            return None, None, None, None, None, None, None
+            return None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         stats = _stats_dtype(weight.dtype)
         weight_stats = weight.to(stats)  # the fp32 head of the forward, and its gradient in fp32
@@ -134,7 +152,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight.addmm_(dz.t(), h.to(stats))
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
 
 
 def _part(x: torch.Tensor | None, start: int, chunk: int) -> torch.Tensor | None:
@@ -177,28 +195,22 @@ def plain_weight(head: torch.nn.Module) -> torch.Tensor | None:
     return weight
 
 
-def token_logprobs(
-    hidden: torch.Tensor,
-    head: torch.nn.Module,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
+                   settings: HeadPass = HeadPass()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log pi(y_n) [N], H_n [N] or None)`` for hidden states ``[N, H]`` and targets ``[N]``.
 
     Equals ``log_softmax(head(hidden).float() / T)`` (fp64 stays fp64) gathered at the targets (and the entropy of
     that softmax) to fp32 rounding, gradients included, but never holds more than ``chunk``
-    tokens' logits (default ``chunk_tokens(V)``). ``entropy_grad=False`` returns the entropy as a
-    statistic (no gradient flows through it, and its backward costs nothing).
+    tokens' logits (``settings.chunk``, default ``chunk_tokens(V)``). ``entropy_grad=False`` returns
+    the entropy as a statistic (no gradient flows through it, and its backward costs nothing).
     """
-    chunk = chunk or chunk_tokens(getattr(head, "out_features", None) or cast(torch.Tensor, head.weight).shape[0])
+    temperature, with_entropy, entropy_grad = settings.temperature, settings.with_entropy, settings.entropy_grad
+    chunk = settings.chunk or chunk_tokens(getattr(head, "out_features", None)
+                                           or cast(torch.Tensor, head.weight).shape[0])
     targets = targets.long()
     weight = plain_weight(head)
     if weight is not None:
-        logprobs, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, targets, temperature, chunk, with_entropy,
-                                                         entropy_grad)
+        logprobs, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, targets, replace(settings, chunk=chunk))
         return logprobs, entropy if with_entropy else None
     n = hidden.shape[0]
     if any(hasattr(p, "ds_id") for p in head.parameters()):

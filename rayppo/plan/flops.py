@@ -85,14 +85,28 @@ def policy_update_flops(policy: ModelShape, seq: Sequences, lora: bool = False) 
     return forward + projection_flops(policy, seq) - first_qkv + 2 * attention_flops(policy, seq) + head
 
 
-def learn_flops(policy: ModelShape, critic: ModelShape | None, seq: Sequences, epochs: int, minibatches: int,
-                proximal: bool = False, lora: bool = False) -> float:
+@dataclass(frozen=True)
+class LearnPasses:
+    """How the learner goes over a rollout: the passes its update is made of."""
+
+    epochs: int
+    """E: passes over the rollout (``ppo.epochs``)."""
+    minibatches: int
+    """M: minibatches per epoch (``ppo.minibatches``)."""
+    proximal: bool = False
+    """The proximal policy's forward once more (asynchronous mode, ``rollout.max_staleness > 0``)."""
+    lora: bool = False
+    """A LoRA policy (``learner.lora_rank``): no gradient for its frozen weights."""
+
+
+def learn_flops(policy: ModelShape, critic: ModelShape | None, seq: Sequences, passes: LearnPasses) -> float:
     """Useful FLOPs of one learner stage: the critic's value pass for the experience, then per
     epoch the policy's (``policy_update_flops``; ``lora``: a LoRA policy) and the critic's forward
     + backward (and the proximal policy's forward once, in asynchronous mode). The first
     minibatch's value forward is the experience pass's (``Experience.first_values``), so it counts
     once: 1/M of a critic forward comes off (rows of equal length assumed, as in the benchmark
     workloads). ``critic`` None: a critic-free estimator, the policy's passes only."""
+    epochs, minibatches, proximal, lora = passes.epochs, passes.minibatches, passes.proximal, passes.lora
     policy_forward = backbone_forward_flops(policy, seq) + 2 * policy.hidden * policy.vocab * seq.response_tokens
     policy_flops = epochs * policy_update_flops(policy, seq, lora) + (policy_forward if proximal else 0.0)
     if critic is None:
@@ -140,12 +154,10 @@ class StageFlops:
 
 
 def stage_flops(policy: ModelShape, reference: ModelShape | None, reward: ModelShape | None,
-                critic: ModelShape | None, seq: Sequences, epochs: int, minibatches: int,
-                proximal: bool = False, lora: bool = False) -> StageFlops:
+                critic: ModelShape | None, seq: Sequences, passes: LearnPasses) -> StageFlops:
     """Every stage's useful FLOPs for one rollout; a model that is None is a stage that does not
-    run (``reference``), or runs none (``reward``: a function), or a critic-free learner; ``lora``:
-    the learner trains a LoRA policy."""
+    run (``reference``), or runs none (``reward``: a function), or a critic-free learner."""
     return StageFlops(generate=generate_flops(policy, seq),
                       reference=reference_flops(reference, seq) if reference is not None else 0.0,
                       reward=reward_flops(reward, seq) if reward is not None else 0.0,
-                      learn=learn_flops(policy, critic, seq, epochs, minibatches, proximal, lora))
+                      learn=learn_flops(policy, critic, seq, passes))

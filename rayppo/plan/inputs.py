@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 
 def check_inputs(cfg: Config) -> None:
     """Raise the first problem found, as a ``RayppoError`` whose message names it."""
+    configs, policy_dir = _check_models(cfg)
+    train_rows = _check_prompt_files(cfg, configs, policy_dir)
+    _check_user_code(cfg, train_rows or embedded_rows(cfg.data.prompts, cfg.data.prompt_column))
+
+
+def _check_models(cfg: Config) -> tuple[dict[str, dict[str, Any]], Path]:
+    """The model folders (and GGUF files), their tokenizers against the policy's, and the policy
+    against the task and the generators; returns each folder's ``config.json`` and the policy's folder."""
     m = cfg.model
     folders = {"model.policy": m.policy, "model.reference": m.reference, "model.critic": m.critic,
                "reward.model": cfg.reward.model}
@@ -45,6 +53,12 @@ def check_inputs(cfg: Config) -> None:
         check_model_meets_embedded_task(cfg, policy_dir)
     if (policy_dir / "config.json").is_file():  # the embedded model is built later: a Llama, no experts
         check_policy_for_generators(cfg, policy_dir)
+    return configs, policy_dir
+
+
+def _check_prompt_files(cfg: Config, configs: dict[str, dict[str, Any]], policy_dir: Path) -> PromptRows | None:
+    """The training and evaluation prompt files: their rows, chat templates and lengths; returns the
+    first file's rows (the ones the reward function is tried on), None when both are built in."""
     train_rows = None
     for spec, split in ((cfg.data.prompts, cfg.data.split), (cfg.eval.prompts, cfg.eval.split)):
         if spec is None or spec in EMBEDDED_PROMPTS:
@@ -60,12 +74,16 @@ def check_inputs(cfg: Config) -> None:
             log.warning("%s holds %d prompts, fewer than rollout.batch_size=%d: each iteration repeats some of them "
                         "(lower rollout.batch_size to sample each prompt at most once per iteration)",
                         rows.source, len(rows.prompts), cfg.rollout.batch_size)
-    train_rows = train_rows or embedded_rows(cfg.data.prompts, cfg.data.prompt_column)
+    return train_rows
+
+
+def _check_user_code(cfg: Config, rows: PromptRows) -> None:
+    """The reward and gold functions and the environment, each tried on ``rows``."""
     for function in (cfg.reward.function, cfg.reward.gold_function):
         if function is not None:
-            check_reward_function(function, train_rows, cfg.reward.timeout_s)
+            check_reward_function(function, rows, cfg.reward.timeout_s)
     if cfg.rollout.environment is not None:
-        check_environment(cfg.rollout.environment, train_rows, cfg.rollout.environment_timeout_s)
+        check_environment(cfg.rollout.environment, rows, cfg.rollout.environment_timeout_s)
 
 
 def check_policy_for_generators(cfg: Config, policy_dir: Path) -> None:

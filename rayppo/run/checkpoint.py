@@ -1,7 +1,7 @@
 """Checkpoints of a run: written atomically, proven whole, found again by ``rayppo train --resume DIR``.
 
     DIR/checkpoints/iter_000020/   policy/ critic/   the trainer's model and optimizer states
-                                   learner.json      the learner's split (``learner/checkpoint.py``)
+                                   learner.json      the learner's split (``learner/learner_state.py``)
                                    driver.json       iteration, beta, prompt position, version
                                    manifest.json     every file's size and CRC-32, written last
     DIR/checkpoints/latest         "iter_000020", replaced last
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rayppo.errors import RayppoError
-from rayppo.learner.checkpoint import LearnerSplit, check_stage_change, read_split
+from rayppo.learner.learner_state import LearnerSplit, check_stage_change, read_split
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def continued_config(run_dir: Path, overrides: list[str]):
 
 def split_change(checkpoint: Path, cfg) -> str:
     """``; on another split: learner 2 ranks ZeRO-2 -> 1 rank ZeRO-2`` when the checkpoint's
-    learner split (``read_split`` of ``learner/checkpoint.py``, which reshards) is another; else ""."""
+    learner split (``read_split`` of ``learner/learner_state.py``, which reshards) is another; else ""."""
     try:
         before = read_split(checkpoint)
     except (OSError, ValueError, KeyError, TypeError):

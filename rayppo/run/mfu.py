@@ -1,8 +1,8 @@
 """Per-stage throughput figures of an iteration: ``perf/tokens_per_s/<stage>``,
 ``perf/tflops/<stage>`` and ``perf/mfu/<stage>`` (docs/benchmarks.md, "MFU per stage").
 
-    achieved FLOP/s = the stage's useful FLOPs for this rollout (plan/flops.py) / its time/* seconds
-    MFU             = achieved / the matmul rate measured once at the start (plan/machine_rate.py)
+    achieved FLOP/s = the stage's useful FLOPs for this rollout (plan/flops.py) / its seconds (StageTimes)
+    MFU             = achieved / the matmul rate measured once at the start (rayppo/machine_rate.py)
 
 The trainers measure the rate (``output.mfu``) where the learner computes and hand it to
 ``StageCounter``; a stage that did not run (no reference at ``ppo.kl_coef = 0``: its time is 0)
@@ -20,7 +20,8 @@ from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import resolve_model_path
 from rayppo.models.shape import ModelShape, read_shape
-from rayppo.plan.flops import Sequences, StageFlops, stage_flops
+from rayppo.plan.flops import LearnPasses, Sequences, StageFlops, stage_flops
+from rayppo.run.stage_times import StageTimes
 
 STAGES = ("generate", "reference", "reward", "learn")
 
@@ -30,7 +31,8 @@ def stage_metrics(flops: StageFlops, seconds: dict[str, float], rate: float | No
     """``perf/tflops/<stage>`` (achieved: FLOPs / seconds / 1e12), ``perf/mfu/<stage>`` (achieved
     FLOP/s / ``rate``; none when ``rate`` is None) and ``perf/tokens_per_s/<stage>`` (``tokens``
     / seconds) of each stage with seconds > 0 (``seconds``: by stage name, or as the ``time/*``
-    figures of an iteration); FLOP figures only for a stage that runs a model (FLOPs > 0)."""
+    figures of a metrics record read back, a benchmark's); FLOP figures only for a stage that runs
+    a model (FLOPs > 0)."""
     out: dict[str, float] = {}
     for stage, stage_flops_ in flops.as_dict().items():
         s = seconds.get(stage, seconds.get(f"time/{stage}", 0.0))
@@ -95,7 +97,7 @@ class StageCounter:
     lora: bool = False
     """The learner trains a LoRA policy (``learner.lora_rank``): no gradient for its frozen weights."""
     rate: float | None = None
-    """FLOP/s of the probe (``plan/machine_rate.peak_rate``), set by the trainer; None: not measured."""
+    """FLOP/s of the probe (``machine_rate.peak_rate``), set by the trainer; None: not measured."""
 
     @classmethod
     def of(cls, cfg: Config) -> StageCounter:
@@ -110,12 +112,14 @@ class StageCounter:
 
     def flops(self, seq: Sequences) -> StageFlops:
         """Each stage's useful FLOPs for a rollout of these token counts."""
-        return stage_flops(self.policy, self.reference, self.reward, self.critic, seq, self.epochs,
-                           self.minibatches, self.proximal, self.lora)
+        return stage_flops(self.policy, self.reference, self.reward, self.critic, seq,
+                           LearnPasses(self.epochs, self.minibatches, self.proximal, self.lora))
 
-    def metrics(self, rollout: Rollout, timings: dict[str, float]) -> dict[str, float]:
-        """The ``perf/*`` figures of the iteration that trained ``rollout`` in ``timings`` (``time/*``)."""
+    def metrics(self, rollout: Rollout, times: StageTimes) -> dict[str, float]:
+        """The ``perf/*`` figures of the iteration that trained ``rollout`` in ``times``."""
         if not len(rollout):
             return {}
         seq = rollout_sequences(rollout)
-        return stage_metrics(self.flops(seq), timings, self.rate, stage_tokens(seq))
+        seconds = {"generate": times.generate, "reference": times.reference, "reward": times.reward,
+                   "learn": times.learn}  # by the stage names of StageFlops (STAGES)
+        return stage_metrics(self.flops(seq), seconds, self.rate, stage_tokens(seq))

@@ -5,8 +5,9 @@
     checkpoint: runs/job/checkpoints/iter_000006
     scale request waiting: generators.num=2
 
-The driver keeps ``fleet.json`` current (``rayppo/cluster/fleet.py``); the rest is what every run
-writes anyway (``metrics.jsonl``, ``config.yaml``, ``checkpoints/``, ``scale.json``).
+The driver keeps ``fleet.json`` current (``rayppo/cluster/fleet.py``; read back by
+``rayppo/cluster/fleet_file.py``); the rest is what every run writes anyway (``metrics.jsonl``,
+``config.yaml``, ``checkpoints/``, ``scale.json``).
 """
 
 from __future__ import annotations
@@ -14,21 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FLEET_FILE = "fleet.json"
-"""The generator fleet as the driver last saw it, in the run folder."""
-
-
-def fleet_line(run_dir: Path) -> str | None:
-    """``generators: 1 of 2 sampling (1 waiting for a place: 1), at least 1; lost 1 time`` from
-    ``fleet.json``; None when the run has none (the in-process trainer, or not started)."""
-    try:
-        state = json.loads((run_dir / FLEET_FILE).read_text())
-        active, waiting, total, lost = state["active"], state["waiting"], state["generators"], state["lost"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    waits = f" ({len(waiting)} waiting for a place: {', '.join(map(str, waiting))})" if waiting else ""
-    return (f"generators: {len(active)} of {total} sampling{waits}, at least {state.get('min_num', 1)}; "
-            f"lost {lost} time{'' if lost == 1 else 's'}")
+from rayppo.cluster.fleet_file import fleet_line
 
 
 def _iterations_line(run_dir: Path) -> str:

@@ -8,12 +8,13 @@
 
 The rollout source is what varies (``source_class``): the synchronous one samples each batch when
 asked and syncs after the update (``sync_source.py``); the pipelined one (``rollout.max_staleness``
-> 0) samples ahead in threads and hands each update to them (``pipeline.py``). The iteration
-(``loop.py``), the fleet's regrowth, evaluation, checkpoints, restores and a learner's restart are
-this trainer's, once for both.
+> 0) samples ahead in threads and hands each update to them (``pipeline.py``). Either drives the
+fleet's generators (``Fleet.controlled_by``): the trainer pauses, restarts and takes back
+generators through the fleet, which grows itself (``rayppo scale``). The iteration (``loop.py``),
+evaluation, checkpoints, restores and a learner's restart are this trainer's, once for both.
 
 Rollouts cross processes as Arrow tables (``Rollout`` pickles itself that way); weights go from
-learner rank 0 to the generators through the object store or by broadcast (``weight_sync.py``).
+learner rank 0 to the generators through the object store or by broadcast (``cluster/weight_sync.py``).
 """
 
 from __future__ import annotations
@@ -28,19 +29,12 @@ from typing import Any
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
-from rayppo.cluster.placement import (
-    Placement,
-    placement_report,
-    release,
-    requested_resources,
-    reserve,
-    room_for_generators,
-)
-from rayppo.cluster.roles import actor_count, add_generators, spawn_roles
+from rayppo.cluster.fleet_control import FleetControl, SamplesAhead
+from rayppo.cluster.placement import Placement, placement_report, release, requested_resources, reserve
+from rayppo.cluster.roles import GeneratorSpawner, actor_count, spawn_roles
 from rayppo.cluster.session import RaySession
 from rayppo.cluster.startup import wait_ready
 from rayppo.cluster.supervisor import Supervisor
-from rayppo.cluster.weight_sync import make_weight_sync
 from rayppo.config.derived import fleet_minimum, generator_context, lora_sync
 from rayppo.config.schema import Config
 from rayppo.console import console
@@ -53,10 +47,10 @@ from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.run.mfu import probe_tokens
-from rayppo.trainers.evaluation import eval_plan, run_evaluation
+from rayppo.trainers.clock import PHASES, Stage, StageClock
+from rayppo.trainers.distributed_roles import DistributedRoles
+from rayppo.trainers.evaluation import eval_plan, held_out_result
 from rayppo.trainers.loop import LoopTrainer, load_prompts
-from rayppo.trainers.role_calls import RoleCalls
-from rayppo.trainers.source import PHASES, RolloutSource, StageClock
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +87,16 @@ class DistributedTrainer(LoopTrainer):
         self.learner_restarts = 0
         self.placements: dict[str, Placement] = {}
         self.schedule = DeviceSchedule(cfg.cluster.colocate_all, cfg.cluster.call_timeout_s)
-        self.clock = StageClock(self.schedule)
+        self.clock = StageClock()
+        self.sampler: SamplesAhead | None = None
+        """The source's threads that sample ahead (the pipelined source's); None when it samples when asked."""
         self.supervisor = Supervisor(cfg.cluster.max_actor_restarts, cfg.cluster.call_timeout_s,
                                      cfg.cluster.restart_window)
         self.session = RaySession(cfg.cluster.address, cfg.cluster.num_cpus, requested_resources(cfg).get("CPU", 0.0),
                                   verbose=console.actor_log("driver", 0) is None).__enter__()
         try:
             self.placements = reserve(cfg)
-            console.phase(f"starting {actor_count(cfg)}" + (f" (their output: {console.shown(console.log_dir)}/)"
+            console.phase(f"starting {actor_count(cfg)}" + (f" (their output: {console.user_path(console.log_dir)}/)"
                                                              if console.log_dir else ""))
             self._spawn_roles()
             if cfg.learner.lora_rank:
@@ -114,9 +110,7 @@ class DistributedTrainer(LoopTrainer):
                 # learner's GPUs, or on CPU its threads on the cores the roles share (the synchronous
                 # source's stages take turns on them; the pipelined one's overlap)
                 self.stage_counter.rate = self.learner.matmul_rate(probe_tokens(cfg))
-            self.source: RolloutSource = source_class(cfg)(cfg, self.calls, self.prompts, self.clock)
-            self._initial_state = self.driver_state()  # where a learner restart goes with no checkpoint yet
-            self.source.start()
+            self._start_source()
         except BaseException:
             self.close()
             raise
@@ -130,13 +124,22 @@ class DistributedTrainer(LoopTrainer):
         self.fleet = Fleet(self.generators, self.placements.get("generators"), fleet_minimum(cfg),
                            cfg.cluster.placement_timeout_s, Path(cfg.output.dir))
         self.supervisor.add_fleet(self.fleet)
-        weight_sync = make_weight_sync(cfg, self.learner, self.generators, self.supervisor, self.fleet)
-        self.calls = RoleCalls(cfg, self.generators, self.reference, self.rewards, self.learner, self.supervisor,
-                               self.fleet, self.schedule, weight_sync)
-        self.schedule.generators = self.generators
+        self.calls = DistributedRoles(cfg, self.generators, self.reference, self.rewards, self.learner, self.supervisor,
+                               self.fleet, self.schedule)
         for group in (self.generators, self.reference, self.rewards):
             self.supervisor.watch(group)
-        self.schedule.scorers, self.schedule.learner = [self.reference, self.rewards], self.learner.ranks
+
+    def _start_source(self) -> None:
+        """The rollout source ``cfg`` chooses, which drives the fleet's generators from now on, and
+        its threads started when it samples ahead."""
+        source = source_class(self.cfg)(self.cfg, self.calls, self.prompts, self.clock)
+        self.source, self.publisher = source, source
+        self.sampler = source if isinstance(source, SamplesAhead) else None
+        self.fleet.controlled_by(FleetControl(keeper=source, spawner=GeneratorSpawner(self.cfg, self.context),
+                                              on_join=self._write_placement, sampler=self.sampler))
+        self._initial_state = self.driver_state()  # where a learner restart goes with no checkpoint yet
+        if self.sampler is not None:
+            self.sampler.start()
 
     def _write_placement(self) -> None:
         """``placement.json``: the node of each actor of each role (again whenever the fleet changes)."""
@@ -150,13 +153,15 @@ class DistributedTrainer(LoopTrainer):
         return self.calls.weight_sync
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
-        """The fleet's rollout of ``prompts`` (``RoleCalls.generate``)."""
+        """The fleet's rollout of ``prompts`` (``DistributedRoles.generate``)."""
         return self.calls.generate(prompts, seed)
 
     # ------------------------------------------------------------------------------- iteration
     def _learn(self, rollout: Rollout, kl_coef: float, it: int) -> LearnResult:
         """The learner group's update on a scored batch."""
-        return self.learner.train(rollout, kl_coef, it)
+        update = self.learner.train(rollout, kl_coef, it)
+        self.schedule.record(Stage.LEARN)  # colocated: where the learner's turn on the GPU ended
+        return update
 
     def _trained_targets(self) -> tuple[list[list[float]], list[list[float]]]:
         """The learner ranks' advantages and returns of the last update, in row order."""
@@ -176,36 +181,14 @@ class DistributedTrainer(LoopTrainer):
                 "faults/learner_restarts": float(self.learner_restarts), **self.fleet.metrics()}
 
     def _before_iteration(self) -> None:
-        """Generators that left the fleet and whose replacements have a place now take the current
-        weights, are checked (``checks.verify_sync``), and rejoin (``Fleet.rejoin``); the source
-        is paused meanwhile (the pipeline's batches in flight are drawn again after)."""
-        back = self.fleet.returned(self.iteration_count)
-        if back:
-            with self.source.paused():
-                self.fleet.rejoin_all(back, self.source.bring_up_to_date)
-            self._write_placement()
-
-    def room_to_grow(self, generators: int) -> bool:
-        """Whether the cluster has room now for ``generators`` in all."""
-        more = generators - len(self.generators)
-        return more > 0 and room_for_generators(self.cfg, more)
-
-    def grow_fleet(self, generators: int, minimum: int) -> list[int]:
-        """``generators`` generators in all from now on (more than now), at least ``minimum`` of
-        them sampling, without a restart: the new ones start in placement groups of their own,
-        and once placed and built (waited for up to ``cluster.placement_timeout_s``; later ones
-        join at a later iteration boundary) take the current weights, are checked and join the
-        fleet, as a generator that lost its node rejoins. Returns their indices."""
-        added = add_generators(self.cfg, self.generators, self.placements["generators"], self.context,
-                               generators - len(self.generators))
-        self.fleet.grow(added, minimum)
-        self.fleet.wait(added, self.cfg.cluster.placement_timeout_s)
-        self._before_iteration()
-        return added
+        """Generators that left the fleet (or were added to it) and have a place now take the
+        current weights, are checked (``checks.verify_sync``), and rejoin (``Fleet.take_back``);
+        the pipeline's batches in flight are drawn again after."""
+        self.fleet.take_back(self.iteration_count)
 
     def evaluate(self) -> dict[str, float]:
         """The current policy on the held-out prompts, split across the generators and scored by
-        the reward actors (``rayppo/trainers/evaluation.py``), with the source paused and every
+        the reward actors (``rayppo/trainers/evaluation.py``), with the fleet paused and every
         generator holding the published policy; {} without held-out prompts."""
         if self.eval_prompts is None:
             return {}
@@ -220,8 +203,9 @@ class DistributedTrainer(LoopTrainer):
             (score,) = self.calls.reward_scores([rollout])
             return rollout.scored(score).total_rewards(), self.calls.gold_scores(rollout)
 
-        with self.clock.during("evaluate"), self.source.paused(current=True):
-            return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
+        with self.clock.during("evaluate"), self.fleet.paused(current=True):
+            self.last_evaluation = held_out_result(eval_plan(self.cfg), len(prompts), score_pass)
+        return self.last_evaluation.figures
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""
@@ -240,8 +224,8 @@ class DistributedTrainer(LoopTrainer):
 
     def restore(self, path: Path | None, state: dict[str, Any]) -> None:
         """Load a checkpoint (None: the initial models, as built) and bring every generator to
-        its policy version (the source's ``restart``), the source paused meanwhile."""
-        with self.source.paused():
+        its policy version (``Fleet.restart``), the fleet paused meanwhile."""
+        with self.fleet.paused():
             self._restore(path, state)
 
     def _restore(self, path: Path | None, state: dict[str, Any]) -> None:
@@ -250,7 +234,7 @@ class DistributedTrainer(LoopTrainer):
             version = self.learner.load_checkpoint(str(path)) if path is not None else 0
             check_pairing(path, version, state)
             self._load_driver_state(state)
-            self.source.restart(version)
+            self.fleet.restart(version)
 
     def recover(self, failure: LearnerFailedError) -> int:
         """After a learner rank died or hung: rebuild the learner group, load the latest
@@ -264,13 +248,11 @@ class DistributedTrainer(LoopTrainer):
             checkpoint = None
         hint = (f"; continue from its last checkpoint with: rayppo train --resume {out}" if checkpoint else
                 f"; no checkpoint was written yet (output.checkpoint_every={self.cfg.output.checkpoint_every})")
-        with self.source.paused():  # before the learner goes: nothing may read its weights meanwhile
+        with self.fleet.paused():  # before the learner goes: nothing may read its weights meanwhile
             self.supervisor.count_restart(str(failure), LearnerFailedError, hint)
             start = time.perf_counter()
             self.learner.rebuild()
-            self.schedule.learner = self.learner.ranks
-            self.calls.weight_sync = make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor,
-                                                      self.fleet)
+            self.calls.learner_rebuilt()
             self._restore(checkpoint, read_driver_state(checkpoint) if checkpoint else self._initial_state)
         self.learner_restarts += 1
         log.warning("%s: learner group restarted from %s in %.1f s (%s); redoing iterations from %d", failure,
@@ -279,19 +261,18 @@ class DistributedTrainer(LoopTrainer):
         return self.iteration_count
 
     def close(self) -> None:
-        """Kill every actor, then end the Ray session if this trainer started it. The source's
-        threads are told to stop first (the errors of the actors killed next end them quietly)
+        """Kill every actor, then end the Ray session if this trainer started it. The threads that
+        sample ahead are told to stop first (the errors of the actors killed next end them quietly)
         and joined before Ray ends: Ray ends the whole process (exit 1, no message on the
         terminal) when a thread calls into it after ``ray.shutdown``."""
-        source = getattr(self, "source", None)
-        if source is not None:
-            source.stop()
+        if self.sampler is not None:
+            self.sampler.stop()
         self.supervisor.close()  # an actor killed under a call in flight is not replaced
         for group in ("generators", "reference", "rewards", "learner"):
             if hasattr(self, group):
                 getattr(self, group).kill()
-        if source is not None:
-            source.close()
+        if self.sampler is not None:
+            self.sampler.close()
         if self.placements:
             release(self.placements)
             self.placements = {}

@@ -12,6 +12,8 @@ them as it scores rollouts. Nothing here is trained on. The figures:
                                with eval.samples = 0 they are also the headline eval/reward/mean
 
 Pass rates are reported for verifier rewards only (a reward model's scale has no threshold).
+An evaluation's result (``HeldOutResult``) carries its figures and, typed, the two means the gold
+stop rule compares (``run/gold.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 GREEDY = 0.0
 """Temperature of the greedy responses (the generators decode greedily at 0)."""
+
+
 @dataclass(frozen=True)
 class EvalPlan:
     """What one evaluation asks of the generators (from the ``eval`` config section)."""
@@ -45,6 +49,27 @@ class EvalPlan:
         return out + ([(self.temperature, self.samples)] if self.samples else [])
 
 
+@dataclass(frozen=True)
+class HeldOutResult:
+    """One evaluation: the figures of its metrics line, and the means the gold stop rule reads."""
+
+    figures: dict[str, float]
+    """``eval/*`` (module docstring), ``eval/gold/mean`` with a gold scorer, and ``time/eval``."""
+    reward_mean: float | None
+    """The headline mean reward (``eval/reward/mean``: the sampled responses', else the greedy
+    ones'); None when no pass ran."""
+    gold_mean: float | None
+    """The gold scorer's mean on the same responses (``eval/gold/mean``); None without one."""
+
+
+def headline_mean(greedy: list[float] | None, sampled: list[list[float]] | None) -> float | None:
+    """``eval/reward/mean``: the mean reward of the sampled responses, else of the greedy ones."""
+    if sampled:
+        flat = [r for row in sampled for r in row]
+        return sum(flat) / len(flat)
+    return sum(greedy) / len(greedy) if greedy else None
+
+
 def eval_metrics(plan: EvalPlan, greedy: list[float] | None, sampled: list[list[float]] | None) -> dict[str, float]:
     """The figures of one evaluation. ``greedy``: ``[P]`` rewards of the greedy responses;
     ``sampled``: ``[P][k]`` rewards of the sampled ones (None when that pass was not run)."""
@@ -53,17 +78,16 @@ def eval_metrics(plan: EvalPlan, greedy: list[float] | None, sampled: list[list[
         out["eval/greedy/reward/mean"] = sum(greedy) / len(greedy)
         if plan.verifier:
             out["eval/greedy/pass_rate"] = sum(r >= plan.pass_threshold for r in greedy) / len(greedy)
-    if sampled:
+    headline = headline_mean(greedy, sampled)
+    if headline is not None:
+        out["eval/reward/mean"] = headline
+    if sampled and plan.verifier:
         flat = [r for row in sampled for r in row]
-        out["eval/reward/mean"] = sum(flat) / len(flat)
-        if plan.verifier:
-            out["eval/pass_rate"] = sum(r >= plan.pass_threshold for r in flat) / len(flat)
-            out[f"eval/pass@{plan.samples}"] = sum(any(r >= plan.pass_threshold for r in row)
-                                                   for row in sampled) / len(sampled)
-    elif greedy:  # greedy only: its figures are the headline ones
-        out["eval/reward/mean"] = out["eval/greedy/reward/mean"]
-        if plan.verifier:
-            out["eval/pass_rate"] = out["eval/greedy/pass_rate"]
+        out["eval/pass_rate"] = sum(r >= plan.pass_threshold for r in flat) / len(flat)
+        out[f"eval/pass@{plan.samples}"] = sum(any(r >= plan.pass_threshold for r in row)
+                                               for row in sampled) / len(sampled)
+    elif not sampled and greedy and plan.verifier:  # greedy only: its figures are the headline ones
+        out["eval/pass_rate"] = out["eval/greedy/pass_rate"]
     return out
 
 
@@ -87,12 +111,19 @@ def eval_plan(cfg: Config) -> EvalPlan:
     return EvalPlan(e.greedy, e.samples, cfg.rollout.temperature, e.pass_threshold, cfg.reward.function is not None)
 
 
-def run_evaluation(plan: EvalPlan, num_prompts: int,
-                   score_pass: Callable[[float, int], tuple[list[float], list[float]]]) -> dict[str, float]:
-    """Every pass of ``plan``: ``score_pass(temperature, k)`` generates k responses per prompt
-    and returns their ``[P * k]`` rewards, prompt-major, and their gold scores (``[]`` without a
-    gold scorer). Returns the figures (``eval/gold/mean``: the gold mean of the pass that gives
-    ``eval/reward/mean``, the sampled one when there is one) and ``time/eval``."""
+ScorePass = Callable[[float, int], tuple[list[float], list[float]]]
+"""``score_pass(temperature, k)``: k responses per prompt generated and scored; their ``[P * k]``
+rewards, prompt-major, and their gold scores (``[]`` without a gold scorer)."""
+
+
+def run_evaluation(plan: EvalPlan, num_prompts: int, score_pass: ScorePass) -> dict[str, float]:
+    """The figures of ``held_out_result``."""
+    return held_out_result(plan, num_prompts, score_pass).figures
+
+
+def held_out_result(plan: EvalPlan, num_prompts: int, score_pass: ScorePass) -> HeldOutResult:
+    """Every pass of ``plan`` (``score_pass``). Its figures, with ``eval/gold/mean`` (the gold mean of
+    the pass that gives ``eval/reward/mean``, the sampled one when there is one) and ``time/eval``."""
     start = time.perf_counter()
     greedy: list[float] | None = None
     sampled: list[list[float]] | None = None
@@ -107,6 +138,8 @@ def run_evaluation(plan: EvalPlan, num_prompts: int,
         else:
             sampled = [scores[i * k:(i + 1) * k] for i in range(num_prompts)]
     figures = eval_metrics(plan, greedy, sampled)
-    if gold:
-        figures["eval/gold/mean"] = sum(gold) / len(gold)
-    return figures | {"time/eval": time.perf_counter() - start}
+    gold_mean = sum(gold) / len(gold) if gold else None
+    if gold_mean is not None:
+        figures["eval/gold/mean"] = gold_mean
+    return HeldOutResult(figures | {"time/eval": time.perf_counter() - start}, headline_mean(greedy, sampled),
+                         gold_mean)

@@ -13,21 +13,20 @@ the same seed. One iteration (docs/algorithm.md):
 Prompts are drawn ``rollout.batch_size`` at a time, each repeated ``rollout.samples_per_prompt``
 times as one group, as the distributed trainer's generators receive them.
 
-The generator and the learner share one policy module, so the "weight sync" is free here. The
-iteration is every trainer's (``loop.py``) over a local rollout source (``LocalSource``): the
-driver state, the prompts and the metrics line are the distributed trainer's too.
+The generator and the learner share one policy module, so the "weight sync" is free here: there
+is nothing to publish, and no fleet to pause, restart or grow. The iteration is every trainer's
+(``loop.py``) over a local rollout source (``LocalSource``): the driver state, the prompts and
+the metrics line are the distributed trainer's too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.generator import GeneratorActor, GeneratorEngine
 from rayppo.actors.hf_backend import HFBackend
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
@@ -50,22 +49,25 @@ from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import Experience
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
-from rayppo.learner.update import Steps
+from rayppo.learner.update import OptimiserSteps
+from rayppo.machine_rate import peak_rate
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_policy
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
-from rayppo.plan.machine_rate import peak_rate
+from rayppo.role_resources import Resources
 from rayppo.run.mfu import probe_tokens
+from rayppo.run.stage_times import StageTimes
+from rayppo.trainers.clock import Stage, StageClock
 from rayppo.trainers.dynamic_sampling import fill_batch
-from rayppo.trainers.evaluation import eval_plan, run_evaluation
+from rayppo.trainers.evaluation import eval_plan, held_out_result
 from rayppo.trainers.iteration import group_shares
 from rayppo.trainers.loop import LoopTrainer, load_prompts
-from rayppo.trainers.source import Drawn, SamplerPosition, StageClock
+from rayppo.trainers.source import SamplerPosition, SourcedBatch
 
 
 class LocalSource:
     """The in-process rollout source: generate (and dynamic sampling), reference, reward, each a
-    stage; the generator samples from the module the learner trains, so publishing is free."""
+    stage; the generator samples from the module the learner trains, so there is nothing to publish."""
 
     def __init__(self, cfg: Config, generator: GeneratorEngine, reference: ReferenceEngine | None,
                  reward: RewardEngine | None, prompts: PromptSampler, clock: StageClock) -> None:
@@ -73,19 +75,19 @@ class LocalSource:
         self.prompts, self.clock = prompts, clock
         self.position = SamplerPosition(prompts)
 
-    def next(self, iteration: int) -> Drawn:
+    def next(self, iteration: int) -> SourcedBatch:
         """Batch ``iteration``: sampled, its informative groups kept (dynamic sampling), scored."""
         self.position.drawing(iteration)
-        with self.clock.stage("generate"):
+        with self.clock.stage(Stage.GENERATE):
             rollout, dynamic = self._sample(iteration)
-        with self.clock.stage("reference"):
+        with self.clock.stage(Stage.REFERENCE):
             ref_logprobs = self.reference.ref_logprobs(rollout) if self.reference is not None else []
-        with self.clock.stage("reward"):
+        with self.clock.stage(Stage.REWARD):
             # Dynamic sampling has rewarded it already.
             score = rollout.score if len(rollout.score) == len(rollout) else self.scores(rollout)
             gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else None
             rollout = rollout.scored(score, ref_logprobs, gold)
-        return Drawn(rollout, dynamic)
+        return SourcedBatch(rollout, dynamic)
 
     def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:
         """This iteration's batch: ``rollout.batch_size`` prompts, each a group of
@@ -110,21 +112,6 @@ class LocalSource:
         """``[B]`` r_phi of the rows; 0 when an environment's turn rewards are the whole reward."""
         return self.reward.scores(rollout) if self.reward is not None else [0.0] * len(rollout)
 
-    def publish(self, version: int) -> dict[str, float]:
-        """Nothing to send: the generator samples from the module the learner updated."""
-        return {}
-
-    @contextmanager
-    def paused(self, current: bool = False) -> Iterator[None]:
-        """Nothing samples between iterations."""
-        yield
-
-    def bring_up_to_date(self, i: int) -> None:
-        """The one generator holds the trained module itself."""
-
-    def restart(self, version: int) -> None:
-        """The restored weights are the generator's own."""
-
     def state(self, iteration: int) -> dict[str, Any]:
         """The sampler's position before batch ``iteration``: stopped half-way through an iteration
         (a reward error, the guard before its update), its prompts are drawn again on resume."""
@@ -134,25 +121,20 @@ class LocalSource:
         """The sampler goes on from the saved position."""
         self.position.load_state(state)
 
-    def timings(self, seconds: dict[str, float]) -> dict[str, float]:
-        """Each stage's seconds; the iteration's are their sum."""
-        return {"time/generate": seconds["generate"], "time/reference": seconds["reference"],
-                "time/reward": seconds["reward"], "time/learn": seconds["learn"], "time/sync": 0.0,
-                "time/iteration": sum(seconds.values())}
-
-    def start(self) -> None:
-        """Nothing runs on its own."""
-
-    def stop(self) -> None:
-        """Nothing runs on its own."""
-
-    def close(self) -> None:
-        """The generator's environment processes of a multi-turn run stop."""
-        self.generator.close()
+    def timings(self, seconds: dict[Stage, float]) -> StageTimes:
+        """Each stage's seconds; the iteration's are their sum. The generator samples from the
+        module the learner trains: no sync (0 s)."""
+        return StageTimes(generate=seconds[Stage.GENERATE], reference=seconds[Stage.REFERENCE],
+                          reward=seconds[Stage.REWARD], learn=seconds[Stage.LEARN], sync=0.0,
+                          iteration=sum(seconds.values()))
 
 
 class InProcessTrainer(LoopTrainer):
     """Policy, reference, reward and critic in one process; ``iteration()`` runs one PPO step."""
+
+    fleet = None
+    """One generator in this process: no fleet that grows while the run goes on (``rayppo scale``
+    goes through a checkpoint)."""
 
     def __init__(self, cfg: Config):
         torch.manual_seed(cfg.seed)
@@ -160,8 +142,8 @@ class InProcessTrainer(LoopTrainer):
         policy_path = str(resolve_model_path(m.policy, m.cache_dir))
         # One process, one device: every engine on the learner's GPU when learner.gpus_per_rank > 0.
         gpus = cfg.learner.gpus_per_rank
-        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype, gpus=gpus,
-                                         episodes=episode_settings(cfg))
+        self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype,
+                                         episodes=episode_settings(cfg), actor=GeneratorActor(resources=Resources(gpus=gpus)))
         self.device = self.generator.device
         self.tokenizer = self.generator.tokenizer
         backend = self.generator.backend
@@ -187,6 +169,7 @@ class InProcessTrainer(LoopTrainer):
         self.clock = StageClock()
         self.source: LocalSource = LocalSource(cfg, self.generator, self.reference, self.reward, self.prompts,
                                                self.clock)
+        self.publisher = None  # the generator samples from the module the learner trains: nothing to send
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
         if cfg.output.mfu:  # perf/mfu/*'s denominator: every stage runs here, on this device and these threads
             shape = self.stage_counter.policy
@@ -195,7 +178,7 @@ class InProcessTrainer(LoopTrainer):
         self.policy_opt = adamw([p for p in self.policy.parameters() if p.requires_grad], cfg.ppo.lr, cfg.ppo.weight_decay)
         self.critic_opt = (adamw(list(self.critic.parameters()), cfg.ppo.critic_lr, cfg.ppo.weight_decay)
                            if self.critic is not None else None)
-        steps = Steps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None, self._step)
+        steps = OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None, self._step)
         self.models = LearnerModels(self.policy, self.critic, steps, LocalCollective(), self.device,
                                     self.tokenizer.pad_token_id)
         self.settings = LearnSettings.of(cfg)
@@ -224,7 +207,8 @@ class InProcessTrainer(LoopTrainer):
             gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else []
             return rollout.scored(self.source.scores(rollout)).total_rewards(), gold
 
-        return run_evaluation(eval_plan(self.cfg), len(prompts), score_pass)
+        self.last_evaluation = held_out_result(eval_plan(self.cfg), len(prompts), score_pass)
+        return self.last_evaluation.figures
 
     def _trained(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
         """(model, optimiser) of the policy and, with one, the critic."""
@@ -275,14 +259,6 @@ class InProcessTrainer(LoopTrainer):
         """One process: no learner group to restart; the failure is the run's."""
         raise failure
 
-    def room_to_grow(self, generators: int) -> bool:
-        """One process: there is no fleet to grow."""
-        return False
-
-    def grow_fleet(self, generators: int, minimum: int) -> list[int]:
-        """One process: never asked (``room_to_grow`` says no)."""
-        raise NotImplementedError("the in-process trainer has one generator")
-
     def close(self) -> None:
         """In-process, only the environment's processes of a multi-turn run to stop."""
-        self.source.close()
+        self.generator.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly
-from rayppo.episodes.loop import episode_stats
+from rayppo.episodes.turn_loop import episode_stats
 from rayppo.learner.ppo import AdaptiveKLController, FixedKLController
 
 

@@ -1,8 +1,10 @@
 """One iteration for every trainer: the batch from a rollout source, the update, the publish.
 
-    drawn  = source.next(it)               generate, filter, score   (sync)  or wait (pipeline)
-    update = learn(drawn.rollout, beta)    the trainer's learner: a DeepSpeed group, or in-process
-    source.publish(update.version)         sync and check            (sync)  or hand to the pipeline
+    batch  = source.next(it)               generate, filter, score   (sync)  or wait (pipeline)
+    update = learn(batch.rollout, beta)    the trainer's learner: a DeepSpeed group, or in-process
+    publisher.publish(update.version)      sync and check            (sync)  or hand to the pipeline;
+                                           nothing in one process (one module samples and learns)
+    times  = source.timings(...)           the iteration's StageTimes: time/* and perf/*
 
 The trainers differ in their learner and their source, not in their iteration: what the driver
 keeps between iterations (beta, the iteration count, the prompt position: ``driver_state``), the
@@ -20,9 +22,10 @@ from rayppo.data.prompts import PromptSampler, PromptSet, load_prompt_set
 from rayppo.data.rollout import Rollout
 from rayppo.learner.step import LearnResult
 from rayppo.run.mfu import StageCounter
-from rayppo.trainers.evaluation import eval_source
+from rayppo.trainers.clock import Stage, StageClock
+from rayppo.trainers.evaluation import HeldOutResult, eval_source
 from rayppo.trainers.iteration import make_kl_controller, rollout_stats
-from rayppo.trainers.source import RolloutSource, StageClock
+from rayppo.trainers.source import BatchSource, Publisher
 
 
 def load_prompts(cfg: Config, tokenizer: Any, max_prompt: int | None) -> tuple[PromptSet, PromptSet | None]:
@@ -38,9 +41,12 @@ def load_prompts(cfg: Config, tokenizer: Any, max_prompt: int | None) -> tuple[P
 
 class LoopTrainer:
     """The iteration and the driver's state every trainer shares; a trainer gives its learner
-    (``_learn``, ``_trained_targets``) and its rollout source (``source``)."""
+    (``_learn``, ``_trained_targets``), its rollout source (``source``) and where its updates go
+    (``publisher``)."""
 
-    source: RolloutSource
+    source: BatchSource
+    publisher: Publisher | None
+    """Where each update's policy goes; None when the generator samples from the module the learner trains."""
     clock: StageClock
 
     def __init__(self, cfg: Config, prompt_set: PromptSet, eval_prompts: PromptSet | None) -> None:
@@ -52,6 +58,8 @@ class LoopTrainer:
         self.iteration_count = 0
         self.last_rollout: Rollout | None = None
         self.last_update: LearnResult | None = None
+        self.last_evaluation: HeldOutResult | None = None
+        """The last held-out evaluation (``evaluate``): the gold stop rule reads its means."""
         self.stage_counter = StageCounter.of(cfg)
         """Each stage's FLOPs and the measured rate (``rate``: the trainer's probe) for ``perf/*``."""
 
@@ -66,19 +74,19 @@ class LoopTrainer:
         it = self.iteration_count
         self.clock.begin()
         self._before_iteration()
-        drawn = self.source.next(it)
+        batch = self.source.next(it)
         kl_coef = self.kl_ctl.value
         with self._learner_failures():  # a dead or hung rank: LearnerFailedError, then recover()
-            with self.clock.stage("learn"):
-                update = self._learn(drawn.rollout, kl_coef, it)
-                self._commit_update(update, drawn.rollout)  # from here a checkpoint holds this iteration
-            published = self.source.publish(update.version)
+            with self.clock.stage(Stage.LEARN):
+                update = self._learn(batch.rollout, kl_coef, it)
+                self._commit_update(update, batch.rollout)  # from here a checkpoint holds this iteration
+            published = self.publisher.publish(update.version) if self.publisher is not None else {}
         self._iteration_done()
-        timings = self.source.timings(self.clock.seconds)
-        shown = drawn.shown if drawn.shown is not None else drawn.rollout
-        perf = self.stage_counter.metrics(drawn.rollout, {**timings, **drawn.figures})  # time/reference|reward: figures
-        return {**update.metrics, **rollout_stats(shown, timings["time/iteration"], self.cfg.rollout.max_turns), **perf,
-                **timings, **self._run_figures(), **drawn.figures, **published, "kl_coef": kl_coef}
+        times = self.source.timings(self.clock.seconds)
+        reported = batch.reported if batch.reported is not None else batch.rollout
+        return {**update.metrics, **rollout_stats(reported, times.iteration, self.cfg.rollout.max_turns),
+                **self.stage_counter.metrics(batch.rollout, times), **times.metrics(), **self._run_figures(),
+                **batch.source_metrics, **published, "kl_coef": kl_coef}
 
     def _learn(self, rollout: Rollout, kl_coef: float, it: int) -> LearnResult:
         """The learner's update on a scored batch."""
@@ -89,7 +97,7 @@ class LoopTrainer:
         raise NotImplementedError
 
     def _before_iteration(self) -> None:
-        """What happens at an iteration boundary before the batch is drawn (none here)."""
+        """What happens at an iteration boundary before the batch is batch (none here)."""
 
     def _iteration_done(self) -> None:
         """What follows an iteration's publish (none here)."""
@@ -118,7 +126,7 @@ class LoopTrainer:
     def driver_state(self) -> dict[str, Any]:
         """What the next iteration needs besides the models (JSON): beta, the iteration count and
         the source's position before the next batch to train, even when an iteration failed
-        half-way (its prompts are drawn again on resume)."""
+        half-way (its prompts are batch again on resume)."""
         return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
                 **self.source.state(self.iteration_count)}
 

@@ -57,11 +57,13 @@ from rayppo.data.prompts import PromptBatch, PromptSampler
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import rollout_seed
 from rayppo.errors import GeneratorLostError
+from rayppo.run.stage_times import ScoringSeconds, StageTimes
+from rayppo.trainers.clock import Stage, StageClock
+from rayppo.trainers.distributed_roles import DistributedRoles
 from rayppo.trainers.iteration import group_shares
 from rayppo.trainers.pipeline_stages import POLL_S, Batch, BusyClock, Published, Stages, StoppedError
 from rayppo.trainers.pipeline_weights import GeneratorWeights
-from rayppo.trainers.role_calls import RoleCalls
-from rayppo.trainers.source import Drawn, StageClock
+from rayppo.trainers.source import SourcedBatch
 from rayppo.trainers.staleness import drop_stale, generator_lead, staleness_stats
 
 log = logging.getLogger(__name__)
@@ -71,13 +73,15 @@ CLOSE_JOIN_S = 60.0
 
 
 class PipelinedSource:
-    """Generation and scoring in threads of their own, ahead of the learner (module docstring)."""
+    """Generation and scoring in threads of their own, ahead of the learner (module docstring).
+    For the fleet (``cluster/fleet.py``) it is what samples ahead (``SamplesAhead``: paused while
+    another caller needs the generators) and what keeps them on the published policy (``PolicyKeeper``)."""
 
-    def __init__(self, cfg: Config, calls: RoleCalls, prompts: PromptSampler, clock: StageClock) -> None:
+    def __init__(self, cfg: Config, calls: DistributedRoles, prompts: PromptSampler, clock: StageClock) -> None:
         self.cfg, self.calls, self.prompts, self.clock = cfg, calls, prompts, clock
         self.k = cfg.rollout.max_staleness
         self.partial = cfg.rollout.partial_tokens
-        self.lead = generator_lead(self.k, self.partial, cfg.rollout.max_new_tokens)
+        self.batches_ahead = generator_lead(self.k, self.partial, cfg.rollout.max_new_tokens)
         # A partial-rollout call goes on with its unfinished rows until the batch can be trained:
         # every rank needs rows in each minibatch.
         self._rows_needed = cfg.ppo.minibatches * cfg.learner.num_ranks
@@ -90,23 +94,24 @@ class PipelinedSource:
         """The running start of the pipeline (None until the first ``start``)."""
         self._resume_carry: list[Rollout] | None = None  # the carries a restore goes on with
         self._iteration = 0  # the batch the learner trains now
+        self._scoring = ScoringSeconds(0.0, 0.0)  # the scoring passes of the batch trained now
         self._last_return = self._t_data = self._t_end = time.perf_counter()
 
     # ----------------------------------------------------------------------------- the learner's side
-    def next(self, iteration: int) -> Drawn:
+    def next(self, iteration: int) -> SourcedBatch:
         """Batch ``iteration`` once it is scored, rows older than k versions dropped (and counted)."""
-        with self.clock.stage("wait"):
-            index, rollout, score_times, depth = self._next_scored()
+        with self.clock.stage(Stage.WAIT):
+            index, rollout, self._scoring, depth = self._next_scored()
         assert index == iteration, f"pipeline delivered batch {index} for iteration {iteration}"
         self._iteration, self._t_data = iteration, time.perf_counter()
         version = self.weights.published.version  # the learner's: it publishes after every update
         staleness = staleness_stats(rollout, version)
         kept, dropped = drop_stale(rollout, version, self.k)
-        figures = {**score_times, **staleness, "async/dropped_rows": float(dropped), "async/queue_depth": float(depth)}
+        figures = {**staleness, "async/dropped_rows": float(dropped), "async/queue_depth": float(depth)}
         # Every row dropped: the metrics line shows the batch's figures as generated.
-        return Drawn(kept, figures, shown=kept if len(kept) else rollout)
+        return SourcedBatch(kept, figures, reported=kept if len(kept) else rollout)
 
-    def _next_scored(self) -> tuple[int, Rollout, dict[str, float], int]:
+    def _next_scored(self) -> tuple[int, Rollout, ScoringSeconds, int]:
         """The next scored batch and how many more wait behind it; raises a stage's error. A
         generator that left the fleet restarts the stages over the generators left, which draw the
         batches in flight again."""
@@ -126,30 +131,30 @@ class PipelinedSource:
                 continue
 
     def publish(self, version: int) -> dict[str, float]:
-        """``version`` to where the generators take it; the trained batch's records let go."""
-        with self.clock.stage("sync"):
+        """``version`` to where the generators take it; the trained batch's records let go. Its
+        figures: the payload, the check, and the rows the generators carry on with (partial rollouts)."""
+        with self.clock.stage(Stage.SYNC):
             self.weights.publish(version)
         self._t_end = time.perf_counter()
         with self._cond:
             for records in (self._running.batches, self._running.prompt_states, self._running.carry_states):
                 records.pop(self._iteration, None)
         return {"sync/bytes": float(self.weights.payload_bytes(len(self._running.fleet))),
-                "sync/verified": self.weights.verified()}
+                "sync/verified": self.weights.verified(),
+                "async/carried_rows": float(sum(len(c) for c in self._running.carry))}
 
-    def timings(self, seconds: dict[str, float]) -> dict[str, float]:
+    def timings(self, seconds: dict[Stage, float]) -> StageTimes:
         """The iteration's wall time runs from the previous one's return (the stages never stop);
         generate and score are their threads' busy seconds within it."""
         t0, t_end = self._last_return, self._t_end
         self._last_return = t_end
-        wall, learn = t_end - t0, seconds["learn"]
         sampling = self._running.fleet
         generate = sum(self._clocks[g].busy(t0, t_end) for g in sampling) / len(sampling)
-        return {"time/generate": generate, "time/score": self._scoring_clock.busy(t0, t_end),
-                "time/wait_for_data": self._t_data - t0, "time/learn": learn, "time/sync": seconds["sync"],
-                # Each generator checks its own loads, inside its busy time (time/generate).
-                "time/sync_verify": 0.0, "time/iteration": wall,
-                "async/generator_idle": max(0.0, 1 - generate / wall), "async/learner_idle": 1 - learn / wall,
-                "async/carried_rows": float(sum(len(c) for c in self._running.carry))}
+        return StageTimes(generate=generate, reference=self._scoring.reference, reward=self._scoring.reward,
+                          learn=seconds[Stage.LEARN], sync=seconds[Stage.SYNC], iteration=t_end - t0,
+                          score=self._scoring_clock.busy(t0, t_end), wait_for_data=self._t_data - t0,
+                          # Each generator checks its own loads, inside its busy time (time/generate).
+                          sync_verify=0.0)
 
     # ------------------------------------------------------------------- pauses, restores, state
     def start(self) -> None:
@@ -214,7 +219,7 @@ class PipelinedSource:
     def _running(self) -> Stages:
         """The current start of the stages (``start`` made one; a restart replaces it)."""
         if self._stages is None:
-            raise RuntimeError("the pipeline's stages were never started (RolloutSource.start)")
+            raise RuntimeError("the pipeline's stages were never started (PipelinedSource.start)")
         return self._stages
 
     def _start_stages(self) -> None:
@@ -326,7 +331,7 @@ class PipelinedSource:
     def _wait_for_window(self, stages: Stages, b: int) -> Published:
         """Block until batch b may be sampled (b <= published version + lead); the newest weights."""
         with self._cond:
-            while b > self.weights.published.version + self.lead:
+            while b > self.weights.published.version + self.batches_ahead:
                 if stages.stop.is_set():
                     raise StoppedError
                 self._cond.wait(POLL_S)

@@ -10,14 +10,14 @@ from collections import defaultdict
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import get, get_within
 from rayppo.learner.guard import check_weights
+from rayppo.trainers.distributed_roles import DistributedRoles
 from rayppo.trainers.pipeline_stages import Published
-from rayppo.trainers.role_calls import RoleCalls
 
 
 class GeneratorWeights:
     """What the learner published (``published``) and what each generator holds (``held``)."""
 
-    def __init__(self, calls: RoleCalls, verify: bool, cond: threading.Condition) -> None:
+    def __init__(self, calls: DistributedRoles, verify: bool, cond: threading.Condition) -> None:
         self.calls, self.verify, self._cond = calls, verify, cond
         self.published = Published(0)
         """The newest policy; the stage threads wait on ``cond`` for a newer one."""

@@ -56,6 +56,14 @@ class PairsResult:
                 f"response scored alike) in {self.seconds:.0f} s, written to {self.path}")
 
 
+@dataclass(frozen=True)
+class _Engines:
+    """What a batch of pairs passes through: the policy's generator, then the verifier."""
+
+    generator: GeneratorEngine
+    verifier: RewardEngine
+
+
 def group_pairs(responses: list[str], scores: list[float], limit: int) -> list[tuple[int, int]]:
     """``(chosen, rejected)`` indices into one prompt's responses: the best-scored paired with the
     worst, the second best with the second worst, ... while the first scores strictly higher;
@@ -95,7 +103,8 @@ def make_verifier_pairs(cfg: Config, progress: bool = True) -> PairsResult:
             # than transformers' generate on SmolLM2 (docs/reward-models.md).
             generator = GeneratorEngine(**{**generator_args(cfg, context, 0), "model_path": policy})
             try:
-                _write_pairs(cfg, prompts, generator, RewardEngine(**reward_args(cfg, 0.0)), stop, progress, result)
+                _write_pairs(cfg, prompts, _Engines(generator, RewardEngine(**reward_args(cfg, 0.0))), stop, progress,
+                             result)
             finally:
                 generator.close()
         except KeyboardInterrupt:  # a second Ctrl-C, or a SIGTERM without the time to finish the batch
@@ -107,8 +116,8 @@ def make_verifier_pairs(cfg: Config, progress: bool = True) -> PairsResult:
     return result
 
 
-def _write_pairs(cfg: Config, prompts: PromptSet, generator: GeneratorEngine, verifier: RewardEngine,
-                 stop: StopRequest, progress: bool, result: PairsResult) -> None:
+def _write_pairs(cfg: Config, prompts: PromptSet, engines: _Engines, stop: StopRequest, progress: bool,
+                 result: PairsResult) -> None:
     """The batches of ``prompts`` sampled, scored and paired, until every prompt is done,
     ``preference.max_pairs`` are written or a stop is asked for (taken between batches). A batch's
     lines are written at once and flushed, so the file ends at a whole line whenever the process
@@ -128,8 +137,8 @@ def _write_pairs(cfg: Config, prompts: PromptSet, generator: GeneratorEngine, ve
                 stop.iteration_begins()
                 (batch,) = group_shares(prompts.select(range(first, min(first + per_batch, len(prompts)))), 1,
                                         f.samples_per_prompt)
-                rollout = generator.generate(batch, seed=cfg.seed * 1_000_003 + b)
-                rows, none = _pair_rows(rollout, verifier.scores(rollout), f.pairs_per_prompt)
+                rollout = engines.generator.generate(batch, seed=cfg.seed * 1_000_003 + b)
+                rows, none = _pair_rows(rollout, engines.verifier.scores(rollout), f.pairs_per_prompt)
                 rows = rows[:f.max_pairs - result.pairs] if f.max_pairs else rows
                 out.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))  # one call: whole
                 out.flush()

@@ -27,7 +27,7 @@ from rayppo.config.schema import Config, ConfigError, to_dict
 from rayppo.console import console
 from rayppo.data.pairs import PairTokens, PreferencePairs, epoch_order, held_out_split, read_pairs, tokenize_pairs
 from rayppo.data.rollout import split_evenly
-from rayppo.learner.preference import pair_means, pair_sums
+from rayppo.learner.bradley_terry import pair_means, pair_sums
 from rayppo.learner.reward_model_engine import RewardModelLearner
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.reward_model import backbone_name

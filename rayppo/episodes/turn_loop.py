@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rayppo.episodes.environment import EnvironmentFailedError, EnvironmentPool, Episode, Step
 from rayppo.errors import RayppoError
@@ -91,6 +92,36 @@ class EmptyTurnError(RayppoError, RuntimeError):
     """A generator sampled a turn with no tokens; the message names the prompt."""
 
 
+@dataclass(frozen=True)
+class EpisodeRun:
+    """What one call's episodes are played with, turn after turn."""
+
+    sample: Sampler
+    """The generator backend's batched sampling."""
+    tokenizer: Any
+    """The policy's tokenizer: a turn's text for the environment, an observation's tokens."""
+    pool: EnvironmentPool
+    """The environments' processes."""
+    settings: EpisodeSettings
+    """The turn and token budgets, the failed step's rule."""
+    end_ids: list[int]
+    """The end-of-turn tokens the chat template renders (``chat_tokens.check_template``)."""
+    deadline: float | None
+    """``time.monotonic()`` past which an episode is cut after its turn (``max_seconds``); None: no limit."""
+
+
+@dataclass(frozen=True)
+class SampledTurn:
+    """One episode's turn as the sampler returned it."""
+
+    ids: list[int]
+    """Its tokens (ending on the stop token that ended it, if one did)."""
+    logprobs: list[float]
+    """log pi_old of each token."""
+    reason: str
+    """``stop``: it ended on a stop token; ``length``: it ran out of tokens."""
+
+
 def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: EpisodeSettings,
                  starts: list[tuple[Episode, list[int], list[Message]]], end_ids: list[int]) -> list[EpisodeState]:
     """Play ``starts`` (each an episode, its prompt ids and its conversation) to their ends.
@@ -98,13 +129,14 @@ def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Ep
     a turn that stops on another stop token ends its episode as cut."""
     states = [EpisodeState(e, list(ids), list(history)) for e, ids, history in starts]
     deadline = time.monotonic() + settings.max_seconds if settings.max_seconds else None
+    run = EpisodeRun(sample, tokenizer, pool, settings, end_ids, deadline)
     try:
         pool.start([s.episode for s in states])  # a class that cannot start stops the call (checked at start-up)
         for turn in range(1, settings.max_turns + 1):
             active = [s for s in states if not s.finish_reason]
             if not active:
                 break
-            _play_turn(sample, tokenizer, pool, settings, active, turn, end_ids, deadline)
+            _play_turn(run, active, turn)
         for state in states:
             state.finish_reason = state.finish_reason or "length"  # still going after max_turns: cut
     finally:
@@ -112,24 +144,24 @@ def run_episodes(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: Ep
     return states
 
 
-def _play_turn(sample: Sampler, tokenizer, pool: EnvironmentPool, settings: EpisodeSettings,
-               active: list[EpisodeState], turn: int, end_ids: list[int], deadline: float | None) -> None:
+def _play_turn(run: EpisodeRun, active: list[EpisodeState], turn: int) -> None:
     """One turn of every active episode: sample, then step the environments of the turns that
     ended on an end-of-turn token, then append their observations."""
-    ids, logprobs, reasons = sample([s.context for s in active], [turn_limit(s, settings) for s in active], turn,
-                                    [s.episode.id for s in active])
+    settings = run.settings
+    ids, logprobs, reasons = run.sample([s.context for s in active], [turn_limit(s, settings) for s in active], turn,
+                                        [s.episode.id for s in active])
     stepping: list[tuple[EpisodeState, str]] = []
     for state, turn_ids, turn_logprobs, reason in zip(active, ids, logprobs, reasons):
-        text = take_turn(state, turn_ids, turn_logprobs, reason, end_ids, tokenizer, turn)
+        text = take_turn(state, SampledTurn(turn_ids, turn_logprobs, reason), run.end_ids, run.tokenizer, turn)
         if text is not None:
             stepping.append((state, text))
     if not stepping:
         return
-    steps = pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
+    steps = run.pool.step([s.episode for s, _ in stepping], [text for _, text in stepping], turn)
     for (state, text), step in zip(stepping, steps):
         # rollout.max_turns or rollout.episode_seconds: cut after this turn, no observation to answer.
-        last_turn = turn == settings.max_turns or (deadline is not None and time.monotonic() > deadline)
-        answer_turn(state, text, step, tokenizer, settings, last_turn)
+        last_turn = turn == settings.max_turns or (run.deadline is not None and time.monotonic() > run.deadline)
+        answer_turn(state, text, step, run.tokenizer, settings, last_turn)
 
 
 def turn_limit(state: EpisodeState, settings: EpisodeSettings) -> int:
@@ -139,14 +171,14 @@ def turn_limit(state: EpisodeState, settings: EpisodeSettings) -> int:
     return min(left, settings.turn_tokens) if settings.turn_tokens else left
 
 
-def take_turn(state: EpisodeState, ids: list[int], logprobs: list[float], reason: str, end_ids: list[int],
-              tokenizer, turn: int) -> str | None:
+def take_turn(state: EpisodeState, sampled: SampledTurn, end_ids: list[int], tokenizer, turn: int) -> str | None:
     """Add a sampled turn to its episode. Returns the turn's text for the environment, or None
     when the turn ran out of tokens before an end-of-turn token (the episode is then cut)."""
+    ids = sampled.ids
     if not ids:
         raise EmptyTurnError(f"a generator returned an empty turn {turn} for prompt {state.episode.prompt!r}")
-    state.add_turn(ids, logprobs)
-    if reason != "stop" or ids[-1] not in end_ids:
+    state.add_turn(ids, sampled.logprobs)
+    if sampled.reason != "stop" or ids[-1] not in end_ids:
         state.finish_reason = "length"  # out of tokens inside the turn: no end-of-turn to answer
         return None
     return tokenizer.decode(ids[:-1], skip_special_tokens=False)

@@ -9,6 +9,7 @@ most (a batch of tokens through the MLP's up projection). torch only.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,25 +17,39 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """``model.dtype`` -> the torch dtype the probe multiplies in."""
 
 
+@dataclass(frozen=True)
+class Probe:
+    """How a matmul is timed: in the stage's dtype, on the threads and the device the stage runs on."""
+
+    dtype: str
+    """``model.dtype`` (a key of ``DTYPES``)."""
+    threads: int
+    """torch threads the matmul runs on; the process's count is restored after."""
+    device: str | torch.device = "cpu"
+    """``cpu``, or the GPU the stage runs on."""
+    repeats: int = 15
+    """Timed calls after the warm-up; the rate is the fastest's."""
+
+
 def matmul_flops(m: int, k: int, n: int) -> int:
     """FLOPs of an ``[m, k] x [k, n]`` matmul: m n outputs of k multiply-adds, 2 FLOPs each."""
     return 2 * m * k * n
 
 
-def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, threads: int, device: str | torch.device = "cpu",
-                       repeats: int = 15) -> float:
-    """FLOP/s of an ``[m, k] x [k, n]`` matmul (``matmul_flops``) in ``dtype`` on ``device``,
-    with ``threads`` torch threads (restored after): the fastest of ``repeats`` timed calls after
-    one warm-up call. The machine's best, not a typical moment: MFU divides by a peak, and a probe
-    slowed by a neighbour for half its calls would put a stage above it. On CUDA the clock is read
-    after a synchronize, so the time is the kernel's, not its launch's. A ``RuntimeError`` where
-    torch keeps another thread count (vLLM's CPU worker turns ``torch.set_num_threads`` into a
-    no-op once it has bound the process's threads): a rate of fewer threads than the stage runs on
-    would put its MFU above 1."""
-    device = torch.device(device)
+def matmul_flops_per_s(m: int, k: int, n: int, probe: Probe) -> float:
+    """FLOP/s of an ``[m, k] x [k, n]`` matmul (``matmul_flops``) as ``probe`` says (its dtype,
+    device and torch threads, the process's count restored after): the fastest of ``probe.repeats``
+    timed calls after one warm-up call. The machine's best, not a typical moment: MFU divides by a
+    peak, and a probe slowed by a neighbour for half its calls would put a stage above it. On CUDA
+    the clock is read after a synchronize, so the time is the kernel's, not its launch's. A
+    ``RuntimeError`` where torch keeps another thread count (vLLM's CPU worker turns
+    ``torch.set_num_threads`` into a no-op once it has bound the process's threads): a rate of
+    fewer threads than the stage runs on would put its MFU above 1."""
+    threads = probe.threads
+    device = torch.device(probe.device)
     cuda = device.type == "cuda"
     before = torch.get_num_threads()
-    a = torch.randn(m, k).to(device=device, dtype=DTYPES[dtype])
+    a = torch.randn(m, k).to(device=device, dtype=DTYPES[probe.dtype])
     b = torch.randn(k, n).to(device=device, dtype=a.dtype)
     torch.set_num_threads(threads)
     try:
@@ -43,7 +58,7 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, threads: int, device:
                                f"{torch.get_num_threads()}: its rate would not be of {threads} threads")
         torch.mm(a, b)
         seconds = []
-        for _ in range(repeats):
+        for _ in range(probe.repeats):
             if cuda:
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -57,7 +72,8 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, threads: int, device:
 
 
 def peak_rate(dtype: str, threads: int, hidden: int, intermediate: int, tokens: int,
-              device: str | torch.device = "cpu", repeats: int = 15) -> float:
+              device: str | torch.device = "cpu") -> float:
     """FLOP/s of the matmul a decoder of width ``hidden`` runs most: ``tokens`` tokens through its
-    MLP's up projection (``[tokens, hidden] x [hidden, intermediate]``)."""
-    return matmul_flops_per_s(max(tokens, 1), hidden, intermediate, dtype, threads, device, repeats)
+    MLP's up projection (``[tokens, hidden] x [hidden, intermediate]``), in ``dtype`` on ``threads``
+    torch threads of ``device`` (``Probe``)."""
+    return matmul_flops_per_s(max(tokens, 1), hidden, intermediate, Probe(dtype, threads, device))

@@ -77,7 +77,7 @@ def cmd_pairs(args: argparse.Namespace, overrides: list[str]) -> int:
     console.setup(folder, args.verbose, log_name="pairs")  # logs/pairs.log beside the pair file
     model, data = model_and_data(cfg)
     log = console.log_file
-    logs = f"; the libraries' output to {console.shown(log)}" if log is not None and not args.verbose else ""
+    logs = f"; the libraries' output to {console.user_path(log)}" if log is not None and not args.verbose else ""
     console.phase(f"rayppo pairs: {model}, {data}, {cfg.preference.samples_per_prompt} samples per prompt -> "
                   f"{cfg.preference.pairs}{logs}")
     quiet_libraries(args.verbose)
@@ -102,7 +102,7 @@ def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("preference.pairs: the pair file to train on is not set (e.g. preference.pairs=pairs.jsonl)")
     from rayppo.cli.setup import build_first_use_models, quiet_libraries
     from rayppo.models.reward_model import backbone_name
-    from rayppo.trainers.reward_model import prepared_pairs
+    from rayppo.trainers.reward_model_trainer import prepared_pairs
 
     quiet_libraries(args.verbose)  # first: building a model saves it (a bar; DeepSpeed's CPU warning)
     build_first_use_models(cfg, [backbone_name(cfg)])
@@ -114,7 +114,7 @@ def cmd_reward_model(args: argparse.Namespace, overrides: list[str]) -> int:
     console.setup(cfg.output.dir, args.verbose)
     console.phase(f"rayppo reward-model: {backbone_name(cfg)} + a scalar head on {cfg.preference.pairs}, "
                   f"trainer={cfg.trainer}; output {cfg.output.dir}/")
-    from rayppo.trainers.reward_model import train_reward_model
+    from rayppo.trainers.reward_model_trainer import train_reward_model
 
     print(train_reward_model(cfg, progress=not args.no_progress, resume=resume).summary())
     return 0

@@ -12,6 +12,7 @@ import resource
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,7 @@ LOG_FILE_ENV = "RAYPPO_LOG_FILE"
 CORES_ENV = "RAYPPO_CPU_CORES"
 """Set in an actor's environment by the driver from ``<role>.cores``: ``"0,1"``, the CPU cores
 its process is pinned to."""
+
 
 if os.environ.get(LOG_FILE_ENV):
     # First thing in the actor's process (this module is imported before any engine is built):
@@ -102,6 +104,16 @@ def pin_to_cores(cores: list[int], field: str) -> None:
             os.sched_setaffinity(int(tid), cores)
         except ProcessLookupError:  # the thread ended since the listing
             pass
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a role's actor runs on, as the driver reserved it (the in-process trainer: its device)."""
+
+    threads: int | None = None
+    """torch intra-op threads: the actor's CPU share (``Engine.set_threads``); None: torch's default."""
+    gpus: float = 0.0
+    """GPUs Ray gave the actor (a fraction where roles share one; ``Engine.init_device``); 0: the CPU."""
 
 
 class Engine:

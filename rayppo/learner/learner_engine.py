@@ -22,7 +22,6 @@ import torch.distributed as dist
 from rayppo.config.derived import has_critic, lora_sync, policy_exports, role_gpus
 from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
-from rayppo.engine import Engine, model_size
 from rayppo.learner.adapter_weights import (
     ADAPTER_FOLDER,
     adapter_config,
@@ -31,13 +30,14 @@ from rayppo.learner.adapter_weights import (
     save_adapter,
     wrap_lora,
 )
-from rayppo.learner.checkpoint import LearnerSplit, load_states, save_states
+from rayppo.learner.broadcast_sender import IpcChunk, SyncEndpoint, SyncLayout, WeightSender, free_port, ipc_chunk
 from rayppo.learner.experience import check_staleness
+from rayppo.learner.learner_state import LearnerSplit, load_states, save_states
 from rayppo.learner.policy_sync import PolicySync
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
-from rayppo.learner.update import Steps
-from rayppo.learner.weight_sync import IpcChunk, SyncEndpoint, SyncLayout, WeightSender, free_port, ipc_chunk
+from rayppo.learner.update import OptimiserSteps
 from rayppo.learner.zero_sizes import zero_sizes
+from rayppo.machine_rate import peak_rate
 from rayppo.models.export import write_policy
 from rayppo.models.fingerprint import SentPrint
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
@@ -45,7 +45,7 @@ from rayppo.models.packing import pack_mode
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.weights import WeightsPayload
-from rayppo.plan.machine_rate import peak_rate
+from rayppo.role_resources import Engine, model_size
 
 
 class TorchCollective:
@@ -96,10 +96,12 @@ def deepspeed_config(cfg: Config, world_size: int, shape: ModelShape) -> dict[st
     }
 
 
-def join_learner_group(engine: Engine, gpus: float, rank: int, world_size: int, master_addr: str, master_port: int,
+def join_learner_group(engine: Engine, gpus: float, rank: int, world_size: int, master: tuple[str, int],
                        num_threads: int | None) -> None:
     """Threads and device of a learner rank (``engine``), then its place in the torch.distributed
-    group of ``world_size`` ranks (gloo on CPU, nccl on GPU) that DeepSpeed's engines use."""
+    group of ``world_size`` ranks (gloo on CPU, nccl on GPU) that DeepSpeed's engines use, which
+    meets at ``master`` (rank 0's address and port)."""
+    master_addr, master_port = master
     engine.set_threads(num_threads)
     use_cuda = engine.init_device(gpus, "learner").type == "cuda"
     # DeepSpeed binds the rank to cuda:LOCAL_RANK: the device Ray gave this actor.
@@ -192,7 +194,7 @@ class LearnerEngine(Engine):
 
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                  num_threads: int | None = None):
-        join_learner_group(self, role_gpus(cfg, "learner"), rank, world_size, master_addr, master_port, num_threads)
+        join_learner_group(self, role_gpus(cfg, "learner"), rank, world_size, (master_addr, master_port), num_threads)
         import deepspeed  # here, not at module level: the driver imports this module only to spawn ranks
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -262,17 +264,17 @@ class LearnerEngine(Engine):
         ``.returns``); kept only with ``output.save_rollouts``."""
         return self._targets
 
-    def _steps(self) -> Steps:
+    def _steps(self) -> OptimiserSteps:
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
         if self.critic is None:
-            return Steps(self.policy.backward, None, self.policy.step)
+            return OptimiserSteps(self.policy.backward, None, self.policy.step)
         policy, critic = self.policy, self.critic
 
         def step_both() -> None:
             policy.step()
             critic.step()
 
-        return Steps(policy.backward, critic.backward, step_both)
+        return OptimiserSteps(policy.backward, critic.backward, step_both)
 
     def policy_weights(self) -> WeightsPayload | None:
         """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere): its
@@ -377,7 +379,7 @@ class LearnerEngine(Engine):
 
     def matmul_rate(self, tokens: int) -> float:
         """FLOP/s of this rank's device (its GPU, or its CPU threads) on the matmul the policy runs
-        most, in ``model.dtype`` (``plan/machine_rate.peak_rate``): the denominator of ``perf/mfu/*``."""
+        most, in ``model.dtype`` (``machine_rate.peak_rate``): the denominator of ``perf/mfu/*``."""
         shape = read_shape(resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir))
         return peak_rate(self.cfg.model.dtype, torch.get_num_threads(), shape.hidden, shape.intermediate, tokens,
                          self.device)

@@ -5,7 +5,7 @@ share redone). Every rollout source and the evaluation call them; none knows ano
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rayppo.actors.generator import GeneratorEngine
@@ -15,20 +15,21 @@ from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.learner_group import LearnerGroup
-from rayppo.cluster.shares import sampled_shares
+from rayppo.cluster.shares import ShareCall, sampled_shares
 from rayppo.cluster.supervisor import Fanout, Supervisor
-from rayppo.cluster.weight_sync import BroadcastSync, IpcSync, ObjectStoreSync, verify_sync
+from rayppo.cluster.weight_sync import BroadcastSync, IpcSync, ObjectStoreSync, make_weight_sync, verify_sync
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly
-from rayppo.engine import Engine
+from rayppo.role_resources import Engine
+from rayppo.run.stage_times import ScoringSeconds
 from rayppo.trainers.iteration import group_shares
 
 T = TypeVar("T")
 
 
 @dataclass
-class RoleCalls:
+class DistributedRoles:
     """The actor groups of a distributed run and the calls the iteration makes on them."""
 
     cfg: Config
@@ -39,8 +40,20 @@ class RoleCalls:
     supervisor: Supervisor
     fleet: Fleet
     schedule: DeviceSchedule
-    weight_sync: ObjectStoreSync | BroadcastSync | IpcSync
-    """Replaced with the learner group after a learner restart (``DistributedTrainer.recover``)."""
+    weight_sync: ObjectStoreSync | BroadcastSync | IpcSync = field(init=False)
+    """How rank 0's weights reach the generators (``learner.weight_sync``); a new one after a
+    learner restart (``learner_rebuilt``)."""
+
+    def __post_init__(self) -> None:
+        self.weight_sync = self._new_weight_sync()
+
+    def learner_rebuilt(self) -> None:
+        """The learner group's ranks were started again (``DistributedTrainer.recover``): the weights
+        go from the new ones (a broadcast forms its group with them)."""
+        self.weight_sync = self._new_weight_sync()
+
+    def _new_weight_sync(self) -> ObjectStoreSync | BroadcastSync | IpcSync:
+        return make_weight_sync(self.cfg, self.learner, self.generators, self.supervisor, self.fleet)
 
     def generate(self, prompts: PromptBatch, seed: int) -> Rollout:
         """Each generator of the fleet samples its share of the prompts, in groups (``group_shares``);
@@ -57,8 +70,8 @@ class RoleCalls:
         meanwhile, the other shares are kept and only the lost one is split again over the
         generators left (``cluster/shares.py``, ``PromptBatch.whole_groups``)."""
         shares = split(len(self.fleet.active))
-        return Rollout.concat(sampled_shares(self.supervisor, self.fleet, method, shares, PromptBatch.whole_groups,
-                                             (*options, seed), self.weight_sync.refresh))
+        call = ShareCall(method, (*options, seed), self.weight_sync.refresh)
+        return Rollout.concat(sampled_shares(self.supervisor, self.fleet, call, shares, PromptBatch.whole_groups))
 
     def on_generator(self, g: int, method: Callable[..., T], args: tuple[Any, ...],
                      refresh: Callable[[int], None]) -> T:
@@ -92,7 +105,7 @@ class RoleCalls:
         role = "reward" if method is RewardEngine.scores else "gold"
         return Fanout(self.rewards, role, method, [(rollout.select(r),) for r in rows])
 
-    def score(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+    def score(self, rollout: Rollout) -> tuple[Rollout, ScoringSeconds]:
         """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
         only when no reference runs, at ppo.kl_coef = 0); the gold score too with ``reward.gold_function``."""
         if not len(self.rewards):  # an environment's turn rewards are the whole reward
@@ -109,8 +122,8 @@ class RoleCalls:
         score = [x for part in parts["reward"] for x in part] if "reward" in parts else rollout.score
         gold = [x for part in parts["gold"] for x in part] if "gold" in parts else None
         rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part], gold)
-        seconds = {p.role: p.seconds for p in passes}
-        return rollout, {"time/reward": seconds.get("reward", 0.0), "time/reference": seconds.get("reference", 0.0)}
+        seconds = {p.role: p.seconds for p in passes}  # a pass that did not run took none
+        return rollout, ScoringSeconds(reference=seconds.get("reference", 0.0), reward=seconds.get("reward", 0.0))
 
     def verify(self, version: int, generators: list[int] | None = None) -> float:
         """The guard's check of ``generators``' weights (default: the fleet's) after a sync

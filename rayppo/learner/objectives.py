@@ -1,0 +1,72 @@
+"""The update's objectives on one micro-batch: the policy's (clipped or decoupled surrogate, entropy
+bonus, KL loss) and the critic's (clipped value loss), each scaled by its share of the global
+minibatch. The plan says which loss and where the KL enters (``UpdatePlan``); the arithmetic is
+``rayppo.learner.ppo``'s. This is the module to read before changing the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayppo.learner import ppo
+from rayppo.learner.experience import Experience
+from rayppo.learner.minibatches import MicroBatch
+from rayppo.learner.update_plan import UpdatePlan
+from rayppo.models.sequences import critic_forward, policy_forward
+
+
+def policy_objective(
+    policy: torch.nn.Module, part: Experience, mb: MicroBatch, plan: UpdatePlan,
+    forward: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """``(objective, stats, drift)`` of the policy on this rank's part of a minibatch (``part``: its
+    rows, ``mb``: their shares); ``drift`` [b, T] is log pi - log pi_old per token (0 on padding),
+    the log-prob check of the synchronous iteration, on every row. Under ``plan.decoupled`` (rollout correction) the policy loss is the
+    decoupled one: trust region around pi_prox, tokens weighted by min(pi_prox / mu, is_clip); else
+    the clipped loss against mu = pi_old. Rows outside the geometric-mean band (``part.row_keep``)
+    are in no term and no figure. ``forward``: ``policy_pass``'s ``(logprobs, entropy)`` [b, T] of
+    these rows when already run."""
+    cfg, surrogate = plan.ppo, plan.surrogate
+    mask = part.trained_mask  # rows the geometric-mean mask dropped are in no term and no metric
+    logprobs, entropy = policy_pass(policy, part, plan) if forward is None else forward
+    if plan.decoupled:
+        if part.prox_logprobs is None:
+            raise ValueError("the decoupled policy loss needs log pi_prox: the experience has none")
+        pg_loss, pg_stats = ppo.decoupled_policy_loss(logprobs, ppo.Decoupled(part.prox_logprobs, part.old_logprobs),
+                                                      part.advantages, mask, surrogate, cfg.is_clip)
+    else:
+        pg_loss, pg_stats = ppo.policy_loss(logprobs, part.old_logprobs, part.advantages, mask, surrogate)
+    entropy_mean = ppo.masked_mean(entropy, mask)  # the figure shown; the bonus is aggregated as the loss is
+    entropy_bonus = (ppo.aggregate(entropy, mask, surrogate.agg, surrogate.max_length) if cfg.entropy_coef
+                     else entropy_mean)
+    drift = (logprobs.detach() - part.old_logprobs) * part.batch.mask  # the check sees every row
+    stats = {f"policy/{k}": v for k, v in pg_stats.items()}
+    stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
+    if plan.loss_kl_coef:  # kl_mode=loss: beta agg(k3), aggregated as the policy loss is
+        kl_loss = ppo.aggregate(ppo.kl_penalty(logprobs, part.ref_logprobs, "k3"), mask, surrogate.agg,
+                                surrogate.max_length)
+        pg_loss = pg_loss + plan.loss_kl_coef * kl_loss
+        stats["policy/kl_loss"] = kl_loss.detach()
+    # token-mean weighs the minibatch's tokens; the two sequence aggregations weigh its rows.
+    pg_share = mb.token_share if surrogate.agg == "token-mean" else mb.row_share
+    return pg_share * (pg_loss - cfg.entropy_coef * entropy_bonus), stats, drift
+
+
+def policy_pass(policy: torch.nn.Module, part: Experience, plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, entropy)`` [b, T] of the policy on ``part``'s rows, with their graph (the
+    entropy's only when its bonus is trained)."""
+    logprobs, entropy = policy_forward(policy, part.batch, plan.settings.temperature, with_entropy=True,
+                                       entropy_grad=plan.ppo.entropy_coef != 0)
+    assert entropy is not None  # asked for (with_entropy=True)
+    return logprobs, entropy
+
+
+def value_objective(critic: torch.nn.Module, part: Experience, mb: MicroBatch, plan: UpdatePlan,
+                    values: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(objective, stats)`` of the critic on this rank's part of a minibatch; ``values`` [b, T]
+    is its forward when already done (the experience pass's, ``ExperiencePass.first_values``)."""
+    if values is None:
+        values, _ = critic_forward(critic, part.batch)
+    cfg = plan.ppo
+    vf_loss = ppo.value_loss(values, part.old_values, part.returns, part.trained_mask, cfg.value_clip)
+    return mb.token_share * cfg.vf_coef * vf_loss, {"value/loss": vf_loss.detach()}
