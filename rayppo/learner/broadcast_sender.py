@@ -83,7 +83,7 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port() -> int:
-    """A TCP port free on this node right now, for a rendezvous store to bind next. SourcedBatch below the
+    """A TCP port free on this node right now, for a rendezvous store to bind next. Drawn below the
     kernel's ephemeral range: a port from ``bind(0)`` is one the kernel may give to any other
     process's connection or ``bind(0)`` (dozens of them while the actors start) before the store
     binds it, and the learner then fails with EADDRINUSE."""

@@ -97,7 +97,7 @@ class LoopTrainer:
         raise NotImplementedError
 
     def _before_iteration(self) -> None:
-        """What happens at an iteration boundary before the batch is batch (none here)."""
+        """What happens at an iteration boundary before the batch is drawn (none here)."""
 
     def _iteration_done(self) -> None:
         """What follows an iteration's publish (none here)."""
@@ -126,7 +126,7 @@ class LoopTrainer:
     def driver_state(self) -> dict[str, Any]:
         """What the next iteration needs besides the models (JSON): beta, the iteration count and
         the source's position before the next batch to train, even when an iteration failed
-        half-way (its prompts are batch again on resume)."""
+        half-way (its prompts are drawn again on resume)."""
         return {"iteration": self.iteration_count, "kl_coef": self.kl_ctl.value,
                 **self.source.state(self.iteration_count)}
 
