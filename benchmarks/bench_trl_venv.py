@@ -53,7 +53,7 @@ its GRPOTrainer no longer imports requests). ``RAYPPO_TRL_GRPO_VENV`` names its 
 
 RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """torch.distributed's rendezvous variables: an in-process learner rank (``trainer=reference``)
-sets them in its process (``learner.engine.join_learner_group``)."""
+sets them in its process (``learner.learner_engine.join_learner_group``)."""
 
 
 def trl_environment() -> dict[str, str]:

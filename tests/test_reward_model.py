@@ -30,7 +30,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.bradley_terry import bradley_terry_loss, pair_means, pair_sums
 from rayppo.models.loading import Critic, load_tokenizer
 from rayppo.models.reward_stats import STATS_FILE, RewardStats
-from rayppo.run.gold import gold_plateau
+from rayppo.run.gold import GoldWatch
 from rayppo.run.metrics import read_metrics
 from rayppo.tasks.digits import DIGITS, VERBS, make_prompt
 from rayppo.tasks.digits import reward as digits_reward
@@ -301,12 +301,12 @@ def test_the_gold_stop_rule_fires_when_gold_stalls_while_the_proxy_rises():
                 for i, (p, g) in enumerate(zip(proxy, gold))]
 
     hacked = evals([0.1, 0.3, 0.5, 0.7], [0.2, 0.4, 0.35, 0.38])
-    why = gold_plateau(hacked, patience=2)
+    why = GoldWatch.of_records(2, hacked).verdict()
     assert why is not None and "best (0.400, iteration 9) for 2 evaluations" in why and "0.300 to 0.700" in why
-    assert gold_plateau(hacked, patience=3) is None  # the window would hold the best itself
-    assert gold_plateau(evals([0.1, 0.3, 0.3, 0.2], [0.2, 0.4, 0.35, 0.38]), patience=2) is None  # proxy fell too
-    assert gold_plateau(evals([0.1, 0.3, 0.5, 0.7], [0.2, 0.4, 0.35, 0.41]), patience=2) is None  # gold improved
-    assert gold_plateau([{"iteration": 0, "reward/mean": 1.0}] * 9, patience=1) is None  # no gold scorer: nothing
+    assert GoldWatch.of_records(3, hacked).verdict() is None  # the window would hold the best itself
+    assert GoldWatch.of_records(2, evals([0.1, 0.3, 0.3, 0.2], [0.2, 0.4, 0.35, 0.38])).verdict() is None  # proxy fell too
+    assert GoldWatch.of_records(2, evals([0.1, 0.3, 0.5, 0.7], [0.2, 0.4, 0.35, 0.41])).verdict() is None  # gold improved
+    assert GoldWatch.of_records(1, [{"iteration": 0, "reward/mean": 1.0}] * 9).verdict() is None  # no gold scorer: nothing
 
 
 def test_a_gold_scorer_measures_kl_without_the_penalty():

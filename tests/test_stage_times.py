@@ -4,7 +4,7 @@ gold rule fed each evaluation (``GoldWatch``) as it once re-read the metrics fil
 
 import pytest
 
-from rayppo.run.gold import GoldWatch, gold_plateau
+from rayppo.run.gold import GoldWatch, plateau, points_of
 from rayppo.run.stage_times import StageTimes
 from rayppo.trainers.clock import PHASES, Stage, StageClock
 
@@ -42,8 +42,8 @@ def test_the_gold_watch_fed_each_evaluation_says_what_the_metrics_file_would():
     for record in records:
         watch.evaluated(int(record["iteration"]), record["eval/reward/mean"], record["eval/gold/mean"])
     watch.evaluated(20, 0.9, None)  # no gold scorer on this one: not counted
-    assert watch.verdict() == gold_plateau(records, 2) is not None
+    assert watch.verdict() == plateau(points_of(records), 2) is not None
     resumed = GoldWatch.of_records(2, records[:3])  # a resume reads the evaluations before it once
-    assert resumed.verdict() == gold_plateau(records[:3], 2) is None
+    assert resumed.verdict() == plateau(points_of(records[:3]), 2) is None
     watch.rewind(15)  # a learner restart redoes iterations 15 on: their evaluations go
     assert [p.iteration for p in watch.points] == [4, 9, 14] and watch.verdict() is None

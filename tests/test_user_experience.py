@@ -14,7 +14,7 @@ from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError
 from rayppo.run.folder import claim_output_dir
 from rayppo.tasks import digits
-from rayppo.trainers.evaluation import EvalPlan, due, eval_metrics, eval_source, run_evaluation
+from rayppo.trainers.evaluation import EvalPlan, due, eval_metrics, eval_source, held_out_result
 
 PYTHON = sys.executable
 
@@ -168,7 +168,7 @@ def test_eval_metrics_greedy_sampled_and_pass_at_k():
     assert eval_metrics(no_verifier, None, [[2.0], [-1.0]]) == {"eval/reward/mean": 0.5}
 
 
-def test_run_evaluation_regroups_prompt_major_scores():
+def test_held_out_result_regroups_prompt_major_scores():
     plan = EvalPlan(greedy=False, samples=3, temperature=0.7, pass_threshold=1.0, verifier=True)
     calls = []
 
@@ -176,19 +176,19 @@ def test_run_evaluation_regroups_prompt_major_scores():
         calls.append((temperature, k))
         return [0, 0, 1, 0, 0, 0], []  # prompt 0 passes on its third sample, prompt 1 never; no gold scorer
 
-    got = run_evaluation(plan, 2, score_pass)
+    got = held_out_result(plan, 2, score_pass).figures
     assert calls == [(0.7, 3)] and got["eval/pass@3"] == 0.5 and got["time/eval"] >= 0
     assert "eval/gold/mean" not in got  # nothing invented without a gold scorer
 
 
-def test_run_evaluation_reports_the_gold_mean_of_the_headline_pass():
+def test_held_out_result_reports_the_gold_mean_of_the_headline_pass():
     plan = EvalPlan(greedy=True, samples=2, temperature=0.7, pass_threshold=1.0, verifier=False)
 
     def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
         rewards = [0.5] * 2 * k
         return rewards, ([1.0] * 2 if k == 1 else [0.0, 1.0, 0.0, 0.0])  # greedy, then the sampled pass
 
-    got = run_evaluation(plan, 2, score_pass)
+    got = held_out_result(plan, 2, score_pass).figures
     assert got["eval/gold/mean"] == 0.25  # the sampled pass's, as eval/reward/mean is
 
 

@@ -10,7 +10,8 @@ Asynchronous mode (``rollout.max_staleness`` = k > 0, docs/async.md, "Off-policy
 may come from a behaviour policy mu up to k versions older than the learner. ``make_experience``
 then recomputes log pi_prox once with the learner's weights at the start of the update, shapes
 the reward's KL term with it, and computes V-trace targets; the update uses the decoupled
-policy loss and measures ``logprob_mismatch`` only on the rows sampled by the learner's version.
+policy loss under rollout correction (else the clipped one against mu) and measures
+``logprob_mismatch`` only on the rows sampled by the learner's version.
 With k = 0 both run exactly the synchronous iteration. Where pi_prox is the update's own forward
 (``UpdatePlan.proximal == "update"``) no pass runs here, and the experience leaves out what
 depends on pi_prox: ``update.one_forward_update`` makes a completed one.
@@ -72,7 +73,8 @@ class Experience:
     prox_logprobs: torch.Tensor | None = None
     """[B, T] log pi_prox(y_t | S_{t-1}): the learner's weights at the start of this update, without
     gradient (0 on padding). Asynchronous mode and rollout correction only; None where pi_prox is
-    pi_old (``UpdatePlan.proximal``), and in the experience ``one_forward_update`` completes."""
+    pi_old (``UpdatePlan.proximal``), and where it is the update's own forward
+    (``proximal == "update"``: ``one_forward_update`` returns a record with it set)."""
     same_version: torch.Tensor | None = None
     """[B, T] bool: the token was sampled by pi_prox's version, so mu = pi_prox and their log-probs
     must agree up to rounding (the tokens ``logprob_mismatch`` compares; a row continued across

@@ -4,7 +4,7 @@
 Each rank joins one torch.distributed group (gloo on CPU, nccl on GPU), holds a shard of every
 rollout (rows dealt by tokens, ``data/micro_batches.py``), and runs the learn step on it
 (``step.py``, the in-process trainer's too) with DeepSpeed doing gradient averaging, ZeRO partitioning and the optimiser step.
-Its checkpoints (and resharding them onto another split) are ``checkpoint.py``'s.
+Its checkpoints (and resharding them onto another split) are ``learner_state.py``'s.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ class LearnerEngine(Engine):
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed states of policy and critic under ``path`` and the split that wrote them
-        (``checkpoint.py``: ``save_states``). No ``critic/`` folder without a critic."""
+        (``learner_state.py``: ``save_states``). No ``critic/`` folder without a critic."""
         save_states(Path(path), self._engines(), self.version, self.rank, self._split())
 
     def load_checkpoint(self, path: str) -> int:

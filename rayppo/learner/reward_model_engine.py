@@ -1,5 +1,5 @@
 """One rank of the reward-model learner group: r_φ under DeepSpeed ZeRO, trained with the
-Bradley–Terry loss (``preference.py``) on its share of each step's pairs.
+Bradley–Terry loss (``bradley_terry.py``) on its share of each step's pairs.
 
 r_φ is a transformers sequence classifier with one label: the backbone of ``preference.backbone``
 with a scalar head (``score``) on the hidden state of the last token that is not the pad token,
@@ -8,7 +8,7 @@ folder (``save``) is what ``AutoModelForSequenceClassification.from_pretrained``
 ``reward.model=`` load, with the tokenizer and chat template it was trained with.
 
 The group, placement, checkpoints and resharding are the PPO learner's (``learner_engine.py``,
-``checkpoint.py``); only the model and the step differ.
+``learner_state.py``); only the model and the step differ.
 """
 
 from __future__ import annotations

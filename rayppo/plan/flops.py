@@ -103,7 +103,7 @@ def learn_flops(policy: ModelShape, critic: ModelShape | None, seq: Sequences, p
     """Useful FLOPs of one learner stage: the critic's value pass for the experience, then per
     epoch the policy's (``policy_update_flops``; ``lora``: a LoRA policy) and the critic's forward
     + backward (and the proximal policy's forward once, in asynchronous mode). The first
-    minibatch's value forward is the experience pass's (``Experience.first_values``), so it counts
+    minibatch's value forward is the experience pass's (``UpdatePlan.first_rows``), so it counts
     once: 1/M of a critic forward comes off (rows of equal length assumed, as in the benchmark
     workloads). ``critic`` None: a critic-free estimator, the policy's passes only."""
     epochs, minibatches, proximal, lora = passes.epochs, passes.minibatches, passes.proximal, passes.lora

@@ -48,11 +48,6 @@ def points_of(records: list[dict[str, float]]) -> list[GoldPoint]:
             if "eval/gold/mean" in r and "eval/reward/mean" in r]
 
 
-def gold_plateau(records: list[dict[str, float]], patience: int) -> str | None:
-    """``plateau`` over a run's metrics records in order (``metrics.jsonl``)."""
-    return plateau(points_of(records), patience)
-
-
 class GoldWatch:
     """The rule over the evaluations of a run as they come (``evaluated``); ``rewind`` forgets
     those of iterations a learner restart redoes, as the metrics file does."""

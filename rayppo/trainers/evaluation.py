@@ -116,11 +116,6 @@ ScorePass = Callable[[float, int], tuple[list[float], list[float]]]
 rewards, prompt-major, and their gold scores (``[]`` without a gold scorer)."""
 
 
-def run_evaluation(plan: EvalPlan, num_prompts: int, score_pass: ScorePass) -> dict[str, float]:
-    """The figures of ``held_out_result``."""
-    return held_out_result(plan, num_prompts, score_pass).figures
-
-
 def held_out_result(plan: EvalPlan, num_prompts: int, score_pass: ScorePass) -> HeldOutResult:
     """Every pass of ``plan`` (``score_pass``). Its figures, with ``eval/gold/mean`` (the gold mean of
     the pass that gives ``eval/reward/mean``, the sampled one when there is one) and ``time/eval``."""
