@@ -175,7 +175,7 @@ def _run_child(name: str, what: str, command: list[str]) -> None:
 
 def machine_rate(cfg: Config) -> dict[str, Any]:
     """The rate MFU is measured against, at the start (nothing else computing): GFLOP/s of the
-    matmul the policy runs most (``rayppo/machine_rate.peak_rate``'s shape), in the workload's dtype,
+    matmul the policy runs most (``rayppo.machine.matmul_rate.peak_rate``'s shape), in the workload's dtype,
     on the learner's threads, or its GPU with ``learner.gpus_per_rank`` > 0."""
     from rayppo.models.shape import read_shape
     from rayppo.run.mfu import probe_tokens
@@ -211,8 +211,8 @@ def learn_arithmetic(cfg: Config, rollout, rate: dict[str, Any]) -> dict[str, An
 
 def matmul_gflop_per_s(m: int, k: int, n: int, dtype: str, threads: int, device: str = "cpu") -> float:
     """GFLOP/s of an ``[m, k] x [k, n]`` matmul on ``threads`` torch threads
-    (``rayppo.machine_rate.matmul_flops_per_s``: the fastest of timed calls after a warm-up)."""
-    from rayppo.machine_rate import Probe, matmul_flops_per_s
+    (``rayppo.machine.matmul_rate.matmul_flops_per_s``: the fastest of timed calls after a warm-up)."""
+    from rayppo.machine.matmul_rate import Probe, matmul_flops_per_s
 
     return matmul_flops_per_s(m, k, n, Probe(dtype, threads, device)) / 1e9
 

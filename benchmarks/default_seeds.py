@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from rayppo.config.load import load_config
+from rayppo.config.schema import to_dict
 
 DEFAULT_FIELDS = ("ppo.kl_coef", "ppo.kl_estimator", "ppo.kl_mode", "ppo.lr", "ppo.critic_lr", "ppo.advantage",
                   "ppo.epochs", "ppo.minibatches", "ppo.whiten_advantages", "ppo.entropy_coef", "ppo.lam",
@@ -37,12 +38,8 @@ DEFAULT_FIELDS = ("ppo.kl_coef", "ppo.kl_estimator", "ppo.kl_mode", "ppo.lr", "p
 
 def current_defaults() -> dict[str, Any]:
     """The fields of ``DEFAULT_FIELDS`` in today's default config."""
-    cfg = load_config(None, [])
-    out: dict[str, Any] = {}
-    for name in DEFAULT_FIELDS:
-        section, field = name.split(".") if "." in name else (None, name)
-        out[name] = getattr(getattr(cfg, section) if section else cfg, field)
-    return out
+    config = to_dict(load_config(None, []))
+    return {name: config[name.split(".")[0]][name.split(".")[1]] for name in DEFAULT_FIELDS}
 
 
 def shaping(run: Path, beta: float) -> dict[str, float]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from rayppo.cluster.group import get
 from rayppo.config.load import load_config
 from rayppo.errors import brief
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 from rayppo.run.checkpoint import CheckpointError, latest_checkpoint
 from rayppo.train import run
 from rayppo.trainers.choice import make_trainer

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rayppo.cluster.group import get
 from rayppo.config.load import load_config
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 from rayppo.train import run
 from rayppo.trainers.distributed import DistributedTrainer
 

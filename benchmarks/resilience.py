@@ -29,7 +29,7 @@ from bench import load_workloads, prepare_models, workload_config  # noqa: E402
 
 from rayppo.cluster.group import get  # noqa: E402
 from rayppo.errors import LearnerFailedError  # noqa: E402
-from rayppo.role_resources import Engine  # noqa: E402
+from rayppo.machine.role_resources import Engine  # noqa: E402
 from rayppo.run.checkpoint import write_checkpoint  # noqa: E402
 from rayppo.trainers.distributed import DistributedTrainer  # noqa: E402
 

@@ -15,7 +15,7 @@ from rayppo.cluster.group import get
 from rayppo.config.load import load_config
 from rayppo.data.rollout import Rollout
 from rayppo.learner.guard import WeightSyncError
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 from rayppo.run.checkpoint import resume_config
 from rayppo.train import run
 from rayppo.trainers import pipeline_stages

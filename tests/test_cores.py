@@ -15,7 +15,7 @@ import pytest
 
 from rayppo.config.load import load_config
 from rayppo.config.schema import ConfigError
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 from rayppo.trainers.distributed import DistributedTrainer
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -53,7 +53,7 @@ def test_pinning_moves_threads_that_already_run_and_the_processes_started_later(
     # must move too, and a child process started afterwards inherits the mask.
     code = f"""
 import json, os, subprocess, sys, threading
-from rayppo.role_resources import pin_to_cores
+from rayppo.machine.role_resources import pin_to_cores
 stop = threading.Event()
 workers = [threading.Thread(target=stop.wait) for _ in range(3)]
 for w in workers: w.start()
@@ -71,7 +71,7 @@ print(json.dumps({{"masks": masks, "child": json.loads(child)}}))
 
 @needs_two_cores
 def test_a_core_the_process_cannot_use_is_refused_naming_the_field():
-    code = f"from rayppo.role_resources import pin_to_cores; pin_to_cores([{max(CORES) + 64}], 'generators.cores')"
+    code = f"from rayppo.machine.role_resources import pin_to_cores; pin_to_cores([{max(CORES) + 64}], 'generators.cores')"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode != 0
     assert f"generators.cores: core(s) [{max(CORES) + 64}] are not available to this process" in run.stderr

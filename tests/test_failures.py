@@ -18,7 +18,7 @@ from rayppo.cluster.group import get
 from rayppo.cluster.supervisor import Supervisor
 from rayppo.config.load import load_config
 from rayppo.errors import ActorFailedError, LearnerFailedError
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 from rayppo.run.checkpoint import latest_checkpoint
 from rayppo.train import run
 from rayppo.trainers.distributed import DistributedTrainer

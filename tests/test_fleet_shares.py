@@ -30,7 +30,7 @@ from rayppo.cluster.group import ActorGroup
 from rayppo.cluster.placement import Placement
 from rayppo.cluster.shares import ShareCall, sampled_shares
 from rayppo.cluster.supervisor import Supervisor
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 
 pytestmark = pytest.mark.slow
 

@@ -71,7 +71,7 @@ def test_nccl_broadcast_sync_end_to_end():
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 def test_every_role_given_a_gpu_share_runs_on_it():
     """Reference, reward model and the hf generator place their models on the GPU Ray gave them."""
-    from rayppo.role_resources import Engine
+    from rayppo.machine.role_resources import Engine
     from rayppo.trainers.distributed import DistributedTrainer
 
     overrides = BASE + ["generators.backend=hf", "learner.gpus_per_rank=0.4", "generators.gpus_per_worker=0.4",

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from rayppo.cluster.placement import plan_groups, role_specs, total_demand
 from rayppo.config.load import load_config
 from rayppo.learner.full_weights import full_tensors
-from rayppo.role_resources import DeviceError, Resources, engine_device
+from rayppo.machine.role_resources import DeviceError, Resources, engine_device
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 

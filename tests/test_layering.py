@@ -24,17 +24,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayppo.usercode",),                               # the user's code: imported, in child processes
     ("rayppo.learner",),                                # DeepSpeed learner
     ("rayppo.config",),                                 # the dataclass tree, its checks and loading
-    ("rayppo.role_resources", "rayppo.models", "rayppo.data"),  # engine base; models; prompts and rollouts
+    ("rayppo.machine", "rayppo.models", "rayppo.data"),  # the machine a role runs on; models; prompts, rollouts
     ("rayppo.tasks",),                                  # built-in tasks and their reward functions
-    ("rayppo.console", "rayppo.errors",                 # the ground floor: the terminal, the errors,
-     "rayppo.machine_rate"),                            # the measured matmul rate (learner and trainers)
+    ("rayppo.console", "rayppo.errors"),                # the ground floor: the terminal, the errors
     ("rayppo.token_math", "rayppo.choices",            # per-token tensor helpers, the named choices,
      "rayppo.models.vocab_head"),                       # the LM head: importable from anywhere
 ]
 """Top first. A module may import one of a lower layer, or one of its own package."""
 
 THIRD_PARTY = {
-    "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.role_resources"),
+    "ray": ("rayppo.cluster", "rayppo.actors", "rayppo.machine.role_resources"),
     "vllm": ("rayppo.actors.generator", "rayppo.actors.vllm_backend", "rayppo.actors.vllm_adapters",
              "rayppo.actors.weight_receiver", "rayppo.actors.cpu_moe", "rayppo.actors.cpu_lora"),
     "deepspeed": ("rayppo.learner.learner_engine", "rayppo.learner.reward_model_engine", "rayppo.learner.learner_state"),
@@ -174,11 +173,10 @@ def test_the_rollout_record_needs_no_torch():
 
 def test_the_root_holds_entry_points_and_the_ground_floor_only():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "choices.py", "console.py", "errors.py", "machine_rate.py", "role_resources.py",
-                     "token_math.py", "train.py"], loose
+    assert loose == ["__init__.py", "choices.py", "console.py", "errors.py", "token_math.py", "train.py"], loose
     assert (PACKAGE / "cli" / "__init__.py").is_file()  # the commands: a package of their own
     assert all((PACKAGE / d / "__init__.py").read_text().strip() == "" for d in
-               ("actors", "cluster", "config", "data", "learner", "models", "plan", "run", "tasks", "trainers"))
+               ("actors", "cluster", "config", "data", "learner", "machine", "models", "plan", "run", "tasks", "trainers"))
 
 
 def test_the_checks_catch_a_back_arrow_and_a_circle(tmp_path):
@@ -200,7 +198,7 @@ def test_the_cluster_and_the_learner_may_not_import_the_run_or_the_plan(tmp_path
     """The imports that once ran up the floors are reported: the cluster reading the run's status
     (its fleet file's name now lives in ``cluster/fleet_file.py``, a job's run lines are put
     together by the command), the learner timing the matmul rate through the plan (now
-    ``rayppo/machine_rate.py``, on the ground floor)."""
+    ``rayppo/machine/matmul_rate.py``, below the learner)."""
     modules = set(_modules())
     bad = tmp_path / "upward.py"
     bad.write_text("from rayppo.run.status import run_status\nfrom rayppo.plan.flops import learn_flops\n"

@@ -150,7 +150,7 @@ def test_a_generator_killed_mid_continuation_and_a_restored_checkpoint_lose_and_
     rows in flight, two more iterations run, and the checkpoint is restored. Every row drawn is
     then trained exactly once, or is still in flight, or was dropped as stale and counted."""
     from rayppo.cluster.group import get
-    from rayppo.role_resources import Engine
+    from rayppo.machine.role_resources import Engine
     from rayppo.trainers.distributed import DistributedTrainer
 
     cfg = load_config(None, PARTIAL + [f"output.dir={tmp_path}"])

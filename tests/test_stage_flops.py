@@ -1,5 +1,5 @@
 """Per-stage useful FLOPs (``plan/flops.stage_flops``) against a hand count, the ``perf/*`` figures
-made of them (``run/mfu.stage_metrics``), and the matmul-rate probe (``rayppo/machine_rate``)."""
+made of them (``run/mfu.stage_metrics``), and the matmul-rate probe (``rayppo/machine/matmul_rate``)."""
 
 import itertools
 import subprocess
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rayppo import machine_rate
 from rayppo.config.load import load_config
 from rayppo.data.rollout import Rollout
-from rayppo.machine_rate import Probe, matmul_flops, matmul_flops_per_s, peak_rate
+from rayppo.machine import matmul_rate
+from rayppo.machine.matmul_rate import Probe, matmul_flops, matmul_flops_per_s, peak_rate
 from rayppo.models.shape import ModelShape
 from rayppo.plan.flops import LearnPasses, Sequences, StageFlops, learn_flops, stage_flops
 from rayppo.run.mfu import StageCounter, rollout_sequences, stage_metrics
@@ -119,7 +119,7 @@ def test_stage_metrics_from_given_numbers():
 
 PROBE = """
 import math, torch
-from rayppo.machine_rate import Probe, matmul_flops_per_s, peak_rate
+from rayppo.machine.matmul_rate import Probe, matmul_flops_per_s, peak_rate
 torch.set_num_threads(2)
 seen = []
 mm = torch.mm
@@ -150,14 +150,14 @@ def test_the_probe_counts_the_flops_of_the_matmul_it_times(monkeypatch):
     hand = 3 * 5 * (4 * 2)
     assert matmul_flops(3, 4, 5) == hand == 120
     readings = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # each timed call reads the clock before and after
-    monkeypatch.setattr(machine_rate, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    monkeypatch.setattr(matmul_rate, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
     threads = torch.get_num_threads()
     with FlopCounterMode(display=False) as counter:
         rate = matmul_flops_per_s(3, 4, 5, Probe("float32", threads, repeats=3))
     assert counter.get_total_flops() == 4 * hand
     assert rate == hand / 0.25 == 480.0
     clock = itertools.count(0.0, 0.5)  # every call 0.5 s
-    monkeypatch.setattr(machine_rate, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(matmul_rate, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     assert peak_rate("float32", threads, hidden=4, intermediate=5, tokens=3) == 240.0
     assert peak_rate("float32", threads, hidden=4, intermediate=5, tokens=0) == 2 * 1 * 4 * 5 / 0.5
 

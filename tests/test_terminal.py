@@ -95,7 +95,7 @@ import ray
 from ray.cluster_utils import Cluster
 from rayppo.cluster.session import RaySession
 from rayppo.console import console
-from rayppo.role_resources import LOG_FILE_ENV
+from rayppo.machine.role_resources import LOG_FILE_ENV
 
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 node = cluster.add_node(num_cpus=1, resources={"generator_node": 1})
@@ -105,7 +105,7 @@ try:
         @ray.remote(num_cpus=0, resources={"generator_node": 1})
         class Generator:
             def say(self):
-                import rayppo.role_resources  # what an engine's actor imports first: its output to its log file
+                import rayppo.machine.role_resources  # what an engine's actor imports first: its output to its log file
                 print("stray stdout", flush=True)
                 print("stray stderr", file=sys.stderr, flush=True)
 

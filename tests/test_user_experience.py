@@ -203,10 +203,10 @@ def test_eval_schedule_and_source():
 
 # ------------------------------------------------------------------------------- logs
 def test_an_actor_process_writes_its_output_to_its_log_file(tmp_path):
-    """rayppo.role_resources redirects file descriptors 1 and 2 when RAYPPO_LOG_FILE is set, so
+    """rayppo.machine.role_resources redirects file descriptors 1 and 2 when RAYPPO_LOG_FILE is set, so
     what C++ code and child processes print lands there too, not on the terminal."""
     log = tmp_path / "logs" / "generator-0.log"
-    code = ("import os, sys; import rayppo.role_resources; print('from python'); sys.stdout.flush(); "
+    code = ("import os, sys; import rayppo.machine.role_resources; print('from python'); sys.stdout.flush(); "
             "os.system('echo from a child process'); os.write(2, b'from fd 2\\n')")
     result = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "RAYPPO_LOG_FILE": str(log)})

@@ -30,10 +30,10 @@ from rayppo.episodes.play import play_episodes
 from rayppo.episodes.turn_loop import EpisodeSettings
 from rayppo.learner.broadcast_sender import IpcChunk, SyncEndpoint, SyncLayout
 from rayppo.learner.guard import HeldPrints
+from rayppo.machine.role_resources import Engine, Resources, model_size
 from rayppo.models.chat_tokens import check_template
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.weights import SyncFault, WeightsPayload, unpack_weights
-from rayppo.role_resources import Engine, Resources, model_size
 
 
 def _seeds(seed: int, prompts: PromptBatch) -> list[int]:

@@ -6,11 +6,11 @@ import torch
 
 from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.rollout import Rollout
+from rayppo.machine.role_resources import Engine, Resources, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.packing import cut_layout, scoring_layout
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.varlen_attention import use_varlen_attention
-from rayppo.role_resources import Engine, Resources, model_size
 
 
 class ReferenceEngine(Engine):

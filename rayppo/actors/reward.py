@@ -18,9 +18,9 @@ from rayppo.data.micro_batches import scoring_batches
 from rayppo.data.reward_texts import reward_text, templated
 from rayppo.data.rollout import Rollout
 from rayppo.errors import RayppoError
+from rayppo.machine.role_resources import Engine, Resources, model_size
 from rayppo.models.reward_stats import RewardStats
 from rayppo.models.sequence_scores import shared_prefix_scores, shared_scoring
-from rayppo.role_resources import Engine, Resources, model_size
 
 
 class RewardError(RayppoError, RuntimeError):

@@ -9,7 +9,7 @@ from rayppo.actors.hf_backend import SamplingSettings
 from rayppo.actors.reward import HttpEndpoint, ModelScorer, Scorer, Verifier
 from rayppo.config.schema import Config
 from rayppo.episodes.turn_loop import EpisodeSettings
-from rayppo.role_resources import Resources
+from rayppo.machine.role_resources import Resources
 
 
 def sampling_settings(cfg: Config) -> SamplingSettings:

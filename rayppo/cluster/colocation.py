@@ -31,7 +31,7 @@ import logging
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.cluster.group import ActorGroup, get_within
 from rayppo.cluster.learner_group import LearnerGroup
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from rayppo.cluster.placement import Placement, bundle_placed
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.errors import ActorFailedError, FleetTooSmallError, GeneratorLostError
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

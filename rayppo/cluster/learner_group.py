@@ -31,7 +31,7 @@ from rayppo.learner.broadcast_sender import SyncEndpoint, free_port
 from rayppo.learner.learner_engine import LearnerEngine
 from rayppo.learner.minibatches import minibatch_plan
 from rayppo.learner.step import LearnResult
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 
 
 def _rendezvous_address() -> tuple[str, int]:

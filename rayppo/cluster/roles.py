@@ -36,8 +36,8 @@ from rayppo.config.derived import (
 )
 from rayppo.config.schema import Config
 from rayppo.console import console
+from rayppo.machine.role_resources import CORES_ENV, LOG_FILE_ENV, Engine, Resources
 from rayppo.models.weights import SyncFault
-from rayppo.role_resources import CORES_ENV, LOG_FILE_ENV, Engine, Resources
 
 
 @dataclass

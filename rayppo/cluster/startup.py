@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError
 from rayppo.cluster.group import ActorGroup, get
 from rayppo.console import LOG_NAMES, console
 from rayppo.errors import ActorFailedError, brief
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 
 
 def start_failure(exc: RayActorError) -> str:

@@ -13,7 +13,7 @@ iterations completing in between) stops the run. A replacement generator that fi
 the cluster (its node gone) leaves the generator fleet instead of stopping the run (``fleet.py``).
 
 A hung actor's threads are dumped to its own log first (``faulthandler`` on SIGUSR1, set up in
-every role's process by ``rayppo.role_resources``) when it runs on this node.
+every role's process by ``rayppo.machine.role_resources``) when it runs on this node.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from rayppo.cluster.group import ActorGroup, get
 from rayppo.cluster.startup import start_failure
 from rayppo.console import console
 from rayppo.errors import ActorFailedError, RayppoError, RunClosedError, SharesLostError, brief, restated
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from rayppo.learner.policy_sync import PolicySync
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import OptimiserSteps
 from rayppo.learner.zero_sizes import zero_sizes
-from rayppo.machine_rate import peak_rate
+from rayppo.machine.matmul_rate import peak_rate
+from rayppo.machine.role_resources import Engine, model_size
 from rayppo.models.export import write_policy
 from rayppo.models.fingerprint import SentPrint
 from rayppo.models.loading import Critic, load_causal_lm, load_tokenizer, prepare_for_training, resolve_model_path
@@ -45,7 +46,6 @@ from rayppo.models.packing import pack_mode
 from rayppo.models.shape import ModelShape, layer_params, read_shape
 from rayppo.models.varlen_attention import use_varlen_attention
 from rayppo.models.weights import WeightsPayload
-from rayppo.role_resources import Engine, model_size
 
 
 class TorchCollective:
@@ -379,7 +379,7 @@ class LearnerEngine(Engine):
 
     def matmul_rate(self, tokens: int) -> float:
         """FLOP/s of this rank's device (its GPU, or its CPU threads) on the matmul the policy runs
-        most, in ``model.dtype`` (``machine_rate.peak_rate``): the denominator of ``perf/mfu/*``."""
+        most, in ``model.dtype`` (``machine.matmul_rate.peak_rate``): the denominator of ``perf/mfu/*``."""
         shape = read_shape(resolve_model_path(self.cfg.model.policy, self.cfg.model.cache_dir))
         return peak_rate(self.cfg.model.dtype, torch.get_num_threads(), shape.hidden, shape.intermediate, tokens,
                          self.device)

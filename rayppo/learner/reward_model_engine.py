@@ -31,10 +31,10 @@ from rayppo.learner.learner_engine import (
 )
 from rayppo.learner.learner_state import LearnerSplit, load_states, save_states
 from rayppo.learner.step import adamw
+from rayppo.machine.role_resources import Engine, model_size
 from rayppo.models.loading import load_tokenizer, prepare_for_training, resolve_model_path
 from rayppo.models.reward_model import backbone_name, scalar_head_model
 from rayppo.models.shape import read_shape
-from rayppo.role_resources import Engine, model_size
 
 CHECKPOINT_ENGINE = "reward_model"
 """The folder of r_φ's DeepSpeed states in a checkpoint."""

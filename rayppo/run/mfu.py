@@ -2,7 +2,7 @@
 ``perf/tflops/<stage>`` and ``perf/mfu/<stage>`` (docs/benchmarks.md, "MFU per stage").
 
     achieved FLOP/s = the stage's useful FLOPs for this rollout (plan/flops.py) / its seconds (StageTimes)
-    MFU             = achieved / the matmul rate measured once at the start (rayppo/machine_rate.py)
+    MFU             = achieved / the matmul rate measured once at the start (rayppo/machine/matmul_rate.py)
 
 The trainers measure the rate (``output.mfu``) where the learner computes and hand it to
 ``StageCounter``; a stage that did not run (no reference at ``ppo.kl_coef = 0``: its time is 0)
@@ -97,7 +97,7 @@ class StageCounter:
     lora: bool = False
     """The learner trains a LoRA policy (``learner.lora_rank``): no gradient for its frozen weights."""
     rate: float | None = None
-    """FLOP/s of the probe (``machine_rate.peak_rate``), set by the trainer; None: not measured."""
+    """FLOP/s of the probe (``machine.matmul_rate.peak_rate``), set by the trainer; None: not measured."""
 
     @classmethod
     def of(cls, cfg: Config) -> StageCounter:

@@ -21,7 +21,7 @@ from rayppo.cluster.weight_sync import BroadcastSync, IpcSync, ObjectStoreSync, 
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout, split_evenly
-from rayppo.role_resources import Engine
+from rayppo.machine.role_resources import Engine
 from rayppo.run.stage_times import ScoringSeconds
 from rayppo.trainers.iteration import group_shares
 

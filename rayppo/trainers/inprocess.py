@@ -50,11 +50,11 @@ from rayppo.learner.experience import Experience
 from rayppo.learner.full_weights import full_tensors
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import OptimiserSteps
-from rayppo.machine_rate import peak_rate
+from rayppo.machine.matmul_rate import peak_rate
+from rayppo.machine.role_resources import Resources
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_policy
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
-from rayppo.role_resources import Resources
 from rayppo.run.mfu import probe_tokens
 from rayppo.run.stage_times import StageTimes
 from rayppo.trainers.clock import Stage, StageClock
