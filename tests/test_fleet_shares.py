@@ -47,8 +47,7 @@ class Episodes(Engine):
         self.log, self.hang, self.hang_from = log, hang, hang_from
 
     def play(self, rows: list[int], turns: int) -> list[int]:
-        if self.hang and rows and rows[0] >= self.hang_from and os.path.exists(self.hang):
-            os.remove(self.hang)
+        if self.hang and rows and rows[0] >= self.hang_from and self._claim_hang():
             time.sleep(3600)
         for row in rows:
             for turn in range(turns):
@@ -56,6 +55,15 @@ class Episodes(Engine):
                     f.write(f"{row} {turn} {os.getpid()}\n")
                 time.sleep(STEP_S)
         return rows
+
+    def _claim_hang(self) -> bool:
+        """Whether this call removed the ``hang`` file: two survivors can redo lost rows at once,
+        and only the one whose remove succeeds (an atomic claim) hangs."""
+        try:
+            os.remove(self.hang)
+        except FileNotFoundError:
+            return False
+        return True
 
 
 def steps(log: Path) -> list[tuple[int, int, int]]:
