@@ -14,6 +14,10 @@ Advantage = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce
 """``ppo.advantage``: GAE over a critic, or a critic-free estimator (docs/estimators.md)."""
 KLMode = Literal["reward", "loss"]
 KLEstimator = Literal["k1", "k2", "k3"]
+DistillMode = Literal["reward", "loss"]
+"""``distill.mode``: where the reverse KL to the teacher enters (docs/distillation.md)."""
+DistillEstimator = Literal["auto", "k1", "k2", "k3"]
+"""``distill.estimator``: the per-token estimate of KL(pi || pi_T); ``auto``: the mode's own."""
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Truncation = Literal["bootstrap", "terminal"]
 """How a response cut at the length limit is valued (resolved from ``rollout.truncation``)."""

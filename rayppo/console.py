@@ -33,7 +33,8 @@ _NOISY_LOGGERS = ("ray", "deepspeed", "DeepSpeed", "transformers", "torch", "vll
 """Libraries whose log records belong in driver.log, not in the terminal (unless --verbose)."""
 
 
-LOG_NAMES = {"generators": "generator", "reference": "reference", "reward": "reward", "learner": "learner"}
+LOG_NAMES = {"generators": "generator", "reference": "reference", "reward": "reward", "teacher": "teacher",
+             "learner": "learner"}
 """Role (as in the config) -> the stem of its actors' log files (``logs/generator-0.log``)."""
 
 

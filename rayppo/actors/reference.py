@@ -20,10 +20,13 @@ class ReferenceEngine(Engine):
     sampling distributions (the ones PPO's ratio and the reward shaping talk about).
     """
 
+    section = "reference"
+    """The config section of this role's actors (its ``cores`` are named in errors)."""
+
     def __init__(self, model_path: str, temperature: float = 1.0, batch_size: int = 64, dtype: str = "float32",
                  micro_batch_tokens: int = 0, resources: Resources = Resources()):
         self.set_threads(resources.threads)
-        self.init_device(resources.gpus, "reference")
+        self.init_device(resources.gpus, self.section)
         model_path = str(resolve_model_path(model_path))
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(model_path).pad_token_id

@@ -42,6 +42,15 @@ def reference_args(cfg: Config, gpus: float, num_threads: int | None = None,
                 micro_batch_tokens=cfg.reference.micro_batch_tokens, resources=Resources(num_threads, gpus))
 
 
+def teacher_args(cfg: Config, gpus: float, num_threads: int | None = None,
+                 model_path: str | None = None) -> dict[str, Any]:
+    """``TeacherEngine``'s constructor arguments: ``distill.teacher`` (unless ``model_path`` gives it
+    resolved), scored at the sampling temperature and held out as the generators sample."""
+    d = cfg.distill
+    return dict(model_path=model_path or d.teacher, sampling=sampling_settings(cfg), dtype=cfg.model.dtype,
+                micro_batch_tokens=d.micro_batch_tokens, resources=Resources(num_threads, gpus))
+
+
 def reward_args(cfg: Config, gpus: float, num_threads: int | None = None, model: str | None = None) -> dict[str, Any]:
     """``RewardEngine``'s constructor arguments: the scorer of ``reward.function``, ``reward.model``
     (unless ``model`` gives it resolved) or ``reward.url`` (None where the config has none: an

@@ -15,18 +15,18 @@ if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo p
     from ray.util.placement_group import PlacementGroup
 
 from rayppo.cluster.address import chosen_address, refuse_left_over
-from rayppo.config.derived import reference_actors, reward_actors, role_gpus, tensor_parallel_size
+from rayppo.config.derived import reference_actors, reward_actors, role_gpus, teacher_actors, tensor_parallel_size
 from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError
 
 COUNT_FIELDS = {"generators": "generators.num", "reference": "reference.num", "reward": "reward.num",
-                "learner": "learner.num_ranks"}
+                "teacher": "distill.num", "learner": "learner.num_ranks"}
 """The field that sets how many actors a role has."""
 SHARE_FIELDS = {
     "CPU": {"generators": "generators.cpus_per_worker", "reference": "reference.cpus", "reward": "reward.cpus",
-            "learner": "learner.cpus_per_rank"},
+            "teacher": "distill.cpus", "learner": "learner.cpus_per_rank"},
     "GPU": {"generators": "generators.gpus_per_worker", "reference": "reference.gpus", "reward": "reward.gpus",
-            "learner": "learner.gpus_per_rank"},
+            "teacher": "distill.gpus", "learner": "learner.gpus_per_rank"},
 }
 """The field that sets what each actor of a role asks for, per resource."""
 CPU_STEP = 0.05
@@ -110,6 +110,8 @@ def role_specs(cfg: Config) -> list[RoleSpec]:
         RoleSpec("reference", reference_actors(cfg),  # none when ppo.kl_coef = 0
                  _bundle(cfg.reference.cpus, role_gpus(cfg, "reference"), cfg.reference.resources)),
         RoleSpec("reward", reward_actors(cfg), _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
+        RoleSpec("teacher", teacher_actors(cfg),  # none without distill.teacher
+                 _bundle(cfg.distill.cpus, role_gpus(cfg, "teacher"), cfg.distill.resources)),
         RoleSpec("learner", lrn.num_ranks, _bundle(lrn.cpus_per_rank, role_gpus(cfg, "learner"), lrn.resources)),
     ]
 
@@ -148,10 +150,11 @@ def plan_groups(cfg: Config) -> list[GroupPlan]:
                                    capture_child_tasks=True))
     else:
         plans.append(_role_group("generators", [specs["generators"]]))
-    learner = [specs["learner"]] + ([specs["reference"], specs["reward"]] if cfg.cluster.colocate else [])
+    scorers = ("reference", "reward", "teacher")
+    learner = [specs["learner"]] + ([specs[r] for r in scorers] if cfg.cluster.colocate else [])
     plans.append(_role_group("learner", learner))
     if not cfg.cluster.colocate:
-        plans += [_role_group("reference", [specs["reference"]]), _role_group("reward", [specs["reward"]])]
+        plans += [_role_group(r, [specs[r]]) for r in scorers]
     return [plan for plan in plans if plan.bundles]  # a role with no actors (no reference at beta = 0)
 
 

@@ -4,6 +4,7 @@ threads, environment and placement of each actor (the trainers only use what thi
     generators  GeneratorEngine x generators.num     (vLLM, or transformers with backend=hf)
     reference   ReferenceEngine x reference.num      (none at ppo.kl_coef = 0)
     rewards     RewardEngine    x reward.num         (none when an environment's turn rewards are the reward)
+    teacher     TeacherEngine   x distill.num        (none without distill.teacher)
     learner     LearnerGroup    x learner.num_ranks  (DeepSpeed ZeRO ranks)
 
 Model names travel unresolved: each node resolves (or builds) them itself.
@@ -17,7 +18,15 @@ from typing import Any
 from rayppo.actors.generator import GeneratorActor, GeneratorEngine, VLLMSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
-from rayppo.actors.settings import episode_settings, generator_seed, reference_args, reward_args, sampling_settings
+from rayppo.actors.settings import (
+    episode_settings,
+    generator_seed,
+    reference_args,
+    reward_args,
+    sampling_settings,
+    teacher_args,
+)
+from rayppo.actors.teacher import TeacherEngine
 from rayppo.cluster.address import machine_cores
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.group import ActorGroup
@@ -25,11 +34,13 @@ from rayppo.cluster.learner_group import LearnerGroup
 from rayppo.cluster.placement import Placement, reserve_generators, role_specs, room_for_generators
 from rayppo.cluster.session import ACTOR_ENV
 from rayppo.config.derived import (
+    ROLE_SECTIONS,
     lora_sync,
     reference_actors,
     reward_actors,
     role_gpus,
     role_threads,
+    teacher_actors,
     tensor_parallel_size,
     vllm_memory_utilization,
     weight_sync_backend,
@@ -47,6 +58,7 @@ class Roles:
     generators: ActorGroup
     reference: ActorGroup
     rewards: ActorGroup
+    teacher: ActorGroup
     learner: LearnerGroup
 
 
@@ -56,7 +68,7 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
     ``context`` is vLLM's max_model_len (``config.derived.generator_context``)."""
     g = cfg.generators
     cores = machine_cores(cfg.cluster.address)
-    threads = {role: role_threads(cfg, role, cores) for role in ("generators", "reference", "reward", "learner")}
+    threads = {role: role_threads(cfg, role, cores) for role in ROLE_SECTIONS}
     gpus = {spec.name: spec.bundle.get("GPU", 0.0) for spec in role_specs(cfg)}
 
     def options(role: str, n: int) -> list[dict[str, Any]]:
@@ -75,14 +87,16 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
         schedule.record("generators ready")
     reference = reference_args(cfg, gpus["reference"], threads["reference"])
     reward = reward_args(cfg, gpus["reward"], threads["reward"])
+    teacher = teacher_args(cfg, gpus["teacher"], threads["teacher"])
     roles = Roles(
         generators,
         ActorGroup(ReferenceEngine, [reference] * reference_actors(cfg), options("reference", reference_actors(cfg))),
         ActorGroup(RewardEngine, [reward] * reward_actors(cfg), options("reward", reward_actors(cfg))),
+        ActorGroup(TeacherEngine, [teacher] * teacher_actors(cfg), options("teacher", teacher_actors(cfg))),
         LearnerGroup(cfg, placements["learner"], options("learner", cfg.learner.num_ranks), threads["learner"]),
     )
-    schedule.record("spawn reference, reward, learner")
-    schedule.roles_spawned(roles.generators, [roles.reference, roles.rewards], roles.learner)
+    schedule.record("spawn reference, reward, teacher, learner")
+    schedule.roles_spawned(roles.generators, [roles.reference, roles.rewards, roles.teacher], roles.learner)
     return roles
 
 
@@ -134,8 +148,9 @@ def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, st
     g = cfg.generators
     env = {**ACTOR_ENV, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(g.kv_cache_gib))),
            **({"RAYPPO_CACHE": cfg.model.cache_dir} if cfg.model.cache_dir else {}), **cfg.cluster.actor_env}
-    if getattr(cfg, role).cores:  # cfg.generators, .reference, .reward, .learner
-        env[CORES_ENV] = ",".join(map(str, getattr(cfg, role).cores))
+    section = getattr(cfg, ROLE_SECTIONS[role])  # cfg.generators, .reference, .reward, .distill, .learner
+    if section.cores:
+        env[CORES_ENV] = ",".join(map(str, section.cores))
     if role == "generators" and g.tensor_parallel_layout == "across_nodes":
         # vLLM's ray executor: worker r in bundle r of the generator's own group.
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, range(tensor_parallel_size(g))))
@@ -146,7 +161,8 @@ def _actor_env(cfg: Config, role: str, index: int, threads: int) -> dict[str, st
 def actor_count(cfg: Config) -> str:
     """``5 actors: 1 generator, 1 reference, 1 reward, 2 learner ranks``."""
     counts = {("generator", "generators"): cfg.generators.num, ("reference", "reference"): reference_actors(cfg),
-              ("reward", "reward"): reward_actors(cfg), ("learner rank", "learner ranks"): cfg.learner.num_ranks}
+              ("reward", "reward"): reward_actors(cfg), ("teacher", "teachers"): teacher_actors(cfg),
+              ("learner rank", "learner ranks"): cfg.learner.num_ranks}
     parts = [f"{n} {one if n == 1 else many}" for (one, many), n in counts.items() if n]
     return f"{sum(counts.values())} actors: {', '.join(parts)}"
 

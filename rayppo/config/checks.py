@@ -133,6 +133,7 @@ def validate(cfg: Config) -> Config:
     _check_reward(cfg)
     _validate_outputs(cfg)
     _validate_preference(cfg)
+    _validate_distill(cfg)
     return _validate_system(cfg)
 
 
@@ -215,6 +216,24 @@ def _check_reward(cfg: Config) -> None:
         _require(sources[0] is not None or sources[1] is not None or sources[2] is not None, "reward.gold_function",
                  "is recorded beside a reward; set reward.function, reward.model or reward.url too", sources)
     _require(cfg.reward.batch_size >= 1, "reward.batch_size", "must be >= 1", cfg.reward.batch_size)
+
+
+def _validate_distill(cfg: Config) -> None:
+    """The ``distill`` section: its weight, discount and estimator, and what a teacher cannot run with yet."""
+    d = cfg.distill
+    if d.teacher is None:
+        return
+    _require(d.coef > 0, "distill.coef", "must be > 0 (the weight of the reverse KL to the teacher)", d.coef)
+    _require(0 <= d.gamma <= 1, "distill.gamma", "must be in [0, 1]", d.gamma)
+    _require(d.gamma == 0 or d.mode == "reward", "distill.gamma", "discounts the distillation rewards of "
+             "distill.mode=reward; the loss term is per token", d.gamma)
+    _require(d.gamma == 0 or cfg.rollout.environment is None, "distill.gamma", "must be 0 with a multi-turn "
+             "rollout.environment (the reward-to-go would cross the observations)", d.gamma)
+    _require(not (d.mode == "loss" and d.estimator == "k1"), "distill.estimator", "k1 as a loss term has the gradient "
+             "grad log pi(y_t) whatever the teacher says (zero in expectation on the student's samples): use k2 "
+             "(the reverse KL's gradient) or k3 (the forward KL's), or auto", d.estimator)
+    _require(not cfg.cluster.colocate_all, "distill.teacher", "cannot run with cluster.colocate_all yet (the teacher "
+             "has no place on the learner ranks' GPUs): give it its own actors", d.teacher)
 
 
 def _validate_preference(cfg: Config) -> None:
@@ -332,7 +351,7 @@ def _validate_system(cfg: Config) -> Config:
     _require(g.cpus_per_worker > 0, "generators.cpus_per_worker", "must be > 0", g.cpus_per_worker)
     _require(g.gpus_per_worker >= 0, "generators.gpus_per_worker", "must be >= 0", g.gpus_per_worker)
     _validate_gpus(cfg)
-    for name, role in (("reference", cfg.reference), ("reward", cfg.reward)):
+    for name, role in (("reference", cfg.reference), ("reward", cfg.reward), ("distill", cfg.distill)):
         _require(role.num >= 1, f"{name}.num", "must be >= 1", role.num)
         _require(role.cpus > 0, f"{name}.cpus", "must be > 0", role.cpus)
         _require(0 <= role.gpus <= 1, f"{name}.gpus", "must be in [0, 1] (one model on one GPU)", role.gpus)
@@ -349,7 +368,7 @@ def _validate_system(cfg: Config) -> Config:
     _require(not blockers, "learner.lora_sync", f"adapter sync cannot serve {blockers[0] if blockers else ''} "
              "(learner.lora_sync=auto falls back to merged weights)", lr_.lora_sync)
     placed: tuple[tuple[str, Any], ...] = (("generators", g), ("reference", cfg.reference), ("reward", cfg.reward),
-                                           ("learner", lr_))  # every role with threads and cores
+                                           ("distill", cfg.distill), ("learner", lr_))  # every role with threads and cores
     for name, placed_role in placed:
         _require(placed_role.threads is None or placed_role.threads >= 1, f"{name}.threads", "must be >= 1 or null",
                  placed_role.threads)

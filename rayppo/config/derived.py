@@ -64,25 +64,31 @@ def actor_threads(threads: int | None, cpus: float) -> int:
     return threads or max(1, int(cpus))
 
 
+ROLE_SECTIONS = {"generators": "generators", "reference": "reference", "reward": "reward", "teacher": "distill",
+                 "learner": "learner"}
+"""The config section of each role's actors (the teacher's is ``distill``)."""
+
+
 def role_threads(cfg: Config, role: str, machine_cores: int | None) -> int:
-    """torch threads of one actor of ``role`` (``generators``, ``reference``, ``reward``, ``learner``).
+    """torch threads of one actor of ``role`` (``generators``, ``reference``, ``reward``, ``teacher``, ``learner``).
 
     ``<role>.threads`` when set. Otherwise, where the stages take turns on one machine's CPUs (the
     synchronous iteration, ``rollout.max_staleness`` 0; a local instance on ``machine_cores`` cores,
     None when joining a cluster; no GPUs for the role), the machine's cores shared among the actors
     that run at the same moment: the role's own, and for the scorers reference and reward together
-    (``DistributedRoles.score`` runs both passes at once). A stage alone then uses every core: the
+    (``DistributedRoles.score`` runs their passes, and the teacher's, at once). A stage alone then uses every core: the
     SmolLM2 reward pass took 7.2 s on its 1-thread share and 4.6 s on 2 threads (``docs/benchmarks.md``,
     "Kernels"). Else (overlapping stages, GPUs, a cluster) the actor's CPU share rounded down."""
     threads, cpus, gpus = {
         "generators": (cfg.generators.threads, cfg.generators.cpus_per_worker, cfg.generators.gpus_per_worker),
         "reference": (cfg.reference.threads, cfg.reference.cpus, cfg.reference.gpus),
         "reward": (cfg.reward.threads, cfg.reward.cpus, cfg.reward.gpus),
+        "teacher": (cfg.distill.threads, cfg.distill.cpus, cfg.distill.gpus),
         "learner": (cfg.learner.threads, cfg.learner.cpus_per_rank, cfg.learner.gpus_per_rank)}[role]
     if threads or not machine_cores or gpus or cfg.rollout.max_staleness > 0:
         return actor_threads(threads, cpus)
     at_once = {"generators": cfg.generators.num, "learner": cfg.learner.num_ranks,
-               "reference": reference_actors(cfg) + reward_actors(cfg)}
+               "reference": reference_actors(cfg) + reward_actors(cfg) + teacher_actors(cfg)}
     return max(1, machine_cores // max(1, at_once.get(role, at_once["reference"])))
 
 
@@ -105,7 +111,7 @@ def role_gpus(cfg: Config, role: str) -> float:
             return 0.0  # a verifier function or an endpoint needs no GPU (nor a CUDA context)
         return COLOCATED_SHARES[role] if cfg.learner.gpus_per_rank else 0.0
     return {"generators": cfg.generators.gpus_per_worker, "reference": cfg.reference.gpus,
-            "reward": cfg.reward.gpus, "learner": cfg.learner.gpus_per_rank}[role]
+            "reward": cfg.reward.gpus, "teacher": cfg.distill.gpus, "learner": cfg.learner.gpus_per_rank}[role]
 
 
 def vllm_memory_utilization(cfg: Config) -> float:
@@ -236,6 +242,11 @@ def reference_actors(cfg: Config) -> int:
     """Reference actors the run starts: ``reference.num``, or none when no pass needs log pi_ref
     (``uses_reference``) or the learner computes it itself (``reference_in_learner``)."""
     return cfg.reference.num if reference_model(cfg) else 0
+
+
+def teacher_actors(cfg: Config) -> int:
+    """Teacher actors the run starts: ``distill.num`` with a ``distill.teacher``, else none."""
+    return cfg.distill.num if cfg.distill.teacher is not None else 0
 
 
 def reference_model(cfg: Config) -> bool:

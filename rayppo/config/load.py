@@ -119,7 +119,7 @@ def parse_override(text: str) -> dict[str, Any]:
 
 
 INPUT_PATHS = ("model.policy", "model.reference", "model.critic", "model.cache_dir", "data.prompts", "eval.prompts",
-               "reward.model")
+               "reward.model", "distill.teacher")
 """Fields naming files or folders to read. Set in a ``--config`` file, a relative one is relative
 to that file's folder (the file and its data travel together); on the command line, to the
 current directory. ``output.dir`` is always relative to the current directory."""

@@ -28,6 +28,7 @@ from rayppo.choices import (
     TruncationSetting,
     ValueTargets,
 )
+from rayppo.config.distill_section import DistillConfig
 from rayppo.config.preference_section import PreferenceConfig
 from rayppo.config.system import (
     SECTION,
@@ -316,6 +317,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     stop: StopConfig = field(default_factory=StopConfig, metadata=SECTION)
     output: OutputConfig = field(default_factory=OutputConfig, metadata=SECTION)

@@ -2,7 +2,7 @@
 
 One row per response. The generator fills the ids, the old log-probs, the finish reason and the
 policy version, and copies the prompt row (its conversation and other columns, as JSON text) for
-the reward; the scorers add ``ref_logprobs`` and ``score`` (``Rollout.scored``). The learner's
+the reward; the scorers add ``ref_logprobs``, ``teacher_logprobs`` and ``score`` (``Rollout.scored``). The learner's
 tensors never leave it (``learner/rollout_tensors.py``), except the advantages and returns it
 trained on when ``output.save_rollouts`` asks for them.
 """
@@ -96,16 +96,20 @@ class Rollout:
     action token (``score`` adds the reward function's r_phi on the episode's last)."""
     environment_seconds: list[float] = _column(pa.float32())
     """(generator) [B] multi-turn: seconds the episode's environment steps took, in its processes."""
+    teacher_logprobs: list[list[float]] = _column(FLOAT32S)
+    """(teacher scorer) [B][T_b] log pi_T(y_t | S_{t-1}) under the distillation teacher
+    (``distill.teacher``); empty before the teacher pass, and without a teacher."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None,
-               gold_score: list[float] | None = None) -> Rollout:
+               gold_score: list[float] | None = None, teacher_logprobs: list[list[float]] | None = None) -> Rollout:
         """A new record with the scorers' columns filled (this one is left as it is)."""
-        return dataclasses.replace(self, score=list(score),
-                                   ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs),
-                                   gold_score=self.gold_score if gold_score is None else list(gold_score))
+        return dataclasses.replace(
+            self, score=list(score), ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs),
+            gold_score=self.gold_score if gold_score is None else list(gold_score),
+            teacher_logprobs=self.teacher_logprobs if teacher_logprobs is None else list(teacher_logprobs))
 
     def trained(self, advantages: list[list[float]], returns: list[list[float]]) -> Rollout:
         """A new record with the learner's columns filled (``output.save_rollouts``)."""

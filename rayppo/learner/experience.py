@@ -57,13 +57,17 @@ class Experience:
     sampled the row (in asynchronous mode possibly older than the learner's weights)."""
     ref_logprobs: torch.Tensor
     """[B, T] log pi_ref(y_t | S_{t-1})."""
+    teacher_logprobs: torch.Tensor | None
+    """[B, T] log pi_T(y_t | S_{t-1}) of the distillation teacher (the loss term of
+    ``distill.mode=loss`` reads it); None without a teacher."""
     old_values: torch.Tensor
     """[B, T] V_old(S_{t-1}) before the update."""
     rewards: torch.Tensor
     """[B, T] shaped rewards r_t = -beta KL_t (+ r_phi on the last token of rows that earned it)."""
     advantages: torch.Tensor
     """[B, T] A_t of ``ppo.advantage``: GAE (whitened when configured), or a group estimator's
-    sequence advantage A_i on every valid token of row i, or REINFORCE++'s whitened returns."""
+    sequence advantage A_i on every valid token of row i, or REINFORCE++'s whitened returns; plus
+    the distillation advantage D_t (``distill.mode=reward``, not whitened: lambda_T sets its scale)."""
     returns: torch.Tensor
     """[B, T] value targets A_t + V_old(S_{t-1}) (before whitening); 0 without a critic."""
     scores: torch.Tensor
@@ -118,7 +122,7 @@ class Experience:
         return dataclasses.replace(part, batch=batch, **cut)
 
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs",
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs",
                 "same_version")
 """The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
 
@@ -220,17 +224,30 @@ def make_experience(
                              _stale_ratio(prox_logprobs, old_logprobs, mask, same_version) if plan.vtrace else None,
                              task_scores, rows.group_ids)
     advantages, returns = episode_advantages(inputs, cfg, rows.num_groups, collective, rows.episodes)
+    advantages = advantages + _distill_advantages(rows, policy_logprobs, plan)  # the critic's targets stay the task's
     terms = (None if plan.proximal == "update" else
              proximal_terms(PolicyTokens(policy_logprobs, old_logprobs, rows.ref_logprobs, mask), plan, collective))
     stats = {} if terms is None else dict(terms.stats)
     if critic is not None:
         stats |= value_stats(values.values, returns, mask, collective)
-    exp = Experience(batch=batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=values.values,
+    exp = Experience(batch=batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                     teacher_logprobs=rows.teacher_logprobs, old_values=values.values,
                      rewards=rewards, advantages=advantages, returns=returns, scores=rows.scores,
                      generator_ids=rows.generator_ids, prox_logprobs=prox_logprobs, same_version=same_version,
                      row_keep=None if terms is None else terms.row_keep,
                      kl_ref=None if terms is None or terms.kl is None else terms.kl.mean)
     return ExperiencePass(exp, stats, values.first_values)
+
+
+def _distill_advantages(rows: RolloutTensors, logprobs: torch.Tensor, plan: UpdatePlan) -> torch.Tensor:
+    """``[B, T]`` D_t, the distillation rewards' reward-to-go (``ppo.distill_advantages``) with
+    ``logprobs`` the policy being improved (as the reference's KL term); 0 unless ``distill.mode=reward``."""
+    if not plan.distill_reward_coef or rows.teacher_logprobs is None:
+        return torch.zeros_like(logprobs)
+    term = plan.settings.experience.distill
+    rewards = ppo.distill_rewards(logprobs, rows.teacher_logprobs, rows.batch.mask, plan.distill_reward_coef,
+                                  term.estimator)
+    return ppo.distill_advantages(rewards, rows.batch.mask, term.gamma)
 
 
 def _stale_ratio(prox_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayppo.choices import Truncation
+from rayppo.choices import DistillMode, KLEstimator, Truncation
 from rayppo.config.derived import NO_CORRECTION, Correction, reference_in_learner, rollout_correction, truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.learner.guard import GuardBounds
@@ -41,6 +41,28 @@ class TruncationRule:
 
 
 @dataclass(frozen=True)
+class DistillTerm:
+    """The reverse KL to a distillation teacher (``distill``; docs/distillation.md), resolved."""
+
+    mode: DistillMode = "reward"
+    """``reward``: -coef k_t joins token t's advantage; ``loss``: coef agg(k_t) joins the policy loss."""
+    coef: float = 0.0
+    """lambda_T (``distill.coef``); 0: no teacher, no term."""
+    gamma: float = 0.0
+    """The discount of the distillation rewards in the advantage (``mode=reward``)."""
+    estimator: KLEstimator = "k1"
+    """k_t's estimator, ``auto`` resolved: k1 for the reward, k2 for the loss."""
+
+    @staticmethod
+    def of(cfg: Config) -> DistillTerm:
+        d = cfg.distill
+        if d.teacher is None:
+            return DistillTerm()
+        estimator: KLEstimator = ("k1" if d.mode == "reward" else "k2") if d.estimator == "auto" else d.estimator
+        return DistillTerm(d.mode, d.coef, d.gamma, estimator)
+
+
+@dataclass(frozen=True)
 class ExperienceSettings:
     """What the experience pass reads from the config, gathered once (``of``)."""
 
@@ -55,13 +77,16 @@ class ExperienceSettings:
     """Padded tokens per forward pass without gradient (``learner.micro_batch_tokens``; 0: unbucketed)."""
     correction: Correction = NO_CORRECTION
     """Rollout correction in force (``config.derived.rollout_correction``)."""
+    distill: DistillTerm = DistillTerm()
+    """The reverse KL to the distillation teacher, where there is one."""
 
     @staticmethod
     def of(cfg: Config) -> ExperienceSettings:
         return ExperienceSettings(ppo=cfg.ppo, truncation=TruncationRule.of(cfg),
                                   max_staleness=cfg.rollout.max_staleness,
                                   micro_batch_tokens=cfg.learner.micro_batch_tokens,
-                                  correction=rollout_correction(cfg.ppo, cfg.model.dtype, cfg.rollout.max_staleness))
+                                  correction=rollout_correction(cfg.ppo, cfg.model.dtype, cfg.rollout.max_staleness),
+                                  distill=DistillTerm.of(cfg))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The update's objectives on one micro-batch: the policy's (clipped or decoupled surrogate, entropy
-bonus, KL loss) and the critic's (clipped value loss), each scaled by its share of the global
+bonus, KL loss, distillation loss) and the critic's (clipped value loss), each scaled by its share of the global
 minibatch. The plan says which loss and where the KL enters (``UpdatePlan``); the arithmetic is
 ``rayppo.learner.ppo``'s. This is the module to read before changing the loss.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rayppo.choices import KLEstimator
 from rayppo.learner import ppo
 from rayppo.learner.experience import Experience
 from rayppo.learner.minibatches import MicroBatch
@@ -42,14 +43,26 @@ def policy_objective(
     drift = (logprobs.detach() - part.old_logprobs) * part.batch.mask  # the check sees every row
     stats = {f"policy/{k}": v for k, v in pg_stats.items()}
     stats |= {"policy/loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
-    if plan.loss_kl_coef:  # kl_mode=loss: beta agg(k3), aggregated as the policy loss is
-        kl_loss = ppo.aggregate(ppo.kl_penalty(logprobs, part.ref_logprobs, "k3"), mask, surrogate.agg,
-                                surrogate.max_length)
-        pg_loss = pg_loss + plan.loss_kl_coef * kl_loss
-        stats["policy/kl_loss"] = kl_loss.detach()
+    for name, coef, target, estimator in _kl_losses(part, plan):  # aggregated as the policy loss is
+        kl_loss = ppo.aggregate(ppo.kl_penalty(logprobs, target, estimator), mask, surrogate.agg, surrogate.max_length)
+        pg_loss = pg_loss + coef * kl_loss
+        stats[f"policy/{name}"] = kl_loss.detach()
     # token-mean weighs the minibatch's tokens; the two sequence aggregations weigh its rows.
     pg_share = mb.token_share if surrogate.agg == "token-mean" else mb.row_share
     return pg_share * (pg_loss - cfg.entropy_coef * entropy_bonus), stats, drift
+
+
+def _kl_losses(part: Experience, plan: UpdatePlan) -> list[tuple[str, float, torch.Tensor, KLEstimator]]:
+    """``(figure, coefficient, log-probs, estimator)`` of each KL term of the loss: to the reference
+    (``kl_mode=loss``: beta k3, whose gradient is the KL's) and to the teacher (``distill.mode=loss``:
+    lambda_T k, k2 by default, whose gradient through log pi_theta is the reverse KL's)."""
+    terms: list[tuple[str, float, torch.Tensor, KLEstimator]] = []
+    if plan.loss_kl_coef:
+        terms.append(("kl_loss", plan.loss_kl_coef, part.ref_logprobs, "k3"))
+    if plan.distill_loss_coef and part.teacher_logprobs is not None:
+        terms.append(("distill_loss", plan.distill_loss_coef, part.teacher_logprobs,
+                      plan.settings.experience.distill.estimator))
+    return terms
 
 
 def policy_pass(policy: torch.nn.Module, part: Experience, plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor]:

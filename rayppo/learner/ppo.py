@@ -113,6 +113,33 @@ def shape_rewards(
     return rewards
 
 
+# --------------------------------------------------------------------------------------------
+# On-policy distillation (docs/distillation.md; Agarwal et al. 2024, GKD; Lu 2025, "On-Policy
+# Distillation", Thinking Machines)
+# --------------------------------------------------------------------------------------------
+def distill_rewards(
+    logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, coef: float,
+    estimator: KLEstimator = "k1",
+) -> torch.Tensor:
+    """Per-token distillation rewards ``[B, T]``, 0 on padding:
+
+    d_t = -lambda_T k(log pi(y_t | S_{t-1}), log pi_T(y_t | S_{t-1}))
+
+    With k1, d_t = lambda_T (log pi_T - log pi): the teacher's verdict on the student's own token,
+    whose score-function gradient E[d_t grad log pi] is -lambda_T grad KL(pi || pi_T) at S_{t-1}.
+    ``coef`` is lambda_T, ``logprobs`` the policy being improved (pi_old, or pi_prox).
+    """
+    return -coef * kl_penalty(logprobs, teacher_logprobs, estimator) * mask.to(logprobs.dtype)
+
+
+def distill_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 0.0) -> torch.Tensor:
+    """``[B, T]`` D_t = sum_{k >= t} gamma^(k - t) d_k over a row's valid tokens: the distillation
+    rewards' discounted reward-to-go, with no baseline (GAE at V = 0, lambda = 1). gamma = 0: D_t = d_t,
+    each token answers for its own KL only; gamma = 1: for every later token's too."""
+    advantages, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, lam=1.0)
+    return advantages
+
+
 def truncation_targets(
     scores: torch.Tensor,
     last_values: torch.Tensor,

@@ -30,6 +30,8 @@ class RolloutTensors:
     """[B, T] log mu(y_t | S_{t-1}), the generator's (pi_old in lock-step); 0 on padding."""
     ref_logprobs: torch.Tensor | None
     """[B, T] log pi_ref(y_t | S_{t-1}); None when no reference ran (kl_coef = 0)."""
+    teacher_logprobs: torch.Tensor | None
+    """[B, T] log pi_T(y_t | S_{t-1}) of the distillation teacher; None without one."""
     scores: torch.Tensor
     """[B] float32 r_phi(x, y)."""
     truncated: torch.Tensor
@@ -65,6 +67,7 @@ class RolloutTensors:
             batch=batch,
             old_logprobs=padded(rollout.logprobs).to(device),
             ref_logprobs=padded(rollout.ref_logprobs).to(device) if rollout.ref_logprobs else None,
+            teacher_logprobs=padded(rollout.teacher_logprobs).to(device) if rollout.teacher_logprobs else None,
             scores=torch.tensor(rollout.score, dtype=torch.float32, device=device),
             truncated=truncated(rollout).to(device),
             generator_ids=torch.tensor(rollout.generator_id or [0] * n, dtype=torch.long),

@@ -1,4 +1,5 @@
-"""The learn step's modes, decided once: where pi_prox comes from, which loss, where the KL enters,
+"""The learn step's modes, decided once: where pi_prox comes from, which loss, where the KL (to the
+reference, and to a distillation teacher) enters,
 which value targets, whether the first minibatch reuses the experience pass's value forward.
 
 Each mode follows from the settings (``LearnSettings``: estimator, staleness, rollout correction,
@@ -55,6 +56,11 @@ class UpdatePlan:
     loss_kl_coef: float
     """beta of the loss's KL term beta agg(k3(log pi_theta, log pi_ref)) (``kl_mode=loss`` with a
     reference); 0 otherwise."""
+    distill_reward_coef: float
+    """lambda_T of the distillation rewards -lambda_T k(log pi, log pi_T) in the advantages
+    (``distill.mode=reward`` with teacher log-probs); 0 otherwise."""
+    distill_loss_coef: float
+    """lambda_T of the loss term lambda_T agg(k(log pi_theta, log pi_T)) (``distill.mode=loss``); 0 otherwise."""
     has_reference: bool
     """log pi_ref was given (a reference model, or the LoRA policy's base): ``kl/*`` is reported."""
     vtrace: bool
@@ -87,10 +93,13 @@ class UpdatePlan:
         uses_prox = e.max_staleness > 0 or e.correction.truncated_is
         proximal: ProximalSource = "behaviour" if not uses_prox else "update" if one_forward else "pass"
         has_reference = rows.ref_logprobs is not None
+        distill = e.distill.coef if rows.teacher_logprobs is not None else 0.0
         return UpdatePlan(
             settings=settings, proximal=proximal, decoupled=e.correction.truncated_is, geo_mask=e.correction.geo_mask,
             reward_kl_coef=step.kl_coef if p.kl_mode == "reward" else 0.0,
             loss_kl_coef=step.kl_coef if p.kl_mode == "loss" and has_reference else 0.0,
+            distill_reward_coef=distill if e.distill.mode == "reward" else 0.0,
+            distill_loss_coef=distill if e.distill.mode == "loss" else 0.0,
             has_reference=has_reference,
             # Lock-step rows are never stale: only asynchronous mode has ratios to correct the targets for.
             vtrace=e.max_staleness > 0 and p.value_targets == "vtrace",

@@ -111,3 +111,12 @@ def built_dir(cache_dir: str | None, folder: str, build: Callable[[Path], object
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
     return target
+
+
+def saved_policy(name: str) -> Path:
+    """``name`` itself, or, for a rayppo run's folder (no ``config.json`` of its own, a ``policy/``
+    that has one), the policy the run saved: where a run is named as a model (``distill.teacher``)."""
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file() and (path / "policy" / "config.json").is_file():
+        return path / "policy"
+    return path

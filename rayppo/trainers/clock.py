@@ -19,6 +19,8 @@ class Stage(StrEnum):
     """log pi_ref of the batch (in one process: a stage of its own)."""
     REWARD = "reward"
     """r_phi of the batch (in one process: a stage of its own)."""
+    TEACHER = "teacher"
+    """log pi_T of the batch, on-policy distillation (in one process: a stage of its own)."""
     SCORE = "score"
     """Reference and reward at the same time, on their own actors."""
     WAIT = "wait"

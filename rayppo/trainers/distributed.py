@@ -45,6 +45,7 @@ from rayppo.errors import LearnerFailedError
 from rayppo.learner.step import LearnResult
 from rayppo.models.loading import load_tokenizer, resolve_model_path
 from rayppo.models.shape import max_positions
+from rayppo.models.teacher import checked_teacher
 from rayppo.run.checkpoint import DRIVER_STATE, CheckpointError, latest_checkpoint, read_driver_state
 from rayppo.run.mfu import probe_tokens
 from rayppo.trainers.clock import PHASES, Stage, StageClock
@@ -76,6 +77,8 @@ class DistributedTrainer(LoopTrainer):
         # Everything that can fail on bad input is checked before any process starts.
         # Builds the embedded model once.
         self.policy_path = str(resolve_model_path(cfg.model.policy, cfg.model.cache_dir))
+        if cfg.distill.teacher:  # its tokenizer is checked here, before Ray starts (each node resolves it again)
+            checked_teacher(cfg.distill.teacher, self.policy_path, cfg.model.cache_dir)
         positions = max_positions(self.policy_path)
         limit = cfg.generators.max_model_len or positions
         prompt_set, eval_prompts = load_prompts(cfg, load_tokenizer(self.policy_path),
@@ -119,14 +122,14 @@ class DistributedTrainer(LoopTrainer):
         """Every role's actors, the fleet, the weight sync, and the supervisor watching them."""
         cfg = self.cfg
         roles = spawn_roles(cfg, self.placements, self.context, self.schedule)
-        self.generators, self.reference, self.rewards, self.learner = (roles.generators, roles.reference,
-                                                                       roles.rewards, roles.learner)
+        self.generators, self.reference, self.rewards, self.teacher, self.learner = (
+            roles.generators, roles.reference, roles.rewards, roles.teacher, roles.learner)
         self.fleet = Fleet(self.generators, self.placements.get("generators"), fleet_minimum(cfg),
                            cfg.cluster.placement_timeout_s, Path(cfg.output.dir))
         self.supervisor.add_fleet(self.fleet)
-        self.calls = DistributedRoles(cfg, self.generators, self.reference, self.rewards, self.learner, self.supervisor,
-                               self.fleet, self.schedule)
-        for group in (self.generators, self.reference, self.rewards):
+        self.calls = DistributedRoles(cfg, self.generators, self.reference, self.rewards, self.teacher, self.learner,
+                                      self.supervisor, self.fleet, self.schedule)
+        for group in (self.generators, self.reference, self.rewards, self.teacher):
             self.supervisor.watch(group)
 
     def _start_source(self) -> None:
@@ -198,14 +201,23 @@ class DistributedTrainer(LoopTrainer):
             # Each held-out prompt keeps its place in the set as its group: its noise is the same on any split.
             return [prompts.select(rows).groups_of(1, rows.start) for rows in split_evenly(len(prompts), generators)]
 
-        def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
-            rollout = self.calls.sample(GeneratorEngine.evaluate, split, seed, temperature, k)
+        def scored(rollout: Rollout) -> tuple[list[float], list[float]]:
             (score,) = self.calls.reward_scores([rollout])
             return rollout.scored(score).total_rewards(), self.calls.gold_scores(rollout)
 
+        def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
+            return scored(self.calls.sample(GeneratorEngine.evaluate, split, seed, temperature, k))
+
+        def teacher_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
+            return scored(self.calls.teacher_held_out(prompts.select(range(len(prompts))).groups_of(1, 0),
+                                                      temperature, k, seed))
+
         with self.clock.during("evaluate"), self.fleet.paused(current=True):
             self.last_evaluation = held_out_result(eval_plan(self.cfg), len(prompts), score_pass)
-        return self.last_evaluation.figures
+        if not len(self.teacher):
+            return self.last_evaluation.figures
+        with self.clock.during("evaluate"):
+            return self.last_evaluation.figures | self.beside_teacher(teacher_pass, len(prompts))
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""

@@ -1,5 +1,5 @@
 """The distributed roles' calls an iteration makes: a batch sampled by the fleet, scored by the
-reference and reward actors, under the ``Supervisor`` (a dead or hung actor is replaced and its
+reference, reward and teacher actors, under the ``Supervisor`` (a dead or hung actor is replaced and its
 share redone). Every rollout source and the evaluation call them; none knows another's."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from rayppo.actors.generator import GeneratorEngine
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
+from rayppo.actors.teacher import TeacherEngine
 from rayppo.cluster.colocation import DeviceSchedule
 from rayppo.cluster.fleet import Fleet
 from rayppo.cluster.group import ActorGroup
@@ -36,6 +37,8 @@ class DistributedRoles:
     generators: ActorGroup
     reference: ActorGroup
     rewards: ActorGroup
+    teacher: ActorGroup
+    """The distillation teacher's actors (``distill.teacher``); empty without one."""
     learner: LearnerGroup
     supervisor: Supervisor
     fleet: Fleet
@@ -106,8 +109,9 @@ class DistributedRoles:
         return Fanout(self.rewards, role, method, [(rollout.select(r),) for r in rows])
 
     def score(self, rollout: Rollout) -> tuple[Rollout, ScoringSeconds]:
-        """log pi_ref and r_phi, the two passes running at the same time on their own actors (r_phi
-        only when no reference runs, at ppo.kl_coef = 0); the gold score too with ``reward.gold_function``."""
+        """log pi_ref, r_phi and log pi_T, the passes running at the same time on their own actors
+        (log pi_ref only when a reference runs, ppo.kl_coef > 0; log pi_T with a distillation
+        teacher); the gold score too with ``reward.gold_function``."""
         if not len(self.rewards):  # an environment's turn rewards are the whole reward
             rollout = rollout.scored([0.0] * len(rollout))
         scored = len(rollout.score) == len(rollout)  # dynamic sampling has rewarded it already
@@ -118,12 +122,23 @@ class DistributedRoles:
             ref_rows = split_evenly(len(rollout), len(self.reference))
             passes.append(Fanout(self.reference, "reference", ReferenceEngine.ref_logprobs,
                                  [(rollout.select(r),) for r in ref_rows]))
+        if len(self.teacher):
+            passes.append(Fanout(self.teacher, "teacher", TeacherEngine.teacher_logprobs,
+                                 [(rollout.select(r),) for r in split_evenly(len(rollout), len(self.teacher))]))
         parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
         score = [x for part in parts["reward"] for x in part] if "reward" in parts else rollout.score
         gold = [x for part in parts["gold"] for x in part] if "gold" in parts else None
-        rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part], gold)
+        teacher = [x for part in parts["teacher"] for x in part] if "teacher" in parts else None
+        rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part], gold, teacher)
         seconds = {p.role: p.seconds for p in passes}  # a pass that did not run took none
-        return rollout, ScoringSeconds(reference=seconds.get("reference", 0.0), reward=seconds.get("reward", 0.0))
+        return rollout, ScoringSeconds(reference=seconds.get("reference", 0.0), reward=seconds.get("reward", 0.0),
+                                       teacher=seconds.get("teacher"))
+
+    def teacher_held_out(self, prompts: PromptBatch, temperature: float, samples: int, seed: int) -> Rollout:
+        """The teacher's own responses to the held-out prompts (``TeacherEngine.evaluate``, on its first
+        actor, replaced and redone when it dies), for its score beside the student's."""
+        return self.supervisor.call_one(self.teacher, "teacher", 0, TeacherEngine.evaluate,
+                                        (prompts, temperature, samples, seed))
 
     def verify(self, version: int, generators: list[int] | None = None) -> float:
         """The guard's check of ``generators``' weights (default: the fleet's) after a sync
@@ -137,7 +152,7 @@ class DistributedRoles:
     def groups(self) -> dict[str, ActorGroup]:
         """Each role's actor group, by role."""
         return {"generators": self.generators, "reference": self.reference, "reward": self.rewards,
-                "learner": self.learner.ranks}
+                "teacher": self.teacher, "learner": self.learner.ranks}
 
     def peak_memory(self) -> dict[str, int]:
         """Peak resident memory (bytes) of the largest process of each role."""

@@ -10,6 +10,9 @@ them as it scores rollouts. Nothing here is trained on. The figures:
     eval/pass@k                share of prompts with at least one of their k samples passing
     eval/greedy/reward/mean    the same for the greedy responses (eval/greedy/pass_rate);
                                with eval.samples = 0 they are also the headline eval/reward/mean
+    eval/teacher/*             on-policy distillation: the teacher's own figures on the same
+                               prompts and seeds (measured once: it is frozen)
+    distill/reached            the student's figure over the teacher's (``REACHED_FIGURES``)
 
 Pass rates are reported for verifier rewards only (a reward model's scale has no threshold).
 An evaluation's result (``HeldOutResult``) carries its figures and, typed, the two means the gold
@@ -138,3 +141,19 @@ def held_out_result(plan: EvalPlan, num_prompts: int, score_pass: ScorePass) -> 
         figures["eval/gold/mean"] = gold_mean
     return HeldOutResult(figures | {"time/eval": time.perf_counter() - start}, headline_mean(greedy, sampled),
                          gold_mean)
+
+
+REACHED_FIGURES = ("eval/greedy/pass_rate", "eval/pass_rate", "eval/reward/mean")
+"""``distill/reached`` compares the first of these both evaluations have: the greedy pass rate,
+else the sampled one, else the headline mean reward."""
+
+
+def teacher_figures(student: HeldOutResult, teacher: HeldOutResult) -> dict[str, float]:
+    """The teacher's held-out figures as ``eval/teacher/*`` and the share of its score the student
+    has reached (``distill/reached``; absent while the teacher scores 0)."""
+    out = {f"eval/teacher/{name.removeprefix('eval/')}": value for name, value in teacher.figures.items()
+           if name.startswith("eval/")}
+    shared = next((name for name in REACHED_FIGURES if name in student.figures and name in teacher.figures), None)
+    if shared is not None and teacher.figures[shared] > 0:
+        out["distill/reached"] = student.figures[shared] / teacher.figures[shared]
+    return out

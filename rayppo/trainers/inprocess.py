@@ -21,6 +21,7 @@ the metrics line are the distributed trainer's too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ from rayppo.actors.generator import GeneratorActor, GeneratorEngine
 from rayppo.actors.hf_backend import HFBackend
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.actors.reward import RewardEngine
-from rayppo.actors.settings import episode_settings, reference_args, reward_args, sampling_settings
+from rayppo.actors.settings import episode_settings, reference_args, reward_args, sampling_settings, teacher_args
+from rayppo.actors.teacher import TeacherEngine
 from rayppo.config.derived import has_critic, has_reward, policy_exports, reference_model
 from rayppo.config.schema import Config
+from rayppo.console import console
 from rayppo.data.prompts import PromptSampler
 from rayppo.data.rollout import Rollout
 from rayppo.data.seeds import eval_seed, rollout_seed
@@ -55,23 +58,37 @@ from rayppo.machine.role_resources import Resources
 from rayppo.models.checkpoint_names import checkpoint_tensors
 from rayppo.models.export import write_policy
 from rayppo.models.loading import Critic, prepare_for_training, resolve_model_path
+from rayppo.models.teacher import checked_teacher
 from rayppo.run.mfu import probe_tokens
 from rayppo.run.stage_times import StageTimes
 from rayppo.trainers.clock import Stage, StageClock
 from rayppo.trainers.dynamic_sampling import fill_batch
-from rayppo.trainers.evaluation import eval_plan, held_out_result
+from rayppo.trainers.evaluation import ScorePass, eval_plan, held_out_result
 from rayppo.trainers.iteration import group_shares
 from rayppo.trainers.loop import LoopTrainer, load_prompts
 from rayppo.trainers.source import SamplerPosition, SourcedBatch
 
 
-class LocalSource:
-    """The in-process rollout source: generate (and dynamic sampling), reference, reward, each a
-    stage; the generator samples from the module the learner trains, so there is nothing to publish."""
+@dataclass(frozen=True)
+class LocalScorers:
+    """The in-process scorers: each None where the run has no such role."""
 
-    def __init__(self, cfg: Config, generator: GeneratorEngine, reference: ReferenceEngine | None,
-                 reward: RewardEngine | None, prompts: PromptSampler, clock: StageClock) -> None:
-        self.cfg, self.generator, self.reference, self.reward = cfg, generator, reference, reward
+    reference: ReferenceEngine | None
+    """log pi_ref (none at ppo.kl_coef = 0, or a LoRA policy's base)."""
+    reward: RewardEngine | None
+    """r_phi (none when an environment's turn rewards are the whole reward)."""
+    teacher: TeacherEngine | None
+    """log pi_T (none without ``distill.teacher``)."""
+
+
+class LocalSource:
+    """The in-process rollout source: generate (and dynamic sampling), reference, reward, teacher,
+    each a stage; the generator samples from the module the learner trains, so there is nothing to publish."""
+
+    def __init__(self, cfg: Config, generator: GeneratorEngine, scorers: LocalScorers, prompts: PromptSampler,
+                 clock: StageClock) -> None:
+        self.cfg, self.generator, self.reference, self.reward = cfg, generator, scorers.reference, scorers.reward
+        self.teacher = scorers.teacher
         self.prompts, self.clock = prompts, clock
         self.position = SamplerPosition(prompts)
 
@@ -87,6 +104,9 @@ class LocalSource:
             score = rollout.score if len(rollout.score) == len(rollout) else self.scores(rollout)
             gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else None
             rollout = rollout.scored(score, ref_logprobs, gold)
+        if self.teacher is not None:
+            with self.clock.stage(Stage.TEACHER):
+                rollout = rollout.scored(rollout.score, teacher_logprobs=self.teacher.teacher_logprobs(rollout))
         return SourcedBatch(rollout, dynamic)
 
     def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:
@@ -125,7 +145,8 @@ class LocalSource:
         """Each stage's seconds; the iteration's are their sum. The generator samples from the
         module the learner trains: no sync (0 s)."""
         return StageTimes(generate=seconds[Stage.GENERATE], reference=seconds[Stage.REFERENCE],
-                          reward=seconds[Stage.REWARD], learn=seconds[Stage.LEARN], sync=0.0,
+                          reward=seconds[Stage.REWARD], teacher=seconds.get(Stage.TEACHER), learn=seconds[Stage.LEARN],
+                          sync=0.0,
                           iteration=sum(seconds.values()))
 
 
@@ -140,6 +161,7 @@ class InProcessTrainer(LoopTrainer):
         torch.manual_seed(cfg.seed)
         m = cfg.model
         policy_path = str(resolve_model_path(m.policy, m.cache_dir))
+        teacher_path = checked_teacher(cfg.distill.teacher, policy_path, m.cache_dir) if cfg.distill.teacher else None
         # One process, one device: every engine on the learner's GPU when learner.gpus_per_rank > 0.
         gpus = cfg.learner.gpus_per_rank
         self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype,
@@ -167,8 +189,12 @@ class InProcessTrainer(LoopTrainer):
         super().__init__(cfg, *load_prompts(cfg, self.tokenizer,
                                             self.policy.config.max_position_embeddings - cfg.rollout.max_new_tokens))
         self.clock = StageClock()
-        self.source: LocalSource = LocalSource(cfg, self.generator, self.reference, self.reward, self.prompts,
-                                               self.clock)
+        self.teacher = (TeacherEngine(**teacher_args(cfg, gpus, model_path=str(teacher_path)))
+                        if teacher_path is not None else None)
+        if self.teacher is not None:
+            console.phase(f"teacher: {self.teacher.describe()}")
+        self.source: LocalSource = LocalSource(cfg, self.generator, LocalScorers(self.reference, self.reward,
+                                                                                 self.teacher), self.prompts, self.clock)
         self.publisher = None  # the generator samples from the module the learner trains: nothing to send
         self.generator.warmup()  # its first call's start-up cost stays out of iteration 0
         if cfg.output.mfu:  # perf/mfu/*'s denominator: every stage runs here, on this device and these threads
@@ -202,13 +228,17 @@ class InProcessTrainer(LoopTrainer):
         if prompts is None:
             return {}
 
-        def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
-            rollout = self.generator.evaluate(prompts, temperature, k, eval_seed(self.cfg.seed))
-            gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else []
-            return rollout.scored(self.source.scores(rollout)).total_rewards(), gold
+        def scored_by(sampler: GeneratorEngine | TeacherEngine) -> ScorePass:
+            def score_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
+                rollout = sampler.evaluate(prompts, temperature, k, eval_seed(self.cfg.seed))
+                gold = self.reward.gold_scores(rollout) if self.reward is not None and self.reward.gold else []
+                return rollout.scored(self.source.scores(rollout)).total_rewards(), gold
+            return score_pass
 
-        self.last_evaluation = held_out_result(eval_plan(self.cfg), len(prompts), score_pass)
-        return self.last_evaluation.figures
+        self.last_evaluation = held_out_result(eval_plan(self.cfg), len(prompts), scored_by(self.generator))
+        if self.teacher is None:
+            return self.last_evaluation.figures
+        return self.last_evaluation.figures | self.beside_teacher(scored_by(self.teacher), len(prompts))
 
     def _trained(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
         """(model, optimiser) of the policy and, with one, the critic."""

@@ -40,5 +40,21 @@ def rollout_stats(rollout: Rollout, seconds: float, max_turns: int = 0) -> dict[
                          rollout.environment_seconds or [0.0] * len(rollout)) if rollout.action_mask else {}),
         # The gold scorer's mean on the same rows, beside the (proxy) reward it is compared with.
         **({"reward/gold_mean": sum(rollout.gold_score) / len(rollout)} if rollout.gold_score else {}),
+        **(distill_stats(rollout) if rollout.teacher_logprobs else {}),
     }
+
+
+def distill_stats(rollout: Rollout) -> dict[str, float]:
+    """The reverse KL to the teacher on the student's samples: per token, k1 = log mu - log pi_T
+    (the generator's log-probs) over the action tokens, its mean and 90th percentile
+    (``distill/reverse_kl_mean``, ``_p90``), and its sum per response (``distill/reverse_kl_per_response``)."""
+    masks = rollout.action_mask or [[1] * len(ids) for ids in rollout.response_ids]
+    per_row = [[lp - tp for lp, tp, m in zip(row, teacher, mask) if m]
+               for row, teacher, mask in zip(rollout.logprobs, rollout.teacher_logprobs, masks)]
+    tokens = sorted(x for row in per_row for x in row)
+    if not tokens:
+        return {}
+    return {"distill/reverse_kl_mean": sum(tokens) / len(tokens),
+            "distill/reverse_kl_p90": tokens[min(len(tokens) - 1, int(0.9 * len(tokens)))],
+            "distill/reverse_kl_per_response": sum(sum(row) for row in per_row) / len(per_row)}
 

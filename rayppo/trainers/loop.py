@@ -23,7 +23,14 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.step import LearnResult
 from rayppo.run.mfu import StageCounter
 from rayppo.trainers.clock import Stage, StageClock
-from rayppo.trainers.evaluation import HeldOutResult, eval_source
+from rayppo.trainers.evaluation import (
+    HeldOutResult,
+    ScorePass,
+    eval_plan,
+    eval_source,
+    held_out_result,
+    teacher_figures,
+)
 from rayppo.trainers.iteration import make_kl_controller, rollout_stats
 from rayppo.trainers.source import BatchSource, Publisher
 
@@ -60,6 +67,8 @@ class LoopTrainer:
         self.last_update: LearnResult | None = None
         self.last_evaluation: HeldOutResult | None = None
         """The last held-out evaluation (``evaluate``): the gold stop rule reads its means."""
+        self.teacher_evaluation: HeldOutResult | None = None
+        """The distillation teacher's held-out evaluation (``beside_teacher``), made once."""
         self.stage_counter = StageCounter.of(cfg)
         """Each stage's FLOPs and the measured rate (``rate``: the trainer's probe) for ``perf/*``."""
 
@@ -109,6 +118,15 @@ class LoopTrainer:
     def _run_figures(self) -> dict[str, float]:
         """Figures of the run as a whole for the metrics line (faults, the fleet; none here)."""
         return {}
+
+    def beside_teacher(self, teacher_pass: ScorePass, prompts: int) -> dict[str, float]:
+        """The teacher's held-out figures beside the last evaluation's (``teacher_figures``): the
+        teacher is frozen and the held-out seed fixed, so its passes (``teacher_pass``) run once."""
+        if self.last_evaluation is None:
+            return {}
+        if self.teacher_evaluation is None:
+            self.teacher_evaluation = held_out_result(eval_plan(self.cfg), prompts, teacher_pass)
+        return teacher_figures(self.last_evaluation, self.teacher_evaluation)
 
     def _commit_update(self, update: LearnResult, rollout: Rollout) -> None:
         """The learner has taken this iteration's update: the driver's state moves with it (beta,

@@ -151,7 +151,7 @@ class PipelinedSource:
         sampling = self._running.fleet
         generate = sum(self._clocks[g].busy(t0, t_end) for g in sampling) / len(sampling)
         return StageTimes(generate=generate, reference=self._scoring.reference, reward=self._scoring.reward,
-                          learn=seconds[Stage.LEARN], sync=seconds[Stage.SYNC], iteration=t_end - t0,
+                          teacher=self._scoring.teacher, learn=seconds[Stage.LEARN], sync=seconds[Stage.SYNC], iteration=t_end - t0,
                           score=self._scoring_clock.busy(t0, t_end), wait_for_data=self._t_data - t0,
                           # Each generator checks its own loads, inside its busy time (time/generate).
                           sync_verify=0.0)

@@ -104,6 +104,6 @@ class SynchronousSource:
     def timings(self, seconds: dict[Stage, float]) -> StageTimes:
         """Each stage's seconds; the sync's include its check; the iteration's are their sum."""
         return StageTimes(generate=seconds[Stage.GENERATE], reference=self._scoring.reference,
-                          reward=self._scoring.reward, learn=seconds[Stage.LEARN],
+                          reward=self._scoring.reward, teacher=self._scoring.teacher, learn=seconds[Stage.LEARN],
                           sync=seconds[Stage.SYNC] + seconds[Stage.VERIFY], iteration=sum(seconds.values()),
                           score=seconds[Stage.SCORE], sync_verify=seconds[Stage.VERIFY])
