@@ -24,7 +24,7 @@ from rayppo.run.metrics import MetricsFileError, read_metrics
 
 # Statistics compared between the resumed and the uninterrupted run (issue: 1e-6 relative).
 STATS = ("reward/mean", "policy/loss", "value/loss", "kl/ref_mean", "policy/clipfrac", "policy/approx_kl",
-         "value/mean", "entropy", "kl_coef")
+         "value/mean", "entropy", "kl_coef", "distill/reverse_kl_mean")
 RELATIVE = 1e-6
 
 
@@ -45,6 +45,7 @@ WORKLOADS = {
     "gae": [],
     "grpo+dynamic sampling": ["ppo.advantage=grpo", "rollout.samples_per_prompt=4",
                               "rollout.dynamic_sampling_rounds=2", "rollout.batch_size=8"],
+    "distillation": ["distill.teacher=embedded", "distill.coef=0.5"],
     "multi-turn": ["model.policy=embedded-guess", "data.prompts=embedded-guess", "rollout.max_new_tokens=40",
                    "rollout.environment=rayppo.tasks.guess:HigherLower", "rollout.max_turns=6"],
 }
@@ -54,7 +55,8 @@ WORKLOADS = {
 def test_reference_trainer_resumes_exactly(tmp_path, small_overrides, estimator):
     """trainer=reference: 2 iterations, then --resume to 4, equals 4 uninterrupted iterations; also
     for a critic-free estimator on groups whose extra prompt draws (dynamic sampling) move the
-    prompt order that the checkpoint holds, and for multi-turn episodes (the guessing game), whose
+    prompt order that the checkpoint holds, for on-policy distillation (the teacher comes back with
+    the run: its term is in the resumed updates), and for multi-turn episodes (the guessing game), whose
     environment processes start again on resume."""
     groups = WORKLOADS[estimator]
     base = [o for o in small_overrides if not o.startswith(("stop.", "output.dir"))] + ["output.checkpoint_every=1"]

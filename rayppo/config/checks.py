@@ -225,6 +225,7 @@ def _validate_distill(cfg: Config) -> None:
         return
     _require(d.coef > 0, "distill.coef", "must be > 0 (the weight of the reverse KL to the teacher)", d.coef)
     _require(0 <= d.gamma <= 1, "distill.gamma", "must be in [0, 1]", d.gamma)
+    _require(d.task_reward >= 0, "distill.task_reward", "must be >= 0 (0: pure distillation)", d.task_reward)
     _require(d.gamma == 0 or d.mode == "reward", "distill.gamma", "discounts the distillation rewards of "
              "distill.mode=reward; the loss term is per token", d.gamma)
     _require(d.gamma == 0 or cfg.rollout.environment is None, "distill.gamma", "must be 0 with a multi-turn "

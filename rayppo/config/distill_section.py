@@ -28,8 +28,12 @@ class DistillConfig(ScorerConfig):
     ``loss``: coef x agg(k(log pi_theta, log pi_T)) is added to the policy loss, aggregated as it is
     (GKD's reverse-KL setting, Agarwal et al. 2024, on the sampled token)."""
     coef: float = 1.0
-    """lambda_T: the weight of the distillation term against the task reward (per token, in nats).
-    With ``reward.function: null`` (and no reward model or endpoint) the run is pure distillation."""
+    """lambda_T: the weight of the distillation term against the task reward (per token, in nats)."""
+    task_reward: float = 1.0
+    """The weight of the task's reward (r_phi, an environment's turn rewards) in training beside
+    the teacher's term. 0: pure distillation, while the reward still scores every batch and the
+    held-out answers (``reward/mean``, ``eval/*``: how far the student got). With no reward at all
+    (``reward.function: null``) the run is pure distillation too, with no score to watch."""
     gamma: float = 0.0
     """``mode=reward``: the discount of the distillation rewards summed into token t's advantage,
     D_t = sum_{k >= t} gamma^(k - t) d_k. 0 (the published recipe): each token's own reverse KL,

@@ -209,6 +209,7 @@ def make_experience(
     figures are left to ``update.one_forward_update``.
     """
     settings, cfg = plan.settings.experience, plan.ppo
+    rows = _task_reward_weighed(rows, settings.distill.task_reward)
     batch, mask, old_logprobs = rows.batch, rows.batch.mask, rows.old_logprobs
     prox_logprobs, same_version = _proximal_inputs(rows, plan, proximal, collective)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise
@@ -237,6 +238,15 @@ def make_experience(
                      row_keep=None if terms is None else terms.row_keep,
                      kl_ref=None if terms is None or terms.kl is None else terms.kl.mean)
     return ExperiencePass(exp, stats, values.first_values)
+
+
+def _task_reward_weighed(rows: RolloutTensors, weight: float) -> RolloutTensors:
+    """``rows`` with the task's reward (the score, an episode's turn rewards) times ``weight``
+    (``distill.task_reward``; 0: pure distillation, the reward only measured)."""
+    if weight == 1.0:
+        return rows
+    return dataclasses.replace(rows, scores=rows.scores * weight,
+                               turn_rewards=None if rows.turn_rewards is None else rows.turn_rewards * weight)
 
 
 def _distill_advantages(rows: RolloutTensors, logprobs: torch.Tensor, plan: UpdatePlan) -> torch.Tensor:

@@ -52,6 +52,8 @@ class DistillTerm:
     """The discount of the distillation rewards in the advantage (``mode=reward``)."""
     estimator: KLEstimator = "k1"
     """k_t's estimator, ``auto`` resolved: k1 for the reward, k2 for the loss."""
+    task_reward: float = 1.0
+    """The task reward's weight in training (``distill.task_reward``; 0: pure distillation)."""
 
     @staticmethod
     def of(cfg: Config) -> DistillTerm:
@@ -59,7 +61,7 @@ class DistillTerm:
         if d.teacher is None:
             return DistillTerm()
         estimator: KLEstimator = ("k1" if d.mode == "reward" else "k2") if d.estimator == "auto" else d.estimator
-        return DistillTerm(d.mode, d.coef, d.gamma, estimator)
+        return DistillTerm(d.mode, d.coef, d.gamma, estimator, d.task_reward)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,231 @@
+"""On-policy distillation (docs/distillation.md): a teacher scores the student's own tokens, the
+learner lowers the reverse KL to it. The per-token term against a hand computation from two tiny
+models, the two modes' gradients against their derivation, the tokenizer check before anything
+starts, the config's refusals, and a student that moves toward its teacher."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rayppo.actors.generator import GeneratorEngine
+from rayppo.actors.settings import sampling_settings, teacher_args
+from rayppo.actors.teacher import TeacherEngine
+from rayppo.config.load import load_config
+from rayppo.config.schema import ConfigError
+from rayppo.data.prompts import PromptBatch
+from rayppo.errors import ModelFolderError
+from rayppo.learner import ppo
+from rayppo.learner.experience import make_experience
+from rayppo.learner.learn_settings import LearnSettings, StepInputs
+from rayppo.learner.rollout_tensors import RolloutTensors
+from rayppo.learner.update_plan import UpdatePlan
+from rayppo.models.loading import load_causal_lm
+from rayppo.models.teacher import tokenizer_difference
+from rayppo.trainers.evaluation import HeldOutResult, teacher_figures
+from rayppo.trainers.iteration import distill_stats
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["say 3 :", "say 7 :", "say 1 :", "say 9 :"]
+
+
+def _hand_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    """log softmax(logits / T) of each response token, from one plain transformers forward of prompt + response."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [logp[len(prompt) - 1 + t, token].item() for t, token in enumerate(response)]
+
+
+def _student_rollout(embedded_dir, tokenizer, cfg):
+    generator = GeneratorEngine(str(embedded_dir), sampling_settings(cfg), backend="hf")
+    prompts = PromptBatch(PROMPTS, [tokenizer(p)["input_ids"] for p in PROMPTS]).groups_of(2)
+    return generator.generate(prompts, seed=0)
+
+
+def test_the_per_token_reward_is_the_teacher_log_ratio_of_two_tiny_models(embedded_dir, digits_teacher, tokenizer):
+    """d_t = -coef (log pi_old(y_t) - log pi_T(y_t)): the teacher actor's log-probs and the advantage the
+    learner builds equal a hand computation from two plain forwards (the student, the trained teacher).
+    GRPO on equal scores gives the task 0, so the advantage is the distillation term alone: itself at
+    distill.gamma = 0, its reward-to-go at gamma = 1."""
+    overrides = ["trainer=reference", "ppo.advantage=grpo", "rollout.samples_per_prompt=2",
+                 f"distill.teacher={digits_teacher}", "distill.coef=0.5"]
+    cfg = load_config(None, overrides)
+    rollout = _student_rollout(embedded_dir, tokenizer, cfg)
+    teacher = TeacherEngine(**teacher_args(cfg, 0.0))
+    taught = rollout.scored([0.0] * len(rollout), teacher_logprobs=teacher.teacher_logprobs(rollout))
+    student_model = load_causal_lm(str(embedded_dir), "float32").eval()
+    teacher_model = load_causal_lm(str(digits_teacher / "policy"), "float32").eval()
+    T = cfg.rollout.temperature
+    hand_student = [_hand_logprobs(student_model, p, r, T) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+    hand_teacher = [_hand_logprobs(teacher_model, p, r, T) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+    gaps = [abs(s - t) for row_s, row_t in zip(hand_student, hand_teacher) for s, t in zip(row_s, row_t)]
+    assert max(gaps) > 0.1  # two different models: the term is not 0 by accident
+    for i in range(len(rollout)):
+        # fp32 forwards of the same ids, packed or padded: agreement to rounding (~1e-6 nats).
+        assert taught.teacher_logprobs[i] == pytest.approx(hand_teacher[i], abs=1e-5)
+        assert taught.logprobs[i] == pytest.approx(hand_student[i], abs=1e-5)
+    for gamma in (0.0, 1.0):
+        settings = LearnSettings.of(load_config(None, overrides + [f"distill.gamma={gamma}"]))
+        tensors = RolloutTensors.of(taught, tokenizer.pad_token_id)
+        plan = UpdatePlan.decide(settings, StepInputs(iteration=0, version=0, kl_coef=0.0), tensors)
+        assert plan.distill_reward_coef == 0.5 and plan.distill_loss_coef == 0.0
+        advantages = make_experience(tensors, None, plan).experience.advantages
+        for i in range(len(rollout)):
+            d = [-0.5 * (s - t) for s, t in zip(hand_student[i], hand_teacher[i])]
+            expected = d if gamma == 0 else [sum(d[t:]) for t in range(len(d))]
+            assert advantages[i, : len(d)].tolist() == pytest.approx(expected, abs=1e-5), (gamma, i)
+            assert not advantages[i, len(d):].any()  # padding
+
+
+def test_loss_and_reward_modes_move_the_sampled_token_the_same_way():
+    """A hand-derived case: the student is uniform over 3 tokens (theta = 0), the teacher puts 0.7 on
+    token 0. Sampled token 0: reward mode's advantage is -(log 1/3 - log 0.7) = log 2.1 > 0, and the
+    clipped loss at ratio 1 has gradient -A grad log pi(0) = -log 2.1 (e_0 - 1/3); the k2 loss term
+    0.5 (log pi(0) - log 0.7)^2 has gradient (log 1/3 - log 0.7) grad log pi(0): the same vector
+    (on the student's samples k2's gradient is the reverse KL's), so one step raises theta_0 in both.
+    k3's gradient (1 - pi_T/pi) grad log pi points the same way; k1's, grad log pi, the other way."""
+    teacher = torch.tensor([0.7, 0.2, 0.1]).log()
+    mask = torch.ones(1, 1)
+    sampled = 0
+
+    def gradient(loss_of) -> torch.Tensor:
+        theta = torch.zeros(3, requires_grad=True)
+        logprob = torch.log_softmax(theta, -1)[sampled].reshape(1, 1)
+        loss_of(logprob, teacher[sampled].reshape(1, 1)).backward()
+        return theta.grad
+
+    def reward_mode(logprob, teacher_lp):
+        advantage = ppo.distill_advantages(ppo.distill_rewards(logprob.detach(), teacher_lp, mask, 1.0), mask)
+        return ppo.policy_loss(logprob, logprob.detach(), advantage, mask)[0]
+
+    def loss_mode(estimator):
+        return lambda logprob, teacher_lp: ppo.aggregate(ppo.kl_penalty(logprob, teacher_lp, estimator), mask)
+
+    by_hand = -math.log(2.1) * (torch.tensor([1.0, 0.0, 0.0]) - 1 / 3)
+    assert gradient(reward_mode) == pytest.approx(by_hand.tolist(), abs=1e-6)
+    assert gradient(loss_mode("k2")) == pytest.approx(by_hand.tolist(), abs=1e-6)
+    k3 = gradient(loss_mode("k3"))  # (1 - 0.7 / (1/3)) (e_0 - 1/3): -1.1 times grad log pi(0)
+    assert k3 == pytest.approx((-1.1 * (torch.tensor([1.0, 0.0, 0.0]) - 1 / 3)).tolist(), abs=1e-6)
+    assert gradient(loss_mode("k1"))[0] > 0  # descent would lower theta_0: the teacher is ignored
+    for g in (gradient(reward_mode), gradient(loss_mode("k2")), k3):
+        assert g[0] < 0 < g[1]  # gradient descent raises theta_0 (the teacher's token), lowers the others
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_any_actor_starts(copy_model, embedded_dir, tmp_path):
+    """The teacher reads the student's token ids: another vocabulary is refused by name in the trainer's
+    constructor, before Ray starts; the same tokenizer passes."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rayppo.trainers.distributed import DistributedTrainer
+
+    other = copy_model("other_tokenizer")
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<teacher-only>"])
+    tok.save_pretrained(other)
+    assert tokenizer_difference(copy_model("same"), embedded_dir) is None
+    assert "vocabulary" in tokenizer_difference(other, embedded_dir)
+    assert not ray.is_initialized()
+    with pytest.raises(ModelFolderError, match=r"^distill.teacher: the teacher's tokenizer differs from the "
+                                               r"policy's: vocabulary of \d+ tokens against \d+"):
+        DistributedTrainer(load_config(None, [f"distill.teacher={other}", f"output.dir={tmp_path / 'run'}"]))
+    assert not ray.is_initialized()  # refused before anything started
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distill.mode=loss", "distill.estimator=k1"], r"^distill.estimator: k1 as a loss term has the gradient"),
+    (["distill.gamma=1.5"], r"^distill.gamma: must be in \[0, 1\]"),
+    (["distill.mode=loss", "distill.gamma=0.5"], r"^distill.gamma: discounts the distillation rewards"),
+    (["distill.coef=0"], r"^distill.coef: must be > 0"),
+    (["distill.task_reward=-1"], r"^distill.task_reward: must be >= 0"),
+    (["distill.num=0"], r"^distill.num: must be >= 1"),
+    (["cluster.colocate_all=true"], r"^distill.teacher: cannot run with cluster.colocate_all"),
+])
+def test_distill_settings_are_checked_at_load_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["distill.teacher=embedded", *overrides])
+
+
+def test_the_teacher_figures_and_the_reverse_kl_figures():
+    """``distill/reached`` divides the student's figure by the teacher's (greedy pass rate first);
+    the reverse KL figures read the action tokens only."""
+    student = HeldOutResult({"eval/greedy/pass_rate": 0.45, "eval/reward/mean": 0.5, "time/eval": 3.0}, 0.5, None)
+    teacher = HeldOutResult({"eval/greedy/pass_rate": 0.6, "eval/reward/mean": 0.7, "time/eval": 9.0}, 0.7, None)
+    figures = teacher_figures(student, teacher)
+    assert figures == {"eval/teacher/greedy/pass_rate": 0.6, "eval/teacher/reward/mean": 0.7,
+                       "distill/reached": pytest.approx(0.75)}
+    from rayppo.data.rollout import Rollout
+
+    rollout = Rollout([[1], [1]], [[5, 6, 7], [8, 9]], [[-1.0, -2.0, -0.5], [-0.1, -3.0]], ["stop"] * 2, ["a", "b"],
+                      ["", ""], teacher_logprobs=[[-0.5, -0.5, -0.5], [-0.1, -1.0]],
+                      action_mask=[[1, 0, 1], [1, 1]])
+    stats = distill_stats(rollout)  # k1 per action token: -0.5, 0.0 | 0.0, -2.0 (token 2 of row 0 is an observation)
+    assert stats["distill/reverse_kl_mean"] == pytest.approx(-2.5 / 4)
+    assert stats["distill/reverse_kl_per_response"] == pytest.approx((-0.5 + -2.0) / 2)
+    assert stats["distill/reverse_kl_p90"] == pytest.approx(0.0)
+
+
+def test_pure_distillation_moves_the_student_toward_its_teacher(digits_teacher, tmp_path):
+    """distill.task_reward=0: the digit reward only measures, the teacher's term alone trains. The
+    teacher (20 iterations of the default run) scores well above the student; after 10 iterations
+    the per-token reverse KL has fallen and the student has reached more of the teacher's held-out
+    score, side by side at each evaluation."""
+    from rayppo.run.metrics import read_metrics
+    from rayppo.train import train
+
+    out = tmp_path / "run"
+    train(load_config(None, ["trainer=reference", f"distill.teacher={digits_teacher}", "distill.task_reward=0",
+                             "ppo.advantage=grpo", "rollout.samples_per_prompt=4", "rollout.batch_size=16",
+                             "eval.every=5", "eval.at_start=true", "stop.iterations=10", f"output.dir={out}"]),
+          progress=False)
+    records = read_metrics(out / "metrics.jsonl")
+    first, last = records[0], records[-1]
+    reached = [first["initial/distill/reached"]] + [r["distill/reached"] for r in records if "distill/reached" in r]
+    kl = [round(r["distill/reverse_kl_mean"], 3) for r in records]
+    print(f"reached {[round(x, 3) for x in reached]}, reverse KL {kl}, teacher {last['eval/teacher/reward/mean']:.3f}")
+    teacher = {r["eval/teacher/reward/mean"] for r in records if "eval/teacher/reward/mean" in r}
+    assert teacher == {first["initial/eval/teacher/reward/mean"]}  # measured once: the same at every evaluation
+    assert last["distill/reverse_kl_mean"] < 0.5 * first["distill/reverse_kl_mean"]
+    assert reached[-1] > reached[0] + 0.2
+
+
+@pytest.mark.usefixtures("local_ray")  # last in the module: the tests above check that Ray never started
+def test_two_ranks_equal_the_in_process_trainer_and_a_killed_teacher_is_replaced(digits_teacher):
+    """Distillation on the distributed system (a teacher actor, 2 ZeRO-2 learner ranks in micro-batches)
+    gives the in-process trainer's figures, iteration by iteration (the bounds of the distributed
+    equivalence test), also after the teacher actor is SIGKILLed between the two iterations: it is
+    replaced like the reference, and its replacement's log-probs are the same."""
+    import os
+    import signal
+
+    from rayppo.cluster.group import get
+    from rayppo.machine.role_resources import Engine
+    from rayppo.trainers.distributed import DistributedTrainer
+    from rayppo.trainers.inprocess import InProcessTrainer
+
+    base = ["generators.backend=hf", "rollout.batch_size=16", "ppo.epochs=2", "ppo.minibatches=2",
+            "rollout.max_new_tokens=6", f"distill.teacher={digits_teacher}", "distill.coef=0.5"]
+    reference = InProcessTrainer(load_config(None, base + ["trainer=reference", "learner.micro_batch_tokens=0"]))
+    ref_stats = [reference.iteration() for _ in range(2)]
+    trainer = DistributedTrainer(load_config(None, base + ["learner.num_ranks=2", "learner.zero_stage=2",
+                                                           "learner.micro_batch_tokens=24"]))
+    try:
+        stats = [trainer.iteration()]
+        pid, _ = get(trainer.teacher.call_at(0, Engine.process_id, ()))
+        os.kill(pid, signal.SIGKILL)
+        stats.append(trainer.iteration())
+        rollout = trainer.last_rollout
+    finally:
+        trainer.close()
+    assert stats[1]["faults/actor_restarts"] == 1.0
+    assert rollout.response_ids == reference.last_rollout.response_ids
+    assert rollout.teacher_logprobs == pytest.approx(reference.last_rollout.teacher_logprobs, abs=1e-5)
+    assert abs(ref_stats[1]["distill/reverse_kl_mean"]) > 1e-3  # the term is there to be compared
+    for it in (0, 1):
+        for key in ("policy/loss", "value/loss", "policy/clipfrac", "distill/reverse_kl_mean", "kl/ref_mean"):
+            assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (it, key)
