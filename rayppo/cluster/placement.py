@@ -229,7 +229,8 @@ def shortage_lines(cfg: Config, available: dict[str, float], local: bool) -> lis
     for key, need in sorted(requested_resources(cfg).items()):
         have = available.get(key, 0.0)
         if need > have + 1e-9:
-            users = ", ".join(f"{s.name} {s.count} x {_asks(cfg, s, key):g}" for s in specs if _asks(cfg, s, key))
+            users = ", ".join(f"{s.name} {s.count} x {_asks(cfg, s, key):g}" for s in specs
+                              if s.count and _asks(cfg, s, key))
             lines.append(f"{key}: need {need:g} ({users or 'bundles'}), cluster has {have:g}. "
                          f"Fix: {', or '.join(capacity_fixes(cfg, key, have, local))}")
     return lines
@@ -300,7 +301,7 @@ def _shareable(cfg: Config, key: str) -> dict[str, tuple[int, float]]:
     for spec in role_specs(cfg):
         name = SHARE_FIELDS.get(key, {}).get(spec.name)
         share = spec.bundle.get(key, 0.0)
-        if name is None or share <= 0:
+        if name is None or share <= 0 or not spec.count:  # a role with no actors (no teacher) asks nothing
             continue
         if key == "GPU" and (cfg.cluster.colocate_all or share > 1 or (spec.name == "learner" and spec.count > 1)):
             continue

@@ -109,6 +109,8 @@ def role_gpus(cfg: Config, role: str) -> float:
     if cfg.cluster.colocate_all:
         if role == "reward" and cfg.reward.model is None:
             return 0.0  # a verifier function or an endpoint needs no GPU (nor a CUDA context)
+        if role == "teacher":
+            return 0.0  # no teacher runs colocated (checks.py refuses distill.teacher there)
         return COLOCATED_SHARES[role] if cfg.learner.gpus_per_rank else 0.0
     return {"generators": cfg.generators.gpus_per_worker, "reference": cfg.reference.gpus,
             "reward": cfg.reward.gpus, "teacher": cfg.distill.gpus, "learner": cfg.learner.gpus_per_rank}[role]
