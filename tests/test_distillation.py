@@ -194,6 +194,21 @@ def test_pure_distillation_moves_the_student_toward_its_teacher(digits_teacher, 
     assert reached[-1] > reached[0] + 0.2
 
 
+def test_the_plan_counts_the_teacher_and_its_memory(digits_teacher):
+    """``rayppo plan`` has a teacher row (a run folder names its policy/): the reference's parts for
+    the teacher's model, plus the copy its held-out answers are sampled with; no row without a teacher."""
+    from rayppo.plan.fit import THIS_MACHINE, make_plan, plan_json
+    from rayppo.plan.footprint import estimate_roles
+
+    cfg = load_config(None, [f"distill.teacher={digits_teacher}"])
+    est = estimate_roles(cfg)
+    teacher, reference = est["teacher"].parts, est["reference"].parts  # the same architecture here
+    assert teacher == {**reference, "held-out sampling copy (once)": reference["weights"]}
+    assert "teacher" not in estimate_roles(load_config(None, []))
+    roles = plan_json(cfg, make_plan(cfg, {"CPU": 4.0, "GPU": 0.0}, THIS_MACHINE))["roles"]
+    assert roles["teacher"]["actors"] == 1 and roles["teacher"]["cpus"] == 0.25
+
+
 @pytest.mark.usefixtures("local_ray")  # last in the module: the tests above check that Ray never started
 def test_two_ranks_equal_the_in_process_trainer_and_a_killed_teacher_is_replaced(digits_teacher):
     """Distillation on the distributed system (a teacher actor, 2 ZeRO-2 learner ranks in micro-batches)

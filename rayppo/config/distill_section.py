@@ -39,6 +39,11 @@ class DistillConfig(ScorerConfig):
     D_t = sum_{k >= t} gamma^(k - t) d_k. 0 (the published recipe): each token's own reverse KL,
     low variance, ignoring how a token changes the later states' KL; 1: the whole reward-to-go,
     the unbiased gradient of the sequence's reverse KL (docs/distillation.md)."""
+    center: bool = False
+    """``mode=reward``: subtract the batch's mean D_t (over every valid token of the global batch)
+    from the distillation advantages: a constant baseline, so the gradient's expectation is
+    unchanged, while the term no longer pushes down every sampled token on average (its mean is
+    -KL < 0). False: the published recipe, D_t as it is."""
     estimator: DistillEstimator = "auto"
     """The per-token estimate k of KL(pi || pi_T). ``auto``: ``k1`` in ``mode=reward`` (log pi -
     log pi_T, whose score-function gradient is the reverse KL's) and ``k2`` in ``mode=loss``

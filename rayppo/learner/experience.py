@@ -225,7 +225,8 @@ def make_experience(
                              _stale_ratio(prox_logprobs, old_logprobs, mask, same_version) if plan.vtrace else None,
                              task_scores, rows.group_ids)
     advantages, returns = episode_advantages(inputs, cfg, rows.num_groups, collective, rows.episodes)
-    advantages = advantages + _distill_advantages(rows, policy_logprobs, plan)  # the critic's targets stay the task's
+    # The critic's targets stay the task's.
+    advantages = advantages + _distill_advantages(rows, policy_logprobs, plan, collective)
     terms = (None if plan.proximal == "update" else
              proximal_terms(PolicyTokens(policy_logprobs, old_logprobs, rows.ref_logprobs, mask), plan, collective))
     stats = {} if terms is None else dict(terms.stats)
@@ -249,15 +250,21 @@ def _task_reward_weighed(rows: RolloutTensors, weight: float) -> RolloutTensors:
                                turn_rewards=None if rows.turn_rewards is None else rows.turn_rewards * weight)
 
 
-def _distill_advantages(rows: RolloutTensors, logprobs: torch.Tensor, plan: UpdatePlan) -> torch.Tensor:
+def _distill_advantages(rows: RolloutTensors, logprobs: torch.Tensor, plan: UpdatePlan,
+                        collective: Collective) -> torch.Tensor:
     """``[B, T]`` D_t, the distillation rewards' reward-to-go (``ppo.distill_advantages``) with
-    ``logprobs`` the policy being improved (as the reference's KL term); 0 unless ``distill.mode=reward``."""
+    ``logprobs`` the policy being improved (as the reference's KL term), less the global batch's
+    mean with ``distill.center``; 0 unless ``distill.mode=reward``."""
     if not plan.distill_reward_coef or rows.teacher_logprobs is None:
         return torch.zeros_like(logprobs)
-    term = plan.settings.experience.distill
-    rewards = ppo.distill_rewards(logprobs, rows.teacher_logprobs, rows.batch.mask, plan.distill_reward_coef,
-                                  term.estimator)
-    return ppo.distill_advantages(rewards, rows.batch.mask, term.gamma)
+    term, mask = plan.settings.experience.distill, rows.batch.mask
+    rewards = ppo.distill_rewards(logprobs, rows.teacher_logprobs, mask, plan.distill_reward_coef, term.estimator)
+    advantages = ppo.distill_advantages(rewards, mask, term.gamma)
+    if not term.center:
+        return advantages
+    # (sum, count) over every rank's valid tokens: the mean of the whole batch, as one process sees it.
+    total = collective.sum(torch.stack([(advantages * mask).sum(), mask.sum().to(advantages.dtype)]))
+    return (advantages - total[0] / total[1].clamp(min=1)) * mask
 
 
 def _stale_ratio(prox_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -54,6 +54,8 @@ class DistillTerm:
     """k_t's estimator, ``auto`` resolved: k1 for the reward, k2 for the loss."""
     task_reward: float = 1.0
     """The task reward's weight in training (``distill.task_reward``; 0: pure distillation)."""
+    center: bool = False
+    """Subtract the global batch's mean D_t (``distill.center``)."""
 
     @staticmethod
     def of(cfg: Config) -> DistillTerm:
@@ -61,7 +63,7 @@ class DistillTerm:
         if d.teacher is None:
             return DistillTerm()
         estimator: KLEstimator = ("k1" if d.mode == "reward" else "k2") if d.estimator == "auto" else d.estimator
-        return DistillTerm(d.mode, d.coef, d.gamma, estimator, d.task_reward)
+        return DistillTerm(d.mode, d.coef, d.gamma, estimator, d.task_reward, d.center)
 
 
 @dataclass(frozen=True)
