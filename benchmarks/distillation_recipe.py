@@ -1,7 +1,8 @@
 """On-policy distillation against GRPO from the same start: held-out greedy pass rate against wall time.
 
 The teacher is SmolLM2-135M-Instruct after the GRPO recipe (``examples/arithmetic.yaml``, 20
-iterations; trained here once, or ``--teacher RUN``); the student is the same start. For each seed
+iterations, evaluated every 2; trained here once, or ``--teacher RUN``, which is then GRPO's seed 0);
+the student is the same start. For each seed
 and method this runs ``rayppo train`` and reads its metrics: at each evaluation the greedy pass rate
 on the 128 held-out problems, against the training seconds so far (the sum of ``time/iteration``:
 sampling, scoring, learning and the sync, without start-up and evaluation, the same on both sides).
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 METHODS: dict[str, list[str]] = {
-    "distill": ["--config", "examples/distill_arithmetic.yaml"],
-    "distill+verifier": ["--config", "examples/distill_arithmetic.yaml", "distill.task_reward=1"],
+    "distill": ["--config", "examples/distill_arithmetic.yaml", "eval.every=1"],
+    "distill+verifier": ["--config", "examples/distill_arithmetic.yaml", "eval.every=1", "distill.task_reward=1"],
     "grpo": ["--config", "examples/arithmetic.yaml", "eval.every=2"],
 }
 """Each method's ``rayppo train`` arguments (the distillation ones get ``distill.teacher``)."""
@@ -96,6 +97,8 @@ def plot(runs: dict[str, dict[int, list[tuple[int, float, float]]]], teacher_rat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--verifier-seeds", type=int, nargs="+", default=[0],
+                        help="seeds of distillation + the verifier (distill.task_reward=1)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--teacher", type=Path, help="a run of examples/arithmetic.yaml (default: train one)")
     parser.add_argument("--work", type=Path, default=Path("runs/distillation-recipe"), help="run folders")
@@ -109,8 +112,12 @@ def main() -> None:
     runs: dict[str, dict[int, list[tuple[int, float, float]]]] = {}
     for method in args.methods:
         extra = [f"distill.teacher={teacher}"] if method.startswith("distill") else []
-        runs[method] = {seed: curve(train(METHODS[method] + extra + [f"seed={seed}"], args.work / f"{method}-{seed}"))
-                        for seed in args.seeds}
+        runs[method] = {}
+        for seed in args.verifier_seeds if method == "distill+verifier" else args.seeds:
+            if method == "grpo" and seed == 0:  # the teacher's own run is GRPO's seed 0
+                runs[method][seed] = curve(teacher_records)
+                continue
+            runs[method][seed] = curve(train(METHODS[method] + extra + [f"seed={seed}"], args.work / f"{method}-{seed}"))
     result = {"command": "python benchmarks/distillation_recipe.py " + " ".join(sys.argv[1:]),
               "teacher": {"run": str(teacher), "greedy_pass_rate": teacher_rate},
               "curves": {m: {str(s): p for s, p in seeds.items()} for m, seeds in runs.items()},

@@ -50,7 +50,7 @@ def test_the_per_token_reward_is_the_teacher_log_ratio_of_two_tiny_models(embedd
     """d_t = -coef (log pi_old(y_t) - log pi_T(y_t)): the teacher actor's log-probs and the advantage the
     learner builds equal a hand computation from two plain forwards (the student, the trained teacher).
     GRPO on equal scores gives the task 0, so the advantage is the distillation term alone: itself at
-    distill.gamma = 0, its reward-to-go at gamma = 1."""
+    distill.gamma = 0, its reward-to-go at gamma = 1, less the batch's mean token with distill.center."""
     overrides = ["trainer=reference", "ppo.advantage=grpo", "rollout.samples_per_prompt=2",
                  f"distill.teacher={digits_teacher}", "distill.coef=0.5"]
     cfg = load_config(None, overrides)
@@ -68,17 +68,19 @@ def test_the_per_token_reward_is_the_teacher_log_ratio_of_two_tiny_models(embedd
         # fp32 forwards of the same ids, packed or padded: agreement to rounding (~1e-6 nats).
         assert taught.teacher_logprobs[i] == pytest.approx(hand_teacher[i], abs=1e-5)
         assert taught.logprobs[i] == pytest.approx(hand_student[i], abs=1e-5)
-    for gamma in (0.0, 1.0):
-        settings = LearnSettings.of(load_config(None, overrides + [f"distill.gamma={gamma}"]))
+    d = [[-0.5 * (s - t) for s, t in zip(row_s, row_t)] for row_s, row_t in zip(hand_student, hand_teacher)]
+    mean_d = sum(x for row in d for x in row) / sum(len(row) for row in d)
+    for gamma, center in ((0.0, False), (1.0, False), (0.0, True)):
+        settings = LearnSettings.of(load_config(None, overrides + [f"distill.gamma={gamma}", f"distill.center={center}"]))
         tensors = RolloutTensors.of(taught, tokenizer.pad_token_id)
         plan = UpdatePlan.decide(settings, StepInputs(iteration=0, version=0, kl_coef=0.0), tensors)
         assert plan.distill_reward_coef == 0.5 and plan.distill_loss_coef == 0.0
         advantages = make_experience(tensors, None, plan).experience.advantages
-        for i in range(len(rollout)):
-            d = [-0.5 * (s - t) for s, t in zip(hand_student[i], hand_teacher[i])]
-            expected = d if gamma == 0 else [sum(d[t:]) for t in range(len(d))]
-            assert advantages[i, : len(d)].tolist() == pytest.approx(expected, abs=1e-5), (gamma, i)
-            assert not advantages[i, len(d):].any()  # padding
+        for i, row in enumerate(d):
+            expected = [sum(row[t:]) for t in range(len(row))] if gamma else row
+            expected = [x - mean_d for x in expected] if center else expected  # the batch's mean token
+            assert advantages[i, : len(row)].tolist() == pytest.approx(expected, abs=1e-5), (gamma, center, i)
+            assert not advantages[i, len(row):].any()  # padding
 
 
 def test_loss_and_reward_modes_move_the_sampled_token_the_same_way():
