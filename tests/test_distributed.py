@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from rayppo.cluster.placement import PlacementError
 from rayppo.config.load import load_config
 from rayppo.learner.guard import WeightSyncError
 from rayppo.learner.rollout_tensors import padded
+from rayppo.machine.role_resources import Engine
 from rayppo.models.sequences import pack, policy_forward
 from rayppo.models.weights import unpack_weights
 from rayppo.trainers.distributed import DistributedTrainer
@@ -306,6 +309,36 @@ def test_a_lora_run_on_two_ranks_equals_the_in_process_trainer(embedded_dir):
     assert [s["sync/bytes"] for s in stats] == [lora_params(read_shape(embedded_dir), 4) * 4] * 2  # fp32 A and B
     for it in (0, 1):
         for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl", "kl/ref_mean", "entropy"):
+            assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (it, key)
+
+
+def test_distillation_on_two_ranks_equals_the_in_process_trainer_and_a_killed_teacher_is_replaced(digits_teacher):
+    """Distillation on the distributed system (a teacher actor, 2 ZeRO-2 learner ranks in micro-batches)
+    gives the in-process trainer's figures, iteration by iteration (the bounds of the distributed
+    equivalence test), also after the teacher actor is SIGKILLed between the two iterations: it is
+    replaced like the reference, and its replacement's log-probs are the same."""
+    base = ["generators.backend=hf", "rollout.batch_size=16", "ppo.epochs=2", "ppo.minibatches=2",
+            "rollout.max_new_tokens=6", f"distill.teacher={digits_teacher}", "distill.coef=0.5",
+            "generators.cpus_per_worker=0.25"]  # 2 CPUs: the teacher takes the quarter the generator gives up
+    reference = InProcessTrainer(load_config(None, base + ["trainer=reference", "learner.micro_batch_tokens=0"]))
+    ref_stats = [reference.iteration() for _ in range(2)]
+    trainer = DistributedTrainer(load_config(None, base + ["learner.num_ranks=2", "learner.zero_stage=2",
+                                                           "learner.micro_batch_tokens=24"]))
+    try:
+        stats = [trainer.iteration()]
+        pid, _ = get(trainer.teacher.call_at(0, Engine.process_id, ()))
+        os.kill(pid, signal.SIGKILL)
+        stats.append(trainer.iteration())
+        rollout = trainer.last_rollout
+    finally:
+        trainer.close()
+    assert stats[1]["faults/actor_restarts"] == 1.0
+    assert rollout.response_ids == reference.last_rollout.response_ids
+    for mine, theirs in zip(rollout.teacher_logprobs, reference.last_rollout.teacher_logprobs, strict=True):
+        assert mine == pytest.approx(theirs, abs=1e-5)  # the replacement scores as the in-process teacher
+    assert abs(ref_stats[1]["distill/reverse_kl_mean"]) > 1e-3  # the term is there to be compared
+    for it in (0, 1):
+        for key in ("policy/loss", "value/loss", "policy/clipfrac", "distill/reverse_kl_mean", "kl/ref_mean"):
             assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (it, key)
 
 

@@ -48,7 +48,8 @@ def teacher_args(cfg: Config, gpus: float, num_threads: int | None = None,
     resolved), scored at the sampling temperature and held out as the generators sample."""
     d = cfg.distill
     return dict(model_path=model_path or d.teacher, sampling=sampling_settings(cfg), dtype=cfg.model.dtype,
-                micro_batch_tokens=d.micro_batch_tokens, resources=Resources(num_threads, gpus))
+                micro_batch_tokens=d.micro_batch_tokens, resources=Resources(num_threads, gpus),
+                episodes=episode_settings(cfg))
 
 
 def reward_args(cfg: Config, gpus: float, num_threads: int | None = None, model: str | None = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from rayppo.actors.hf_backend import SamplingSettings
 from rayppo.actors.reference import ReferenceEngine
 from rayppo.data.prompts import PromptBatch
 from rayppo.data.rollout import Rollout
+from rayppo.episodes.turn_loop import EpisodeSettings
 from rayppo.machine.role_resources import Resources
 from rayppo.models.teacher import teacher_folder
 
@@ -21,11 +22,14 @@ class TeacherEngine(ReferenceEngine):
 
     section = "distill"
 
-    def __init__(self, model_path: str, sampling: SamplingSettings, batch_size: int = 64, dtype: str = "float32",
-                 micro_batch_tokens: int = 0, resources: Resources = Resources()):
+    def __init__(self, model_path: str, sampling: SamplingSettings, dtype: str = "float32",
+                 micro_batch_tokens: int = 0, resources: Resources = Resources(),
+                 episodes: EpisodeSettings | None = None):
         model_path = str(teacher_folder(model_path))  # a run's folder means its policy/
-        super().__init__(model_path, sampling.temperature, batch_size, dtype, micro_batch_tokens, resources)
+        super().__init__(model_path, sampling.temperature, dtype=dtype, micro_batch_tokens=micro_batch_tokens,
+                         resources=resources)
         self.model_path, self.sampling, self.dtype, self.resources = model_path, sampling, dtype, resources
+        self.episodes = episodes  # multi-turn: its held-out answers are episodes, as the student's
 
     def describe(self) -> str:
         return f"{self.model_path}, {super().describe()}"
@@ -39,7 +43,7 @@ class TeacherEngine(ReferenceEngine):
         row seeds): the teacher's held-out responses. The teacher is frozen, so a run asks once;
         the sampling copy of the model is loaded for the call and freed after it."""
         sampler = GeneratorEngine(self.model_path, self.sampling, backend="hf", dtype=self.dtype,
-                                  actor=GeneratorActor(resources=self.resources))
+                                  episodes=self.episodes, actor=GeneratorActor(resources=self.resources))
         try:
             return sampler.evaluate(prompts, temperature, samples, seed)
         finally:

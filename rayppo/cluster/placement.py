@@ -15,7 +15,14 @@ if TYPE_CHECKING:  # Ray is imported where groups are made: the plan (``rayppo p
     from ray.util.placement_group import PlacementGroup
 
 from rayppo.cluster.address import chosen_address, refuse_left_over
-from rayppo.config.derived import reference_actors, reward_actors, role_gpus, teacher_actors, tensor_parallel_size
+from rayppo.config.derived import (
+    ROLE_SECTIONS,
+    reference_actors,
+    reward_actors,
+    role_gpus,
+    teacher_actors,
+    tensor_parallel_size,
+)
 from rayppo.config.schema import Config, ConfigError
 from rayppo.errors import RayppoError
 
@@ -252,7 +259,9 @@ def capacity_fixes(cfg: Config, key: str, have: float, local: bool) -> list[str]
         if candidate is not None and _holds(candidate, key, have):
             fixes.append(f"CPUs only: {override_text(cpus)}")
     if key not in ("CPU", "GPU"):
-        unasked = {f"{s.name}.resources": {k: v for k, v in getattr(cfg, s.name).resources.items() if k != key}
+        sections = {s.name: ROLE_SECTIONS[s.name] for s in role_specs(cfg)}  # the teacher's is distill
+        unasked = {f"{sections[s.name]}.resources": {k: v for k, v in getattr(cfg, sections[s.name]).resources.items()
+                                                      if k != key}
                    for s in role_specs(cfg) if s.bundle.get(key)}
         fixes.append(f"no actor asking for it: {override_text(unasked)}")
     return fixes

@@ -95,7 +95,7 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
         ActorGroup(TeacherEngine, [teacher] * teacher_actors(cfg), options("teacher", teacher_actors(cfg))),
         LearnerGroup(cfg, placements["learner"], options("learner", cfg.learner.num_ranks), threads["learner"]),
     )
-    schedule.record("spawn reference, reward, teacher, learner")
+    schedule.record("spawn reference, reward, " + ("teacher, " if teacher_actors(cfg) else "") + "learner")
     schedule.roles_spawned(roles.generators, [roles.reference, roles.rewards, roles.teacher], roles.learner)
     return roles
 
@@ -185,5 +185,5 @@ def generators_start_first(cfg: Config) -> bool:
     """Whether the generators must be ready before the other roles start: when a GPU is shared
     (colocated mode, or a fraction of a GPU for any role), so that nothing else allocates or
     frees GPU memory during vLLM's memory profiling. Colocated mode on CPUs keeps the same order."""
-    shared = any(0 < role_gpus(cfg, role) < 1 for role in ("generators", "reference", "reward", "learner"))
+    shared = any(0 < role_gpus(cfg, role) < 1 for role in ROLE_SECTIONS)
     return cfg.cluster.colocate_all or shared

@@ -199,9 +199,10 @@ def _check_reward(cfg: Config) -> None:
     """Exactly one reward (or an environment's), its limits, the gold scorer beside it."""
     sources = (cfg.reward.function, cfg.reward.model, cfg.reward.url)
     chosen = sum(x is not None for x in sources)
-    _require(chosen == 1 or (chosen == 0 and cfg.rollout.environment is not None), "reward.function",
+    alone = cfg.rollout.environment is not None or cfg.distill.teacher is not None  # something else trains
+    _require(chosen == 1 or (chosen == 0 and alone), "reward.function",
              "set exactly one of reward.function, reward.model and reward.url (none only with rollout.environment, "
-             "whose turn rewards are then the whole reward)", sources)
+             "whose turn rewards are then the whole reward, or a distill.teacher: pure distillation)", sources)
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0", cfg.reward.timeout_s)
     _require(cfg.reward.retries >= 1, "reward.retries", "must be >= 1", cfg.reward.retries)
     if cfg.reward.url is not None:  # never file://, ftp:// or a bare path: only a scorer over HTTP
@@ -228,6 +229,8 @@ def _validate_distill(cfg: Config) -> None:
     _require(d.task_reward >= 0, "distill.task_reward", "must be >= 0 (0: pure distillation)", d.task_reward)
     _require(d.gamma == 0 or d.mode == "reward", "distill.gamma", "discounts the distillation rewards of "
              "distill.mode=reward; the loss term is per token", d.gamma)
+    _require(not d.center or d.mode == "reward", "distill.center", "centres the advantages of distill.mode=reward; "
+             "the loss term has none", d.center)
     _require(d.gamma == 0 or cfg.rollout.environment is None, "distill.gamma", "must be 0 with a multi-turn "
              "rollout.environment (the reward-to-go would cross the observations)", d.gamma)
     _require(not (d.mode == "loss" and d.estimator == "k1"), "distill.estimator", "k1 as a loss term has the gradient "

@@ -28,12 +28,14 @@ class DistillConfig(ScorerConfig):
     ``loss``: coef x agg(k(log pi_theta, log pi_T)) is added to the policy loss, aggregated as it is
     (GKD's reverse-KL setting, Agarwal et al. 2024, on the sampled token)."""
     coef: float = 1.0
-    """lambda_T: the weight of the distillation term against the task reward (per token, in nats)."""
+    """lambda_T: the weight of the distillation term (per token, in nats) beside the task's
+    advantage, which is in the estimator's units (about 1 after GRPO's or GAE's normalisation)."""
     task_reward: float = 1.0
-    """The weight of the task's reward (r_phi, an environment's turn rewards) in training beside
-    the teacher's term. 0: pure distillation, while the reward still scores every batch and the
-    held-out answers (``reward/mean``, ``eval/*``: how far the student got). With no reward at all
-    (``reward.function: null``) the run is pure distillation too, with no score to watch."""
+    """w: the task's advantage enters as w A_t + D_t (A_t: the estimator's, from the reward, the
+    turn rewards and the reference's KL shaping). 0: pure distillation, while the reward still
+    scores every batch and the held-out answers (``reward/mean``, ``eval/*``: how far the student
+    got). With no reward at all (``reward.function: null``, allowed with a teacher) the run is pure
+    distillation with no score to watch."""
     gamma: float = 0.0
     """``mode=reward``: the discount of the distillation rewards summed into token t's advantage,
     D_t = sum_{k >= t} gamma^(k - t) d_k. 0 (the published recipe): each token's own reverse KL,
@@ -49,4 +51,5 @@ class DistillConfig(ScorerConfig):
     log pi_T, whose score-function gradient is the reverse KL's) and ``k2`` in ``mode=loss``
     (0.5 (log pi - log pi_T)^2, whose gradient through log pi is the reverse KL's). ``k3`` as a
     loss has the *forward* KL's gradient; ``k1`` as a loss is refused (its gradient is grad log pi
-    whatever the teacher says: zero in expectation)."""
+    whatever the teacher says: zero in expectation). As a reward, only k1's score-function
+    gradient is the reverse KL's (k2 and k3 are >= 0 everywhere: biased)."""

@@ -209,7 +209,6 @@ def make_experience(
     figures are left to ``update.one_forward_update``.
     """
     settings, cfg = plan.settings.experience, plan.ppo
-    rows = _task_reward_weighed(rows, settings.distill.task_reward)
     batch, mask, old_logprobs = rows.batch, rows.batch.mask, rows.old_logprobs
     prox_logprobs, same_version = _proximal_inputs(rows, plan, proximal, collective)
     # The KL term is of the policy being improved: pi_old (= mu) in lock-step, pi_prox otherwise
@@ -225,8 +224,9 @@ def make_experience(
                              _stale_ratio(prox_logprobs, old_logprobs, mask, same_version) if plan.vtrace else None,
                              task_scores, rows.group_ids)
     advantages, returns = episode_advantages(inputs, cfg, rows.num_groups, collective, rows.episodes)
-    # The critic's targets stay the task's.
-    advantages = advantages + _distill_advantages(rows, policy_logprobs, plan, collective)
+    # With a teacher: w A_t + D_t (w = distill.task_reward; 1 without one). The critic's targets stay the task's.
+    advantages = settings.distill.task_reward * advantages + _distill_advantages(rows, policy_logprobs, plan,
+                                                                                 collective)
     terms = (None if plan.proximal == "update" else
              proximal_terms(PolicyTokens(policy_logprobs, old_logprobs, rows.ref_logprobs, mask), plan, collective))
     stats = {} if terms is None else dict(terms.stats)
@@ -241,20 +241,12 @@ def make_experience(
     return ExperiencePass(exp, stats, values.first_values)
 
 
-def _task_reward_weighed(rows: RolloutTensors, weight: float) -> RolloutTensors:
-    """``rows`` with the task's reward (the score, an episode's turn rewards) times ``weight``
-    (``distill.task_reward``; 0: pure distillation, the reward only measured)."""
-    if weight == 1.0:
-        return rows
-    return dataclasses.replace(rows, scores=rows.scores * weight,
-                               turn_rewards=None if rows.turn_rewards is None else rows.turn_rewards * weight)
-
-
 def _distill_advantages(rows: RolloutTensors, logprobs: torch.Tensor, plan: UpdatePlan,
                         collective: Collective) -> torch.Tensor:
     """``[B, T]`` D_t, the distillation rewards' reward-to-go (``ppo.distill_advantages``) with
-    ``logprobs`` the policy being improved (as the reference's KL term), less the global batch's
-    mean with ``distill.center``; 0 unless ``distill.mode=reward``."""
+    ``logprobs`` the policy being improved (as the reference's KL term: pi_prox where a pass computed
+    it; where pi_prox is the update's own forward, lock-step only, the generator's log pi_old, equal up
+    to rounding), less the global batch's mean with ``distill.center``; 0 unless ``distill.mode=reward``."""
     if not plan.distill_reward_coef or rows.teacher_logprobs is None:
         return torch.zeros_like(logprobs)
     term, mask = plan.settings.experience.distill, rows.batch.mask

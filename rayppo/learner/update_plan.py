@@ -93,7 +93,9 @@ class UpdatePlan:
         uses_prox = e.max_staleness > 0 or e.correction.truncated_is
         proximal: ProximalSource = "behaviour" if not uses_prox else "update" if one_forward else "pass"
         has_reference = rows.ref_logprobs is not None
-        distill = e.distill.coef if rows.teacher_logprobs is not None else 0.0
+        if e.distill.coef and rows.teacher_logprobs is None:
+            raise ValueError("distill.teacher is set, but the rollout has no teacher_logprobs (no teacher pass ran)")
+        distill = e.distill.coef
         return UpdatePlan(
             settings=settings, proximal=proximal, decoupled=e.correction.truncated_is, geo_mask=e.correction.geo_mask,
             reward_kl_coef=step.kl_coef if p.kl_mode == "reward" else 0.0,

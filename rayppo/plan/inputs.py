@@ -18,7 +18,7 @@ from typing import Any
 from rayppo.config.schema import Config, ConfigError
 from rayppo.data.prompts import EMBEDDED_PROMPTS, PromptDataError, PromptRows, embedded_rows, read_prompt_rows
 from rayppo.errors import ModelFolderError
-from rayppo.models.paths import built_on_first_use, embedded_path, is_gguf
+from rayppo.models.paths import built_on_first_use, embedded_path, is_gguf, saved_policy
 from rayppo.models.shape import context_of
 from rayppo.plan.model_files import check_reward_model, check_tokenizer_files, check_weight_files, safetensors_tensors
 from rayppo.plan.reward_check import check_environment, check_reward_function
@@ -38,14 +38,15 @@ def _check_models(cfg: Config) -> tuple[dict[str, dict[str, Any]], Path]:
     against the task and the generators; returns each folder's ``config.json`` and the policy's folder."""
     m = cfg.model
     folders = {"model.policy": m.policy, "model.reference": m.reference, "model.critic": m.critic,
-               "reward.model": cfg.reward.model}
+               "reward.model": cfg.reward.model,
+               "distill.teacher": str(saved_policy(cfg.distill.teacher)) if cfg.distill.teacher else None}
     for name, path in folders.items():
         if path is not None and is_gguf(path) and not Path(path).expanduser().is_file():
             raise ModelFolderError(f"{name}: GGUF file {path} does not exist")
     configs = {name: check_model_folder(name, path) for name, path in folders.items()
                if path is not None and not built_on_first_use(path)}
     policy_dir = embedded_path(m.cache_dir, m.policy) if built_on_first_use(m.policy) else Path(m.policy)
-    for name in ("model.reference", "model.critic"):  # they read the policy's token ids
+    for name in ("model.reference", "model.critic", "distill.teacher"):  # they read the policy's token ids
         folder = folders[name]
         if folder is not None and not built_on_first_use(folder):
             check_same_tokenizer(name, Path(folder), policy_dir)
@@ -163,6 +164,10 @@ def check_same_tokenizer(field: str, folder: Path, policy_dir: Path) -> None:
     if mine is not None and theirs is not None and mine != theirs:
         differ = sorted(set(mine[0].items()) ^ set(theirs[0].items()))[:1]
         example = f" (e.g. {differ[0][0]!r} -> {differ[0][1]})" if differ else " (added tokens)"
+        if field == "distill.teacher":  # the trainers' fuller check (models/teacher.py) says it the same way
+            raise ModelFolderError(f"distill.teacher: the teacher's tokenizer differs from the policy's: vocabulary "
+                                   f"of {len(mine[0])} tokens against {len(theirs[0])}{example}; it would score the "
+                                   "student's token ids as other words")
         raise ModelFolderError(f"{field}: {folder}'s tokenizer differs from model.policy's{example}: it would "
                                "read the policy's token ids as other words")
 

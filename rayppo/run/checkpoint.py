@@ -232,7 +232,7 @@ def continued_config(run_dir: Path, overrides: list[str]):
         if before[name] != after[name] and (name == "output.dir" or name not in resumable):
             raise ConfigError(f"{name}: cannot change on --resume ({before[name]!r} -> {after[name]!r}): it changes "
                               "the run's math; only resources, the split over actors (learner.num_ranks, "
-                              "generators.num, reference.num, reward.num), stop.*, output.* and cluster.* may change")
+                              "generators.num, reference.num, reward.num, distill.num), stop.*, output.* and cluster.* may change")
     check_stage_change(before["learner.zero_stage"], after["learner.zero_stage"])
     return cfg
 

@@ -31,7 +31,7 @@ class Bar:
         if "eval/reward/mean" in metrics:
             self.eval = f"{metrics['eval/reward/mean']:.3f}"
             if "distill/reached" in metrics:  # on-policy distillation: the share of the teacher's score
-                self.eval += f" ({metrics['distill/reached']:.0%} of the teacher)"
+                self.eval += f" (teacher: {metrics['distill/reached']:.0%} reached)"
         return {"reward": f"{metrics['reward/mean']:.3f}", **({"eval": self.eval} if self.eval else {}),
                 **({"kl": f"{metrics['kl/ref_mean']:.2f}"} if "kl/ref_mean" in metrics else {}),
                 **({"kl_teacher": f"{metrics['distill/reverse_kl_mean']:.3f}"}

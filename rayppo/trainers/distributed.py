@@ -280,7 +280,7 @@ class DistributedTrainer(LoopTrainer):
         if self.sampler is not None:
             self.sampler.stop()
         self.supervisor.close()  # an actor killed under a call in flight is not replaced
-        for group in ("generators", "reference", "rewards", "learner"):
+        for group in ("generators", "reference", "rewards", "teacher", "learner"):
             if hasattr(self, group):
                 getattr(self, group).kill()
         if self.sampler is not None:
