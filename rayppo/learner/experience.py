@@ -244,9 +244,9 @@ def make_experience(
 def _distill_advantages(rows: RolloutTensors, logprobs: torch.Tensor, plan: UpdatePlan,
                         collective: Collective) -> torch.Tensor:
     """``[B, T]`` D_t, the distillation rewards' reward-to-go (``ppo.distill_advantages``) with
-    ``logprobs`` the policy being improved (as the reference's KL term: pi_prox where rollout
-    correction or asynchronous mode computes it, from the learner's forward as the teacher's is;
-    else pi_old), less the global batch's mean with ``distill.center``; 0 unless ``distill.mode=reward``."""
+    ``logprobs`` the policy being improved (as the reference's KL term: pi_prox where a pass computed
+    it; where pi_prox is the update's own forward, lock-step only, the generator's log pi_old, equal up
+    to rounding), less the global batch's mean with ``distill.center``; 0 unless ``distill.mode=reward``."""
     if not plan.distill_reward_coef or rows.teacher_logprobs is None:
         return torch.zeros_like(logprobs)
     term, mask = plan.settings.experience.distill, rows.batch.mask

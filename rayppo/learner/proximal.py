@@ -36,12 +36,8 @@ def fused_proximal(settings: ExperienceSettings, reward_kl: bool, has_critic: bo
     - not ``stale`` (no token of any rank sampled by another version than the learner's): a stale
       token's V-trace targets and truncated traces (``value_targets=vtrace``) read pi_prox / mu
       before the update, in the advantages.
-    - not ``reward_kl`` (``kl_mode=reward`` with beta != 0 and a reference, or a distillation
-      teacher in ``distill.mode=reward``): the shaped rewards -beta KL(pi_prox || pi_ref), and the
-      distillation rewards of pi_prox against the teacher, enter the advantages before the update.
-      (The generator's log-probs would do for the teacher's term in exact arithmetic; in bf16 they
-      differ from the learner's by the engines' rounding, as large as the KL a student close to its
-      teacher still has.) (``kl_mode=loss``: the
+    - not ``reward_kl`` (``kl_mode=reward`` with beta != 0 and a reference): the shaped rewards
+      -beta KL(pi_prox || pi_ref) enter the advantages, before the update. (``kl_mode=loss``: the
       term is the update's; ``kl/ref_mean`` of pi_prox is computed after its forward.)
     - not (``has_critic`` and ``correction.geo_mask``): the first minibatch's value loss reuses the
       experience pass's graph (``UpdatePlan.first_rows``) and runs its backward *before* the

@@ -109,9 +109,7 @@ def _decide(settings: LearnSettings, step: StepInputs, tensors: RolloutTensors, 
     the first minibatch cut or whole, stale tokens. Collective (the staleness check, in asynchronous
     mode)."""
     e, has_reference = settings.experience, tensors.ref_logprobs is not None
-    # The reward's KL terms (to the reference, to a teacher) read pi_prox before the update: no one forward.
-    reward_kl = (e.ppo.kl_mode == "reward" and step.kl_coef != 0 and has_reference) or (
-        e.distill.coef > 0 and e.distill.mode == "reward")
+    reward_kl = e.ppo.kl_mode == "reward" and step.kl_coef != 0 and has_reference
     # Every input is the same on every rank: all ranks agree, and call the staleness all-reduce
     # only when the rest allows the one forward (not at every asynchronous step).
     one_forward = (fused_proximal(e, reward_kl, models.critic is not None, False, len(minibatches[0]))
