@@ -117,8 +117,9 @@ def role_specs(cfg: Config) -> list[RoleSpec]:
         RoleSpec("reference", reference_actors(cfg),  # none when ppo.kl_coef = 0
                  _bundle(cfg.reference.cpus, role_gpus(cfg, "reference"), cfg.reference.resources)),
         RoleSpec("reward", reward_actors(cfg), _bundle(cfg.reward.cpus, role_gpus(cfg, "reward"), cfg.reward.resources)),
-        RoleSpec("teacher", teacher_actors(cfg),  # none without distill.teacher
-                 _bundle(cfg.distill.cpus, role_gpus(cfg, "teacher"), cfg.distill.resources)),
+        *([RoleSpec("teacher", teacher_actors(cfg),  # the role exists only with distill.teacher
+                    _bundle(cfg.distill.cpus, role_gpus(cfg, "teacher"), cfg.distill.resources))]
+          if teacher_actors(cfg) else []),
         RoleSpec("learner", lrn.num_ranks, _bundle(lrn.cpus_per_rank, role_gpus(cfg, "learner"), lrn.resources)),
     ]
 
@@ -158,10 +159,10 @@ def plan_groups(cfg: Config) -> list[GroupPlan]:
     else:
         plans.append(_role_group("generators", [specs["generators"]]))
     scorers = ("reference", "reward", "teacher")
-    learner = [specs["learner"]] + ([specs[r] for r in scorers] if cfg.cluster.colocate else [])
+    learner = [specs["learner"]] + ([specs[r] for r in scorers if r in specs] if cfg.cluster.colocate else [])
     plans.append(_role_group("learner", learner))
     if not cfg.cluster.colocate:
-        plans += [_role_group(r, [specs[r]]) for r in scorers]
+        plans += [_role_group(r, [specs[r]]) for r in scorers if r in specs]
     return [plan for plan in plans if plan.bundles]  # a role with no actors (no reference at beta = 0)
 
 

@@ -87,7 +87,7 @@ def spawn_roles(cfg: Config, placements: dict[str, Placement], context: int | No
         schedule.record("generators ready")
     reference = reference_args(cfg, gpus["reference"], threads["reference"])
     reward = reward_args(cfg, gpus["reward"], threads["reward"])
-    teacher = teacher_args(cfg, gpus["teacher"], threads["teacher"])
+    teacher = teacher_args(cfg, gpus.get("teacher", 0.0), threads["teacher"])
     roles = Roles(
         generators,
         ActorGroup(ReferenceEngine, [reference] * reference_actors(cfg), options("reference", reference_actors(cfg))),
