@@ -122,8 +122,8 @@ class Experience:
         return dataclasses.replace(part, batch=batch, **cut)
 
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "rewards", "advantages", "returns", "prox_logprobs",
-                "same_version")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "rewards", "advantages", "returns",
+                "prox_logprobs", "same_version")
 """The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
 
 ROW_FIELDS = ("scores", "generator_ids", "row_keep")

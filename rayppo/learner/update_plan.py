@@ -95,13 +95,12 @@ class UpdatePlan:
         has_reference = rows.ref_logprobs is not None
         if e.distill.coef and rows.teacher_logprobs is None:
             raise ValueError("distill.teacher is set, but the rollout has no teacher_logprobs (no teacher pass ran)")
-        distill = e.distill.coef
         return UpdatePlan(
             settings=settings, proximal=proximal, decoupled=e.correction.truncated_is, geo_mask=e.correction.geo_mask,
             reward_kl_coef=step.kl_coef if p.kl_mode == "reward" else 0.0,
             loss_kl_coef=step.kl_coef if p.kl_mode == "loss" and has_reference else 0.0,
-            distill_reward_coef=distill if e.distill.mode == "reward" else 0.0,
-            distill_loss_coef=distill if e.distill.mode == "loss" else 0.0,
+            distill_reward_coef=e.distill.coef if e.distill.mode == "reward" else 0.0,
+            distill_loss_coef=e.distill.coef if e.distill.mode == "loss" else 0.0,
             has_reference=has_reference,
             # Lock-step rows are never stale: only asynchronous mode has ratios to correct the targets for.
             vtrace=e.max_staleness > 0 and p.value_targets == "vtrace",

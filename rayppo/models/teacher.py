@@ -25,8 +25,9 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 def teacher_folder(name: str, cache_dir: str | None = None) -> Path:
     """``distill.teacher`` as a model folder: a rayppo run's folder means the ``policy/`` it saved;
     anything else resolves as a model does (a built-in name, a GGUF file, a folder)."""
-    if saved_policy(name) != Path(name).expanduser():
-        return saved_policy(name)
+    folder = saved_policy(name)
+    if folder != Path(name).expanduser():
+        return folder
     try:
         return resolve_model_path(name, cache_dir)
     except ModelFolderError as exc:

@@ -209,8 +209,7 @@ class DistributedTrainer(LoopTrainer):
             return scored(self.calls.sample(GeneratorEngine.evaluate, split, seed, temperature, k))
 
         def teacher_pass(temperature: float, k: int) -> tuple[list[float], list[float]]:
-            return scored(self.calls.teacher_held_out(prompts.select(range(len(prompts))).groups_of(1, 0),
-                                                      temperature, k, seed))
+            return scored(self.calls.teacher_held_out(split(1)[0], temperature, k, seed))  # one actor, every prompt
 
         with self.clock.during("evaluate"), self.fleet.paused(current=True):
             self.last_evaluation = held_out_result(eval_plan(self.cfg), len(prompts), score_pass)
