@@ -88,7 +88,7 @@ def _timing_hooks(parts: dict[str, float], calls: dict[str, int]) -> None:
     learner_engine: Any = engine.LearnerEngine  # a method replaced by a timed one: not a type the checker follows
     steps = learner_engine._steps
     learner_engine._steps = lambda self: update.OptimiserSteps(
-        *(fn and timed(name, fn) for name, fn in zip(("policy backward", "critic backward", "optimiser steps"),
+        *(fn and timed(name, fn) for name, fn in zip(("policy backward", "critic backward", "optimiser steps", "learning rate"),
                                                      vars(steps(self)).values())))
 
 

@@ -18,6 +18,8 @@ DistillMode = Literal["reward", "loss"]
 """``distill.mode``: where the reverse KL to the teacher enters (docs/distillation.md)."""
 DistillEstimator = Literal["auto", "k1", "k2", "k3"]
 """``distill.estimator``: the per-token estimate of KL(pi || pi_T); ``auto``: the mode's own."""
+LrSchedule = Literal["constant", "linear", "cosine"]
+"""``ppo.lr_schedule``: the learning rate over the run's iterations (``learner/lr_schedule.py``)."""
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Truncation = Literal["bootstrap", "terminal"]
 """How a response cut at the length limit is valued (resolved from ``rollout.truncation``)."""

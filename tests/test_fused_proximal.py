@@ -24,6 +24,7 @@ import rayppo.learner.step as step_module
 from rayppo.config.load import load_config
 from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.guard import LogprobMismatchError
+from rayppo.learner.lr_schedule import set_lr
 from rayppo.learner.proximal import fused_proximal
 from rayppo.learner.step import BatchShard, LearnerModels, LearnSettings, StepInputs, learn
 from rayppo.learner.update import OptimiserSteps
@@ -46,7 +47,11 @@ def _stepper(policy, critic, collective: Collective) -> OptimiserSteps:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step)
+    def scale_lr(factor: float) -> None:
+        for opt in opts:
+            set_lr(opt, 1e-3 * factor)
+
+    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step, scale_lr)
 
 
 def _scenario(tokenizer, models, overrides: list[str], versions: list[int] | None = None, mu_shift: dict | None = None):

@@ -21,6 +21,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import make_experience
 from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs
+from rayppo.learner.lr_schedule import set_lr
 from rayppo.learner.minibatches import ShardPlan, first_rows_kept, local_minibatches, minibatch_plan
 from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.learner.update import LearnerModels, OptimiserSteps, ppo_update
@@ -149,7 +150,12 @@ def _steps(policy, critic) -> OptimiserSteps:
             opt.step()
             opt.zero_grad()
 
-    return OptimiserSteps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step)
+    def scale_lr(factor: float) -> None:
+        for opt in opts:
+            set_lr(opt, 1e-3 * factor)
+
+    return OptimiserSteps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step,
+                          scale_lr)
 
 
 def test_packed_passes_fill_the_budget_with_real_tokens():

@@ -173,6 +173,9 @@ def _check_ppo(cfg: Config) -> None:
     _require(p.kl_horizon > 0, "ppo.kl_horizon", "must be > 0", p.kl_horizon)
     _require(p.lr > 0, "ppo.lr", "must be > 0", p.lr)
     _require(p.critic_lr > 0, "ppo.critic_lr", "must be > 0", p.critic_lr)
+    _require(0 <= p.lr_end <= 1, "ppo.lr_end", "must be in [0, 1] (a fraction of ppo.lr)", p.lr_end)
+    _require(0 <= p.lr_warmup < cfg.stop.iterations, "ppo.lr_warmup",
+             f"must be >= 0 and below stop.iterations ({cfg.stop.iterations})", p.lr_warmup)
     _require(p.vf_coef >= 0, "ppo.vf_coef", "must be >= 0", p.vf_coef)
     _require(p.geo_mask_bound > 0, "ppo.geo_mask_bound", "must be > 0 (nats)", p.geo_mask_bound)
     _require(p.is_clip >= 1, "ppo.is_clip", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)",

@@ -22,6 +22,7 @@ from rayppo.choices import (
     KLEstimator,
     KLMode,
     LossAgg,
+    LrSchedule,
     OffpolicyAdvantages,
     RolloutCorrection,
     TrainerKind,
@@ -191,6 +192,17 @@ class PPOConfig:
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-3
     """Critic learning rate (AdamW)."""
+    lr_schedule: LrSchedule = "constant"
+    """Both learning rates over the run's ``stop.iterations``, set at each iteration's update:
+    ``constant``; ``linear`` decay to ``lr_end`` of them; ``cosine`` (half a cosine) to ``lr_end``.
+    Adam moves every weight by about ``lr`` per step whatever the gradient's size, so a run that
+    must settle near a target (distillation from a nearby teacher, docs/distillation.md) needs
+    the steps to shrink. Formulas: ``learner/lr_schedule.py``."""
+    lr_warmup: int = 0
+    """Iterations of linear warm-up before the schedule: iteration i < w trains at (i + 1) / (w + 1)
+    of the rate (0: none)."""
+    lr_end: float = 0.0
+    """The decaying schedules' rate at the end of ``stop.iterations``, as a fraction of ``lr``."""
     weight_decay: float = 0.0
     """AdamW weight decay (policy and critic)."""
     max_grad_norm: float = 1.0

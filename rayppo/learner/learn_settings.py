@@ -14,6 +14,7 @@ from rayppo.choices import DistillMode, KLEstimator, Truncation
 from rayppo.config.derived import NO_CORRECTION, Correction, reference_in_learner, rollout_correction, truncation_mode
 from rayppo.config.schema import Config, PPOConfig
 from rayppo.learner.guard import GuardBounds
+from rayppo.learner.lr_schedule import lr_factor
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,13 @@ class LearnSettings:
     """The log-prob check's bounds (per ``model.dtype``; ``checks.*``)."""
     reference_from_base: bool = False
     """log pi_ref is the policy's own with its LoRA adapter off (``config.derived.reference_in_learner``)."""
+    iterations: int = 1
+    """N, the run's ``stop.iterations``: the learning-rate schedule's horizon (``lr_schedule.py``)."""
+
+    def lr_factor(self, iteration: int) -> float:
+        """The factor of the configured learning rates at ``iteration`` (``ppo.lr_schedule``)."""
+        p = self.ppo
+        return lr_factor(iteration, self.iterations, p.lr_schedule, p.lr_warmup, p.lr_end)
 
     @property
     def ppo(self) -> PPOConfig:
@@ -120,7 +128,7 @@ class LearnSettings:
     def of(cfg: Config) -> LearnSettings:
         return LearnSettings(experience=ExperienceSettings.of(cfg), seed=cfg.seed, temperature=cfg.rollout.temperature,
                              max_new_tokens=cfg.rollout.max_new_tokens, guard=GuardBounds.of(cfg),
-                             reference_from_base=reference_in_learner(cfg))
+                             reference_from_base=reference_in_learner(cfg), iterations=cfg.stop.iterations)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from rayppo.learner.adapter_weights import (
 from rayppo.learner.broadcast_sender import IpcChunk, SyncEndpoint, SyncLayout, WeightSender, free_port, ipc_chunk
 from rayppo.learner.experience import check_staleness
 from rayppo.learner.learner_state import LearnerSplit, load_states, save_states
+from rayppo.learner.lr_schedule import set_lr
 from rayppo.learner.policy_sync import PolicySync
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import OptimiserSteps
@@ -266,15 +267,21 @@ class LearnerEngine(Engine):
 
     def _steps(self) -> OptimiserSteps:
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
-        if self.critic is None:
-            return OptimiserSteps(self.policy.backward, None, self.policy.step)
-        policy, critic = self.policy, self.critic
+        policy, critic, ppo = self.policy, self.critic, self.cfg.ppo
+
+        def scale_lr(factor: float) -> None:
+            set_lr(policy.optimizer, ppo.lr * factor)
+            if critic is not None:
+                set_lr(critic.optimizer, ppo.critic_lr * factor)
+
+        if critic is None:
+            return OptimiserSteps(policy.backward, None, policy.step, scale_lr)
 
         def step_both() -> None:
             policy.step()
             critic.step()
 
-        return OptimiserSteps(policy.backward, critic.backward, step_both)
+        return OptimiserSteps(policy.backward, critic.backward, step_both, scale_lr)
 
     def policy_weights(self) -> WeightsPayload | None:
         """The policy as a ``WeightsPayload`` for the object store (rank 0; None elsewhere): its

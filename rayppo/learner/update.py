@@ -48,6 +48,9 @@ class OptimiserSteps:
     """Gradients of the value objective; None without a critic."""
     step: Callable[[], None]
     """One optimiser step of both models (gradient clipping included), then zeroed gradients."""
+    scale_lr: Callable[[float], None]
+    """Both models' learning rates at this factor of ``ppo.lr`` and ``ppo.critic_lr``
+    (``lr_schedule.lr_factor``), for the steps that follow."""
 
 
 @dataclass
