@@ -11,6 +11,10 @@ the distributed system (Ray + vLLM + DeepSpeed), then, in the same invocation:
   cache): TRL 1.12's PPO for ``ppo.advantage=gae`` in ``.venv-trl`` (``RAYPPO_TRL_VENV`` names
   another), TRL 1.16's GRPO for ``grpo`` in ``.venv-trl-1.16`` (``RAYPPO_TRL_GRPO_VENV``).
 
+A ``distill`` workload (on-policy distillation against TRL 1.16's ``DistillationTrainer``, seconds
+and learning per step) runs ``distill_bench.py`` instead; a ``reward-model`` one
+``reward_model_speed.py``.
+
 Writes ``DIR/bench.json``, ``DIR/stages.png`` and, for sweeps, ``DIR/sweep.json`` and
 ``DIR/sweep.png``; prints a table.
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +43,7 @@ from rayppo.models.paths import cache_root
 
 # The report and TRL's environment are modules beside this one (benchmarks/ is not a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_child import run_child  # noqa: E402
 from bench_report import plot_stages, plot_sweep, print_sweep, print_table, summarize  # noqa: E402
 from bench_trl_venv import (  # noqa: E402,F401
     TRL_GRPO,
@@ -70,7 +74,9 @@ class Workload:
     iterations: int
     kind: str = "ppo"
     """``ppo``: a PPO/GRPO iteration of the whole system; ``reward-model``: a Bradley–Terry step of
-    ``rayppo reward-model`` (``reward_model_speed.py``; warm-up and iterations are its steps)."""
+    ``rayppo reward-model`` (``reward_model_speed.py``; warm-up and iterations are its steps);
+    ``distill``: an iteration of on-policy distillation against TRL's ``DistillationTrainer``
+    (``distill_bench.py``: the recipe with ``config`` on top; ``model`` is the student)."""
 
 
 def load_workloads(path: Path = HERE / "workloads.yaml") -> dict[str, Workload]:
@@ -146,33 +152,6 @@ def run_rayppo(cfg: Config, warmup: int, iterations: int, label: str = "rayppo"
         trainer.close()
 
 
-def _child_output(name: str):
-    """Where a child process's output goes: ``logs/NAME.log`` of the bench folder (the terminal
-    with ``--verbose``, or when nothing set the console up)."""
-    from rayppo.console import console
-
-    if console.verbose or console.log_dir is None:
-        return None
-    return (console.log_dir / f"{name}.log").open("a", encoding="utf-8")
-
-
-def _run_child(name: str, what: str, command: list[str]) -> None:
-    """``command`` to its end, one phase line saying what runs and where its output is."""
-    from rayppo.console import console
-
-    log = _child_output(name)
-    where = f" (its output: {console.user_path(Path(log.name))})" if log else ""
-    console.phase(f"{what}{where}")
-    try:
-        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=trl_environment())
-    finally:
-        if log:
-            log.close()
-    if result.returncode:
-        raise RayppoError(f"{what} failed (exit {result.returncode})" + (f"; see {console.user_path(Path(log.name))}"
-                                                                       if log else ""))
-
-
 def machine_rate(cfg: Config) -> dict[str, Any]:
     """The rate MFU is measured against, at the start (nothing else computing): GFLOP/s of the
     matmul the policy runs most (``rayppo.machine.matmul_rate.peak_rate``'s shape), in the workload's dtype,
@@ -241,7 +220,7 @@ def stages_alone(cfg: Config, rollout) -> dict[str, float]:
         work = Path(tmp)
         (work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
         rollout.write_parquet(work / "rollout.parquet")
-        _run_child("stages-alone", "each stage alone on the measured batch, in a child process",
+        run_child("stages-alone", "each stage alone on the measured batch, in a child process",
                    [sys.executable, __file__, "--stages-alone", str(work)])
         return json.loads((work / "alone.json").read_text())
 
@@ -323,7 +302,7 @@ def run_trl(cfg: Config, rollout, warmup: int, iterations: int, out_dir: Path,
             "bf16": cfg.model.dtype == "bfloat16",
             "output_dir": str(out_dir / "trl_output")}
     (out_dir / "trl_spec.json").write_text(json.dumps(spec))
-    _run_child("trl", f"TRL on the same workload ({script})", [str(python), str(HERE / script), "--spec",
+    run_child("trl", f"TRL on the same workload ({script})", [str(python), str(HERE / script), "--spec",
                                                                  str(out_dir / "trl_spec.json"), "--out",
                                                                  str(out_dir / "trl.json")])
     return json.loads((out_dir / "trl.json").read_text())
@@ -365,6 +344,12 @@ def run(workload_name: str, out_dir: str, compare: str | None, warmup: int | Non
                   + (f" per point of {' x '.join(sweep)}" if sweep else "") + f"; output {out}/")
     if w.kind == "reward-model":
         return run_reward_model(w, out, compare, warmup, iterations, sweep, overrides)
+    if w.kind == "distill":
+        if sweep:
+            raise RayppoError(f"--sweep: not for a distillation workload ({w.name}); pass the overrides instead")
+        import distill_bench
+
+        return distill_bench.run(w, out, compare, warmup, iterations, [f"model.policy={w.model}", *overrides])
     policy, reward_model = prepare_models(w)
     overrides = [f"output.dir={out}", *overrides]  # the runs' placement.json and logs/ go with bench.json
     if sweep:

@@ -1,16 +1,17 @@
-"""What both TRL comparison scripts (``trl_ppo.py``, ``trl_grpo.py``) start with: the spec that
-``rayppo bench --compare trl`` wrote, and the models it names (runs in TRL's venv: only torch,
-transformers and the standard library)."""
+"""What the TRL comparison scripts (``trl_ppo.py``, ``trl_grpo.py``, ``trl_distill.py``) start
+with: the spec that ``rayppo bench --compare trl`` wrote, and the models it names; and the clock
+of their optimiser steps (runs in TRL's venv: only torch, transformers and the standard library)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
 
 @dataclass
@@ -21,8 +22,8 @@ class Setup:
     tokenizer: Any
     policy: torch.nn.Module
     """The trained policy, fp32 weights (under bf16 autocast for a bf16 workload)."""
-    reward: torch.nn.Module
-    """The frozen reward model: bf16 for a bf16 workload."""
+    reward: torch.nn.Module | None
+    """The frozen reward model: bf16 for a bf16 workload; None when the spec names none (distillation)."""
     bf16: bool
     frozen_dtype: torch.dtype
 
@@ -42,5 +43,21 @@ def setup(description: str) -> Setup:
     bf16 = bool(spec.get("bf16", False))
     frozen = torch.bfloat16 if bf16 else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=frozen)
+    reward = (AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], dtype=frozen)
+              if spec.get("reward_model") else None)
     return Setup(args.out, spec, tokenizer, policy, reward, bf16, frozen)
+
+
+class StepClock(TrainerCallback):
+    """Wall time at the start and after every optimiser step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+        print(f"  TRL step {len(self.stamps) - 1}/{args.max_steps}: {self.stamps[-1] - self.stamps[-2]:.2f} s",
+              flush=True)

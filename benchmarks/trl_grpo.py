@@ -36,28 +36,11 @@ as 1.12's, so the arguments below are unchanged; what 1.16 does differently with
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl_common import setup
-
-
-class StepClock(TrainerCallback):
-    """Wall time at the start and after every optimiser step."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.stamps.append(time.perf_counter())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.stamps.append(time.perf_counter())
-        print(f"  TRL step {len(self.stamps) - 1}/{args.max_steps}: {self.stamps[-1] - self.stamps[-2]:.2f} s",
-              flush=True)
+from trl_common import StepClock, setup
 
 
 def main() -> None:

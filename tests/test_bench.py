@@ -373,3 +373,55 @@ def test_the_reward_model_workload_times_rayppos_bradley_terry_steps(bench, tmp_
         assert reward("", row["chosen"], str(a + b)) == 1.0 and reward("", row["rejected"], str(a + b)) == 0.0
     with pytest.raises(RayppoError, match="--sweep: not for a reward-model workload"):
         bench.run(w.name, str(tmp_path / "sweep"), None, 1, 1, ["preference.lr=1e-5,2e-5"], [])
+
+
+DISTILL_ON_THE_EMBEDDED_MODEL = ["model.policy=embedded", "model.dtype=float32", "data.prompts=embedded",
+                                 "reward.function=rayppo.tasks.digits:reward", "rollout.max_new_tokens=12",
+                                 "rollout.temperature=1.0"]
+"""The distillation workload on the embedded student and its digit task (the teacher: ``digits_teacher``)."""
+
+
+def _trl_distill_ready() -> bool:
+    """Whether TRL 1.16's environment (``bench_trl_venv.TRL_GRPO``) has been made."""
+    venvs = _load_benchmark("bench_trl_venv.py")
+    return venvs.choose_trl_venv(venvs.TRL_GRPO).state == "ready"
+
+
+def test_the_distillation_workload_times_each_step_and_scores_the_students_alike(bench, tmp_path, digits_teacher):
+    """``kind: distill`` runs the recipe on the distributed system (here the embedded student and a
+    teacher of its tokenizer), times each iteration around the trainer's call, records the prompts
+    each drew (what TRL is given, in order), and scores the start, the teacher and the trained
+    student on the held-out problems with one sampler: the teacher, which learned the task, scores
+    above the start, so the evaluation tells models apart."""
+    w = bench.load_workloads()["smollm2-distill"]
+    assert w.kind == "distill" and w.model == "smollm2-135m-instruct"
+    summary = bench.run(w.name, str(tmp_path / "out"), None, 1, 1, [],
+                        [*DISTILL_ON_THE_EMBEDDED_MODEL, f"distill.teacher={digits_teacher}"])
+    assert json.loads((tmp_path / "out" / "bench.json").read_text()) == summary
+    assert summary["kind"] == "distill" and summary["steps"] == 2 and "trl" not in summary
+    steps = summary["rayppo"]["steps"]
+    assert len(steps) == 2 and all(s["wall_s"] >= s["stage_sum_s"] > 0 and s["completion_tokens"] > 0 for s in steps)
+    assert all(s["reverse_kl"] > 0 for s in steps)  # the teacher's term was there
+    batch_size = load_config(bench.HERE.parent / "examples" / "distill_arithmetic.yaml").rollout.batch_size
+    assert [len(b) for b in summary["prompt_batches"]] == [batch_size] * 2
+    assert summary["teacher_pass_rate"] > summary["start_pass_rate"]
+    assert (tmp_path / "out" / "rayppo_student" / "config.json").is_file()
+
+
+@pytest.mark.skipif(not _trl_distill_ready(), reason="TRL runs in its own environment "
+                    "(.venv-trl-1.16, pinned torch and trl), made once by 'rayppo bench --compare trl' on a GRPO "
+                    "or distillation workload; this suite does not install it")
+def test_trls_distillation_trainer_runs_on_rayppos_prompts_and_is_scored_beside_it(bench, tmp_path, digits_teacher):
+    """With ``--compare trl``: TRL 1.16's ``DistillationTrainer`` takes one step per rayppo
+    iteration on the prompts rayppo drew, times each, reports the tokens it generated, and its
+    student is scored by the same evaluation; the ratios are in the result."""
+    summary = bench.run("smollm2-distill", str(tmp_path / "out"), "trl", 1, 1, [],
+                        [*DISTILL_ON_THE_EMBEDDED_MODEL, f"distill.teacher={digits_teacher}"])
+    trl = summary["trl"]
+    assert trl["trainer"] == "DistillationTrainer" and trl["trl_version"] == bench.TRL_GRPO.trl
+    assert len(trl["steps"]) == 2 and trl["seconds_per_step_median"] > 0 and trl["completion_tokens_per_step"] > 0
+    assert 0 <= trl["held_out_greedy_pass_rate"] <= 1
+    assert summary["speedup_vs_trl"] == pytest.approx(trl["seconds_per_step_median"]
+                                                      / summary["rayppo"]["seconds_per_step_median"])
+    spec = json.loads((tmp_path / "out" / "trl_spec.json").read_text())
+    assert spec["prompt_batches"] == summary["prompt_batches"]  # the same prompts, in order

@@ -102,6 +102,28 @@ def test_a_stage_without_its_model_counts_nothing():
     assert flops.reference == 0 and flops.reward == 0 and flops.generate > 0 and flops.learn > 0
 
 
+def test_the_teachers_pass_counts_as_the_reference_forward_of_its_own_model(digits_teacher):
+    """With ``distill.teacher`` the counter reads the teacher's shape and counts its pass as the
+    reference forward (``reference_flops``) of that model; without a teacher it counts nothing."""
+    from rayppo.models.shape import read_shape
+    from rayppo.models.teacher import teacher_folder
+    from rayppo.plan.flops import reference_flops
+    from rayppo.run.stage_times import StageTimes
+
+    counter = StageCounter.of(load_config(None, [f"distill.teacher={digits_teacher}"]))
+    teacher = read_shape(teacher_folder(str(digits_teacher)))
+    assert counter.teacher == teacher
+    assert counter.flops(ROWS).teacher == reference_flops(teacher, ROWS) > 0
+    assert StageCounter.of(load_config(None, [])).flops(ROWS).teacher == 0
+    rollout = Rollout(prompt_ids=[[1, 2, 3], [4, 5]], response_ids=[[6, 7], [8]], logprobs=[[-1.0, -1.0], [-1.0]],
+                      finish_reason=["stop", "stop"], prompt_text=["abc", "de"], response_text=["fg", "h"])
+    counter.rate = 1e9
+    times = StageTimes(generate=1.0, reference=0.0, reward=0.5, learn=2.0, sync=0.1, iteration=4.0, teacher=0.25)
+    figures = counter.metrics(rollout, times)
+    assert figures["perf/mfu/teacher"] == pytest.approx(reference_flops(teacher, ROWS) / 0.25 / 1e9)
+    assert figures["perf/tokens_per_s/teacher"] == pytest.approx(8 / 0.25)
+
+
 def test_stage_metrics_from_given_numbers():
     flops = StageFlops(generate=2e12, reference=0.0, reward=1e12, learn=6e12)
     seconds = {"time/generate": 2.0, "time/reference": 0.0, "time/reward": 0.5, "time/learn": 3.0, "time/sync": 1.0}

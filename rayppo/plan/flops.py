@@ -147,9 +147,12 @@ class StageFlops:
     """r_phi (``reward_flops``); 0 for a reward function or endpoint (no model here)."""
     learn: float
     """The learner's update (``learn_flops``)."""
+    teacher: float = 0.0
+    """log pi_T of on-policy distillation: ``reference_flops`` with the teacher's shape; 0 without
+    a teacher (``distill.teacher``)."""
 
     def as_dict(self) -> dict[str, float]:
-        """``{stage: FLOPs}``, in the iteration's order."""
+        """``{stage: FLOPs}``, in the iteration's order (the teacher's pass runs beside the reference's)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

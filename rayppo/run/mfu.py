@@ -20,10 +20,11 @@ from rayppo.config.schema import Config
 from rayppo.data.rollout import Rollout
 from rayppo.models.loading import resolve_model_path
 from rayppo.models.shape import ModelShape, read_shape
-from rayppo.plan.flops import LearnPasses, Sequences, StageFlops, stage_flops
+from rayppo.models.teacher import teacher_folder
+from rayppo.plan.flops import LearnPasses, Sequences, StageFlops, reference_flops, stage_flops
 from rayppo.run.stage_times import StageTimes
 
-STAGES = ("generate", "reference", "reward", "learn")
+STAGES = ("generate", "reference", "reward", "learn", "teacher")
 
 
 def stage_metrics(flops: StageFlops, seconds: dict[str, float], rate: float | None,
@@ -49,10 +50,11 @@ def stage_metrics(flops: StageFlops, seconds: dict[str, float], rate: float | No
 
 
 def stage_tokens(seq: Sequences) -> dict[str, int]:
-    """The tokens each stage processes: generation its generated tokens, the scoring passes and the
-    learner every prompt and response token (the learner's once, not per epoch)."""
+    """The tokens each stage processes: generation its generated tokens, the scoring passes (the
+    teacher's included) and the learner every prompt and response token (the learner's once, not
+    per epoch)."""
     total = sum(seq.lengths)
-    return {"generate": seq.response_tokens, "reference": total, "reward": total, "learn": total}
+    return {"generate": seq.response_tokens, "reference": total, "reward": total, "learn": total, "teacher": total}
 
 
 def rollout_sequences(rollout: Rollout) -> Sequences:
@@ -98,6 +100,8 @@ class StageCounter:
     """The learner trains a LoRA policy (``learner.lora_rank``): no gradient for its frozen weights."""
     rate: float | None = None
     """FLOP/s of the probe (``machine.matmul_rate.peak_rate``), set by the trainer; None: not measured."""
+    teacher: ModelShape | None = None
+    """The distillation teacher's shape (``distill.teacher``); None without one."""
 
     @classmethod
     def of(cls, cfg: Config) -> StageCounter:
@@ -108,12 +112,16 @@ class StageCounter:
         return cls(policy, _shape(m.reference or m.policy, m.cache_dir) if uses_reference(cfg) else None,
                    _shape(cfg.reward.model, m.cache_dir),
                    _shape(m.critic or m.policy, m.cache_dir) if has_critic(cfg.ppo) else None,
-                   cfg.ppo.epochs, cfg.ppo.minibatches, cfg.rollout.max_staleness > 0, cfg.learner.lora_rank > 0)
+                   cfg.ppo.epochs, cfg.ppo.minibatches, cfg.rollout.max_staleness > 0, cfg.learner.lora_rank > 0,
+                   teacher=read_shape(teacher_folder(cfg.distill.teacher, m.cache_dir)) if cfg.distill.teacher else None)
 
     def flops(self, seq: Sequences) -> StageFlops:
         """Each stage's useful FLOPs for a rollout of these token counts."""
-        return stage_flops(self.policy, self.reference, self.reward, self.critic, seq,
-                           LearnPasses(self.epochs, self.minibatches, self.proximal, self.lora))
+        flops = stage_flops(self.policy, self.reference, self.reward, self.critic, seq,
+                            LearnPasses(self.epochs, self.minibatches, self.proximal, self.lora))
+        if self.teacher is not None:
+            flops.teacher = reference_flops(self.teacher, seq)  # the same forward, another model
+        return flops
 
     def metrics(self, rollout: Rollout, times: StageTimes) -> dict[str, float]:
         """The ``perf/*`` figures of the iteration that trained ``rollout`` in ``times``."""
@@ -121,5 +129,5 @@ class StageCounter:
             return {}
         seq = rollout_sequences(rollout)
         seconds = {"generate": times.generate, "reference": times.reference, "reward": times.reward,
-                   "learn": times.learn}  # by the stage names of StageFlops (STAGES)
+                   "learn": times.learn, "teacher": times.teacher or 0.0}  # by the stage names of StageFlops (STAGES)
         return stage_metrics(self.flops(seq), seconds, self.rate, stage_tokens(seq))
