@@ -82,7 +82,7 @@ def distill_config(workload_config: dict[str, Any], teacher: Path, out: Path, st
 def run_rayppo_distill(cfg: Config, steps: int, student_out: Path) -> tuple[list[dict[str, float]], list[list[str]]]:
     """``steps`` iterations of the distributed system, each timed around ``iteration()``; each
     iteration's wall seconds, stage-timer sum, generated tokens and reverse KL to the teacher, and
-    its prompts (one per group). The student is saved to ``student_out``."""
+    its prompts (one per group). The student is saved to ``student_out/policy``."""
     from tqdm import tqdm
 
     from rayppo.trainers.choice import make_trainer
@@ -174,7 +174,7 @@ def run(workload: Any, out: Path, compare: str | None, warmup: int, iterations: 
     assert cfg.distill.teacher is not None  # distill_config sets it
     rates = {"start": held_out_pass_rate(cfg, resolve_model_path(cfg.model.policy)),
              "teacher": held_out_pass_rate(cfg, teacher_folder(cfg.distill.teacher)),
-             "rayppo": held_out_pass_rate(cfg, out / "rayppo_student")}
+             "rayppo": held_out_pass_rate(cfg, out / "rayppo_student" / "policy")}
     if trl:
         rates["trl"] = held_out_pass_rate(cfg, out / "trl_student")
     summary: dict[str, Any] = {"workload": workload.name, "kind": "distill", "steps": steps, "warmup": warmup,

@@ -128,8 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="workloads are defined in benchmarks/workloads.yaml; extra section.field=value overrides apply on top",
     )
-    bench.add_argument("--workload", default="tiny", help="workload name (tiny, small, gpu-0.5b, gpu-1.5b, ...)")
-    bench.add_argument("--compare", choices=["trl"], help="also run TRL on the identical workload (its PPO or GRPO trainer)")
+    bench.add_argument("--workload", default="tiny",
+                       help="workload name (tiny, small, smollm2-grpo-bf16, smollm2-distill, gpu-0.5b, ...)")
+    bench.add_argument("--compare", choices=["trl"],
+                       help="also run TRL on the identical workload (its PPO, GRPO or DistillationTrainer)")
     bench.add_argument("--output", default="runs/bench", metavar="DIR", help="where bench.json and plots go")
     bench.add_argument("--warmup", type=int, help="warm-up iterations (default: the workload's)")
     bench.add_argument("--iters", type=int, help="measured iterations (default: the workload's)")
