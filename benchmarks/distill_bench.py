@@ -74,9 +74,19 @@ def distill_config(workload_config: dict[str, Any], teacher: Path, out: Path, st
     """The recipe with the workload's and the user's overrides, ``steps`` iterations, no evaluation
     during the timed run (the bench evaluates the saved students itself)."""
     settings = [f"{k}={v}" for k, v in workload_config.items()]
-    return load_config(RECIPE, [f"distill.teacher={teacher}", *settings, f"stop.iterations={steps}", "eval.every=0",
-                                "output.tensorboard=false", "output.save_model=false", f"output.dir={out / 'rayppo'}",
-                                "output.overwrite=true", *overrides])
+    # stop.iterations last: the steps are --warmup + --iters, the schedule's horizon on both sides.
+    return load_config(RECIPE, [f"distill.teacher={teacher}", *settings, "eval.every=0", "output.tensorboard=false",
+                                "output.save_model=false", f"output.dir={out / 'rayppo'}", "output.overwrite=true",
+                                *overrides, f"stop.iterations={steps}"])
+
+
+def check_like_for_like(cfg: Config) -> None:
+    """Refuse what TRL's side cannot be given the same (``--compare trl``): transformers' schedules
+    warm up from 0 (i / w, rayppo (i + 1) / (w + 1)) and decay to 0."""
+    p = cfg.ppo
+    if p.lr_warmup or p.lr_end:
+        raise RayppoError(f"--compare trl: ppo.lr_warmup={p.lr_warmup}, ppo.lr_end={p.lr_end}: TRL's trainer is given "
+                          "no warm-up and a decay to 0; set both to 0 to compare like for like")
 
 
 def run_rayppo_distill(cfg: Config, steps: int, student_out: Path) -> tuple[list[dict[str, float]], list[list[str]]]:
@@ -116,7 +126,9 @@ def run_trl_distill(cfg: Config, batches: list[list[str]], warmup: int, out: Pat
     from rayppo.models.teacher import teacher_folder
 
     assert cfg.distill.teacher is not None  # distill_config sets it
-    spec = {"policy": str(resolve_model_path(cfg.model.policy)), "teacher": str(teacher_folder(cfg.distill.teacher)), "prompt_batches": batches,
+    m = cfg.model
+    spec = {"policy": str(resolve_model_path(m.policy, m.cache_dir)),
+            "teacher": str(teacher_folder(cfg.distill.teacher, m.cache_dir)), "prompt_batches": batches,
             "samples_per_prompt": r.samples_per_prompt, "max_new_tokens": r.max_new_tokens,
             "temperature": r.temperature, "ignore_eos": r.ignore_eos, "lr": p.lr, "lr_schedule": p.lr_schedule,
             "weight_decay": p.weight_decay, "max_grad_norm": p.max_grad_norm, "seed": cfg.seed,
@@ -166,14 +178,17 @@ def run(workload: Any, out: Path, compare: str | None, warmup: int, iterations: 
     teacher, overrides = teacher_run(overrides)
     steps = warmup + iterations
     cfg = distill_config(workload.config, teacher, out, steps, overrides)
+    if compare == "trl":
+        check_like_for_like(cfg)  # before anything runs
     mine, batches = run_rayppo_distill(cfg, steps, out / "rayppo_student")
     trl = run_trl_distill(cfg, batches, warmup, out) if compare == "trl" else None
     from rayppo.models.loading import resolve_model_path
     from rayppo.models.teacher import teacher_folder
 
     assert cfg.distill.teacher is not None  # distill_config sets it
-    rates = {"start": held_out_pass_rate(cfg, resolve_model_path(cfg.model.policy)),
-             "teacher": held_out_pass_rate(cfg, teacher_folder(cfg.distill.teacher)),
+    m = cfg.model
+    rates = {"start": held_out_pass_rate(cfg, resolve_model_path(m.policy, m.cache_dir)),
+             "teacher": held_out_pass_rate(cfg, teacher_folder(cfg.distill.teacher, m.cache_dir)),
              "rayppo": held_out_pass_rate(cfg, out / "rayppo_student" / "policy")}
     if trl:
         rates["trl"] = held_out_pass_rate(cfg, out / "trl_student")
@@ -185,6 +200,7 @@ def run(workload: Any, out: Path, compare: str | None, warmup: int, iterations: 
         trl_steps = [{"wall_s": s["wall_s"], "completion_tokens": s["completion_tokens"]} for s in trl["iterations"]]
         summary["trl"] = side([{}] * warmup + trl_steps, warmup, rates["trl"]) | {
             "trl_version": trl["trl_version"], "trainer": trl["trainer"], "threads": trl["threads"],
+            "steps_taken": trl["steps"],
             "mixed_precision": trl["mixed_precision"]}
         summary["speedup_vs_trl"] = (summary["trl"]["seconds_per_step_median"]
                                      / summary["rayppo"]["seconds_per_step_median"])

@@ -15,7 +15,9 @@ iterations, in order, and the shape. The two sides are set alike:
   sampling temperature, which TRL also applies to both models' logits in the loss, as rayppo's
   teacher scores at the sampling temperature;
 - the learning rate, its schedule over the same number of steps (``lr_scheduler_type``:
-  rayppo's ``ppo.lr_schedule``, no warm-up), AdamW's weight decay and the gradient clip as rayppo's;
+  rayppo's ``ppo.lr_schedule``, no warm-up, to 0: ``distill_bench.check_like_for_like``), AdamW's
+  weight decay and the gradient clip as rayppo's (transformers exempts biases and norm weights from
+  the decay, rayppo does not: the same at the recipe's decay of 0);
 - ``use_vllm=False``: ``rayppo bench`` runs TRL on CPU, where TRL's vLLM path does not run
   (``docs/benchmarks.md``); bf16 autocast over fp32 weights and the teacher in bf16 for a bf16
   workload; gradient checkpointing as rayppo's learner has it.

@@ -89,9 +89,9 @@ def _stepper(policy, critic):
         popt.zero_grad(set_to_none=True)
         copt.zero_grad(set_to_none=True)
 
-    def scale_lr(factor: float) -> None:
-        set_lr(popt, 1e-3 * factor)
+    def scale_lr(factor: float) -> float:
         set_lr(copt, 1e-3 * factor)
+        return set_lr(popt, 1e-3 * factor)
 
     return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward, step, scale_lr)
 

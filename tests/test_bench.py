@@ -410,6 +410,15 @@ def test_the_distillation_workload_times_each_step_records_its_prompts_and_saves
     assert (tmp_path / "out" / "rayppo_student" / "policy" / "config.json").is_file()
 
 
+def test_a_distillation_comparison_trl_cannot_be_set_alike_for_is_refused_before_anything_runs(bench, tmp_path):
+    """TRL's schedules warm up from 0 and decay to 0: a warm-up or a floor on rayppo's side is refused
+    with the fields named, before the teacher, Ray or TRL start."""
+    with pytest.raises(RayppoError, match=r"--compare trl: ppo.lr_warmup=1, ppo.lr_end=0.0: .*set both to 0"):
+        bench.run("smollm2-distill", str(tmp_path / "out"), "trl", 1, 1, [],
+                  ["distill.teacher=" + str(tmp_path / "no-teacher-needed"), "ppo.lr_warmup=1"])
+    assert not (tmp_path / "out" / "rayppo").exists()
+
+
 @pytest.mark.skipif(not _trl_distill_ready(), reason="TRL runs in its own environment "
                     "(.venv-trl-1.16, pinned torch and trl), made once by 'rayppo bench --compare trl' on a GRPO "
                     "or distillation workload; this suite does not install it")
@@ -425,5 +434,4 @@ def test_trls_distillation_trainer_runs_on_rayppos_prompts_and_is_scored_beside_
     assert 0 <= trl["held_out_greedy_pass_rate"] <= 1
     assert summary["speedup_vs_trl"] == pytest.approx(trl["seconds_per_step_median"]
                                                       / summary["rayppo"]["seconds_per_step_median"])
-    spec = json.loads((tmp_path / "out" / "trl_spec.json").read_text())
-    assert spec["prompt_batches"] == summary["prompt_batches"]  # the same prompts, in order
+    assert trl["steps_taken"] == summary["steps"]  # one optimiser step per rayppo iteration

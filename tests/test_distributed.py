@@ -340,7 +340,7 @@ def test_distillation_on_two_ranks_equals_the_in_process_trainer_and_a_killed_te
     for mine, theirs in zip(rollout.teacher_logprobs, reference.last_rollout.teacher_logprobs, strict=True):
         assert mine == pytest.approx(theirs, abs=1e-5)  # the replacement scores as the in-process teacher
     assert abs(ref_stats[1]["distill/reverse_kl_mean"]) > 1e-3  # the term is there to be compared
-    lr = reference.cfg.ppo.lr
+    lr = reference.cfg.ppo.lr  # policy/lr: read back from the AdamW groups each DeepSpeed engine steps
     assert [s["policy/lr"] for s in ref_stats] == [s["policy/lr"] for s in stats] == [lr, lr / 2]
     for it in (0, 1):
         for key in ("policy/loss", "value/loss", "policy/clipfrac", "distill/reverse_kl_mean", "kl/ref_mean"):

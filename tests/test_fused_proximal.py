@@ -47,9 +47,8 @@ def _stepper(policy, critic, collective: Collective) -> OptimiserSteps:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    def scale_lr(factor: float) -> None:
-        for opt in opts:
-            set_lr(opt, 1e-3 * factor)
+    def scale_lr(factor: float) -> float:
+        return [set_lr(opt, 1e-3 * factor) for opt in opts][0]
 
     return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step, scale_lr)
 

@@ -150,9 +150,8 @@ def _steps(policy, critic) -> OptimiserSteps:
             opt.step()
             opt.zero_grad()
 
-    def scale_lr(factor: float) -> None:
-        for opt in opts:
-            set_lr(opt, 1e-3 * factor)
+    def scale_lr(factor: float) -> float:
+        return [set_lr(opt, 1e-3 * factor) for opt in opts][0]
 
     return OptimiserSteps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step,
                           scale_lr)

@@ -269,10 +269,10 @@ class LearnerEngine(Engine):
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
         policy, critic, ppo = self.policy, self.critic, self.cfg.ppo
 
-        def scale_lr(factor: float) -> None:
-            set_lr(policy.optimizer, ppo.lr * factor)
+        def scale_lr(factor: float) -> float:
             if critic is not None:
                 set_lr(critic.optimizer, ppo.critic_lr * factor)
+            return set_lr(policy.optimizer, ppo.lr * factor)
 
         if critic is None:
             return OptimiserSteps(policy.backward, None, policy.step, scale_lr)

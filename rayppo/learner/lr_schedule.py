@@ -16,10 +16,11 @@ With w warm-up iterations and N = ``stop.iterations``, iteration i (from 0) trai
 
 times ``ppo.lr`` (and ``ppo.critic_lr``), e = ``lr_end``. The last iteration, i = N - 1, still
 trains (linear: at e + (1 - e) / (N - w)); iterations past N (a run resumed with a larger
-``stop.iterations`` computes the schedule on its new N) hold e. The same shapes as transformers'
-``get_linear_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup`` (transformers 5.25,
-``optimization.py``), counted in iterations instead of optimiser steps: every optimiser step of an
-iteration takes its rate.
+``stop.iterations`` computes the schedule on its new N) hold e. After the warm-up, with e = 0, the
+same factors as transformers' ``get_linear_schedule_with_warmup`` and
+``get_cosine_schedule_with_warmup`` (transformers 5.25, ``optimization.py``), counted in iterations
+instead of optimiser steps (every optimiser step of an iteration takes its rate); their warm-up
+starts at 0 (i / w), this one at 1 / (w + 1), so no iteration trains at a rate of 0.
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def lr_factor(iteration: int, iterations: int, schedule: str, warmup: int = 0, e
     raise ValueError(f"unknown learning-rate schedule {schedule!r}")
 
 
-def set_lr(optimizer: Any, lr: float) -> None:
-    """Every parameter group of ``optimizer`` at ``lr``: a torch optimiser, or DeepSpeed's ZeRO
-    wrapper, whose ``param_groups`` are its client optimiser's (deepspeed 0.19.8,
-    ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``: ``param_groups = property(...)``)."""
+def set_lr(optimizer: Any, lr: float) -> float:
+    """Every parameter group of ``optimizer`` at ``lr``; returns its first group's rate read back
+    (what its next step uses). A torch optimiser, or one of DeepSpeed's wrappers, whose
+    ``param_groups`` are the client optimiser's (deepspeed 0.19.8: ``runtime/zero/stage_1_and_2.py``
+    and ``stage3.py``, ``param_groups = property(...)``; ``runtime/fp16/fused_optimizer.py`` and
+    ``runtime/bf16_optimizer.py`` the same)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+    return float(optimizer.param_groups[0]["lr"])

@@ -81,8 +81,7 @@ def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
     """One PPO update on this rank's ``shard`` of the batch; returns its result and the experience
     it trained on. Collective: every rank calls it in the same iteration."""
     p, rollout = settings.ppo, shard.rollout
-    lr_factor = settings.lr_factor(step.iteration)
-    models.steps.scale_lr(lr_factor)
+    lr = models.steps.scale_lr(settings.lr_factor(step.iteration))  # read back from the optimiser
     order = minibatch_plan(shard.batch_size, p.epochs, p.minibatches,
                            seed=minibatch_seed(settings.seed, step.iteration), sources=shard.generators)
     local = ShardPlan(order, torch.tensor(shard.rows, dtype=torch.long), rollout.lengths(), rollout.trained_tokens(),
@@ -102,7 +101,7 @@ def learn(models: LearnerModels, shard: BatchShard, step: StepInputs,
         if exp.row_keep is not None:  # rows the geometric-mean mask dropped count in no share (same rows and cuts)
             minibatches = local_minibatches(local, models.collective, exp.row_keep.tolist())
         figures = ppo_update(models, exp, minibatches, plan, first_values)
-    metrics = stats | figures | {"policy/lr": p.lr * lr_factor}
+    metrics = stats | figures | {"policy/lr": lr}
     return LearnResult(version=step.version + 1, kl_ref=exp.kl_ref, metrics=metrics), exp
 
 

@@ -48,9 +48,10 @@ class OptimiserSteps:
     """Gradients of the value objective; None without a critic."""
     step: Callable[[], None]
     """One optimiser step of both models (gradient clipping included), then zeroed gradients."""
-    scale_lr: Callable[[float], None]
+    scale_lr: Callable[[float], float]
     """Both models' learning rates at this factor of ``ppo.lr`` and ``ppo.critic_lr``
-    (``lr_schedule.lr_factor``), for the steps that follow."""
+    (``lr_schedule.lr_factor``), for the steps that follow; returns the policy optimiser's rate
+    read back (``policy/lr``)."""
 
 
 @dataclass

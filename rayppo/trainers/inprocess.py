@@ -257,11 +257,11 @@ class InProcessTrainer(LoopTrainer):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    def _scale_lr(self, factor: float) -> None:
-        """Both optimisers at ``factor`` of their configured rates (``ppo.lr_schedule``)."""
-        set_lr(self.policy_opt, self.cfg.ppo.lr * factor)
+    def _scale_lr(self, factor: float) -> float:
+        """Both optimisers at ``factor`` of their configured rates (``ppo.lr_schedule``); the policy's, read back."""
         if self.critic_opt is not None:
             set_lr(self.critic_opt, self.cfg.ppo.critic_lr * factor)
+        return set_lr(self.policy_opt, self.cfg.ppo.lr * factor)
 
     def save(self, out_dir: str | Path) -> None:
         """The final policy (Hugging Face format, with tokenizer) and critic (when there is one)."""
