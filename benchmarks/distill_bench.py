@@ -89,6 +89,17 @@ def check_like_for_like(cfg: Config) -> None:
                           "no warm-up and a decay to 0; set both to 0 to compare like for like")
 
 
+def model_folders(cfg: Config) -> tuple[Path, Path]:
+    """``(student, teacher)``: the folders ``model.policy`` and ``distill.teacher`` name (a run's
+    folder means its ``policy/``), as the trainers resolve them."""
+    from rayppo.models.loading import resolve_model_path
+    from rayppo.models.teacher import teacher_folder
+
+    m = cfg.model
+    assert cfg.distill.teacher is not None  # distill_config sets it
+    return resolve_model_path(m.policy, m.cache_dir), teacher_folder(cfg.distill.teacher, m.cache_dir)
+
+
 def run_rayppo_distill(cfg: Config, steps: int, student_out: Path) -> tuple[list[dict[str, float]], list[list[str]]]:
     """``steps`` iterations of the distributed system, each timed around ``iteration()``; each
     iteration's wall seconds, stage-timer sum, generated tokens and reverse KL to the teacher, and
@@ -122,13 +133,8 @@ def run_trl_distill(cfg: Config, batches: list[list[str]], warmup: int, out: Pat
     returns what it wrote (its student is saved to ``DIR/trl_student``)."""
     python = ensure_trl_venv(venv or choose_trl_venv(TRL_GRPO))
     r, p = cfg.rollout, cfg.ppo
-    from rayppo.models.loading import resolve_model_path
-    from rayppo.models.teacher import teacher_folder
-
-    assert cfg.distill.teacher is not None  # distill_config sets it
-    m = cfg.model
-    spec = {"policy": str(resolve_model_path(m.policy, m.cache_dir)),
-            "teacher": str(teacher_folder(cfg.distill.teacher, m.cache_dir)), "prompt_batches": batches,
+    student, teacher = model_folders(cfg)
+    spec = {"policy": str(student), "teacher": str(teacher), "prompt_batches": batches,
             "samples_per_prompt": r.samples_per_prompt, "max_new_tokens": r.max_new_tokens,
             "temperature": r.temperature, "ignore_eos": r.ignore_eos, "lr": p.lr, "lr_schedule": p.lr_schedule,
             "weight_decay": p.weight_decay, "max_grad_norm": p.max_grad_norm, "seed": cfg.seed,
@@ -152,6 +158,7 @@ def held_out_pass_rate(cfg: Config, folder: str | Path) -> float:
     from rayppo.data.prompts import load_prompt_set
     from rayppo.data.seeds import eval_seed
     from rayppo.models.loading import load_tokenizer
+    from rayppo.trainers.evaluation import eval_metrics, eval_plan
 
     prompts = load_prompt_set(cfg.data.prompts, cfg.data.prompt_column, load_tokenizer(folder), sys.maxsize, "test")
     scorer = reward_scorer(cfg)
@@ -159,12 +166,13 @@ def held_out_pass_rate(cfg: Config, folder: str | Path) -> float:
     sampler = GeneratorEngine(str(folder), sampling_settings(cfg), backend="hf", dtype=cfg.model.dtype,
                               actor=GeneratorActor(seed=cfg.seed))
     rollout = sampler.evaluate(prompts, 0.0, 1, eval_seed(cfg.seed))
-    scores = RewardEngine(scorer).scores(rollout)
-    return sum(s >= cfg.eval.pass_threshold for s in scores) / len(scores)
+    greedy_only = dataclasses.replace(eval_plan(cfg), greedy=True, samples=0)
+    return eval_metrics(greedy_only, RewardEngine(scorer).scores(rollout), None)["eval/greedy/pass_rate"]
 
 
 def side(steps: list[dict[str, float]], warmup: int, pass_rate: float) -> dict[str, Any]:
-    """One side's figures: the measured steps' median and spread, its tokens, its held-out score."""
+    """One side's figures: the median and spread of the steps after the first ``warmup``, their
+    tokens, its held-out score."""
     walls = [s["wall_s"] for s in steps[warmup:]]
     return {"seconds_per_step_median": statistics.median(walls), "seconds_per_step_min": min(walls),
             "seconds_per_step_max": max(walls), "completion_tokens_per_step": statistics.mean(
@@ -182,13 +190,8 @@ def run(workload: Any, out: Path, compare: str | None, warmup: int, iterations: 
         check_like_for_like(cfg)  # before anything runs
     mine, batches = run_rayppo_distill(cfg, steps, out / "rayppo_student")
     trl = run_trl_distill(cfg, batches, warmup, out) if compare == "trl" else None
-    from rayppo.models.loading import resolve_model_path
-    from rayppo.models.teacher import teacher_folder
-
-    assert cfg.distill.teacher is not None  # distill_config sets it
-    m = cfg.model
-    rates = {"start": held_out_pass_rate(cfg, resolve_model_path(m.policy, m.cache_dir)),
-             "teacher": held_out_pass_rate(cfg, teacher_folder(cfg.distill.teacher, m.cache_dir)),
+    student, teacher_policy = model_folders(cfg)
+    rates = {"start": held_out_pass_rate(cfg, student), "teacher": held_out_pass_rate(cfg, teacher_policy),
              "rayppo": held_out_pass_rate(cfg, out / "rayppo_student" / "policy")}
     if trl:
         rates["trl"] = held_out_pass_rate(cfg, out / "trl_student")
@@ -198,7 +201,7 @@ def run(workload: Any, out: Path, compare: str | None, warmup: int, iterations: 
                                "rayppo": side(mine, warmup, rates["rayppo"]), "prompt_batches": batches}
     if trl:
         trl_steps = [{"wall_s": s["wall_s"], "completion_tokens": s["completion_tokens"]} for s in trl["iterations"]]
-        summary["trl"] = side([{}] * warmup + trl_steps, warmup, rates["trl"]) | {
+        summary["trl"] = side(trl_steps, warmup, rates["trl"]) | {
             "trl_version": trl["trl_version"], "trainer": trl["trainer"], "threads": trl["threads"],
             "steps_taken": trl["steps"],
             "mixed_precision": trl["mixed_precision"]}

@@ -86,7 +86,7 @@ def main() -> None:
               "loss": log.get("loss")} for a, b, log in zip(clock.stamps, clock.stamps[1:], kept.logs)]
     json.dump({"trl_version": __import__("trl").__version__, "trainer": "DistillationTrainer",
                "mixed_precision": str(trainer.accelerator.mixed_precision), "threads": torch.get_num_threads(),
-               "steps": len(walls), "iterations": walls[spec["warmup"]:]}, open(s.out, "w"), indent=1)
+               "steps": len(walls), "iterations": walls}, open(s.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from rayppo.learner.experience import Experience, check_staleness, make_experien
 from rayppo.learner.experience_passes import ProximalPolicy, proximal_logprobs
 from rayppo.learner.guard import LogprobMismatchError, MismatchGuard
 from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs
-from rayppo.learner.lr_schedule import set_lr
+from rayppo.learner.lr_schedule import lr_scaler
 from rayppo.learner.minibatches import Minibatch, ShardPlan, first_rows_kept, local_minibatches, minibatch_plan
 from rayppo.learner.rollout_tensors import RolloutTensors, padded, truncated
 from rayppo.learner.update import LearnerModels, OptimiserSteps, ppo_update, same_version_mismatch
@@ -89,11 +89,7 @@ def _stepper(policy, critic):
         popt.zero_grad(set_to_none=True)
         copt.zero_grad(set_to_none=True)
 
-    def scale_lr(factor: float) -> float:
-        set_lr(copt, 1e-3 * factor)
-        return set_lr(popt, 1e-3 * factor)
-
-    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward, step, scale_lr)
+    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward, step, lr_scaler(popt, 1e-3, copt, 1e-3))
 
 
 def _minibatches(exp: Experience, cfg: PPOConfig) -> list[Minibatch]:

@@ -24,7 +24,7 @@ import rayppo.learner.step as step_module
 from rayppo.config.load import load_config
 from rayppo.learner.collective import Collective, LocalCollective
 from rayppo.learner.guard import LogprobMismatchError
-from rayppo.learner.lr_schedule import set_lr
+from rayppo.learner.lr_schedule import lr_scaler
 from rayppo.learner.proximal import fused_proximal
 from rayppo.learner.step import BatchShard, LearnerModels, LearnSettings, StepInputs, learn
 from rayppo.learner.update import OptimiserSteps
@@ -47,10 +47,8 @@ def _stepper(policy, critic, collective: Collective) -> OptimiserSteps:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    def scale_lr(factor: float) -> float:
-        return [set_lr(opt, 1e-3 * factor) for opt in opts][0]
-
-    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step, scale_lr)
+    return OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if critic is not None else None, step,
+                          lr_scaler(opts[0], 1e-3, opts[1] if len(opts) > 1 else None, 1e-3))
 
 
 def _scenario(tokenizer, models, overrides: list[str], versions: list[int] | None = None, mu_shift: dict | None = None):

@@ -21,7 +21,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import make_experience
 from rayppo.learner.learn_settings import ExperienceSettings, LearnSettings, StepInputs
-from rayppo.learner.lr_schedule import set_lr
+from rayppo.learner.lr_schedule import lr_scaler
 from rayppo.learner.minibatches import ShardPlan, first_rows_kept, local_minibatches, minibatch_plan
 from rayppo.learner.rollout_tensors import RolloutTensors
 from rayppo.learner.update import LearnerModels, OptimiserSteps, ppo_update
@@ -150,11 +150,8 @@ def _steps(policy, critic) -> OptimiserSteps:
             opt.step()
             opt.zero_grad()
 
-    def scale_lr(factor: float) -> float:
-        return [set_lr(opt, 1e-3 * factor) for opt in opts][0]
-
     return OptimiserSteps(lambda loss: loss.backward(), (lambda loss: loss.backward()) if critic is not None else None, step,
-                          scale_lr)
+                          lr_scaler(opts[0], 1e-3, opts[1] if len(opts) > 1 else None, 1e-3))
 
 
 def test_packed_passes_fill_the_budget_with_real_tokens():

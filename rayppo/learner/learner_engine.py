@@ -33,7 +33,7 @@ from rayppo.learner.adapter_weights import (
 from rayppo.learner.broadcast_sender import IpcChunk, SyncEndpoint, SyncLayout, WeightSender, free_port, ipc_chunk
 from rayppo.learner.experience import check_staleness
 from rayppo.learner.learner_state import LearnerSplit, load_states, save_states
-from rayppo.learner.lr_schedule import set_lr
+from rayppo.learner.lr_schedule import lr_scaler
 from rayppo.learner.policy_sync import PolicySync
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import OptimiserSteps
@@ -268,12 +268,7 @@ class LearnerEngine(Engine):
     def _steps(self) -> OptimiserSteps:
         """DeepSpeed's backward of each engine, then both steps (clipping, ZeRO reduction, zeroing)."""
         policy, critic, ppo = self.policy, self.critic, self.cfg.ppo
-
-        def scale_lr(factor: float) -> float:
-            if critic is not None:
-                set_lr(critic.optimizer, ppo.critic_lr * factor)
-            return set_lr(policy.optimizer, ppo.lr * factor)
-
+        scale_lr = lr_scaler(policy.optimizer, ppo.lr, critic.optimizer if critic is not None else None, ppo.critic_lr)
         if critic is None:
             return OptimiserSteps(policy.backward, None, policy.step, scale_lr)
 

@@ -26,6 +26,7 @@ starts at 0 (i / w), this one at 1 / (w + 1), so no iteration trains at a rate o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -53,3 +54,15 @@ def set_lr(optimizer: Any, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return float(optimizer.param_groups[0]["lr"])
+
+
+def lr_scaler(policy: Any, lr: float, critic: Any | None = None, critic_lr: float = 0.0) -> Callable[[float], float]:
+    """``OptimiserSteps.scale_lr`` of these optimisers: given a factor, each trains at that factor of
+    its configured rate (``lr``, ``critic_lr``; no critic: a critic-free estimator); returns the
+    policy's rate read back (``set_lr``)."""
+    def scale(factor: float) -> float:
+        if critic is not None:
+            set_lr(critic, critic_lr * factor)
+        return set_lr(policy, lr * factor)
+
+    return scale

@@ -51,7 +51,7 @@ from rayppo.learner.adapter_weights import (
 from rayppo.learner.collective import LocalCollective
 from rayppo.learner.experience import Experience
 from rayppo.learner.full_weights import full_tensors
-from rayppo.learner.lr_schedule import set_lr
+from rayppo.learner.lr_schedule import lr_scaler
 from rayppo.learner.step import BatchShard, LearnerModels, LearnResult, LearnSettings, StepInputs, adamw, learn
 from rayppo.learner.update import OptimiserSteps
 from rayppo.machine.matmul_rate import peak_rate
@@ -206,7 +206,7 @@ class InProcessTrainer(LoopTrainer):
         self.critic_opt = (adamw(list(self.critic.parameters()), cfg.ppo.critic_lr, cfg.ppo.weight_decay)
                            if self.critic is not None else None)
         steps = OptimiserSteps(torch.Tensor.backward, torch.Tensor.backward if self.critic is not None else None, self._step,
-                               self._scale_lr)
+                               lr_scaler(self.policy_opt, cfg.ppo.lr, self.critic_opt, cfg.ppo.critic_lr))
         self.models = LearnerModels(self.policy, self.critic, steps, LocalCollective(), self.device,
                                     self.tokenizer.pad_token_id)
         self.settings = LearnSettings.of(cfg)
@@ -256,12 +256,6 @@ class InProcessTrainer(LoopTrainer):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-
-    def _scale_lr(self, factor: float) -> float:
-        """Both optimisers at ``factor`` of their configured rates (``ppo.lr_schedule``); the policy's, read back."""
-        if self.critic_opt is not None:
-            set_lr(self.critic_opt, self.cfg.ppo.critic_lr * factor)
-        return set_lr(self.policy_opt, self.cfg.ppo.lr * factor)
 
     def save(self, out_dir: str | Path) -> None:
         """The final policy (Hugging Face format, with tokenizer) and critic (when there is one)."""
