@@ -16,7 +16,7 @@ import torch
 
 import rayppo.models.vocab_head as vocab_head
 from rayppo.models.loading import load_causal_lm
-from rayppo.models.sequences import _full_logits_forward, pack, policy_forward
+from rayppo.models.sequences import _full_logits_forward, pack, policy_forward, policy_forward_at, top_forward
 from rayppo.models.vocab_head import HeadPass, plain_weight, token_logprobs
 from rayppo.plan.footprint import LOGIT_CHUNK_ELEMENTS
 
@@ -105,7 +105,7 @@ def test_policy_forward_equals_the_full_logits_fp32(embedded_dir, tokenizer, sma
     batch = _ragged(tokenizer, model.config.vocab_size)
     with torch.no_grad():
         logprobs, entropy = policy_forward(model, batch, 0.7, with_entropy=True)
-        full_logprobs, full_entropy = _full_logits_forward(model, batch, 0.7, True, True)
+        full_logprobs, full_entropy, _ = _full_logits_forward(model, batch, None, 0.7, True, True)
     lp_bound, ent_bound = _bounds(model, batch, 0.7)
     assert (logprobs - full_logprobs).abs().max().item() <= lp_bound
     assert (entropy - full_entropy).abs().max().item() <= ent_bound
@@ -120,7 +120,7 @@ def test_policy_forward_equals_the_full_logits_bf16(embedded_dir, tokenizer, sma
     batch = _ragged(tokenizer, model.config.vocab_size)
     with torch.no_grad():
         logprobs, _ = policy_forward(model, batch, 1.0)
-        full_logprobs, _ = _full_logits_forward(model, batch, 1.0, False, True)
+        full_logprobs, _, _ = _full_logits_forward(model, batch, None, 1.0, False, True)
     lp_bound, _ = _bounds(model, batch, 1.0, logit_rounding=U_BF16)
     assert (logprobs - full_logprobs).abs().max().item() <= lp_bound
 
@@ -168,7 +168,7 @@ def test_no_full_vocabulary_tensor_is_kept_for_backward(small_chunks):
                  [torch.randint(1, 4096, (16 - i % 5,), generator=g).tolist() for i in range(16)], 0)
     full_size = batch.mask.numel() * config.vocab_size
     largest = {}
-    for forward in (policy_forward, _full_logits_forward):
+    for forward in (policy_forward_at, _full_logits_forward):
         sizes: list[int] = []
 
         def record(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
@@ -176,10 +176,10 @@ def test_no_full_vocabulary_tensor_is_kept_for_backward(small_chunks):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
-            forward(model, batch, 1.0, True, True)
+            forward(model, batch, None, 1.0, True, True)
         largest[forward.__name__] = max(sizes)
     assert largest["_full_logits_forward"] >= full_size
-    assert largest["policy_forward"] <= max(config.vocab_size * config.hidden_size,
+    assert largest["policy_forward_at"] <= max(config.vocab_size * config.hidden_size,
                                             batch.input_ids.numel() * config.intermediate_size) < full_size
 
 
@@ -203,7 +203,7 @@ engine = learner.ranks.actors[0].policy
 lm_head = engine.module.get_output_embeddings()
 logprobs, _ = policy_forward(engine, batch, 0.7)
 with torch.no_grad():
-    full, _ = _full_logits_forward(engine, batch, 0.7, False, True)
+    full, _, _ = _full_logits_forward(engine, batch, None, 0.7, False, True)
 engine.backward(-(logprobs * batch.mask).sum())
 print(json.dumps({"plain": plain_weight(lm_head) is not None, "gap": (logprobs.detach() - full).abs().max().item(),
                   "head_grad": safe_get_full_grad(lm_head.weight).abs().sum().item()}))
@@ -230,3 +230,69 @@ def test_zero3_engine_takes_the_module_path_with_the_same_numbers(embedded_dir, 
     result = json.loads(out.stdout.strip().splitlines()[-1])
     lp_bound, _ = _bounds(load_causal_lm(embedded_dir).eval(), batch, 0.7)
     assert not result["plain"] and result["gap"] <= lp_bound and result["head_grad"] > 0
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["fused", "checkpointed-module"])
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "with-entropy"])
+def test_gradients_at_several_ids_per_token_are_exact(bias, with_entropy):
+    """Targets ``[N, m]`` (the sampled token and a teacher's top ids, one repeated, as the sampled
+    token often is among the top ones): torch's numerical Jacobian in fp64 against both paths' backward."""
+    torch.manual_seed(2)
+    n, h, v, m = 7, 5, 11, 4
+    head = torch.nn.Linear(h, v, bias=bias).double()
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (n, m))
+    targets[:, 2] = targets[:, 0]  # a repeated id: its gradient is counted twice
+
+    def f(hidden, *params):
+        logprobs, entropy = token_logprobs(hidden, head, targets, HeadPass(0.7, with_entropy, chunk=3))
+        weights = torch.linspace(0.5, 2.0, m, dtype=torch.float64)  # each id's own weight: no cancellation
+        return (logprobs * weights).sum(-1) + (0.5 * entropy if with_entropy else 0.0)
+
+    assert torch.autograd.gradcheck(f, (hidden, *head.parameters()))
+    logprobs, _ = token_logprobs(hidden, head, targets, HeadPass(0.7, chunk=3))
+    z = torch.log_softmax(head(hidden) / 0.7, -1)
+    torch.testing.assert_close(logprobs, z.gather(1, targets), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["fused", "module"])
+def test_top_logprobs_are_the_full_softmax_top_k(bias):
+    """``top_logprobs``: the k largest entries of log_softmax(z / T) and their ids, most likely first,
+    in any chunk size (fp64: the same operations on the same numbers up to the logsumexp's order)."""
+    torch.manual_seed(3)
+    head = torch.nn.Linear(6, 17, bias=bias).double()
+    hidden = torch.randn(9, 6, dtype=torch.float64)
+    full = torch.log_softmax(head(hidden) / 0.8, -1)
+    want, want_ids = full.topk(5, dim=-1)
+    for chunk in (1, 4, 9):
+        top, ids = vocab_head.top_logprobs(hidden, head, 5, 0.8, chunk=chunk)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(top, want, rtol=0, atol=1e-12)
+    top, ids = vocab_head.top_logprobs(hidden[:0], head, 5)
+    assert top.shape == ids.shape == (0, 5)
+
+
+def test_policy_and_teacher_passes_at_top_ids_equal_the_full_logits(embedded_dir, tokenizer, small_chunks):
+    """The teacher's pass (``top_forward``: the sampled tokens' log-probs and the top k) and the learner's
+    (``policy_forward_at``: log pi at given ids, from the same head pass as the sampled tokens') on a
+    ragged batch in chunks of 3 tokens, against the full ``[B, T, V]`` log-softmax: within the fp32
+    bound of ``_bounds``; padding 0."""
+    model = load_causal_lm(embedded_dir).eval()
+    small_chunks(model.config.vocab_size)
+    batch = _ragged(tokenizer, model.config.vocab_size)
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        width = batch.response_ids.shape[1]
+        full = torch.log_softmax(out.logits[:, batch.prompt_width - 1:batch.prompt_width - 1 + width].float() / 0.7, -1)
+        sampled, top, ids = top_forward(model, batch, 6, 0.7)
+        at = policy_forward_at(model, batch, ids, 0.7)
+    lp_bound, _ = _bounds(model, batch, 0.7)
+    valid = batch.mask.bool()
+    want_top, _ = full.topk(6, dim=-1)
+    assert (top[valid] - want_top[valid]).abs().max().item() <= lp_bound  # the k largest values
+    assert (full.gather(-1, ids)[valid] - top[valid]).abs().max().item() <= lp_bound  # at the ids given
+    assert (at.at_ids[valid] - top[valid]).abs().max().item() <= lp_bound  # the learner reads them back
+    full_sampled = full.gather(-1, batch.response_ids.long().unsqueeze(-1)).squeeze(-1)
+    assert (sampled[valid] - full_sampled[valid]).abs().max().item() <= lp_bound
+    assert (at.logprobs[valid] - sampled[valid]).abs().max().item() <= lp_bound
+    assert not top[~valid].any() and not ids[~valid].any() and not at.at_ids[~valid].any()

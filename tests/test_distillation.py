@@ -58,7 +58,7 @@ def test_the_per_token_reward_is_the_teacher_log_ratio_of_two_tiny_models(embedd
     cfg = load_config(None, overrides)
     rollout = _student_rollout(embedded_dir, tokenizer, cfg)
     teacher = TeacherEngine(**teacher_args(cfg, 0.0))
-    taught = rollout.scored([0.0] * len(rollout), teacher_logprobs=teacher.teacher_logprobs(rollout))
+    taught = rollout.scored([0.0] * len(rollout), teacher=teacher.teacher_logprobs(rollout))
     student_model = load_causal_lm(str(embedded_dir), "float32").eval()
     teacher_model = load_causal_lm(str(digits_teacher / "policy"), "float32").eval()
     T = cfg.rollout.temperature
@@ -97,6 +97,54 @@ def test_the_per_token_reward_is_the_teacher_log_ratio_of_two_tiny_models(embedd
     assert half.flatten().tolist() == pytest.approx((none + 0.5 * (whole - none)).flatten().tolist(), abs=1e-6)
 
 
+def test_the_teacher_sends_its_top_k_and_the_loss_term_reads_the_students_log_probs_at_them(
+        embedded_dir, digits_teacher, tokenizer):
+    """``distill.topk`` = 4: the teacher actor's ids and log-probs per response position are its full
+    log-softmax's 4 largest (a hand forward, fp32 to 1e-5 nats), most likely first; they cross the
+    Arrow record and become the experience's [B, T, 4] fields; the loss term is
+    ``ppo.topk_reverse_kl`` of the student's log-probs at those ids (a hand forward of the student),
+    aggregated as the policy loss (token mean)."""
+    from rayppo.data.rollout import Rollout
+    from rayppo.learner.minibatches import MicroBatch
+    from rayppo.learner.objectives import policy_objective
+
+    overrides = ["trainer=reference", "ppo.advantage=grpo", "rollout.samples_per_prompt=2", "distill.mode=loss",
+                 f"distill.teacher={digits_teacher}", "distill.coef=0.5", "distill.topk=4"]
+    cfg = load_config(None, overrides)
+    rollout = _student_rollout(embedded_dir, tokenizer, cfg)
+    scores = TeacherEngine(**teacher_args(cfg, 0.0)).teacher_logprobs(rollout)
+    taught = Rollout.from_arrow(rollout.scored([0.0] * len(rollout), teacher=scores).to_arrow())
+    T = cfg.rollout.temperature
+
+    def hand(model_dir, prompt, response) -> torch.Tensor:  # [T_b, V] log softmax at the response positions
+        model = load_causal_lm(str(model_dir), "float32").eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
+        return torch.log_softmax(logits / T, -1)
+
+    hands = []
+    for i, (prompt, response) in enumerate(zip(rollout.prompt_ids, rollout.response_ids)):
+        teacher_full = hand(digits_teacher / "policy", prompt, response)
+        top, _ = teacher_full.topk(4, -1)
+        ids = torch.tensor(taught.teacher_top_ids[i])
+        assert ids.shape == (len(response), 4)
+        assert torch.tensor(taught.teacher_top_logprobs[i]) == pytest.approx(top, abs=1e-5)
+        assert teacher_full.gather(-1, ids) == pytest.approx(top, abs=1e-5)  # the ids are the ones they name
+        hands.append((hand(embedded_dir, prompt, response).gather(-1, ids), top))
+    settings = LearnSettings.of(cfg)
+    tensors = RolloutTensors.of(taught, tokenizer.pad_token_id)
+    plan = UpdatePlan.decide(settings, StepInputs(iteration=0, version=0, kl_coef=0.0), tensors)
+    exp = make_experience(tensors, None, plan).experience
+    assert exp.teacher_top_ids.shape == (len(rollout), exp.batch.mask.shape[1], 4)
+    student = load_causal_lm(str(embedded_dir), "float32")
+    n = int(exp.batch.mask.sum())
+    everyone = torch.arange(len(rollout))
+    _, stats, _ = policy_objective(student, exp, MicroBatch(everyone, token_share=1.0, row_share=1.0), plan)
+    expected = sum(ppo.topk_reverse_kl(s, t).sum().item() for s, t in hands) / n
+    assert stats["policy/distill_loss"].item() == pytest.approx(expected, abs=1e-5)
+    assert expected > 0.05  # two different models: the term is there to be compared
+
+
 def test_loss_and_reward_modes_move_the_sampled_token_the_same_way():
     """A hand-derived case: the student is uniform over 3 tokens (theta = 0), the teacher puts 0.7 on
     token 0. Sampled token 0: reward mode's advantage is -(log 1/3 - log 0.7) = log 2.1 > 0, and the
@@ -131,6 +179,33 @@ def test_loss_and_reward_modes_move_the_sampled_token_the_same_way():
         assert g[0] < 0 < g[1]  # gradient descent raises theta_0 (the teacher's token), lowers the others
 
 
+def test_topk_reverse_kl_by_hand_exact_at_full_vocabulary_and_a_lower_bound_below_it():
+    """``ppo.topk_reverse_kl``. By hand: student q = (0.5, 0.3, 0.2), teacher p = (0.6, 0.1, 0.3), the
+    teacher's top 1 is token 0: KL_1 = 0.5 log(0.5/0.6) + 0.5 log(0.5/0.4). With k = V it is the exact
+    reverse KL, value and gradient (fp64; the tails are below the floor k ulp(1) and add 0), and for
+    every smaller k it lies between 0 and the full KL (merging outcomes cannot raise a KL)."""
+    q, p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64)
+    kl_1 = ppo.topk_reverse_kl(q.log()[:1], p.log()[:1])
+    assert kl_1.item() == pytest.approx(0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4), abs=1e-12)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(4, 50, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(2 * torch.randn(4, 50, generator=g, dtype=torch.float64), -1)
+    student = torch.log_softmax(theta, -1)
+    full = (student.exp() * (student - teacher)).sum(-1)
+    order = teacher.argsort(-1, descending=True)  # the teacher's top ids first, as the teacher actor sends them
+    exact = ppo.topk_reverse_kl(student.gather(-1, order), teacher.gather(-1, order))
+    torch.testing.assert_close(exact, full, rtol=0, atol=1e-12)
+    (grad_full,) = torch.autograd.grad(full.sum(), theta, retain_graph=True)
+    (grad_topk,) = torch.autograd.grad(exact.sum(), theta, retain_graph=True)
+    torch.testing.assert_close(grad_topk, grad_full, rtol=0, atol=1e-12)
+    for k in (1, 5, 20, 49):
+        top = order[:, :k]
+        kl_k = ppo.topk_reverse_kl(student.gather(-1, top), teacher.gather(-1, top))
+        assert (kl_k >= -1e-12).all() and (kl_k <= full + 1e-12).all(), k
+    five = ppo.topk_reverse_kl(student.gather(-1, order[:, :5]), teacher.gather(-1, order[:, :5]))
+    assert (five < full - 1e-3).any()  # a coarsening loses something here: the bound is not trivially tight
+
+
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_actor_starts(copy_model, embedded_dir, tmp_path):
     """The teacher reads the student's token ids: another vocabulary is refused by name in the trainer's
     constructor, before Ray starts; the same tokenizer passes."""
@@ -163,6 +238,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_actor_starts(cop
     (["distill.task_reward=-1"], r"^distill.task_reward: must be >= 0"),
     (["distill.num=0"], r"^distill.num: must be >= 1"),
     (["cluster.colocate_all=true"], r"^distill.teacher: cannot run with cluster.colocate_all"),
+    (["distill.topk=8"], r"^distill.topk: is the loss term's full-distribution KL: it needs distill.mode=loss"),
+    (["distill.mode=loss", "distill.topk=-1"], r"^distill.topk: must be >= 0"),
+    (["distill.mode=loss", "distill.topk=8", "distill.estimator=k3"], r"^distill.estimator: estimates the KL"),
 ])
 def test_distill_settings_are_checked_at_load_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):

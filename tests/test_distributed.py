@@ -316,12 +316,14 @@ def test_distillation_on_two_ranks_equals_the_in_process_trainer_and_a_killed_te
     """Distillation on the distributed system (a teacher actor, 2 ZeRO-2 learner ranks in micro-batches)
     gives the in-process trainer's figures, iteration by iteration (the bounds of the distributed
     equivalence test), also after the teacher actor is SIGKILLed between the two iterations: it is
-    replaced like the reference, and its replacement's log-probs are the same. The learning rate
+    replaced like the reference, and its replacement's log-probs are the same. The term is the
+    top-k loss (``distill.topk``): the teacher's [B][T][k] columns cross Ray, are cut into the ranks'
+    rows and micro-batches, and the student's log-probs at them enter each rank's loss. The learning rate
     decays linearly over the 2 iterations (factors 1 and 1/2, ``lr_schedule.py``): the DeepSpeed
     engines' rate must follow it for iteration 1's later minibatch losses to match."""
     base = ["generators.backend=hf", "rollout.batch_size=16", "ppo.epochs=2", "ppo.minibatches=2",
             "rollout.max_new_tokens=6", f"distill.teacher={digits_teacher}", "distill.coef=0.5",
-            "ppo.lr_schedule=linear", "stop.iterations=2",
+            "distill.mode=loss", "distill.topk=8", "ppo.lr_schedule=linear", "stop.iterations=2",
             "generators.cpus_per_worker=0.25"]  # 2 CPUs: the teacher takes the quarter the generator gives up
     reference = InProcessTrainer(load_config(None, base + ["trainer=reference", "learner.micro_batch_tokens=0"]))
     ref_stats = [reference.iteration() for _ in range(2)]
@@ -337,13 +339,18 @@ def test_distillation_on_two_ranks_equals_the_in_process_trainer_and_a_killed_te
         trainer.close()
     assert stats[1]["faults/actor_restarts"] == 1.0
     assert rollout.response_ids == reference.last_rollout.response_ids
+    theirs_top = reference.last_rollout.teacher_top_logprobs
     for mine, theirs in zip(rollout.teacher_logprobs, reference.last_rollout.teacher_logprobs, strict=True):
         assert mine == pytest.approx(theirs, abs=1e-5)  # the replacement scores as the in-process teacher
+    for mine, theirs in zip(rollout.teacher_top_logprobs, theirs_top, strict=True):
+        assert torch.tensor(mine) == pytest.approx(torch.tensor(theirs), abs=1e-5)
     assert abs(ref_stats[1]["distill/reverse_kl_mean"]) > 1e-3  # the term is there to be compared
+    assert ref_stats[1]["policy/distill_loss"] > 1e-3
     lr = reference.cfg.ppo.lr  # policy/lr: read back from the AdamW groups each DeepSpeed engine steps
     assert [s["policy/lr"] for s in ref_stats] == [s["policy/lr"] for s in stats] == [lr, lr / 2]
     for it in (0, 1):
-        for key in ("policy/loss", "value/loss", "policy/clipfrac", "distill/reverse_kl_mean", "kl/ref_mean"):
+        for key in ("policy/loss", "value/loss", "policy/clipfrac", "distill/reverse_kl_mean", "kl/ref_mean",
+                    "policy/distill_loss"):
             assert stats[it][key] == pytest.approx(ref_stats[it][key], abs=1e-5, rel=1e-4), (it, key)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from rayppo.data.micro_batches import scoring_batches
@@ -9,7 +11,7 @@ from rayppo.data.rollout import Rollout
 from rayppo.machine.role_resources import Engine, Resources, model_size
 from rayppo.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rayppo.models.packing import cut_layout, scoring_layout
-from rayppo.models.sequences import pack, policy_forward
+from rayppo.models.sequences import PackedBatch, pack, policy_forward
 from rayppo.models.varlen_attention import use_varlen_attention
 
 
@@ -44,13 +46,17 @@ class ReferenceEngine(Engine):
     def ref_logprobs(self, rollout: Rollout) -> list[list[float]]:
         """``[B][T_b]`` log pi_ref(y_t | S_{t-1}) for every response token (0 on an episode's observation tokens)."""
         out: list[list[float]] = [[] for _ in range(len(rollout))]
-        # Micro-batches of about equal processed tokens (``reference.micro_batch_tokens``), or fixed runs of rows.
-        lengths = rollout.lengths()
-        for rows in scoring_batches(*lengths, self.micro_batch_tokens, self.batch_size, cut_layout(self.layout)):
+        for rows, batch, lengths in self.micro_batches(rollout):
+            logprobs, _ = policy_forward(self.model, batch, self.temperature)
+            for i, row, n in zip(rows, logprobs, lengths):
+                out[i] = row[:n].tolist()
+        return out
+
+    def micro_batches(self, rollout: Rollout) -> Iterator[tuple[list[int], PackedBatch, list[int]]]:
+        """``(rows, batch, response lengths)`` of each micro-batch of ``rollout`` to score: rows of about
+        equal processed tokens (``micro_batch_tokens``), or fixed runs of rows, packed as this model lays them out."""
+        for rows in scoring_batches(*rollout.lengths(), self.micro_batch_tokens, self.batch_size,
+                                    cut_layout(self.layout)):
             part = rollout.select(rows)
             batch = pack(part.prompt_ids, part.response_ids, self.pad_id, part.action_mask)
-            batch = (batch.packed(self.layout) if self.layout else batch).to(self.device)
-            logprobs, _ = policy_forward(self.model, batch, self.temperature)
-            for i, row, ids in zip(rows, logprobs, part.response_ids):
-                out[i] = row[: len(ids)].tolist()
-        return out
+            yield rows, (batch.packed(self.layout) if self.layout else batch).to(self.device), part.lengths()[1]

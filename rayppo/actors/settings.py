@@ -7,6 +7,7 @@ from typing import Any
 
 from rayppo.actors.hf_backend import SamplingSettings
 from rayppo.actors.reward import HttpEndpoint, ModelScorer, Scorer, Verifier
+from rayppo.actors.teacher import TeacherScoring
 from rayppo.config.schema import Config
 from rayppo.episodes.turn_loop import EpisodeSettings
 from rayppo.machine.role_resources import Resources
@@ -48,7 +49,7 @@ def teacher_args(cfg: Config, gpus: float, num_threads: int | None = None,
     resolved), scored at the sampling temperature and held out as the generators sample."""
     d = cfg.distill
     return dict(model_path=model_path or d.teacher, sampling=sampling_settings(cfg), dtype=cfg.model.dtype,
-                micro_batch_tokens=d.micro_batch_tokens, resources=Resources(num_threads, gpus),
+                scoring=TeacherScoring(d.micro_batch_tokens, d.topk), resources=Resources(num_threads, gpus),
                 episodes=episode_settings(cfg))
 
 

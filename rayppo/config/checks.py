@@ -239,6 +239,11 @@ def _validate_distill(cfg: Config) -> None:
     _require(not (d.mode == "loss" and d.estimator == "k1"), "distill.estimator", "k1 as a loss term has the gradient "
              "grad log pi(y_t) whatever the teacher says (zero in expectation on the student's samples): use k2 "
              "(the reverse KL's gradient) or k3 (the forward KL's), or auto", d.estimator)
+    _require(d.topk >= 0, "distill.topk", "must be >= 0 (0: the sampled token's estimate)", d.topk)
+    _require(not d.topk or d.mode == "loss", "distill.topk", "is the loss term's full-distribution KL: it needs "
+             "distill.mode=loss (a reward scores the sampled token only)", d.topk)
+    _require(not d.topk or d.estimator == "auto", "distill.estimator", "estimates the KL from the sampled token; "
+             "with distill.topk the loss is the top-k KL itself, so leave it auto", d.estimator)
     _require(not cfg.cluster.colocate_all, "distill.teacher", "cannot run with cluster.colocate_all yet (the teacher "
              "has no place on the learner ranks' GPUs): give it its own actors", d.teacher)
 

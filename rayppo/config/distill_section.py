@@ -46,6 +46,13 @@ class DistillConfig(ScorerConfig):
     from the distillation advantages: a constant baseline, so the gradient's expectation is
     unchanged, while the term no longer pushes down every sampled token on average (its mean is
     -KL < 0). False: the published recipe, D_t as it is."""
+    topk: int = 0
+    """k > 0 (``mode=loss``): the loss term is the reverse KL over the teacher's k most likely tokens
+    at each state the student visits plus one outcome for all other tokens
+    (``ppo.topk_reverse_kl``): the teacher's next-token distribution, not only its verdict on the
+    sampled token, as GKD and TRL's ``DistillationTrainer`` match it. The teacher returns k ids and
+    log-probs per response token (8 k bytes); the learner takes the student's log-probs at them from
+    the same head pass. 0: the sampled token's estimate (``estimator``)."""
     estimator: DistillEstimator = "auto"
     """The per-token estimate k of KL(pi || pi_T). ``auto``: ``k1`` in ``mode=reward`` (log pi -
     log pi_T, whose score-function gradient is the reverse KL's) and ``k2`` in ``mode=loss``

@@ -99,17 +99,24 @@ class Rollout:
     teacher_logprobs: list[list[float]] = _column(FLOAT32S)
     """(teacher scorer) [B][T_b] log pi_T(y_t | S_{t-1}) under the distillation teacher
     (``distill.teacher``); empty before the teacher pass, and without a teacher."""
+    teacher_top_ids: list[list[list[int]]] = _column(pa.list_(INT32S))
+    """(teacher scorer) [B][T_b][k] the teacher's k most likely tokens j at each response position,
+    most likely first (``distill.topk`` = k > 0; else empty)."""
+    teacher_top_logprobs: list[list[list[float]]] = _column(pa.list_(FLOAT32S))
+    """(teacher scorer) [B][T_b][k] log pi_T(j | S_{t-1}) of those tokens (``distill.topk`` > 0; else empty)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def scored(self, score: list[float], ref_logprobs: list[list[float]] | None = None,
-               gold_score: list[float] | None = None, teacher_logprobs: list[list[float]] | None = None) -> Rollout:
+               gold_score: list[float] | None = None, teacher: TeacherScores | None = None) -> Rollout:
         """A new record with the scorers' columns filled (this one is left as it is)."""
+        teacher = teacher or TeacherScores(self.teacher_logprobs, self.teacher_top_ids, self.teacher_top_logprobs)
         return dataclasses.replace(
             self, score=list(score), ref_logprobs=self.ref_logprobs if ref_logprobs is None else list(ref_logprobs),
             gold_score=self.gold_score if gold_score is None else list(gold_score),
-            teacher_logprobs=self.teacher_logprobs if teacher_logprobs is None else list(teacher_logprobs))
+            teacher_logprobs=list(teacher.logprobs), teacher_top_ids=list(teacher.top_ids),
+            teacher_top_logprobs=list(teacher.top_logprobs))
 
     def trained(self, advantages: list[list[float]], returns: list[list[float]]) -> Rollout:
         """A new record with the learner's columns filled (``output.save_rollouts``)."""
@@ -206,6 +213,24 @@ class Rollout:
         """Write the rollout (for audit and replay)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(self.to_arrow(), str(path))
+
+
+@dataclass
+class TeacherScores:
+    """What a distillation teacher's pass returns for B rows: the ``Rollout.teacher_*`` columns."""
+
+    logprobs: list[list[float]]
+    """[B][T_b] log pi_T(y_t | S_{t-1}) of the sampled tokens (0 on an episode's observation tokens)."""
+    top_ids: list[list[list[int]]] = field(default_factory=list)
+    """[B][T_b][k] the teacher's k most likely tokens per position; empty at ``distill.topk`` = 0."""
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    """[B][T_b][k] their log-probs under the teacher; empty at ``distill.topk`` = 0."""
+
+    @staticmethod
+    def concat(parts: list[TeacherScores]) -> TeacherScores:
+        """The rows of several passes' shares, one after the other."""
+        return TeacherScores([r for p in parts for r in p.logprobs], [r for p in parts for r in p.top_ids],
+                             [r for p in parts for r in p.top_logprobs])
 
 
 ROLLOUT_SCHEMA = pa.schema([pa.field(f.name, f.metadata["arrow"]) for f in dataclasses.fields(Rollout)])

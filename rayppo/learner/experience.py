@@ -60,6 +60,10 @@ class Experience:
     teacher_logprobs: torch.Tensor | None
     """[B, T] log pi_T(y_t | S_{t-1}) of the distillation teacher (the loss term of
     ``distill.mode=loss`` reads it); None without a teacher."""
+    teacher_top_ids: torch.Tensor | None
+    """[B, T, k] long: the teacher's k most likely tokens j at each position (``distill.topk``); None without."""
+    teacher_top_logprobs: torch.Tensor | None
+    """[B, T, k] log pi_T(j | S_{t-1}) of those tokens: the top-k loss term reads them; None without."""
     old_values: torch.Tensor
     """[B, T] V_old(S_{t-1}) before the update."""
     rewards: torch.Tensor
@@ -122,9 +126,9 @@ class Experience:
         return dataclasses.replace(part, batch=batch, **cut)
 
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "rewards", "advantages", "returns",
-                "prox_logprobs", "same_version")
-"""The ``[B, T]`` fields of an ``Experience`` (cut with the response columns)."""
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs",
+                "old_values", "rewards", "advantages", "returns", "prox_logprobs", "same_version")
+"""The ``[B, T]`` (and ``[B, T, k]``) fields of an ``Experience`` (cut with the response columns)."""
 
 ROW_FIELDS = ("scores", "generator_ids", "row_keep")
 """The ``[B]`` fields of an ``Experience``."""
@@ -233,7 +237,8 @@ def make_experience(
     if critic is not None:
         stats |= value_stats(values.values, returns, mask, collective)
     exp = Experience(batch=batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                     teacher_logprobs=rows.teacher_logprobs, old_values=values.values,
+                     teacher_logprobs=rows.teacher_logprobs, teacher_top_ids=rows.teacher_top_ids,
+                     teacher_top_logprobs=rows.teacher_top_logprobs, old_values=values.values,
                      rewards=rewards, advantages=advantages, returns=returns, scores=rows.scores,
                      generator_ids=rows.generator_ids, prox_logprobs=prox_logprobs, same_version=same_version,
                      row_keep=None if terms is None else terms.row_keep,

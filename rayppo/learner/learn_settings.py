@@ -57,6 +57,8 @@ class DistillTerm:
     """The task reward's weight in training (``distill.task_reward``; 0: pure distillation)."""
     center: bool = False
     """Subtract the global batch's mean D_t (``distill.center``)."""
+    topk: int = 0
+    """k > 0: the loss term is the reverse KL over the teacher's top k tokens and the rest (``distill.topk``)."""
 
     @staticmethod
     def of(cfg: Config) -> DistillTerm:
@@ -64,7 +66,7 @@ class DistillTerm:
         if d.teacher is None:
             return DistillTerm()
         estimator: KLEstimator = ("k1" if d.mode == "reward" else "k2") if d.estimator == "auto" else d.estimator
-        return DistillTerm(d.mode, d.coef, d.gamma, estimator, d.task_reward, d.center)
+        return DistillTerm(d.mode, d.coef, d.gamma, estimator, d.task_reward, d.center, d.topk)
 
 
 @dataclass(frozen=True)

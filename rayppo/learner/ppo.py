@@ -140,6 +140,29 @@ def distill_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     return advantages
 
 
+def topk_reverse_kl(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """``[...]`` KL(pi || pi_T) at each state over k + 1 outcomes: the teacher's k most likely tokens
+    j, one by one, and every other token as one outcome, the tail. ``logprobs`` and
+    ``teacher_logprobs`` ``[..., k]`` are log pi(j) and log pi_T(j) at those tokens:
+
+        q_j = exp(log pi(j)),  q_rest = 1 - sum_j q_j    (p_j, p_rest alike for pi_T)
+        KL_k = sum_j q_j (log q_j - log p_j) + q_rest (log q_rest - log p_rest)
+
+    Merging outcomes cannot raise a KL (the data-processing inequality), so KL_k <= KL(pi || pi_T)
+    over the whole vocabulary, with equality when the tail holds the same share of both
+    distributions' mass per token or none; k = V gives the exact reverse KL. Its gradient through
+    log pi is the gradient of the reverse KL between the coarsened distributions (the generalised
+    JSD at beta = 1 of GKD, Agarwal et al. 2024, eq. 5, on the student's own states; Lu 2025 names
+    the full-distribution variant). The tails are 1 - a sum of k rounded probabilities, exact to about
+    k ulp(1): below that floor a tail is rounding, and is held at it (so two empty tails add 0).
+    """
+    floor = logprobs.shape[-1] * torch.finfo(logprobs.dtype).eps
+    q, p = logprobs.exp(), teacher_logprobs.exp()
+    q_rest = (1 - q.sum(-1)).clamp_min(floor)
+    p_rest = (1 - p.sum(-1)).clamp_min(floor)
+    return (q * (logprobs - teacher_logprobs)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+
+
 def truncation_targets(
     scores: torch.Tensor,
     last_values: torch.Tensor,

@@ -32,6 +32,10 @@ class RolloutTensors:
     """[B, T] log pi_ref(y_t | S_{t-1}); None when no reference ran (kl_coef = 0)."""
     teacher_logprobs: torch.Tensor | None
     """[B, T] log pi_T(y_t | S_{t-1}) of the distillation teacher; None without one."""
+    teacher_top_ids: torch.Tensor | None
+    """[B, T, k] long: the teacher's k most likely tokens per position (``distill.topk``); None without them."""
+    teacher_top_logprobs: torch.Tensor | None
+    """[B, T, k] log pi_T of those tokens; None without them."""
     scores: torch.Tensor
     """[B] float32 r_phi(x, y)."""
     truncated: torch.Tensor
@@ -68,6 +72,9 @@ class RolloutTensors:
             old_logprobs=padded(rollout.logprobs).to(device),
             ref_logprobs=padded(rollout.ref_logprobs).to(device) if rollout.ref_logprobs else None,
             teacher_logprobs=padded(rollout.teacher_logprobs).to(device) if rollout.teacher_logprobs else None,
+            teacher_top_ids=padded_top(rollout.teacher_top_ids, torch.long).to(device) if rollout.teacher_top_ids else None,
+            teacher_top_logprobs=(padded_top(rollout.teacher_top_logprobs).to(device) if rollout.teacher_top_logprobs
+                                  else None),
             scores=torch.tensor(rollout.score, dtype=torch.float32, device=device),
             truncated=truncated(rollout).to(device),
             generator_ids=torch.tensor(rollout.generator_id or [0] * n, dtype=torch.long),
@@ -88,6 +95,18 @@ def padded(rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.float32, 
     into a ``[B, max_len]`` tensor."""
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def padded_top(rows: Sequence[Sequence[Sequence[float]]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Ragged rows of k numbers per token (``Rollout.teacher_top_*``) right-padded with 0 into
+    ``[B, max_len, k]``."""
+    width = max((len(r) for r in rows), default=0)
+    k = max((len(r[0]) for r in rows if r), default=0)
+    out = torch.zeros((len(rows), width, k), dtype=dtype)
     for i, row in enumerate(rows):
         if row:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)

@@ -95,6 +95,8 @@ class UpdatePlan:
         has_reference = rows.ref_logprobs is not None
         if e.distill.coef and rows.teacher_logprobs is None:
             raise ValueError("distill.teacher is set, but the rollout has no teacher_logprobs (no teacher pass ran)")
+        if e.distill.topk and rows.teacher_top_logprobs is None:
+            raise ValueError("distill.topk is set, but the rollout has no teacher_top_logprobs (the teacher ran without it)")
         return UpdatePlan(
             settings=settings, proximal=proximal, decoupled=e.correction.truncated_is, geo_mask=e.correction.geo_mask,
             reward_kl_coef=step.kl_coef if p.kl_mode == "reward" else 0.0,

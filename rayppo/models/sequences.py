@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from rayppo.models.packing import RowPacking, pack_sequences, unpack
 from rayppo.models.shared_prompts import pack_shared
-from rayppo.models.vocab_head import HeadPass, token_logprobs
+from rayppo.models.vocab_head import HeadPass, token_logprobs, top_logprobs
 from rayppo.token_math import entropy_from_logits, logprobs_from_logits
 
 if TYPE_CHECKING:
@@ -193,10 +193,77 @@ def policy_forward(
     is still the one called, so its hooks run). Model types not known to compute their logits as
     exactly ``h W^T`` (``PLAIN_HEAD_MODELS``) take the full-logits path.
     """
+    out = policy_forward_at(model, batch, None, temperature, with_entropy, entropy_grad)
+    return out.logprobs, out.entropy
+
+
+class ResponseLogprobs(NamedTuple):
+    """A policy's forward over the response tokens (0 on padding)."""
+
+    logprobs: torch.Tensor
+    """[B, T] log pi(y_t | S_{t-1}) of the sampled tokens."""
+    entropy: torch.Tensor | None
+    """[B, T] H(pi(. | S_{t-1})); None when not asked for."""
+    at_ids: torch.Tensor | None
+    """[B, T, k] log pi(j | S_{t-1}) at the k ids given per position (a teacher's top ids); None without them."""
+
+
+def policy_forward_at(
+    model: torch.nn.Module, batch: PackedBatch, ids: torch.Tensor | None, temperature: float = 1.0,
+    with_entropy: bool = False, entropy_grad: bool = True,
+) -> ResponseLogprobs:
+    """``policy_forward``, and with ``ids`` [B, T, k] also log pi at those k tokens of every
+    response position (the student's side of the top-k distillation term), from the same pass:
+    the sampled token and the k others are m = k + 1 targets of one head pass."""
     lm = _causal_lm(model)
     head = lm.get_output_embeddings()
     if head is None or not _plain_logits(lm):
-        return _full_logits_forward(model, batch, temperature, with_entropy, entropy_grad)
+        return _full_logits_forward(model, batch, ids, temperature, with_entropy, entropy_grad)
+    hidden, valid = _response_hidden(model, lm, batch)
+    targets = batch.response_ids[valid].unsqueeze(1)
+    if ids is not None:
+        targets = torch.cat([targets, ids[:, : valid.shape[1]][valid].to(targets.dtype)], dim=1)
+    logprobs, entropy = token_logprobs(hidden, head, targets, HeadPass(temperature, with_entropy, entropy_grad))
+    zeros = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=batch.mask.device)
+    at_ids = None
+    if ids is not None:
+        at_ids = logprobs.new_zeros((*batch.mask.shape, ids.shape[-1]))
+        at_ids[valid] = logprobs[:, 1:]
+    return ResponseLogprobs(zeros.masked_scatter(valid, logprobs[:, 0]),
+                            None if entropy is None else zeros.masked_scatter(valid, entropy), at_ids)
+
+
+@torch.no_grad()
+def top_forward(model: torch.nn.Module, batch: PackedBatch, k: int, temperature: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs [B, T], top_logprobs [B, T, k], top_ids [B, T, k])``: the sampled tokens' log-probs
+    under ``model`` and, at every response position, its k most likely tokens and their log-probs
+    (``vocab_head.top_logprobs``; 0 and id 0 on padding). A distillation teacher's pass."""
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings()
+    valid = batch.mask.bool()
+    if head is None or not _plain_logits(lm):
+        out = model(**batch.model_inputs(), use_cache=False)
+        logits = batch.unpacked(out.logits)[:, _response_slice(batch)].float() / temperature
+        logsoftmax = torch.log_softmax(logits, dim=-1)
+        top, ids = logsoftmax.topk(k, dim=-1)
+        sampled = logsoftmax.gather(-1, batch.response_ids.long().unsqueeze(-1)).squeeze(-1)
+        keep = valid.unsqueeze(-1)
+        return sampled * batch.mask, top * keep, ids * keep
+    hidden, _ = _response_hidden(model, lm, batch)
+    top, ids = top_logprobs(hidden, head, k, temperature)
+    sampled, _ = token_logprobs(hidden, head, batch.response_ids[valid], HeadPass(temperature))
+    logprobs = torch.zeros(batch.mask.shape, dtype=sampled.dtype, device=batch.mask.device)
+    top_full = top.new_zeros((*batch.mask.shape, k))
+    ids_full = ids.new_zeros((*batch.mask.shape, k))
+    top_full[valid], ids_full[valid] = top, ids
+    return logprobs.masked_scatter(valid, sampled), top_full, ids_full
+
+
+def _response_hidden(model: torch.nn.Module, lm: PreTrainedModel, batch: PackedBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden [N, H], valid [B, T])``: the decoder's last hidden states at the N valid response
+    positions, from ``model``'s forward with the causal LM's own projection skipped."""
     captured: list[torch.Tensor] = []
     handle = lm.get_decoder().register_forward_hook(lambda _m, _args, out: captured.append(_last_hidden(out)))
     try:
@@ -204,11 +271,7 @@ def policy_forward(
     finally:
         handle.remove()
     valid = batch.mask.bool()
-    hidden = batch.unpacked(captured[-1])[:, _response_slice(batch)][valid]  # [N, H]: the valid response positions
-    logprobs, entropy = token_logprobs(hidden, head, batch.response_ids[valid],
-                                       HeadPass(temperature, with_entropy, entropy_grad))
-    zeros = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=batch.mask.device)
-    return zeros.masked_scatter(valid, logprobs), None if entropy is None else zeros.masked_scatter(valid, entropy)
+    return batch.unpacked(captured[-1])[:, _response_slice(batch)][valid], valid
 
 
 _NO_POSITIONS = torch.zeros(0, dtype=torch.long)
@@ -238,9 +301,10 @@ def _last_hidden(output) -> torch.Tensor:  # noqa: ANN001 - a transformers Model
 
 
 def _full_logits_forward(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``policy_forward`` through the model's own ``[B, P + T, V]`` logits."""
+    model: torch.nn.Module, batch: PackedBatch, ids: torch.Tensor | None, temperature: float, with_entropy: bool,
+    entropy_grad: bool,
+) -> ResponseLogprobs:
+    """``policy_forward_at`` through the model's own ``[B, P + T, V]`` logits."""
     out = model(**batch.model_inputs(), use_cache=False)
     logits = batch.unpacked(out.logits)[:, _response_slice(batch)].float() / temperature
     logprobs = logprobs_from_logits(logits, batch.response_ids) * batch.mask
@@ -248,7 +312,11 @@ def _full_logits_forward(
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits) * batch.mask
-    return logprobs, entropy
+    at_ids = None
+    if ids is not None:
+        at_ids = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, : logits.shape[1]].long())
+        at_ids = at_ids * batch.mask.unsqueeze(-1)
+    return ResponseLogprobs(logprobs, entropy, at_ids)
 
 
 def critic_forward(critic: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,24 +85,25 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> t
 
 def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(lse [n], log pi(y) [n], H [n] or None)`` of one chunk's fp32 logits ``z [n, V]``.
+    """``(lse [n], log pi(targets) [n, m], H [n] or None)`` of one chunk's fp32 logits ``z [n, V]``
+    at ``targets [n, m]`` (m ids per token: the sampled one, and the teacher's top ids).
 
     With ``y = z - max z`` and ``e = exp(y)``, ``s = sum e``: lse = max z + log s and
     H = log s - sum(e y) / s (the same H as above, in one pass over e)."""
-    chosen = z.gather(1, targets.unsqueeze(1)).squeeze(1)
+    chosen = z.gather(1, targets)
     if not with_entropy:
         lse = torch.logsumexp(z, dim=-1)
-        return lse, chosen - lse, None
+        return lse, chosen - lse.unsqueeze(1), None
     top = z.amax(dim=-1, keepdim=True)
     y = z - top
     e = torch.exp(y)
     s = e.sum(dim=-1)
     lse = top.squeeze(1) + torch.log(s)
-    return lse, chosen - lse, torch.log(s) - torch.linalg.vecdot(e, y) / s
+    return lse, chosen - lse.unsqueeze(1), torch.log(s) - torch.linalg.vecdot(e, y) / s
 
 
 class _FusedLinearLogSoftmax(torch.autograd.Function):
-    """``(log pi(y) [N], H [N] or empty)`` of ``z = (h W^T) / T`` (in fp32 at least), chunk by chunk."""
+    """``(log pi(targets) [N, m], H [N] or empty)`` of ``z = (h W^T) / T`` (in fp32 at least), chunk by chunk."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -111,7 +112,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         temperature, with_entropy, chunk = settings.temperature, settings.with_entropy, cast(int, settings.chunk)
         n, dtype = hidden.shape[0], _stats_dtype(hidden.dtype)
         weight_stats = weight.to(dtype)  # once per call: every chunk's product in fp32
-        logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+        logprobs = torch.empty(targets.shape, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         for s in range(0, n, chunk):
@@ -156,21 +157,27 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
 
 
 def _part(x: torch.Tensor | None, start: int, chunk: int) -> torch.Tensor | None:
-    return None if x is None else x[start:start + chunk].unsqueeze(1)
+    """Rows ``start .. start + chunk`` of a per-token gradient, as ``[n, m]`` (``[n, 1]`` for the entropy's)."""
+    if x is None:
+        return None
+    part = x[start:start + chunk]
+    return part if part.dim() == 2 else part.unsqueeze(1)
 
 
 def _logits_grad(p: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, shift: torch.Tensor | None,
                  grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> torch.Tensor:
-    """``dL/dz [n, V]`` from ``dL/dlog pi(y)`` and ``dL/dH`` ([n, 1] each, either may be None);
-    ``shift`` [n] is H - lse. Overwrites ``p``."""
-    if grad_entropy is None:  # ([v = y] - p) g
-        assert grad_logprobs is not None  # backward returned early when neither gradient came
-        dz = p.mul_(-grad_logprobs)
-    else:  # -p (z - lse + H) g_H - p g  (the [v = y] g part is added below)
+    """``dL/dz [n, V]`` from ``dL/dlog pi(targets)`` [n, m] and ``dL/dH`` [n, 1] (either may be None);
+    ``shift`` [n] is H - lse. Overwrites ``p``. Each target j adds ([v = j] - p) g_j: the p part of
+    all m is -p sum_j g_j."""
+    g = None if grad_logprobs is None else grad_logprobs.sum(1, keepdim=True)
+    if grad_entropy is None:  # sum_j ([v = j] - p) g_j
+        assert g is not None  # backward returned early when neither gradient came
+        dz = p.mul_(-g)
+    else:  # -p (z - lse + H) g_H - p sum_j g_j  (the [v = j] g_j parts are added below)
         assert shift is not None  # backward computes the shift whenever grad_entropy is given
-        dz = p.mul_(-(z + shift.unsqueeze(1)) * grad_entropy - (0 if grad_logprobs is None else grad_logprobs))
+        dz = p.mul_(-(z + shift.unsqueeze(1)) * grad_entropy - (0 if g is None else g))
     if grad_logprobs is not None:
-        dz.scatter_add_(1, targets.unsqueeze(1), grad_logprobs)
+        dz.scatter_add_(1, targets, grad_logprobs)
     return dz
 
 
@@ -197,21 +204,36 @@ def plain_weight(head: torch.nn.Module) -> torch.Tensor | None:
 
 def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
                    settings: HeadPass = HeadPass()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(log pi(y_n) [N], H_n [N] or None)`` for hidden states ``[N, H]`` and targets ``[N]``.
+    """``(log pi(targets) [N] or [N, m], H_n [N] or None)`` for hidden states ``[N, H]`` and targets
+    ``[N]`` (the sampled tokens) or ``[N, m]`` (m tokens per position: the sampled one and a teacher's top ids).
 
     Equals ``log_softmax(head(hidden).float() / T)`` (fp64 stays fp64) gathered at the targets (and the entropy of
     that softmax) to fp32 rounding, gradients included, but never holds more than ``chunk``
     tokens' logits (``settings.chunk``, default ``chunk_tokens(V)``). ``entropy_grad=False`` returns
     the entropy as a statistic (no gradient flows through it, and its backward costs nothing).
     """
-    temperature, with_entropy, entropy_grad = settings.temperature, settings.with_entropy, settings.entropy_grad
-    chunk = settings.chunk or chunk_tokens(getattr(head, "out_features", None)
-                                           or cast(torch.Tensor, head.weight).shape[0])
-    targets = targets.long()
+    with_entropy, entropy_grad = settings.with_entropy, settings.entropy_grad
+    chunk = settings.chunk or chunk_tokens(_vocab_size(head))
+    flat = targets.dim() == 1
+    targets = targets.long().unsqueeze(1) if flat else targets.long()  # [N, m]
     weight = plain_weight(head)
     if weight is not None:
         logprobs, entropy = _FusedLinearLogSoftmax.apply(hidden, weight, targets, replace(settings, chunk=chunk))
-        return logprobs, entropy if with_entropy else None
+    else:
+        logprobs, entropy = _module_head_logprobs(hidden, head, targets, replace(settings, chunk=chunk))
+        entropy = entropy if entropy_grad else entropy.detach()
+    return logprobs.squeeze(1) if flat else logprobs, entropy if with_entropy else None
+
+
+def _vocab_size(head: torch.nn.Module) -> int:
+    return getattr(head, "out_features", None) or cast(torch.Tensor, head.weight).shape[0]
+
+
+def _module_head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, settings: HeadPass
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` through the head module, each chunk under activation checkpointing
+    (an adapter on the head, a ZeRO-3 partition): ``(log pi(targets) [N, m], H [N] or empty)``."""
+    temperature, with_entropy, chunk = settings.temperature, settings.with_entropy, cast(int, settings.chunk)
     n = hidden.shape[0]
     if any(hasattr(p, "ds_id") for p in head.parameters()):
         # ZeRO-3: every call of the head gathers its weight, a collective, so every rank must make
@@ -225,8 +247,31 @@ def token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.T
             parts.append(torch.utils.checkpoint.checkpoint(_checkpointed_chunk, *args, use_reentrant=False))
         else:
             parts.append(_checkpointed_chunk(*args))
-    logprobs = torch.cat([p[0] for p in parts])
-    if not with_entropy:
-        return logprobs, None
-    entropy = torch.cat([p[1] for p in parts])
-    return logprobs, entropy if entropy_grad else entropy.detach()
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+@torch.no_grad()
+def top_logprobs(hidden: torch.Tensor, head: torch.nn.Module, k: int, temperature: float = 1.0,
+                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log pi [N, k], ids [N, k])``: the k most likely next tokens at each of the hidden states
+    ``[N, H]`` and their log-probs under ``log_softmax(head(hidden).float() / T)``, most likely
+    first (a distillation teacher's top-k, ``docs/distillation.md``). No gradient; chunked as
+    ``token_logprobs`` is, so no ``[N, V]`` tensor exists."""
+    chunk = chunk or chunk_tokens(_vocab_size(head))
+    weight = plain_weight(head)
+    weight = None if weight is None else weight.to(_stats_dtype(weight.dtype))  # once per call, as the fused pass
+    values, ids = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        h = hidden[s:s + chunk]
+        if weight is not None:
+            z = _logits(h, weight, temperature)
+        else:
+            z = head(h)
+            z = z.to(_stats_dtype(z.dtype)) / temperature
+        top, index = z.topk(k, dim=-1)
+        values.append(top - torch.logsumexp(z, dim=-1, keepdim=True))
+        ids.append(index)
+    if not values:
+        return (hidden.new_zeros((0, k), dtype=_stats_dtype(hidden.dtype)),
+                torch.zeros((0, k), dtype=torch.long, device=hidden.device))
+    return torch.cat(values), torch.cat(ids)

@@ -21,7 +21,7 @@ from rayppo.cluster.supervisor import Fanout, Supervisor
 from rayppo.cluster.weight_sync import BroadcastSync, IpcSync, ObjectStoreSync, make_weight_sync, verify_sync
 from rayppo.config.schema import Config
 from rayppo.data.prompts import PromptBatch
-from rayppo.data.rollout import Rollout, split_evenly
+from rayppo.data.rollout import Rollout, TeacherScores, split_evenly
 from rayppo.machine.role_resources import Engine
 from rayppo.run.stage_times import ScoringSeconds
 from rayppo.trainers.iteration import group_shares
@@ -128,7 +128,7 @@ class DistributedRoles:
         parts = dict(zip((p.role for p in passes), self.supervisor.run(passes)))  # at the same time; failed shares redone
         score = [x for part in parts["reward"] for x in part] if "reward" in parts else rollout.score
         gold = [x for part in parts["gold"] for x in part] if "gold" in parts else None
-        teacher = [x for part in parts["teacher"] for x in part] if "teacher" in parts else None
+        teacher = TeacherScores.concat(parts["teacher"]) if "teacher" in parts else None
         rollout = rollout.scored(score, [x for part in parts.get("reference", []) for x in part], gold, teacher)
         seconds = {p.role: p.seconds for p in passes}  # a pass that did not run took none
         return rollout, ScoringSeconds(reference=seconds.get("reference", 0.0), reward=seconds.get("reward", 0.0),

@@ -107,7 +107,7 @@ class LocalSource:
             rollout = rollout.scored(score, ref_logprobs, gold)
         if self.teacher is not None:
             with self.clock.stage(Stage.TEACHER):
-                rollout = rollout.scored(rollout.score, teacher_logprobs=self.teacher.teacher_logprobs(rollout))
+                rollout = rollout.scored(rollout.score, teacher=self.teacher.teacher_logprobs(rollout))
         return SourcedBatch(rollout, dynamic)
 
     def _sample(self, it: int) -> tuple[Rollout, dict[str, float]]:
