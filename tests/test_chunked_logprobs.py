@@ -258,18 +258,21 @@ def test_gradients_at_several_ids_per_token_are_exact(bias, with_entropy):
 @pytest.mark.parametrize("bias", [False, True], ids=["fused", "module"])
 def test_top_logprobs_are_the_full_softmax_top_k(bias):
     """``top_logprobs``: the k largest entries of log_softmax(z / T) and their ids, most likely first,
-    in any chunk size (fp64: the same operations on the same numbers up to the logsumexp's order)."""
+    and the targets' entries, in any chunk size (fp64: the same operations on the same numbers up to
+    the logsumexp's order)."""
     torch.manual_seed(3)
     head = torch.nn.Linear(6, 17, bias=bias).double()
     hidden = torch.randn(9, 6, dtype=torch.float64)
     full = torch.log_softmax(head(hidden) / 0.8, -1)
     want, want_ids = full.topk(5, dim=-1)
+    targets = torch.randint(0, 17, (9,))
     for chunk in (1, 4, 9):
-        top, ids = vocab_head.top_logprobs(hidden, head, 5, 0.8, chunk=chunk)
+        chosen, top, ids = vocab_head.top_logprobs(hidden, head, 5, targets, 0.8, chunk=chunk)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(top, want, rtol=0, atol=1e-12)
-    top, ids = vocab_head.top_logprobs(hidden[:0], head, 5)
-    assert top.shape == ids.shape == (0, 5)
+        torch.testing.assert_close(chosen, full.gather(1, targets[:, None]).squeeze(1), rtol=0, atol=1e-12)
+    chosen, top, ids = vocab_head.top_logprobs(hidden[:0], head, 5, targets[:0])
+    assert chosen.shape == (0,) and top.shape == ids.shape == (0, 5)
 
 
 def test_policy_and_teacher_passes_at_top_ids_equal_the_full_logits(embedded_dir, tokenizer, small_chunks):

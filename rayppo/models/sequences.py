@@ -251,8 +251,7 @@ def top_forward(model: torch.nn.Module, batch: PackedBatch, k: int, temperature:
         keep = valid.unsqueeze(-1)
         return sampled * batch.mask, top * keep, ids * keep
     hidden, _ = _response_hidden(model, lm, batch)
-    top, ids = top_logprobs(hidden, head, k, temperature)
-    sampled, _ = token_logprobs(hidden, head, batch.response_ids[valid], HeadPass(temperature))
+    sampled, top, ids = top_logprobs(hidden, head, k, batch.response_ids[valid], temperature)
     logprobs = torch.zeros(batch.mask.shape, dtype=sampled.dtype, device=batch.mask.device)
     top_full = top.new_zeros((*batch.mask.shape, k))
     ids_full = ids.new_zeros((*batch.mask.shape, k))

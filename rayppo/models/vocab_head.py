@@ -251,16 +251,17 @@ def _module_head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: 
 
 
 @torch.no_grad()
-def top_logprobs(hidden: torch.Tensor, head: torch.nn.Module, k: int, temperature: float = 1.0,
-                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log pi [N, k], ids [N, k])``: the k most likely next tokens at each of the hidden states
-    ``[N, H]`` and their log-probs under ``log_softmax(head(hidden).float() / T)``, most likely
-    first (a distillation teacher's top-k, ``docs/distillation.md``). No gradient; chunked as
-    ``token_logprobs`` is, so no ``[N, V]`` tensor exists."""
+def top_logprobs(hidden: torch.Tensor, head: torch.nn.Module, k: int, targets: torch.Tensor, temperature: float = 1.0,
+                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log pi(targets) [N], log pi [N, k], ids [N, k])``: at each of the hidden states ``[N, H]``
+    the log-prob of its target (the sampled token), and its k most likely next tokens and their
+    log-probs, most likely first, under ``log_softmax(head(hidden).float() / T)`` (a distillation
+    teacher's pass, ``docs/distillation.md``), from one projection per chunk. No gradient; chunked
+    as ``token_logprobs`` is, so no ``[N, V]`` tensor exists."""
     chunk = chunk or chunk_tokens(_vocab_size(head))
     weight = plain_weight(head)
     weight = None if weight is None else weight.to(_stats_dtype(weight.dtype))  # once per call, as the fused pass
-    values, ids = [], []
+    chosen, values, ids = [], [], []
     for s in range(0, hidden.shape[0], chunk):
         h = hidden[s:s + chunk]
         if weight is not None:
@@ -268,10 +269,12 @@ def top_logprobs(hidden: torch.Tensor, head: torch.nn.Module, k: int, temperatur
         else:
             z = head(h)
             z = z.to(_stats_dtype(z.dtype)) / temperature
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
         top, index = z.topk(k, dim=-1)
-        values.append(top - torch.logsumexp(z, dim=-1, keepdim=True))
+        chosen.append((z.gather(1, targets[s:s + chunk].long().unsqueeze(1)) - lse).squeeze(1))
+        values.append(top - lse)
         ids.append(index)
     if not values:
-        return (hidden.new_zeros((0, k), dtype=_stats_dtype(hidden.dtype)),
-                torch.zeros((0, k), dtype=torch.long, device=hidden.device))
-    return torch.cat(values), torch.cat(ids)
+        empty = hidden.new_zeros((0, k), dtype=_stats_dtype(hidden.dtype))
+        return empty[:, 0], empty, torch.zeros((0, k), dtype=torch.long, device=hidden.device)
+    return torch.cat(chosen), torch.cat(values), torch.cat(ids)
