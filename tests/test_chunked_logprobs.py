@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import rayppo.models.sequences as sequences
 import rayppo.models.vocab_head as vocab_head
 from rayppo.models.loading import load_causal_lm
 from rayppo.models.sequences import _full_logits_forward, pack, policy_forward, policy_forward_at, top_forward
@@ -275,11 +276,12 @@ def test_top_logprobs_are_the_full_softmax_top_k(bias):
     assert chosen.shape == (0,) and top.shape == ids.shape == (0, 5)
 
 
-def test_policy_and_teacher_passes_at_top_ids_equal_the_full_logits(embedded_dir, tokenizer, small_chunks):
+def test_policy_and_teacher_passes_at_top_ids_equal_the_full_logits(embedded_dir, tokenizer, small_chunks,
+                                                                     monkeypatch):
     """The teacher's pass (``top_forward``: the sampled tokens' log-probs and the top k) and the learner's
     (``policy_forward_at``: log pi at given ids, from the same head pass as the sampled tokens') on a
     ragged batch in chunks of 3 tokens, against the full ``[B, T, V]`` log-softmax: within the fp32
-    bound of ``_bounds``; padding 0."""
+    bound of ``_bounds``; padding 0. The full-logits path of both passes gives the same."""
     model = load_causal_lm(embedded_dir).eval()
     small_chunks(model.config.vocab_size)
     batch = _ragged(tokenizer, model.config.vocab_size)
@@ -299,3 +301,11 @@ def test_policy_and_teacher_passes_at_top_ids_equal_the_full_logits(embedded_dir
     assert (sampled[valid] - full_sampled[valid]).abs().max().item() <= lp_bound
     assert (at.logprobs[valid] - sampled[valid]).abs().max().item() <= lp_bound
     assert not top[~valid].any() and not ids[~valid].any() and not at.at_ids[~valid].any()
+    # A model type whose logits the chunked path does not trust takes the full-logits path: the same numbers.
+    monkeypatch.setattr(sequences, "PLAIN_HEAD_MODELS", frozenset())
+    with torch.no_grad():
+        full_sampled_path, full_top, full_ids = top_forward(model, batch, 6, 0.7)
+        full_at = policy_forward_at(model, batch, ids, 0.7)
+    assert torch.equal(full_ids[valid], ids[valid])
+    for mine, theirs in ((full_top, top), (full_at.at_ids, at.at_ids), (full_sampled_path, sampled)):
+        assert (mine[valid] - theirs[valid]).abs().max().item() <= lp_bound

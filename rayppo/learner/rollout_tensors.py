@@ -72,9 +72,8 @@ class RolloutTensors:
             old_logprobs=padded(rollout.logprobs).to(device),
             ref_logprobs=padded(rollout.ref_logprobs).to(device) if rollout.ref_logprobs else None,
             teacher_logprobs=padded(rollout.teacher_logprobs).to(device) if rollout.teacher_logprobs else None,
-            teacher_top_ids=padded_top(rollout.teacher_top_ids, torch.long).to(device) if rollout.teacher_top_ids else None,
-            teacher_top_logprobs=(padded_top(rollout.teacher_top_logprobs).to(device) if rollout.teacher_top_logprobs
-                                  else None),
+            teacher_top_ids=padded(rollout.teacher_top_ids, torch.long).to(device) if rollout.teacher_top_ids else None,
+            teacher_top_logprobs=padded(rollout.teacher_top_logprobs).to(device) if rollout.teacher_top_logprobs else None,
             scores=torch.tensor(rollout.score, dtype=torch.float32, device=device),
             truncated=truncated(rollout).to(device),
             generator_ids=torch.tensor(rollout.generator_id or [0] * n, dtype=torch.long),
@@ -90,23 +89,12 @@ class RolloutTensors:
         return int(self.scores.shape[0])
 
 
-def padded(rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.float32, value: float = 0.0) -> torch.Tensor:
+def padded(rows: Sequence[Sequence], dtype: torch.dtype = torch.float32, value: float = 0.0) -> torch.Tensor:
     """Ragged per-token rows (a ``Rollout`` column such as ``logprobs``) right-padded with ``value``
-    into a ``[B, max_len]`` tensor."""
+    into a ``[B, max_len]`` tensor; rows of k numbers per token (``teacher_top_*``) into ``[B, max_len, k]``."""
     width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
-
-
-def padded_top(rows: Sequence[Sequence[Sequence[float]]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Ragged rows of k numbers per token (``Rollout.teacher_top_*``) right-padded with 0 into
-    ``[B, max_len, k]``."""
-    width = max((len(r) for r in rows), default=0)
-    k = max((len(r[0]) for r in rows if r), default=0)
-    out = torch.zeros((len(rows), width, k), dtype=dtype)
+    per_token = next((torch.tensor(r[0]).shape for r in rows if r), ())  # () for a number, (k,) for k numbers
+    out = torch.full((len(rows), width, *per_token), value, dtype=dtype)
     for i, row in enumerate(rows):
         if row:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)

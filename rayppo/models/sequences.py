@@ -243,9 +243,7 @@ def top_forward(model: torch.nn.Module, batch: PackedBatch, k: int, temperature:
     head = lm.get_output_embeddings()
     valid = batch.mask.bool()
     if head is None or not _plain_logits(lm):
-        out = model(**batch.model_inputs(), use_cache=False)
-        logits = batch.unpacked(out.logits)[:, _response_slice(batch)].float() / temperature
-        logsoftmax = torch.log_softmax(logits, dim=-1)
+        logsoftmax = torch.log_softmax(_response_logits(model, batch, temperature), dim=-1)
         top, ids = logsoftmax.topk(k, dim=-1)
         sampled = logsoftmax.gather(-1, batch.response_ids.long().unsqueeze(-1)).squeeze(-1)
         keep = valid.unsqueeze(-1)
@@ -304,8 +302,7 @@ def _full_logits_forward(
     entropy_grad: bool,
 ) -> ResponseLogprobs:
     """``policy_forward_at`` through the model's own ``[B, P + T, V]`` logits."""
-    out = model(**batch.model_inputs(), use_cache=False)
-    logits = batch.unpacked(out.logits)[:, _response_slice(batch)].float() / temperature
+    logits = _response_logits(model, batch, temperature)
     logprobs = logprobs_from_logits(logits, batch.response_ids) * batch.mask
     entropy = None
     if with_entropy:
@@ -316,6 +313,12 @@ def _full_logits_forward(
         at_ids = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, : logits.shape[1]].long())
         at_ids = at_ids * batch.mask.unsqueeze(-1)
     return ResponseLogprobs(logprobs, entropy, at_ids)
+
+
+def _response_logits(model: torch.nn.Module, batch: PackedBatch, temperature: float) -> torch.Tensor:
+    """``[B, T, V]`` fp32 logits / T at the response positions, from the model's own projection."""
+    out = model(**batch.model_inputs(), use_cache=False)
+    return batch.unpacked(out.logits)[:, _response_slice(batch)].float() / temperature
 
 
 def critic_forward(critic: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
