@@ -148,14 +148,18 @@ def test_vllm_memory_share_follows_the_gpu_share(overrides, expected):
 
 @pytest.mark.parametrize("overrides, cores, expected", [
     # stages take turns on a 4-core machine: each stage's actors share every core
-    ([], 4, {"generators": 4, "reference": 2, "reward": 2, "learner": 2}),
-    (["ppo.kl_coef=0"], 4, {"generators": 4, "reference": 4, "reward": 4, "learner": 2}),  # no reference runs
+    # the scorers that run a model share the cores; a verifier function beside them takes none
+    ([], 4, {"generators": 4, "reference": 4, "reward": 4, "learner": 2}),
+    (["reward.model=tiny-reward", "reward.function=null"], 4, {"reference": 2, "reward": 2}),
+    (["reward.model=tiny-reward", "reward.function=null", "ppo.kl_coef=0"], 4, {"reward": 4}),  # no reference runs
+    (["distill.teacher=runs/x"], 4, {"reference": 2, "teacher": 2}),
+    (["distill.teacher=runs/x", "ppo.kl_coef=0"], 2, {"teacher": 2, "reward": 2}),  # the teacher beside a verifier
     (["generators.num=3", "learner.num_ranks=1"], 4, {"generators": 1, "learner": 4}),
     (["reward.threads=3"], 4, {"reward": 3}),  # the user's number wins
     # overlapping stages, a joined cluster (cores unknown), a GPU: the actor's CPU share
     (["rollout.max_staleness=1", "learner.cpus_per_rank=2"], 4, {"generators": 1, "reward": 1, "learner": 2}),
     ([], None, {"generators": 1, "reward": 1, "learner": 1}),
-    (["reward.gpus=1", "reward.cpus=2"], 4, {"reward": 2, "reference": 2}),
+    (["reward.gpus=1", "reward.cpus=2"], 4, {"reward": 2, "reference": 4}),
 ])
 def test_role_threads_give_a_stage_alone_every_core(overrides, cores, expected):
     cfg = load_config(None, overrides)

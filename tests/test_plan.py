@@ -277,12 +277,13 @@ def test_json_output_parses(capsys):
 
 def test_the_plan_gives_each_stage_every_core_of_this_machine_and_says_why(monkeypatch, capsys):
     """Stages take turns on the machine rayppo would start: each stage's actors share its cores
-    (reference and reward score at once); on a cluster, or with overlapping stages, the CPU share."""
+    (the reference beside a verifier function has them all); on a cluster, or with overlapping
+    stages, the CPU share."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     assert main(["plan", "--json"]) == 0
     roles = json.loads(capsys.readouterr().out)["roles"]
-    assert {role: r["threads"] for role, r in roles.items()} == {"generators": 4, "reference": 2, "reward": 2,
+    assert {role: r["threads"] for role, r in roles.items()} == {"generators": 4, "reference": 4, "reward": 4,
                                                                  "learner": 2}
     assert main(["plan"]) == 0
     assert "threads: the stages take turns on this machine's 4 cores" in capsys.readouterr().out

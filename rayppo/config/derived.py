@@ -75,10 +75,10 @@ def role_threads(cfg: Config, role: str, machine_cores: int | None) -> int:
     ``<role>.threads`` when set. Otherwise, where the stages take turns on one machine's CPUs (the
     synchronous iteration, ``rollout.max_staleness`` 0; a local instance on ``machine_cores`` cores,
     None when joining a cluster; no GPUs for the role), the machine's cores shared among the actors
-    that run at the same moment: the role's own, and for the scorers reference and reward together
-    (``DistributedRoles.score`` runs their passes, and the teacher's, at once). A stage alone then uses every core: the
-    SmolLM2 reward pass took 7.2 s on its 1-thread share and 4.6 s on 2 threads (``docs/benchmarks.md``,
-    "Kernels"). Else (overlapping stages, GPUs, a cluster) the actor's CPU share rounded down."""
+    that run at the same moment: the role's own, and for the scorers the models that score at once
+    (``scoring_models``). A stage alone then uses every core: the SmolLM2 reward pass took 7.2 s on
+    its 1-thread share and 4.6 s on 2 threads (``docs/benchmarks.md``, "Kernels"). Else (overlapping
+    stages, GPUs, a cluster) the actor's CPU share rounded down."""
     threads, cpus, gpus = {
         "generators": (cfg.generators.threads, cfg.generators.cpus_per_worker, cfg.generators.gpus_per_worker),
         "reference": (cfg.reference.threads, cfg.reference.cpus, cfg.reference.gpus),
@@ -88,7 +88,7 @@ def role_threads(cfg: Config, role: str, machine_cores: int | None) -> int:
     if threads or not machine_cores or gpus or cfg.rollout.max_staleness > 0:
         return actor_threads(threads, cpus)
     at_once = {"generators": cfg.generators.num, "learner": cfg.learner.num_ranks,
-               "reference": reference_actors(cfg) + reward_actors(cfg) + teacher_actors(cfg)}
+               "reference": scoring_models(cfg)}
     return max(1, machine_cores // max(1, at_once.get(role, at_once["reference"])))
 
 
@@ -238,6 +238,15 @@ def has_reward(cfg: Config) -> bool:
 def reward_actors(cfg: Config) -> int:
     """Reward actors the run starts: ``reward.num``, or none when nothing scores the responses."""
     return cfg.reward.num if has_reward(cfg) else 0
+
+
+def scoring_models(cfg: Config) -> int:
+    """Scorer actors that run a model at once in ``DistributedRoles.score``: the reference, teacher
+    and reward actors, the reward only when it is a model (``reward.model``). A verifier function or an
+    endpoint spends next to no CPU here, so counting it would halve a teacher's threads for nothing:
+    the SmolLM2 teacher's top-64 pass took 4.1 s on the 1 thread it got beside a verifier."""
+    models = reward_actors(cfg) if cfg.reward.model is not None else 0
+    return reference_actors(cfg) + teacher_actors(cfg) + models
 
 
 def reference_actors(cfg: Config) -> int:
