@@ -88,7 +88,9 @@ def plot(runs: dict[str, dict[int, list[tuple[int, float, float]]]], teacher_rat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"distill": "tab:blue", "distill+verifier": "tab:green", "grpo": "tab:orange"}
+    colours = {"distill": "tab:blue", "distill+verifier": "tab:green", "grpo": "tab:orange",
+               # curves of an earlier recipe kept in a result file beside the current one's
+               "distill, first recipe": "tab:cyan", "distill+verifier, first recipe": "tab:olive"}
     fig, ax = plt.subplots(figsize=(7, 4))
     for method, seeds in runs.items():
         for i, points in enumerate(seeds.values()):

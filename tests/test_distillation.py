@@ -230,6 +230,23 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_actor_starts(cop
     assert not (tmp_path / "run" / "logs").exists()
 
 
+def test_a_topk_the_teachers_vocabulary_cannot_fill_is_refused_before_any_actor_starts(embedded_dir, tmp_path):
+    """k of the teacher's tokens per position and the rest as one outcome need k < V: a larger k is
+    refused by field in the trainer's constructor, with the vocabulary's size, before Ray starts."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rayppo.trainers.distributed import DistributedTrainer
+
+    vocabulary = len(AutoTokenizer.from_pretrained(embedded_dir))
+    ray.shutdown()
+    overrides = ["distill.teacher=embedded", "distill.mode=loss", f"output.dir={tmp_path / 'run'}"]
+    with pytest.raises(ModelFolderError, match=rf"^distill.topk: {vocabulary} is not below the teacher's "
+                                               rf"vocabulary of {vocabulary} tokens .*take at most {vocabulary - 1}"):
+        DistributedTrainer(load_config(None, [*overrides, f"distill.topk={vocabulary}"]))
+    assert not ray.is_initialized() and not (tmp_path / "run" / "logs").exists()
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["distill.mode=loss", "distill.estimator=k1"], r"^distill.estimator: k1 as a loss term has the gradient"),
     (["distill.gamma=1.5"], r"^distill.gamma: must be in \[0, 1\]"),

@@ -65,8 +65,13 @@ def check_teacher_tokenizer(teacher: Path, policy: Path) -> None:
                                "other words, so distil from a teacher of the same tokenizer")
 
 
-def checked_teacher(name: str, policy: str | Path, cache_dir: str | None = None) -> Path:
-    """``distill.teacher``'s folder (``teacher_folder``), refused unless its tokenizer is ``policy``'s."""
+def checked_teacher(name: str, policy: str | Path, cache_dir: str | None = None, topk: int = 0) -> Path:
+    """``distill.teacher``'s folder (``teacher_folder``), refused unless its tokenizer is ``policy``'s
+    and its vocabulary holds the ``topk`` tokens it is to send per position."""
     folder = teacher_folder(name, cache_dir)
     check_teacher_tokenizer(folder, Path(policy))
+    vocabulary = len(load_tokenizer(folder))
+    if topk >= vocabulary:
+        raise ModelFolderError(f"distill.topk: {topk} is not below the teacher's vocabulary of {vocabulary} tokens "
+                               f"({folder}); take at most {vocabulary - 1}, so that the rest remains one outcome")
     return folder

@@ -78,7 +78,7 @@ class DistributedTrainer(LoopTrainer):
         # Builds the embedded model once.
         self.policy_path = str(resolve_model_path(cfg.model.policy, cfg.model.cache_dir))
         if cfg.distill.teacher:  # its tokenizer is checked here, before Ray starts (each node resolves it again)
-            checked_teacher(cfg.distill.teacher, self.policy_path, cfg.model.cache_dir)
+            checked_teacher(cfg.distill.teacher, self.policy_path, cfg.model.cache_dir, cfg.distill.topk)
         positions = max_positions(self.policy_path)
         limit = cfg.generators.max_model_len or positions
         prompt_set, eval_prompts = load_prompts(cfg, load_tokenizer(self.policy_path),

@@ -162,7 +162,8 @@ class InProcessTrainer(LoopTrainer):
         torch.manual_seed(cfg.seed)
         m = cfg.model
         policy_path = str(resolve_model_path(m.policy, m.cache_dir))
-        teacher_path = checked_teacher(cfg.distill.teacher, policy_path, m.cache_dir) if cfg.distill.teacher else None
+        teacher_path = (checked_teacher(cfg.distill.teacher, policy_path, m.cache_dir, cfg.distill.topk)
+                        if cfg.distill.teacher else None)
         # One process, one device: every engine on the learner's GPU when learner.gpus_per_rank > 0.
         gpus = cfg.learner.gpus_per_rank
         self.generator = GeneratorEngine(policy_path, sampling_settings(cfg), backend="hf", dtype=m.dtype,
