@@ -70,8 +70,8 @@ def checked_teacher(name: str, policy: str | Path, cache_dir: str | None = None,
     and its vocabulary holds the ``topk`` tokens it is to send per position."""
     folder = teacher_folder(name, cache_dir)
     check_teacher_tokenizer(folder, Path(policy))
-    vocabulary = len(load_tokenizer(folder))
-    if topk >= vocabulary:
+    vocabulary = len(load_tokenizer(folder)) if topk else None  # only a top-k needs it
+    if vocabulary is not None and topk >= vocabulary:
         raise ModelFolderError(f"distill.topk: {topk} is not below the teacher's vocabulary of {vocabulary} tokens "
                                f"({folder}); take at most {vocabulary - 1}, so that the rest remains one outcome")
     return folder
